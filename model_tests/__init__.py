@@ -1,0 +1,1 @@
+"""enginewire.model_tests."""

@@ -1,0 +1,61 @@
+"""enginewire.spec: the lifecycles as data, and the checks that read them. No I/O here."""
+
+from __future__ import annotations
+
+from .client import CLIENT, ClientEvent, ClientState
+from .engine import ENGINE, EngineEvent, EngineState
+from .errors import (
+    ClientClosedError,
+    EngineDeadError,
+    EngineStartupError,
+    EngineWireError,
+    ProtocolError,
+    SpecViolation,
+    UtilityError,
+    UtilityTimeoutError,
+)
+from .machine import Lifecycle, Machine, TraceEntry, Transition, validate_trace
+from .request import (
+    CLIENT_REQUEST,
+    ENGINE_REQUEST,
+    ClientRequestEvent,
+    ClientRequestState,
+    EngineRequestEvent,
+    EngineRequestState,
+)
+from .utility import UTILITY, UtilityEvent, UtilityState
+
+# Every machine, in a fixed order (generators iterate this, never a set).
+MACHINES: tuple[Machine, ...] = (CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY)  # type: ignore[type-arg]
+
+__all__ = [
+    "CLIENT",
+    "CLIENT_REQUEST",
+    "ENGINE",
+    "ENGINE_REQUEST",
+    "MACHINES",
+    "UTILITY",
+    "ClientClosedError",
+    "ClientEvent",
+    "ClientRequestEvent",
+    "ClientRequestState",
+    "ClientState",
+    "EngineDeadError",
+    "EngineEvent",
+    "EngineRequestEvent",
+    "EngineRequestState",
+    "EngineStartupError",
+    "EngineState",
+    "EngineWireError",
+    "Lifecycle",
+    "Machine",
+    "ProtocolError",
+    "SpecViolation",
+    "TraceEntry",
+    "Transition",
+    "UtilityError",
+    "UtilityEvent",
+    "UtilityState",
+    "UtilityTimeoutError",
+    "validate_trace",
+]

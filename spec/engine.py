@@ -1,0 +1,119 @@
+"""Engine lifecycle: the EngineCore's busy loop as a state machine.
+
+Theory of operation
+-------------------
+Rule 1: every engine state and transition lives in this table; the engine core and its
+process wrapper fire events, they never assign a state.
+Rule 2: this machine is the same in-process and in a subprocess; the process wrapper adds
+the handshake and the sentinel, which are events here.
+
+The engine is CONSTRUCTING while it loads weights and sizes its KV cache. In a subprocess it
+then sends the ready handshake (READY); in-process the handshake is implicit. The loop is IDLE
+when nothing is scheduled (it blocks on its input queue, never spins) and RUNNING while
+requests are in flight. A pause stops scheduling: mode ``abort`` ends in-flight requests with
+ABORT outputs and pauses at once, ``keep`` parks them and pauses at once, ``wait`` lets them
+finish first (DRAINING) and only then pauses, so the pause reply means "idle". Sleep is a pause
+followed by releasing memory: level 0 releases nothing (the engine stays PAUSED), level 1
+offloads weights and frees the KV cache, level 2 frees both (SLEEPING). ``wake_up`` restores
+tags; scheduling resumes only once every tag is resident, into IDLE or RUNNING depending on
+whether parked requests remain. Any fatal error sends the engine-dead sentinel (DEAD).
+SHUTDOWN is reached by a shutdown request or process exit; DEAD and SHUTDOWN are sticky.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .machine import Machine, Transition
+
+__all__ = ["ENGINE", "EngineEvent", "EngineState"]
+
+
+class EngineState(Enum):
+    CONSTRUCTING = "constructing"
+    READY = "ready"
+    IDLE = "idle"
+    RUNNING = "running"
+    DRAINING = "draining"
+    PAUSED = "paused"
+    SLEEPING = "sleeping"
+    DEAD = "dead"
+    SHUTDOWN = "shutdown"
+
+
+class EngineEvent(Enum):
+    BUILT = "built"
+    HANDSHAKE_SENT = "handshake_sent"
+    LOOP_STARTED = "loop_started"
+    WORK_ARRIVED = "work_arrived"
+    ALL_FINISHED = "all_finished"
+    PAUSE_ABORT = "pause_abort"
+    PAUSE_KEEP = "pause_keep"
+    PAUSE_WAIT = "pause_wait"
+    DRAINED = "drained"
+    RESUME = "resume"
+    RELEASE_MEMORY = "release_memory"
+    WAKE_UP = "wake_up"
+    FATAL_ERROR = "fatal_error"
+    SHUTDOWN = "shutdown"
+
+
+S, E = EngineState, EngineEvent
+_LIVE = (S.READY, S.IDLE, S.RUNNING, S.DRAINING, S.PAUSED, S.SLEEPING)
+# Guards on resuming: where the loop lands depends on whether parked requests remain.
+HAS_WORK, NO_WORK = "has_work", "no_work"
+
+ENGINE: Machine[EngineState, EngineEvent] = Machine(
+    name="engine",
+    states=EngineState,
+    events=EngineEvent,
+    initial=S.CONSTRUCTING,
+    terminal=frozenset({S.DEAD, S.SHUTDOWN}),
+    doc=__doc__ or "",
+    transitions=(
+        # In-process engines skip the handshake: BUILT goes straight to IDLE.
+        Transition(S.CONSTRUCTING, E.BUILT, S.IDLE, guard="inproc"),
+        Transition(S.CONSTRUCTING, E.BUILT, S.CONSTRUCTING, guard="subprocess"),
+        Transition(S.CONSTRUCTING, E.HANDSHAKE_SENT, S.READY),
+        Transition(S.READY, E.LOOP_STARTED, S.IDLE),
+        Transition(S.IDLE, E.WORK_ARRIVED, S.RUNNING),
+        Transition(S.RUNNING, E.ALL_FINISHED, S.IDLE),
+        # Pausing from the active states.
+        Transition(S.IDLE, E.PAUSE_ABORT, S.PAUSED),
+        Transition(S.RUNNING, E.PAUSE_ABORT, S.PAUSED, note="in-flight requests end with ABORT"),
+        Transition(S.IDLE, E.PAUSE_KEEP, S.PAUSED),
+        Transition(S.RUNNING, E.PAUSE_KEEP, S.PAUSED, note="in-flight requests are parked"),
+        Transition(S.IDLE, E.PAUSE_WAIT, S.PAUSED),
+        Transition(S.RUNNING, E.PAUSE_WAIT, S.DRAINING, note="reply deferred until idle"),
+        Transition(S.DRAINING, E.DRAINED, S.PAUSED),
+        Transition(S.DRAINING, E.PAUSE_ABORT, S.PAUSED, note="stop waiting: abort the rest"),
+        Transition(S.DRAINING, E.PAUSE_KEEP, S.PAUSED, note="stop waiting: park the rest"),
+        Transition(S.DRAINING, E.PAUSE_WAIT, S.DRAINING),
+        # Work may still arrive while paused or draining; it is queued, not scheduled.
+        Transition(S.PAUSED, E.WORK_ARRIVED, S.PAUSED),
+        Transition(S.SLEEPING, E.WORK_ARRIVED, S.SLEEPING),
+        Transition(S.DRAINING, E.WORK_ARRIVED, S.DRAINING),
+        # Pausing again while paused or asleep is a no-op (a repeated sleep/pause request).
+        *(Transition(s, e, s) for s in (S.PAUSED, S.SLEEPING)
+          for e in (E.PAUSE_ABORT, E.PAUSE_KEEP, E.PAUSE_WAIT)),
+        Transition(S.PAUSED, E.RESUME, S.RUNNING, guard=HAS_WORK),
+        Transition(S.PAUSED, E.RESUME, S.IDLE, guard=NO_WORK),
+        Transition(S.IDLE, E.RESUME, S.IDLE, note="resume while not paused is a no-op"),
+        Transition(S.RUNNING, E.RESUME, S.RUNNING, note="resume while not paused is a no-op"),
+        # Memory: only a paused engine releases memory (sleep always pauses first).
+        Transition(S.PAUSED, E.RELEASE_MEMORY, S.SLEEPING),
+        Transition(S.SLEEPING, E.RELEASE_MEMORY, S.SLEEPING, note="deeper level"),
+        Transition(S.SLEEPING, E.WAKE_UP, S.SLEEPING, guard="partial"),
+        Transition(S.SLEEPING, E.WAKE_UP, S.RUNNING, guard=HAS_WORK),
+        Transition(S.SLEEPING, E.WAKE_UP, S.IDLE, guard=NO_WORK),
+        # wake_up of a level-0 sleep (paused, nothing released) resumes scheduling.
+        Transition(S.PAUSED, E.WAKE_UP, S.RUNNING, guard=HAS_WORK),
+        Transition(S.PAUSED, E.WAKE_UP, S.IDLE, guard=NO_WORK),
+        Transition(S.IDLE, E.WAKE_UP, S.IDLE, note="not asleep: no-op"),
+        Transition(S.RUNNING, E.WAKE_UP, S.RUNNING, note="not asleep: no-op"),
+        *(Transition(s, E.FATAL_ERROR, S.DEAD) for s in (S.CONSTRUCTING, *_LIVE)),
+        Transition(S.DEAD, E.FATAL_ERROR, S.DEAD),
+        *(Transition(s, E.SHUTDOWN, S.SHUTDOWN) for s in (S.CONSTRUCTING, *_LIVE, S.DEAD)),
+        Transition(S.SHUTDOWN, E.SHUTDOWN, S.SHUTDOWN),
+    ),
+)
