@@ -3,6 +3,25 @@
 from __future__ import annotations
 
 from ..spec.errors import ProtocolError
+from .codec import (
+    DEFAULT_LIMITS,
+    BufferPool,
+    Decoder,
+    Encoder,
+    Limits,
+    StructResult,
+    check_ready,
+    decode_input,
+    decode_outputs,
+    decode_ready,
+    decode_utility_result,
+    encode_input,
+    is_dead_sentinel,
+    peek_request_id,
+    register_result_type,
+    send_frames,
+    utility_output,
+)
 from .messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
@@ -19,17 +38,34 @@ from .messages import (
 )
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "ENGINE_DEAD_SENTINEL",
     "PROTOCOL_VERSION",
+    "BufferPool",
+    "Decoder",
+    "Encoder",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
     "FinishReason",
+    "Limits",
     "ProtocolError",
     "ReadyResponse",
     "RequestType",
     "SamplingParams",
     "SchedulerStats",
+    "StructResult",
     "UtilityOutput",
     "UtilityRequest",
+    "check_ready",
+    "decode_input",
+    "decode_outputs",
+    "decode_ready",
+    "decode_utility_result",
+    "encode_input",
+    "is_dead_sentinel",
+    "peek_request_id",
+    "register_result_type",
+    "send_frames",
+    "utility_output",
 ]

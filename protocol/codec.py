@@ -1,0 +1,777 @@
+"""The wire codec: msgpack payload frame plus zero-copy aux frames, decoded strictly.
+
+Theory of operation
+-------------------
+A message becomes ``[payload, aux_0, aux_1, ...]``. The payload is msgspec msgpack of a
+Struct from ``messages``. Three msgpack *ext* types carry what plain msgpack cannot:
+
+- ``EXT_TORCH`` (1) and ``EXT_NUMPY`` (2): ``[dtype, shape, data]`` where ``data`` is either
+  the raw bytes (arrays smaller than ``size_threshold``) or an int index into the aux frames
+  (the array's memory itself, never copied on either side when it is contiguous on the CPU).
+- ``EXT_STRUCT`` (3): ``[name, value]`` for a utility result whose Struct class was registered
+  with ``register_result_type``; the client rebuilds it with ``decode_utility_result``.
+
+Ext types are self-describing, so tensors also work inside ``Any`` fields (utility args and
+results, ``EngineCoreRequest.tensors``). There is no pickle: anything else is refused when
+encoding (``TypeError``), and ``utility_output`` turns that into a failure reply instead.
+
+Rule 1: the decoders raise ``ProtocolError`` and nothing else, whatever the bytes.
+Rule 2: bounds (``Limits``) are checked before decoding allocates: frame count and frame
+size first (the payload size bounds every list inside it), then counts after decoding.
+Rule 3: a payload buffer from ``encode_into`` is reused only after ZMQ released it: send the
+payload as its own tracked frame (``send_frames``) and hand the tracker to ``BufferPool``.
+pyzmq's ``send_multipart`` tracks only its *last* frame; vLLM reused buffers on that basis
+and corrupted outputs under load.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+
+import msgspec
+import numpy as np
+
+from ..spec.errors import ProtocolError
+from .messages import (
+    ENGINE_DEAD_SENTINEL,
+    PROTOCOL_VERSION,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ReadyResponse,
+    RequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+if TYPE_CHECKING:
+    import torch
+    import zmq
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "EXT_NUMPY",
+    "EXT_STRUCT",
+    "EXT_TORCH",
+    "BufferPool",
+    "Decoder",
+    "Encoder",
+    "Limits",
+    "StructResult",
+    "check_ready",
+    "decode_input",
+    "decode_outputs",
+    "decode_ready",
+    "decode_utility_result",
+    "encode_input",
+    "is_dead_sentinel",
+    "peek_request_id",
+    "register_result_type",
+    "send_frames",
+    "utility_output",
+]
+
+T = TypeVar("T")
+
+EXT_TORCH = 1
+EXT_NUMPY = 2
+EXT_STRUCT = 3
+
+# A frame as it arrives: bytes from tests, memoryviews, or zmq.Frame from recv(copy=False).
+Frame = Any
+
+_MAX_NDIM = 64  # torch's own limit on tensor rank
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """Bounds a decoder enforces; the payload size bounds every allocation decoding makes."""
+
+    max_frame_bytes: int = 256 * 1024 * 1024
+    max_frames: int = 64
+    max_prompt_tokens: int = 1 << 20
+    max_batch: int = 1 << 16
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class _ArrayHeader(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    dtype: str
+    shape: list[int]
+    data: bytes | int  # inline bytes, or the index of an aux frame
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_ArrayHeader)
+
+# torch dtypes that may cross the wire, by name without the "torch." prefix.
+_TORCH_DTYPE_NAMES = (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)  # fmt: skip
+_torch_dtypes: dict[str, Any] | None = None
+
+
+def _torch_dtype_map() -> dict[str, Any]:
+    global _torch_dtypes
+    if _torch_dtypes is None:
+        import torch
+
+        found = {n: getattr(torch, n, None) for n in _TORCH_DTYPE_NAMES}
+        _torch_dtypes = {n: d for n, d in found.items() if isinstance(d, torch.dtype)}
+    return _torch_dtypes
+
+
+def _is_tensor(obj: object) -> bool:
+    # torch is imported lazily: if nobody imported it, obj cannot be a tensor.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _torch_dtype_ok(t: torch.Tensor) -> str:
+    import torch
+
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _torch_dtype_map():
+        raise TypeError(f"cannot encode a torch tensor of dtype {t.dtype}")
+    if t.layout != torch.strided:
+        raise TypeError(f"cannot encode a torch tensor with layout {t.layout}")
+    return name
+
+
+def _tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], memoryview]:
+    """The tensor's own memory as a flat byte view (copies only if it must)."""
+    import torch
+
+    name = _torch_dtype_ok(t)
+    shape = list(t.shape)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()  # device tensors need a D2H copy; there is no way around it here
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # numpy() on a uint8 view shares memory, and the array keeps the tensor alive.
+    flat = t.reshape(-1).view(torch.uint8).numpy()
+    return name, shape, memoryview(flat)  # type: ignore[arg-type]
+
+
+def _numpy_dtype_ok(dt: np.dtype[Any]) -> np.dtype[Any]:
+    if dt.hasobject or dt.kind == "V" or dt.itemsize == 0:
+        raise TypeError(f"cannot encode a numpy array of dtype {dt} (no pickle on the wire)")
+    return dt
+
+
+def _numpy_bytes(arr: np.ndarray[Any, Any]) -> tuple[str, list[int], memoryview]:
+    dt = _numpy_dtype_ok(arr.dtype)
+    shape = list(arr.shape)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return dt.str, shape, memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+class _TypedStruct:
+    """Marks a registered Struct so the encoder tags it with its registered name."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: msgspec.Struct) -> None:
+        self.name = name
+        self.value = value
+
+
+class StructResult(msgspec.Struct, frozen=True):
+    """A tagged Struct as decoded, before ``decode_utility_result`` rebuilds it."""
+
+    name: str
+    raw: Any
+
+
+_result_types: dict[str, type[msgspec.Struct]] = {}
+_result_names: dict[type[msgspec.Struct], str] = {}
+
+
+def register_result_type(cls: type[msgspec.Struct], name: str | None = None) -> None:
+    """Let utility results of type ``cls`` travel typed; both peers must register it."""
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        raise TypeError(f"register_result_type expects a msgspec.Struct subclass, got {cls!r}")
+    key = name or f"{cls.__module__}.{cls.__qualname__}"
+    known = _result_types.get(key)
+    if known is not None and known is not cls:
+        raise ValueError(f"result type name {key!r} is already registered to {known!r}")
+    _result_types[key] = cls
+    _result_names[cls] = key
+
+
+class Encoder:
+    """msgpack encoder with zero-copy aux frames. One per thread: it is not thread-safe.
+
+    ``encode`` raises ``TypeError`` for a value it cannot put on the wire (it never pickles).
+    """
+
+    def __init__(self, size_threshold: int = 256) -> None:
+        self.size_threshold = size_threshold
+        self._aux: list[memoryview] | None = None
+        self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+
+    def encode(self, obj: object) -> list[bytes | memoryview]:
+        """``[payload, aux...]``; aux frames are views of the arrays' memory, not copies."""
+        self._aux = None
+        payload = self._enc.encode(obj)
+        aux = self._aux
+        if aux is None:
+            return [payload]
+        self._aux = None
+        return [payload, *aux]
+
+    def encode_into(self, obj: object, buf: bytearray) -> list[bytes | memoryview | bytearray]:
+        """Like ``encode`` but the payload is written into ``buf`` (resized to fit).
+
+        Reuse ``buf`` only after ZMQ released it (see ``BufferPool`` and ``send_frames``).
+        """
+        self._aux = None
+        self._enc.encode_into(obj, buf)
+        aux = self._aux
+        if aux is None:
+            return [buf]
+        self._aux = None
+        return [buf, *aux]
+
+    def _array_ext(self, code: int, dtype: str, shape: list[int], data: memoryview) -> Any:
+        if data.nbytes >= self.size_threshold:
+            if self._aux is None:
+                self._aux = []
+            index = len(self._aux)
+            self._aux.append(data)
+            header = _ArrayHeader(dtype, shape, index)
+        else:
+            header = _ArrayHeader(dtype, shape, data.tobytes())
+        return msgspec.msgpack.Ext(code, _header_encoder.encode(header))
+
+    def _numpy_ext(self, arr: np.ndarray[Any, Any]) -> Any:
+        return self._array_ext(EXT_NUMPY, *_numpy_bytes(arr))
+
+    def _torch_ext(self, t: torch.Tensor) -> Any:
+        return self._array_ext(EXT_TORCH, *_tensor_bytes(t))
+
+    def _enc_hook(self, obj: object) -> Any:
+        if isinstance(obj, np.ndarray):
+            return self._numpy_ext(obj)
+        if isinstance(obj, np.generic):
+            return self._numpy_ext(np.asarray(obj))
+        if _is_tensor(obj):
+            return self._torch_ext(cast("torch.Tensor", obj))
+        if isinstance(obj, _TypedStruct):
+            # Same hook: tensors inside the Struct still become aux frames of this message.
+            return msgspec.msgpack.Ext(EXT_STRUCT, self._enc.encode([obj.name, obj.value]))
+        raise TypeError(
+            f"cannot encode an object of type {type(obj).__module__}.{type(obj).__qualname__}"
+            " (supported: msgspec-encodable values, registered Structs, torch tensors,"
+            " numpy arrays; never pickle)"
+        )
+
+
+def _nbytes(frame: Frame) -> int:
+    if type(frame) is memoryview:
+        return frame.nbytes
+    return len(frame)
+
+
+def _as_bytes_view(frame: Frame) -> memoryview:
+    view = memoryview(frame)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def _type_name(type_: object) -> str:
+    # list[str] has a __name__ of "list"; its repr says what was expected.
+    return type_.__name__ if isinstance(type_, type) else repr(type_)
+
+
+def _check_request(obj: EngineCoreRequest, limits: Limits) -> None:
+    n = len(obj.prompt_token_ids)
+    if n > limits.max_prompt_tokens:
+        raise ProtocolError(
+            f"expected at most {limits.max_prompt_tokens} prompt tokens, got {n}"
+            f" (request {obj.request_id!r})"
+        )
+
+
+def _check_outputs(obj: EngineCoreOutputs, limits: Limits) -> None:
+    if len(obj.outputs) > limits.max_batch:
+        raise ProtocolError(
+            f"expected at most {limits.max_batch} outputs in a batch, got {len(obj.outputs)}"
+        )
+    if obj.finished_requests is not None and len(obj.finished_requests) > limits.max_batch:
+        raise ProtocolError(
+            f"expected at most {limits.max_batch} finished ids, got {len(obj.finished_requests)}"
+        )
+
+
+def _check_ids(obj: list[str], limits: Limits) -> None:
+    if len(obj) > limits.max_batch:
+        raise ProtocolError(f"expected at most {limits.max_batch} request ids, got {len(obj)}")
+
+
+_POST_CHECKS: dict[object, Callable[[Any, Limits], None]] = {
+    EngineCoreRequest: _check_request,
+    EngineCoreOutputs: _check_outputs,
+    list[str]: _check_ids,
+}
+
+
+class Decoder(Generic[T]):
+    """Typed, strict decoder of ``[payload, aux...]``. One per thread: not thread-safe.
+
+    ``decode`` returns a ``type_`` or raises ``ProtocolError``, never anything else.
+    Aux-frame arrays share the frame's memory (zero-copy; they keep the frame alive);
+    inline ones are copies that own their memory.
+    """
+
+    def __init__(self, type_: type[T], limits: Limits = DEFAULT_LIMITS) -> None:
+        self.type = type_
+        self.limits = limits
+        self._max_frame_bytes = limits.max_frame_bytes
+        self._name = _type_name(type_)
+        self._aux: Sequence[Frame] = ()
+        self._dec: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(
+            type_, ext_hook=self._ext_hook
+        )
+        self._check = _POST_CHECKS.get(type_)
+        self._any_dec: msgspec.msgpack.Decoder[Any] | None = None
+
+    def decode(self, frames: Sequence[Frame] | bytes | bytearray | memoryview) -> T:
+        seq: Sequence[Frame] = (
+            frames
+            if type(frames) is list or not isinstance(frames, (bytes, bytearray, memoryview))
+            else (frames,)
+        )
+        try:
+            if len(seq) == 1:  # the common case, kept cheap: one payload frame, no aux
+                payload = seq[0]
+                size = payload.nbytes if type(payload) is memoryview else len(payload)
+                if size > self._max_frame_bytes:
+                    self._check_frames(seq)
+            else:
+                self._check_frames(seq)
+        except TypeError as e:
+            raise ProtocolError(f"expected a sequence of bytes-like frames: {e}") from e
+        self._aux = seq
+        try:
+            obj = self._dec.decode(seq[0])
+        except ProtocolError:
+            raise
+        except msgspec.ValidationError as e:
+            raise ProtocolError(f"expected a valid {self._name}: {e}") from e
+        except msgspec.DecodeError as e:
+            raise ProtocolError(f"expected msgpack of a {self._name}: {e}") from e
+        except Exception as e:  # RecursionError, MemoryError, a hook's bug: still the peer's
+            raise ProtocolError(f"expected a valid {self._name}: {type(e).__name__}: {e}") from e
+        finally:
+            self._aux = ()
+        if self._check is not None:
+            self._check(obj, self.limits)
+        return obj
+
+    def _check_frames(self, seq: Sequence[Frame]) -> None:
+        limits = self.limits
+        n = len(seq)
+        if n == 0:
+            raise ProtocolError(f"expected a {self._name} payload frame, got no frames")
+        if n > limits.max_frames:
+            raise ProtocolError(f"expected at most {limits.max_frames} frames, got {n}")
+        for i, frame in enumerate(seq):
+            size = _nbytes(frame)
+            if size > limits.max_frame_bytes:
+                raise ProtocolError(
+                    f"expected frames of at most {limits.max_frame_bytes} bytes,"
+                    f" frame {i} has {size}"
+                )
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == EXT_TORCH or code == EXT_NUMPY:
+            try:
+                header = _header_decoder.decode(data)
+            except msgspec.MsgspecError as e:
+                raise ProtocolError(f"expected an array header [dtype, shape, data]: {e}") from e
+            if code == EXT_TORCH:
+                return self._torch(header)
+            return self._numpy(header)
+        if code == EXT_STRUCT:
+            value = self._untyped().decode(data)
+            if not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str):
+                raise ProtocolError("expected a tagged Struct [name, value]")
+            return StructResult(value[0], value[1])
+        raise ProtocolError(
+            f"unknown msgpack ext type {code}; expected {EXT_TORCH} (torch),"
+            f" {EXT_NUMPY} (numpy) or {EXT_STRUCT} (registered Struct)"
+        )
+
+    def _untyped(self) -> msgspec.msgpack.Decoder[Any]:
+        dec = self._any_dec
+        if dec is None:
+            dec = self._any_dec = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
+        return dec
+
+    def _buffer(self, header: _ArrayHeader, itemsize: int) -> memoryview | bytes:
+        shape = header.shape
+        if len(shape) > _MAX_NDIM or any(d < 0 for d in shape):
+            raise ProtocolError(
+                f"expected an array shape of <= {_MAX_NDIM} sizes >= 0, got {shape}"
+            )
+        count = 1
+        for d in shape:
+            count *= d
+        if isinstance(header.data, int):
+            index = header.data
+            if not 0 <= index < len(self._aux) - 1:
+                raise ProtocolError(
+                    f"expected an aux frame index below {len(self._aux) - 1} (the message's"
+                    f" aux frame count), got aux frame {index}"
+                )
+            buf: memoryview | bytes = _as_bytes_view(self._aux[index + 1])
+        else:
+            buf = header.data
+        if len(buf) != count * itemsize:
+            raise ProtocolError(
+                f"expected {count * itemsize} bytes for an array of shape {shape}, got {len(buf)}"
+            )
+        return buf
+
+    def _torch(self, header: _ArrayHeader) -> Any:
+        dtype = _torch_dtype_map().get(header.dtype)
+        if dtype is None:
+            raise ProtocolError(f"expected a torch dtype name, got {header.dtype!r}")
+        import torch
+
+        buf = self._buffer(header, dtype.itemsize)
+        if len(buf) == 0:
+            return torch.empty(header.shape, dtype=dtype)
+        if isinstance(buf, bytes):  # inline: copy into memory the tensor owns
+            raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+        else:  # aux frame: share it; the tensor keeps the frame alive
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+        return raw.view(dtype).reshape(header.shape)
+
+    def _numpy(self, header: _ArrayHeader) -> Any:
+        dtype = _numpy_dtype(header.dtype)
+        buf = self._buffer(header, dtype.itemsize)
+        arr = np.frombuffer(buf, dtype=dtype).reshape(header.shape)
+        return arr.copy() if isinstance(buf, bytes) else arr
+
+
+# What ``dtype.str`` produces for plain dtypes: byte order, kind, item size, datetime unit.
+_NUMPY_DTYPE_RE = re.compile(r"[<>|][biufcSUmM][0-9]{1,4}(\[[0-9]*[a-zA-Z]{1,2}\])?")
+_numpy_dtypes: dict[str, np.dtype[Any]] = {}
+
+
+def _numpy_dtype(text: str) -> np.dtype[Any]:
+    dtype = _numpy_dtypes.get(text)
+    if dtype is not None:
+        return dtype
+    if not _NUMPY_DTYPE_RE.fullmatch(text):
+        raise ProtocolError(f"expected a plain numpy dtype string like '<f4', got {text!r}")
+    try:
+        dtype = np.dtype(text)
+    except Exception as e:
+        raise ProtocolError(f"expected a numpy dtype string like '<f4', got {text!r}") from e
+    if dtype.str != text or dtype.itemsize == 0:
+        raise ProtocolError(f"expected a canonical numpy dtype string, got {text!r}")
+    if len(_numpy_dtypes) < 256:  # bounded: the peer picks the strings
+        _numpy_dtypes[text] = dtype
+    return dtype
+
+
+# Per-thread decoders for the module-level helpers (a Decoder is not thread-safe).
+_local = threading.local()
+
+
+def _decoder(type_: Any, limits: Limits) -> Decoder[Any]:
+    try:
+        cache: dict[Any, Decoder[Any]] = _local.decoders
+    except AttributeError:
+        cache = _local.decoders = {}
+    key = type_ if limits is DEFAULT_LIMITS else (type_, limits)
+    dec = cache.get(key)
+    if dec is None:
+        dec = cache[key] = Decoder(type_, limits)
+    return dec
+
+
+_INPUT_TYPES: dict[bytes, tuple[RequestType, Any]] = {
+    RequestType.ADD.value: (RequestType.ADD, EngineCoreRequest),
+    RequestType.ABORT.value: (RequestType.ABORT, list[str]),
+    RequestType.UTILITY.value: (RequestType.UTILITY, UtilityRequest),
+}
+
+
+def _frame_bytes(frame: Frame) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    return bytes(memoryview(frame))
+
+
+def decode_input(
+    type_byte: Frame, frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS
+) -> tuple[RequestType, EngineCoreRequest | list[str] | UtilityRequest]:
+    """Engine side: the type byte and ``[payload, aux...]`` after it, or ``ProtocolError``."""
+    try:
+        key = _frame_bytes(type_byte) if _nbytes(type_byte) == 1 else None
+    except Exception as e:
+        raise ProtocolError(f"expected a one-byte request type, got {type(type_byte)!r}") from e
+    entry = _INPUT_TYPES.get(key) if key is not None else None
+    if entry is None:
+        shown = _frame_bytes(type_byte)[:16] if key is None else key
+        raise ProtocolError(
+            "expected a request-type byte 0x00 (ADD), 0x01 (ABORT) or 0x03 (UTILITY),"
+            f" got {shown!r}"
+        )
+    kind, type_ = entry
+    return kind, _decoder(type_, limits).decode(frames)
+
+
+def decode_outputs(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> EngineCoreOutputs:
+    """Client side: one ``EngineCoreOutputs`` or ``ProtocolError`` (check the sentinel first)."""
+    try:
+        out: EngineCoreOutputs = _decoder(EngineCoreOutputs, limits).decode(frames)
+    except ProtocolError:
+        if is_dead_sentinel(frames):
+            raise ProtocolError(
+                "expected EngineCoreOutputs, got the engine-dead sentinel"
+            ) from None
+        raise
+    return out
+
+
+def encode_input(encoder: Encoder, kind: RequestType, obj: object) -> list[bytes | memoryview]:
+    """``[type byte, payload, aux...]`` for the client's send (identity is the socket's)."""
+    return [kind.value, *encoder.encode(obj)]
+
+
+def is_dead_sentinel(frames: Sequence[Frame] | bytes) -> bool:
+    if isinstance(frames, bytes):
+        return frames == ENGINE_DEAD_SENTINEL
+    if len(frames) != 1:
+        return False
+    frame = frames[0]
+    try:
+        return _nbytes(frame) == len(ENGINE_DEAD_SENTINEL) and (
+            _frame_bytes(frame) == ENGINE_DEAD_SENTINEL
+        )
+    except Exception:
+        return False
+
+
+def peek_request_id(frames: Sequence[Frame]) -> str | None:
+    """Best-effort request id of an ADD that failed to decode, to fail just that request."""
+    try:
+        value = msgspec.msgpack.decode(frames[0])
+    except Exception:
+        return None
+    if isinstance(value, list) and value and isinstance(value[0], str) and len(value[0]) <= 4096:
+        return value[0]
+    return None
+
+
+def decode_ready(frames: Sequence[Frame] | bytes) -> ReadyResponse:
+    """Decode a ready response, refusing another protocol version by name (``check_ready``).
+
+    The version is read before the typed decode, so a peer whose ReadyResponse changed
+    shape still gets the version error, not a field error.
+    """
+    payload: Frame = frames if isinstance(frames, bytes) else frames[0]
+    try:
+        head = msgspec.msgpack.decode(payload)
+        version = head[0] if isinstance(head, list) and head else None
+    except Exception:
+        version = None
+    if isinstance(version, int) and version != PROTOCOL_VERSION:
+        raise ProtocolError(_version_message(version))
+    resp: ReadyResponse = _decoder(ReadyResponse, DEFAULT_LIMITS).decode(
+        (payload,) if isinstance(frames, bytes) else frames
+    )
+    check_ready(resp)
+    return resp
+
+
+def _version_message(theirs: object) -> str:
+    return (
+        f"engine speaks enginewire protocol version {theirs}, this client speaks"
+        f" version {PROTOCOL_VERSION}; run the same enginewire version on both sides"
+    )
+
+
+def check_ready(resp: ReadyResponse) -> None:
+    """Raise ``ProtocolError`` naming both versions if the peer speaks another protocol."""
+    if resp.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(_version_message(resp.protocol_version))
+
+
+# --- utility results ---------------------------------------------------------------------
+
+
+def _wrap_typed(value: Any) -> Any:
+    """Tag registered Structs (at top level and inside lists/tuples/dicts)."""
+    cls = type(value)
+    name = _result_names.get(cls)
+    if name is not None:
+        return _TypedStruct(name, value)
+    if cls is list or cls is tuple:
+        return [_wrap_typed(v) for v in value]
+    if cls is dict:
+        return {k: _wrap_typed(v) for k, v in value.items()}
+    return value
+
+
+class _ProbeEncoder(Encoder):
+    """Checks encodability without touching array data (a 64 MiB result is not copied)."""
+
+    def _numpy_ext(self, arr: np.ndarray[Any, Any]) -> Any:
+        _numpy_dtype_ok(arr.dtype)
+        return None
+
+    def _torch_ext(self, t: torch.Tensor) -> Any:
+        _torch_dtype_ok(t)
+        return None
+
+
+def _probe() -> _ProbeEncoder:
+    probe: _ProbeEncoder | None = getattr(_local, "probe", None)
+    if probe is None:
+        probe = _local.probe = _ProbeEncoder()
+    return probe
+
+
+def utility_output(
+    call_id: int,
+    method: str,
+    *,
+    result: object = None,
+    error: BaseException | str | None = None,
+) -> UtilityOutput:
+    """The reply to a utility call. Never raises: an unsendable result becomes a failure."""
+    try:
+        if error is not None:
+            message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            return UtilityOutput(call_id, failure_message=message)
+        wrapped = _wrap_typed(result) if _result_names else result
+        _probe().encode(wrapped)
+        return UtilityOutput(call_id, result=wrapped)
+    except Exception as e:
+        kind = f"{type(result).__module__}.{type(result).__qualname__}"
+        return UtilityOutput(
+            call_id,
+            failure_message=f"result of {method!r} (type {kind}) cannot be sent: {e}",
+        )
+
+
+def _convert_hook(type_: type[Any], obj: Any) -> Any:
+    # Struct fields typed as tensors/arrays: the ext hook already rebuilt them.
+    if isinstance(obj, type_):
+        return obj
+    raise TypeError(f"expected {type_!r}, got {type(obj)!r}")
+
+
+def decode_utility_result(value: object) -> object:
+    """Client side: rebuild registered Structs in a decoded result; ``ProtocolError`` if unknown."""
+    if isinstance(value, _TypedStruct):  # an in-process reply that never crossed the wire
+        return value.value
+    if isinstance(value, StructResult):
+        cls = _result_types.get(value.name)
+        if cls is None:
+            raise ProtocolError(
+                f"expected a registered result type, got {value.name!r};"
+                " call register_result_type on the client too"
+            )
+        try:
+            return msgspec.convert(decode_utility_result(value.raw), cls, dec_hook=_convert_hook)
+        except msgspec.ValidationError as e:
+            raise ProtocolError(f"expected a valid {value.name}: {e}") from e
+    if isinstance(value, list):
+        return [decode_utility_result(v) for v in value]
+    if isinstance(value, dict):
+        return {k: decode_utility_result(v) for k, v in value.items()}
+    return value
+
+
+# --- sending with buffer reuse -----------------------------------------------------------
+
+
+class BufferPool:
+    """Payload buffers for ``Encoder.encode_into``, handed out again only once ZMQ is done.
+
+    ``release(buf, tracker)`` parks a buffer until ``tracker.done``; pyzmq copies frames below
+    its copy threshold (64 KiB) and returns an already-done tracker, so small payloads come
+    back at once and large zero-copy ones only when libzmq freed the message.
+    """
+
+    def __init__(self, max_free: int = 8) -> None:
+        self.max_free = max_free
+        self._free: list[bytearray] = []
+        self._pending: deque[tuple[bytearray, zmq.MessageTracker]] = deque()
+
+    def acquire(self) -> bytearray:
+        self._reclaim()
+        if self._free:
+            return self._free.pop()
+        return bytearray()
+
+    def release(self, buf: bytearray, tracker: zmq.MessageTracker | None) -> None:
+        if tracker is None or tracker.done:
+            self._keep(buf)
+        else:
+            self._pending.append((buf, tracker))
+
+    @property
+    def pending(self) -> int:
+        """Buffers ZMQ may still be reading."""
+        return len(self._pending)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def _keep(self, buf: bytearray) -> None:
+        if len(self._free) < self.max_free:
+            self._free.append(buf)
+
+    def _reclaim(self) -> None:
+        pending = self._pending
+        for _ in range(len(pending)):
+            buf, tracker = pending.popleft()
+            if tracker.done:
+                self._keep(buf)
+            else:
+                pending.append((buf, tracker))
+
+
+def send_frames(
+    sock: zmq.Socket[Any],
+    frames: Sequence[Any],
+    *,
+    prefix: Sequence[bytes] = (),
+    track: bool = False,
+) -> zmq.MessageTracker | None:
+    """Send ``[*prefix, payload, aux...]``; with ``track``, return the *payload's* tracker.
+
+    Aux frames go zero-copy (pyzmq keeps the array alive until libzmq is done with it).
+    """
+    import zmq
+
+    last = len(frames) - 1
+    for p in prefix:
+        sock.send(p, zmq.SNDMORE)
+    tracker: zmq.MessageTracker | None = None
+    for i, frame in enumerate(frames):
+        flags = zmq.SNDMORE if i < last else 0
+        if i == 0 and track:
+            tracker = sock.send(frame, flags, copy=False, track=True)
+        else:
+            sock.send(frame, flags, copy=False)
+    return tracker
