@@ -1,0 +1,70 @@
+"""Engine configuration: one frozen, validated record.
+
+Validation happens once, at construction, so a bad value fails where it was written, with
+the field's name in the message, instead of deep inside the engine build.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["DTYPES", "EngineConfig"]
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = "tiny"  # "tiny" | "null" | a name or path a registered WeightSource accepts
+    device: str = "auto"  # auto = cuda if available else cpu
+    dtype: str = "float32"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 256
+    kv_cache_memory_bytes: int = 32 * 1024 * 1024  # KV budget on CPU
+    gpu_memory_utilization: float = 0.5  # share of the whole GPU this engine may fill on CUDA
+    enable_prefix_caching: bool = False
+    null_step_delay_s: float = 0.0  # null model: simulated compute time per step (benchmarks)
+    # Fixes the block count, skipping the memory-based sizing (vLLM's num_gpu_blocks_override).
+    num_gpu_blocks_override: int | None = None
+    # Upper bound on a profiled CUDA pool: a 64 KiB-per-block tiny model on a 141 GB GPU
+    # would otherwise ask for millions of blocks and a free list to match.
+    max_num_gpu_blocks: int = 1 << 17
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise bad("model", "must be a non-empty string")
+        if not (
+            self.device in ("auto", "cpu", "cuda")
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
+            raise bad("device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {DTYPES}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "kv_cache_memory_bytes", "max_num_gpu_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise bad(name, "must be a positive integer")
+        if self.block_size > 1024:
+            raise bad("block_size", "must be at most 1024")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise bad("seed", "must be a non-negative integer")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if not self.null_step_delay_s >= 0.0:
+            raise bad("null_step_delay_s", "must be >= 0")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise bad("num_gpu_blocks_override", "must be a positive integer or None")
+
+    def resolved_device(self) -> str:
+        """The concrete device: ``auto`` picks CUDA when one is visible."""
+        if self.device != "auto":
+            return self.device
+        import torch  # deferred: the config is also read by processes that never touch torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,483 @@
+"""EngineCore: scheduler + executor behind the engine lifecycle, with the utility methods.
+
+Theory of operation
+-------------------
+Rule 1: every engine state change is a fired ``ENGINE`` event, and every request state change
+an ``ENGINE_REQUEST`` event; nothing here assigns a state.
+Rule 2: this object does no I/O and starts no threads. A transport (in-process client or the
+engine process's busy loop) calls ``add_request`` / ``abort_requests`` / ``call_utility`` as
+messages arrive and ``step()`` while ``has_unfinished_requests() or has_pending_outputs()``.
+
+Outputs that do not come from the model (ABORT and ERROR finishes) are queued and handed out
+by the next ``step()``, so every output leaves through one place, in order.
+
+Pause and sleep. ``pause_scheduler(mode)`` stops scheduling: ``abort`` finishes every live
+request with ABORT; ``keep`` parks them (their KV stays, unless a sleep then releases it, in
+which case they are preempted and recompute after wake); ``wait`` lets the requests live at
+that moment finish first (DRAINING; new arrivals queue) and returns a ``Future`` that the step
+which drains them completes. ``sleep(level, mode)`` pauses, then at level >= 1 releases memory
+(level 1: weights to host, KV dropped; level 2: both dropped, weights reloaded from their
+source). ``wake_up(tags)`` restores tags; scheduling resumes only when all are resident.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from ..spec.engine import ENGINE, HAS_WORK, NO_WORK, EngineEvent, EngineState
+from ..spec.errors import ClientClosedError, EngineDeadError, UtilityError
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
+from .config import EngineConfig
+from .executor import MEMORY_TAGS, UniProcExecutor
+from .kv_cache import KVCacheManager
+from .scheduler import Request, Scheduler
+
+__all__ = ["PAUSE_MODES", "SLEEP_LEVELS", "WAKE_TAGS", "EngineCore"]
+
+S, E = EngineState, EngineEvent
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_LEVELS = (0, 1, 2)
+# "scheduling" is the level-0 tag (vLLM): waking it alone releases nothing to restore.
+WAKE_TAGS = (*MEMORY_TAGS, "scheduling")
+_PAUSE_EVENT = {"abort": E.PAUSE_ABORT, "keep": E.PAUSE_KEEP, "wait": E.PAUSE_WAIT}
+_SCHEDULABLE = frozenset({S.IDLE, S.RUNNING, S.DRAINING})
+_PAUSED = frozenset({S.PAUSED, S.DRAINING, S.SLEEPING})
+_WORK_QUEUES = frozenset({S.IDLE, S.PAUSED, S.SLEEPING, S.DRAINING})
+
+
+class EngineCore:
+    UTILITY_METHODS: frozenset[str] = frozenset({
+        "echo", "collective_rpc", "save_sharded_state", "profile", "reset_prefix_cache",
+        "get_stats", "pause_scheduler", "resume_scheduler", "sleep", "wake_up", "is_sleeping",
+    })
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        inproc: bool = True,
+        trace: list[TraceEntry] | None = None,
+    ) -> None:
+        self.config = config
+        self.trace = trace
+        self.lifecycle: Lifecycle[EngineState, EngineEvent] = ENGINE.lifecycle(trace=trace)
+        self.fault_hook: Callable[[str], None] | None = None
+        self.fatal_error: BaseException | None = None
+        self.device = config.resolved_device()
+        self.executor: UniProcExecutor | None = None
+        try:
+            self.executor = UniProcExecutor(config)
+            arch = self.executor.arch
+            if config.max_model_len > arch.max_position:
+                raise ValueError(
+                    f"EngineConfig.max_model_len={config.max_model_len}: the model supports "
+                    f"at most {arch.max_position} positions"
+                )
+            self.num_gpu_blocks = self.executor.initialize()
+        except BaseException as exc:
+            if self.executor is not None:
+                self.executor.shutdown()
+            self.fatal_error = exc
+            self.lifecycle.fire(E.FATAL_ERROR)
+            raise
+        self.arch = self.executor.arch
+        self.kv = KVCacheManager(self.num_gpu_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+        self._pending: list[EngineCoreOutput] = []
+        self._final: list[EngineCoreOutput] = []
+        # (future, action run when the engine has drained and paused) for deferred replies.
+        self._deferred: list[tuple[Future[Any], Callable[[], None] | None]] = []
+        self._seq = 0
+        self.step_counter = 0
+        self._profiler: Any = None
+        self._profile_dir: str | None = None
+        self._profile_count = 0
+        self.lifecycle.fire(E.BUILT, guard="inproc" if inproc else "subprocess")
+
+    # -- introspection -------------------------------------------------------------------------
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.config.block_size,
+            "max_model_len": self.config.max_model_len,
+            "model": self.config.model,
+            "device": self.device,
+        }
+
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
+
+    def has_unfinished_requests(self) -> bool:
+        """True when a ``step()`` would schedule work (False while paused or asleep, like
+        vLLM's pause-aware ``has_requests``: parked requests do not make the loop spin)."""
+        return self.lifecycle.state in _SCHEDULABLE and bool(self.scheduler.requests)
+
+    def has_pending_outputs(self) -> bool:
+        return bool(self._pending)
+
+    def num_live_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        st = self.lifecycle.state
+        if st is S.DEAD:
+            raise EngineDeadError() from self.fatal_error
+        if st is S.SHUTDOWN:
+            raise ClientClosedError("engine core was shut down")
+
+    def _validate(self, req: EngineCoreRequest) -> str | None:
+        ids, sp = req.prompt_token_ids, req.sampling_params
+        vocab = self.arch.vocab_size
+        if not ids:
+            return "prompt_token_ids is empty"
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        if len(ids) > self.config.max_model_len:
+            return (f"prompt has {len(ids)} tokens, more than max_model_len="
+                    f"{self.config.max_model_len}")
+        if sp.max_tokens < 1:
+            return f"max_tokens={sp.max_tokens} must be >= 1"
+        if not sp.temperature >= 0.0:
+            return f"temperature={sp.temperature} must be >= 0"
+        if not 0.0 < sp.top_p <= 1.0:
+            return f"top_p={sp.top_p} must be in (0, 1]"
+        if sp.top_k < 0:
+            return f"top_k={sp.top_k} must be >= 0 (0 = off)"
+        return None
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue ``req``; an invalid one finishes with an ERROR output on the next ``step()``."""
+        if not isinstance(req.request_id, str):
+            raise TypeError(f"request_id must be str, got {type(req.request_id).__name__}")
+        self._check_alive()
+        live = self.scheduler.requests.get(req.request_id)
+        if live is not None:
+            # One id names one request (spec/request.py, Rule 2). Answering the duplicate
+            # alone would put an ERROR finish in the middle of the live request's stream, so
+            # the live request ends with the ERROR and the duplicate is dropped.
+            self._pending.append(self.scheduler.finish(
+                live, EngineRequestEvent.ERROR, FinishReason.ERROR,
+                error=f"request id {req.request_id!r} was sent again while live"))
+            self.scheduler.running = [r for r in self.scheduler.running if not r.finished]
+            self._settle()
+            return
+        error = self._validate(req)
+        if error is not None:
+            lc = ENGINE_REQUEST.lifecycle(trace=self.trace)
+            lc.fire(EngineRequestEvent.REJECT)
+            self._pending.append(
+                EngineCoreOutput(req.request_id, [], FinishReason.ERROR, None, 0, error))
+            return
+        seq = self._seq
+        self._seq = seq + 1
+        default_seed = (self.config.seed * 1_000_003 + seq) & 0x7FFF_FFFF
+        self.scheduler.add(Request(req, seq, self.arch.eos_token_id, default_seed,
+                                   self.config.max_model_len, self.trace))
+        if self.lifecycle.state in _WORK_QUEUES:
+            self.lifecycle.fire(E.WORK_ARRIVED)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End each live request with an ABORT output; unknown or finished ids are no-ops."""
+        if isinstance(request_ids, str):  # a bare id would iterate per character
+            request_ids = (request_ids,)
+        outs = self.scheduler.abort(request_ids)
+        if outs:
+            self._pending.extend(outs)
+            self._settle()
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """One scheduling step; returns every output produced since the last step.
+
+        Any exception from scheduling or the model (a fault injected at ``step`` or
+        ``forward`` included) is fatal: the engine fires FATAL_ERROR and re-raises.
+        """
+        lc = self.lifecycle
+        st = lc.state
+        if st is S.DEAD or st is S.SHUTDOWN:
+            self._check_alive()
+        if self.fault_hook is not None:
+            try:
+                self.fault_hook("step")
+            except Exception as exc:
+                self._die(exc)
+                raise
+        outs = self._pending
+        finished: list[str] | None = None
+        if outs:
+            self._pending = []
+            finished = [o.request_id for o in outs]
+        sched = self.scheduler
+        if st in _SCHEDULABLE and sched.requests:
+            if st is S.IDLE:  # work queued before the loop started (subprocess start-up)
+                lc.fire(E.WORK_ARRIVED)
+            try:
+                reqs, nums = sched.schedule()
+                if reqs:
+                    if self.fault_hook is not None:
+                        self.fault_hook("forward")
+                    tokens = self.executor.execute_model(reqs, nums)  # type: ignore[union-attr]
+                    step_outs, step_finished = sched.update(reqs, nums, tokens)
+                    if outs:
+                        outs.extend(step_outs)
+                    else:
+                        outs = step_outs
+                    if step_finished:
+                        if finished is None:
+                            finished = step_finished
+                        else:
+                            finished.extend(step_finished)
+            except Exception as exc:
+                self._die(exc)
+                raise
+            self.step_counter += 1
+            self._settle()
+        stats = SchedulerStats(len(sched.running), sched.num_waiting, self.kv.usage(),
+                               sched.num_preemptions, self.step_counter)
+        return EngineCoreOutputs(0, outs, time.monotonic(), finished, stats)
+
+    def _settle(self) -> None:
+        """Fire the event that the requests' new situation implies, if any."""
+        st = self.lifecycle.state
+        if st is S.RUNNING:
+            if not self.scheduler.requests:
+                self.lifecycle.fire(E.ALL_FINISHED)
+        elif st is S.DRAINING and self.scheduler.num_draining() == 0:
+            self.scheduler.drain_only = False
+            self.lifecycle.fire(E.DRAINED)
+            self._complete_deferred()
+
+    def _complete_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for fut, action in deferred:
+            try:
+                if action is not None:
+                    action()
+            except Exception as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+    def _fail_deferred(self, exc: BaseException) -> None:
+        deferred, self._deferred = self._deferred, []
+        for fut, _ in deferred:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        self.fatal_error = exc
+        if self.lifecycle.can(E.FATAL_ERROR):
+            self.lifecycle.fire(E.FATAL_ERROR)
+        dead = EngineDeadError()
+        dead.__cause__ = exc
+        self._fail_deferred(dead)
+
+    # -- utilities -----------------------------------------------------------------------------
+
+    def call_utility(self, method: str, args: Sequence[object] = ()) -> object:
+        """Run an allow-listed utility; its own exceptions propagate unchanged.
+
+        A ``Future`` result means the reply is deferred: a later ``step()`` completes it.
+        """
+        if not isinstance(method, str) or method not in self.UTILITY_METHODS:
+            raise UtilityError(
+                str(method), f"no such utility method; allowed: {sorted(self.UTILITY_METHODS)}")
+        if self.fault_hook is not None:
+            self.fault_hook(f"utility:{method}")
+        fn: Callable[..., object] = getattr(self, method)
+        return fn(*args)
+
+    def echo(self, x: object) -> object:
+        return x
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        self._check_alive()
+        return self.executor.collective_rpc(method, args, kwargs)  # type: ignore[union-attr]
+
+    def save_sharded_state(self, path: str) -> list[str]:
+        """Write the weights as safetensors under ``path``; return the files written."""
+        self._check_alive()
+        return self.executor.save_sharded_state(path)  # type: ignore[union-attr]
+
+    def profile(self, action: str, path: str | None = None) -> str | None:
+        """``start`` a torch profiler, or ``stop`` it and write a Chrome trace; returns its path."""
+        if action == "start":
+            if self._profiler is not None:
+                raise RuntimeError("profiler already running")
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.startswith("cuda"):
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=acts)
+            self._profiler.start()
+            self._profile_dir = path
+            return None
+        if action == "stop":
+            prof, self._profiler = self._profiler, None
+            if prof is None:
+                raise RuntimeError("profiler is not running")
+            prof.stop()
+            out_dir = path or self._profile_dir or os.path.join(
+                tempfile.gettempdir(), "enginewire-profile")
+            os.makedirs(out_dir, exist_ok=True)
+            self._profile_count += 1
+            out = os.path.join(out_dir, f"trace-{os.getpid()}-{self._profile_count}.json")
+            prof.export_chrome_trace(out)
+            return out
+        raise ValueError(f"profile action must be 'start' or 'stop', got {action!r}")
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        sched, kv = self.scheduler, self.kv
+        mem = self.executor.driver.report_memory() if self.executor else {}
+        return {
+            "state": self.lifecycle.state.name,
+            "num_running": len(sched.running),
+            "num_waiting": sched.num_waiting,
+            "num_live": len(sched.requests),
+            "num_preemptions": sched.num_preemptions,
+            "step_counter": self.step_counter,
+            "num_gpu_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage(),
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "profiled_num_blocks": self.executor.driver.profiled_num_blocks
+            if self.executor else None,
+            **mem,
+        }
+
+    def pause_scheduler(self, mode: str = "abort") -> Future[Any] | None:
+        """Stop scheduling; see the module docstring. A ``Future`` when ``wait`` must drain."""
+        return self._pause(mode, None)
+
+    def _pause(self, mode: str, then: Callable[[], None] | None) -> Future[Any] | None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._check_alive()
+        lc, sched = self.lifecycle, self.scheduler
+        st, event = lc.state, _PAUSE_EVENT[mode]
+        if not lc.can(event):
+            lc.fire(event)  # raises SpecViolation before anything changed
+        if mode == "abort":
+            self._pending.extend(sched.abort_all())
+        elif mode == "wait" and st is S.RUNNING:
+            for r in sched.requests.values():
+                r.draining = True
+            sched.drain_only = True
+        lc.fire(event)
+        if lc.state is S.DRAINING:
+            fut: Future[Any] = Future()
+            self._deferred.append((fut, then))
+            return fut
+        sched.drain_only = False
+        if st is S.DRAINING:  # abort/keep ended a drain: the waiters' wait is over
+            self._complete_deferred()
+        if then is not None:
+            then()
+        return None
+
+    def resume_scheduler(self) -> None:
+        self._check_alive()
+        lc = self.lifecycle
+        if lc.state is S.PAUSED:
+            lc.fire(E.RESUME, HAS_WORK if self.scheduler.requests else NO_WORK)
+        else:
+            lc.fire(E.RESUME)  # a no-op when active; a SpecViolation when draining or asleep
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> Future[Any] | None:
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self.fault_hook is not None:
+            self.fault_hook("sleep")
+        then = None if level == 0 else (lambda: self._release_memory(level))
+        return self._pause(mode, then)
+
+    def _release_memory(self, level: int) -> None:
+        # KV is about to vanish: parked requests will recompute it after wake.
+        self.scheduler.preempt_all_running()
+        self.executor.sleep(level)  # type: ignore[union-attr]
+        self.kv.reset()
+        self.lifecycle.fire(E.RELEASE_MEMORY)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """Restore ``tags`` (all when None); True once everything is resident and scheduling."""
+        if self.fault_hook is not None:
+            self.fault_hook("wake_up")
+        wanted = list(WAKE_TAGS) if tags is None else list(tags)
+        for t in wanted:
+            if t not in WAKE_TAGS:
+                raise ValueError(f"wake_up tag must be one of {WAKE_TAGS}, got {t!r}")
+        self._check_alive()
+        lc = self.lifecycle
+        st = lc.state
+        executor = self.executor
+        assert executor is not None
+        if st is S.SLEEPING:
+            executor.wake_up([t for t in wanted if t in MEMORY_TAGS])
+            if executor.sleeping:
+                lc.fire(E.WAKE_UP, "partial")
+                return False
+        if st is S.SLEEPING or st is S.PAUSED:
+            lc.fire(E.WAKE_UP, HAS_WORK if self.scheduler.requests else NO_WORK)
+        else:
+            lc.fire(E.WAKE_UP)  # no-op when active; SpecViolation while draining
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.lifecycle.state in _PAUSED
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Idempotent. Live requests end with ABORT; ``take_final_outputs()`` hands them over."""
+        if self.lifecycle.state is S.SHUTDOWN:
+            return
+        self._final.extend(self._pending)
+        self._pending = []
+        self._final.extend(self.scheduler.abort_all())
+        self._fail_deferred(UtilityError("deferred call", "engine shut down before it completed"))
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+        if self.executor is not None:
+            self.executor.shutdown()
+        self.lifecycle.fire(E.SHUTDOWN)
+
+    def take_final_outputs(self) -> EngineCoreOutputs | None:
+        """Outputs produced by ``shutdown()`` (ABORTs of live requests), once."""
+        if not self._final:
+            return None
+        outs, self._final = self._final, []
+        return EngineCoreOutputs(0, outs, time.monotonic(), [o.request_id for o in outs])

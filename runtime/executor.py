@@ -1,0 +1,365 @@
+"""Model execution: workers that own weights and KV tensors, and the executor that fans out.
+
+One worker today (``UniProcExecutor``); ``collective_rpc`` already calls a method on every
+worker and returns their results in rank order, so a multi-worker executor changes nothing
+above it. Only names in a worker's ``RPC_METHODS`` can be called that way: the method name
+arrives over the wire, and ``getattr`` on an arbitrary name would let a peer call anything.
+
+Memory states. A worker holds two tags, ``weights`` and ``kv_cache``, each resident or
+released. ``sleep(1)`` moves weights to host memory and drops the KV tensors; ``sleep(2)``
+drops both, and ``wake_up`` of the weights then reloads them from the ``WeightSource``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .kv_cache import blocks_from_budget, check_fits
+from .model import (
+    TINY_ARCH,
+    LlamaArch,
+    LlamaModel,
+    WeightSource,
+    build_attention_metadata,
+    kv_bytes_per_block,
+    resolve_weight_source,
+)
+from .sampling import sample
+from .scheduler import Request
+
+__all__ = ["MEMORY_TAGS", "NullWorker", "TorchWorker", "UniProcExecutor", "Worker", "make_worker"]
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+class Worker:
+    """What every worker provides; ``RPC_METHODS`` is what ``collective_rpc`` may call."""
+
+    RPC_METHODS = frozenset({"ping", "report_memory", "describe"})
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = config.resolved_device()
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device={config.device!r}: no CUDA device is visible")
+        self.dtype = _DTYPES[config.dtype]
+        self.arch: LlamaArch = TINY_ARCH
+        self.num_blocks = 0
+        self.profiled_num_blocks: int | None = None
+        self.sleeping: set[str] = set()
+        self.sleep_level = 0
+
+    # Subclasses fill these in.
+    def load_model(self) -> None: ...
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+    def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
+        raise NotImplementedError
+    def device_tensors(self) -> list[torch.Tensor]:
+        return []
+    def host_tensors(self) -> list[torch.Tensor]:
+        return []
+    def sleep(self, level: int) -> None: ...
+    def wake_up(self, tags: Sequence[str]) -> None: ...
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+    def shutdown(self) -> None: ...
+
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.arch, self.config.block_size, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """Size the block pool from the budget; refuse a pool that cannot hold one sequence."""
+        cfg, per = self.config, self.bytes_per_block()
+        if cfg.num_gpu_blocks_override is not None:
+            n = cfg.num_gpu_blocks_override
+            check_fits(n, cfg.block_size, cfg.max_model_len, per, n * per,
+                       "num_gpu_blocks_override*bytes_per_block")
+            return n
+        if self.device.startswith("cuda"):
+            budget = self.profile_free_bytes()
+            name = "gpu_memory_utilization*total-used-peak_activations"
+            n = blocks_from_budget(budget, per)
+            self.profiled_num_blocks = n
+            check_fits(n, cfg.block_size, cfg.max_model_len, per, budget, name)
+            return min(n, cfg.max_num_gpu_blocks)
+        n = blocks_from_budget(cfg.kv_cache_memory_bytes, per)
+        check_fits(n, cfg.block_size, cfg.max_model_len, per, cfg.kv_cache_memory_bytes,
+                   "kv_cache_memory_bytes")
+        return n
+
+    def profile_free_bytes(self) -> float:
+        """CUDA: bytes the KV cache may take after weights and a peak-sized forward pass."""
+        return 0.0
+
+    # -- RPC-callable --------------------------------------------------------------------------
+
+    def ping(self) -> str:
+        return f"pong from rank {self.rank}"
+
+    def report_memory(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "device_tensor_bytes": _storage_bytes(self.device_tensors()),
+            "host_offload_bytes": _storage_bytes(self.host_tensors()),
+            "sleeping": sorted(self.sleeping),
+        }
+        if self.device.startswith("cuda"):
+            out["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "device": self.device, "dtype": self.config.dtype,
+                "model": self.config.model, "num_blocks": self.num_blocks,
+                "vocab_size": self.arch.vocab_size}
+
+
+class TorchWorker(Worker):
+    """Runs a ``LlamaModel`` over paged KV tensors."""
+
+    def __init__(self, config: EngineConfig, source: WeightSource, rank: int = 0) -> None:
+        super().__init__(config, rank)
+        self.source = source
+        self.model: LlamaModel | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self._host_weights: dict[str, torch.Tensor] = {}
+
+    def _materialize(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(device=self.device, dtype=self.dtype) for k, v in params.items()}
+
+    def load_model(self) -> None:
+        arch, params = self.source.load()
+        self.arch = arch
+        self.model = LlamaModel(arch, self._materialize(params), self.device)
+
+    def _alloc_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        a, slots = self.arch, num_blocks * self.config.block_size
+        return [torch.zeros(2, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype,
+                            device=self.device) for _ in range(a.num_layers)]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = self._alloc_kv(num_blocks)
+
+    def profile_free_bytes(self) -> float:
+        assert self.model is not None
+        cfg, dev = self.config, self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        # A dummy forward at the full token budget, in chunks a sequence can hold, measures
+        # the activation peak the KV cache must leave room for.
+        t = min(cfg.max_num_batched_tokens, self.arch.max_position)
+        nblk = -(-t // cfg.block_size)
+        caches = self._alloc_kv(nblk)
+        meta = build_attention_metadata([range(t)], [list(range(nblk))], cfg.block_size, dev)
+        ids = torch.zeros(t, dtype=torch.long, device=dev)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model.forward(ids, meta, caches, cfg.block_size))
+        torch.cuda.synchronize(dev)
+        peak_extra = torch.cuda.max_memory_allocated(dev) - before
+        del caches, meta, ids
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        return total * cfg.gpu_memory_utilization - (total - free) - peak_extra
+
+    def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
+        assert self.model is not None and self.kv_caches, "execute_model while asleep"
+        ids: list[int] = []
+        ranges: list[range] = []
+        tables: list[list[int]] = []
+        last: list[int] = []  # flat index of the last token of each sequence that samples
+        samplers: list[int] = []
+        for k, (req, n) in enumerate(zip(reqs, nums, strict=False)):
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start:start + n])
+            ranges.append(range(start, start + n))
+            tables.append(req.block_ids)
+            if start + n == len(req.all_token_ids):
+                last.append(len(ids) - 1)
+                samplers.append(k)
+        bs = self.config.block_size
+        meta = build_attention_metadata(ranges, tables, bs, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        tokens = [-1] * len(reqs)
+        with torch.inference_mode():
+            hidden = self.model.forward(input_ids, meta, self.kv_caches, bs)
+            if samplers:
+                logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+                picked = sample(logits, [reqs[k] for k in samplers])
+                for k, tok in zip(samplers, picked, strict=True):
+                    tokens[k] = tok
+        return tokens
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        ts = list(self.kv_caches)
+        if self.model is not None:
+            ts.extend(self.model.params.values())
+        return ts
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return list(self._host_weights.values())
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        if self.model is not None:
+            return self.model.params
+        if self._host_weights:
+            return self._host_weights
+        raise RuntimeError("weights are released (sleep level 2); wake_up first")
+
+    def sleep(self, level: int) -> None:
+        self.kv_caches = []  # the only reference: the storage is freed here
+        self.sleeping.add("kv_cache")
+        if self.model is not None:
+            if level >= 2:
+                self.model = None
+            else:
+                self._host_weights = {k: v.to("cpu") for k, v in self.model.params.items()}
+                self.model = None
+            self.sleeping.add("weights")
+        elif level >= 2:
+            self._host_weights = {}  # deeper sleep: drop the host copy too
+        self.sleep_level = max(self.sleep_level, level)
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        if "weights" in tags and "weights" in self.sleeping:
+            if self._host_weights:
+                params = self._materialize(self._host_weights)
+            else:  # level 2: reload from the source
+                arch, raw = self.source.load()
+                self.arch = arch
+                params = self._materialize(raw)
+            self.model = LlamaModel(self.arch, params, self.device)
+            self._host_weights = {}
+            self.sleeping.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+            self.kv_caches = self._alloc_kv(self.num_blocks)
+            self.sleeping.discard("kv_cache")
+        if not self.sleeping:
+            self.sleep_level = 0
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.model = None
+        self._host_weights = {}
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # hand the pool back to the driver, not just the allocator
+
+
+class NullWorker(Worker):
+    """No tensors, no matmuls: tokens are ``null_token(seed, index)`` inlined for speed."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        super().__init__(config, rank)
+        self.delay = config.null_step_delay_s
+
+    def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
+        if self.delay:
+            time.sleep(self.delay)  # stands in for device compute time, releasing the GIL
+        span = self.arch.vocab_size - 3  # see model.null_token; kept in sync by a test
+        out = []
+        for req, n in zip(reqs, nums, strict=False):
+            index = req.num_computed_tokens + n
+            if index == len(req.all_token_ids):
+                out.append(3 + (req.seed * 1_000_003 + index * 7919) % span)
+            else:
+                out.append(-1)
+        return out
+
+    def sleep(self, level: int) -> None:
+        self.sleeping.update(MEMORY_TAGS)
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        self.sleeping.difference_update(tags)
+        if not self.sleeping:
+            self.sleep_level = 0
+
+
+def make_worker(config: EngineConfig, rank: int = 0) -> Worker:
+    if config.model == "null":
+        return NullWorker(config, rank)
+    return TorchWorker(config, resolve_weight_source(config.model, config.seed), rank)
+
+
+class UniProcExecutor:
+    """One worker in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.workers: list[Worker] = [make_worker(config)]
+        self.driver = self.workers[0]
+
+    def initialize(self) -> int:
+        """Load weights, size and allocate the KV cache; return the block count."""
+        for w in self.workers:
+            w.load_model()
+        num_blocks = min(w.determine_num_blocks() for w in self.workers)
+        for w in self.workers:
+            w.init_kv_cache(num_blocks)
+        return num_blocks
+
+    @property
+    def arch(self) -> LlamaArch:
+        return self.driver.arch
+
+    def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
+        return self.driver.execute_model(reqs, nums)
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if not isinstance(method, str) or method not in Worker.RPC_METHODS:
+            raise ValueError(
+                f"collective_rpc: {method!r} is not a worker RPC method; "
+                f"allowed: {sorted(Worker.RPC_METHODS)}"
+            )
+        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
+
+    def sleep(self, level: int) -> None:
+        for w in self.workers:
+            w.sleep(level)
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        for w in self.workers:
+            w.wake_up(tags)
+
+    @property
+    def sleeping(self) -> set[str]:
+        return self.driver.sleeping
+
+    def save_sharded_state(self, path: str) -> list[str]:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        files = []
+        for w in self.workers:
+            weights = {k: v.detach().contiguous().cpu() for k, v in w.named_weights().items()}
+            f = os.path.join(path, f"model-rank-{w.rank}-part-0.safetensors")
+            save_file(weights, f, metadata={"model": self.config.model, "rank": str(w.rank)})
+            files.append(f)
+        return files
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()

@@ -1,0 +1,279 @@
+"""Continuous-batching scheduler: chunked prefill, FCFS by priority, preemption by recompute.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go first, in
+order: a decode takes one token, an unfinished prefill takes the next chunk that fits. When
+a running request needs a block and none is free, the lowest-priority request not yet
+scheduled this step (latest arrival among equals; possibly the request itself) is preempted:
+its blocks are freed and it goes back to the waiting queue to recompute from scratch (vLLM
+v1's recompute policy). Only in a step without preemption are waiting requests admitted, in
+(priority, arrival) order (a lower priority value goes first, as in vLLM), while the budget,
+``max_num_seqs`` and the pool allow. A waiting request never preempts a running one.
+
+Every request state change fires an ``ENGINE_REQUEST`` event; a request's lifecycle is the
+only record of its state.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+import torch
+
+from ..protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.request import ENGINE_REQUEST, EngineRequestEvent, EngineRequestState
+from .kv_cache import KVCacheManager
+
+__all__ = ["Request", "Scheduler"]
+
+RE = EngineRequestEvent
+_TABLE = ENGINE_REQUEST.table()
+
+
+class Request:
+    """Engine-side state of one request; plain slots because the step loop reads them hot."""
+
+    __slots__ = (
+        "all_token_ids", "block_hashes", "block_ids", "client_index", "draining", "eos",
+        "finished", "generator", "in_waiting", "lifecycle", "max_tokens", "num_cached_tokens",
+        "num_computed_tokens", "num_prompt_tokens", "num_registered_blocks", "priority",
+        "request_id", "seed", "sort_key", "stop_ids", "stop_len", "temperature", "top_k",
+        "top_p",
+    )
+
+    def __init__(
+        self,
+        req: EngineCoreRequest,
+        seq: int,
+        eos_token_id: int,
+        default_seed: int,
+        max_model_len: int,
+        trace: list[TraceEntry] | None,
+    ) -> None:
+        sp = req.sampling_params
+        self.request_id = req.request_id
+        self.client_index = req.client_index
+        self.priority = req.priority
+        self.sort_key = (req.priority, seq)
+        self.all_token_ids = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.max_tokens = sp.max_tokens
+        # Length at which it finishes with LENGTH: one comparison per token in update().
+        self.stop_len = min(self.num_prompt_tokens + sp.max_tokens, max_model_len)
+        self.temperature = sp.temperature
+        self.top_k = sp.top_k
+        self.top_p = sp.top_p
+        self.seed = default_seed if sp.seed is None else sp.seed
+        self.generator: torch.Generator | None = None
+        self.stop_ids = frozenset(sp.stop_token_ids)
+        self.eos = -1 if sp.ignore_eos else eos_token_id  # -1 never matches a token
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.finished = False
+        self.in_waiting = False
+        self.draining = False
+        self.lifecycle: Lifecycle[EngineRequestState, EngineRequestEvent] = Lifecycle(
+            ENGINE_REQUEST.name, ENGINE_REQUEST.initial, _TABLE, trace
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (f"<Request {self.request_id!r} {self.lifecycle.state.name} "
+                f"computed={self.num_computed_tokens}/{len(self.all_token_ids)}>")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # live requests only
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self.num_waiting = 0
+        self.drain_only = False  # while draining for a pause: admit only requests marked draining
+        self.num_preemptions = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _push_waiting(self, req: Request) -> None:
+        req.in_waiting = True
+        self.num_waiting += 1
+        heapq.heappush(self._waiting, (req.sort_key, req))
+
+    def add(self, req: Request) -> None:
+        req.lifecycle.fire(RE.ADD)
+        self.requests[req.request_id] = req
+        self._push_waiting(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_draining(self) -> int:
+        return sum(1 for r in self.requests.values() if r.draining)
+
+    def finish(self, req: Request, event: RE, reason: FinishReason,
+               stop_reason: int | str | None = None, error: str | None = None,
+               new_token_ids: list[int] | None = None) -> EngineCoreOutput:
+        """End ``req`` (firing ``event``), free its blocks, return its finishing output."""
+        req.lifecycle.fire(event)
+        req.finished = True
+        if req.in_waiting:  # its heap entry is skipped lazily
+            req.in_waiting = False
+            self.num_waiting -= 1
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        return EngineCoreOutput(req.request_id, new_token_ids or [], reason, stop_reason,
+                                req.num_cached_tokens, error)
+
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                outs.append(self.finish(req, RE.ABORT, FinishReason.ABORT))
+        if outs:
+            self.running = [r for r in self.running if not r.finished]
+        return outs
+
+    def abort_all(self) -> list[EngineCoreOutput]:
+        return self.abort(list(self.requests))
+
+    def _preempt(self, req: Request) -> None:
+        req.lifecycle.fire(RE.PREEMPT)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self._push_waiting(req)
+
+    def preempt_all_running(self) -> None:
+        """Park every running request for recompute (their KV is about to be released)."""
+        for req in self.running:
+            self._preempt(req)
+        self.running = []
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[list[Request], list[int]]:
+        """Pick this step's requests and how many new tokens each computes."""
+        kv, bs = self.kv, self.kv.block_size
+        budget = self.max_num_batched_tokens
+        reqs: list[Request] = []
+        nums: list[int] = []
+        running = self.running
+        preempted = False
+        add_req, add_num = reqs.append, nums.append
+        # Popping entries after ``i`` while iterating is safe: the iterator's index stays right.
+        for i, req in enumerate(running):
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if n > budget:
+                if budget <= 0:
+                    break
+                n = budget
+            total = req.num_computed_tokens + n
+            if total > len(req.block_ids) * bs and not kv.allocate(req, total):
+                preempted = True
+                if not self._preempt_for(req, i, total):
+                    break  # it preempted itself: stop here, as vLLM does
+            add_req(req)
+            add_num(n)
+            budget -= n
+        if not preempted:
+            self._admit(reqs, nums, budget)
+        return reqs, nums
+
+    def _preempt_for(self, req: Request, i: int, total: int) -> bool:
+        """Preempt from ``running[i:]`` until ``req`` gets its blocks; False if ``req`` itself
+        was the victim (it is then out of ``running``)."""
+        running = self.running
+        while True:
+            # Lowest priority (latest arrival among equals) of those not yet scheduled.
+            j = max(range(i, len(running)), key=lambda k: running[k].sort_key)
+            victim = running.pop(j)
+            self._preempt(victim)
+            if victim is req:
+                return False
+            if self.kv.allocate(req, total):
+                return True
+
+    def _admit(self, reqs: list[Request], nums: list[int], budget: int) -> None:
+        kv, waiting, running = self.kv, self._waiting, self.running
+        skipped: list[tuple[tuple[int, int], Request]] = []
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting[0][1]
+            if req.finished or not req.in_waiting:
+                heapq.heappop(waiting)
+                continue
+            if self.drain_only and not req.draining:
+                skipped.append(heapq.heappop(waiting))
+                continue
+            if req.num_computed_tokens == 0 and kv.enable_prefix_caching:
+                cached = kv.claim_cached_prefix(req)
+                req.num_computed_tokens = cached
+                if len(req.all_token_ids) == req.num_prompt_tokens:
+                    req.num_cached_tokens = cached
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if n > budget:
+                n = budget
+            if not kv.allocate(req, req.num_computed_tokens + n):
+                if req.num_computed_tokens:  # give back claimed prefix blocks while it waits
+                    kv.free(req)
+                    req.num_computed_tokens = 0
+                break
+            heapq.heappop(waiting)
+            req.in_waiting = False
+            self.num_waiting -= 1
+            req.lifecycle.fire(RE.SCHEDULE)
+            running.append(req)
+            reqs.append(req)
+            nums.append(n)
+            budget -= n
+        for item in skipped:
+            heapq.heappush(waiting, item)
+
+    def update(self, reqs: list[Request], nums: list[int], tokens: list[int]) -> tuple[
+            list[EngineCoreOutput], list[str] | None]:
+        """Apply one step's results; return the outputs and the ids finished (None if none)."""
+        outs: list[EngineCoreOutput] = []
+        add = outs.append
+        finished: list[str] | None = None
+        register = self.kv.register_full_blocks if self.kv.enable_prefix_caching else None
+        for req, n, tok in zip(reqs, nums, tokens, strict=False):
+            req.num_computed_tokens += n
+            if register is not None:
+                register(req)
+            if tok < 0:  # a prefill chunk that does not reach the end: nothing sampled
+                continue
+            toks = req.all_token_ids
+            toks.append(tok)
+            if tok in req.stop_ids:
+                out = self.finish(req, RE.STOP, FinishReason.STOP, tok, None, [tok])
+            elif tok == req.eos:
+                out = self.finish(req, RE.STOP, FinishReason.STOP, None, None, [tok])
+            elif len(toks) >= req.stop_len:
+                out = self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])
+            else:
+                add(EngineCoreOutput(req.request_id, [tok], None, None, req.num_cached_tokens))
+                continue
+            add(out)
+            if finished is None:
+                finished = []
+            finished.append(req.request_id)
+        if finished is not None:
+            self.running = [r for r in self.running if not r.finished]
+        return outs, finished

@@ -1,0 +1,82 @@
+"""Block accounting: allocation all-or-nothing, freeing, prefix caching, sizing refusals."""
+
+from __future__ import annotations
+
+import pytest
+from enginewire.runtime.kv_cache import KVCacheManager, check_fits
+
+
+class Req:
+    def __init__(self, tokens: list[int]) -> None:
+        self.all_token_ids = tokens
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.num_computed_tokens = 0
+
+
+def test_allocate_grows_by_blocks_and_is_all_or_nothing() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    a, b = Req([1] * 9), Req([2] * 12)
+    assert kv.allocate(a, 9) and len(a.block_ids) == 3
+    assert kv.allocate(a, 12) and len(a.block_ids) == 3  # still fits in block 3
+    assert not kv.allocate(b, 12)  # needs 3, only 2 free
+    assert b.block_ids == [] and kv.num_free_blocks == 2
+    assert kv.allocate(b, 8) and kv.num_free_blocks == 0
+    assert kv.usage() == 1.0
+    kv.free(a)
+    assert a.block_ids == [] and kv.num_free_blocks == 3
+    assert len(set(b.block_ids)) == 2
+
+
+def test_prefix_cache_reuses_full_blocks_after_the_owner_finished() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    a = Req(list(prompt))
+    assert kv.claim_cached_prefix(a) == 0
+    assert kv.allocate(a, 10)
+    a.num_computed_tokens = 10
+    kv.register_full_blocks(a)  # blocks 0 and 1 are full
+    first_two = a.block_ids[:2]
+    kv.free(a)
+    b = Req([*list(prompt), 99])
+    assert kv.claim_cached_prefix(b) == 8
+    assert b.block_ids == first_two
+    assert kv.prefix_hits == 2
+    # A different prefix shares nothing.
+    c = Req([7, *prompt[1:]])
+    assert kv.claim_cached_prefix(c) == 0
+    # A prompt that is exactly the cached blocks still leaves its last token to compute.
+    d = Req(list(prompt[:8]))
+    assert kv.claim_cached_prefix(d) == 4
+
+
+def test_evicted_blocks_are_forgotten() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=2, enable_prefix_caching=True)
+    a = Req([1, 2, 3])
+    kv.allocate(a, 3)
+    a.num_computed_tokens = 3
+    kv.register_full_blocks(a)
+    kv.free(a)
+    other = Req([9, 9, 9, 9])
+    assert kv.allocate(other, 4)  # takes both blocks, evicting the cached one
+    kv.free(other)
+    assert kv.claim_cached_prefix(Req([1, 2, 3])) == 0
+
+
+def test_reset_prefix_cache_refused_while_blocks_in_use() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = Req([1, 2, 3])
+    kv.allocate(a, 3)
+    a.num_computed_tokens = 3
+    kv.register_full_blocks(a)
+    assert kv.reset_prefix_cache() is False
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert kv.claim_cached_prefix(Req([1, 2, 3])) == 0
+
+
+def test_check_fits_names_the_numbers() -> None:
+    check_fits(4, 16, 64, 100, 400, "budget")
+    with pytest.raises(ValueError, match=r"max_model_len=65 needs 5 blocks.*gives 4 blocks"):
+        check_fits(4, 16, 65, 100, 400, "budget")
