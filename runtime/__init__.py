@@ -1,1 +1,29 @@
-"""enginewire.runtime."""
+"""enginewire.runtime: the engine core, its process wrapper and the clients that drive it."""
+
+from __future__ import annotations
+
+from .client import EngineCoreClient, InprocClient, make_client
+from .engine_proc import EngineCoreProc, run_engine_core
+from .ipc import IpcDir, cleanup_stale_dirs
+from .mp_client import (
+    READY_TIMEOUT_ENV,
+    AsyncMPClient,
+    BackgroundResources,
+    MPClient,
+    SyncMPClient,
+)
+
+__all__ = [
+    "READY_TIMEOUT_ENV",
+    "AsyncMPClient",
+    "BackgroundResources",
+    "EngineCoreClient",
+    "EngineCoreProc",
+    "InprocClient",
+    "IpcDir",
+    "MPClient",
+    "SyncMPClient",
+    "cleanup_stale_dirs",
+    "make_client",
+    "run_engine_core",
+]

@@ -1,0 +1,650 @@
+"""The one conformance suite for EngineCoreClient implementations (trio's check_two_way_stream).
+
+Every scenario is a plain function over a ``ClientUnderTest`` (a thin driver that gives the
+sync, async and in-process clients one blocking call surface) or over a ``ClientFactory``
+(for scenarios that break the engine and need a fresh one). ``tests/runtime/test_clients.py``
+runs them on the three built-in clients; run them on your own engine by giving a factory::
+
+    from enginewire.testing import conformance
+
+    def test_my_engine_generates():
+        with conformance.open_client("sync", my_config) as cut:
+            conformance.check_generate(cut)
+
+Scenarios that need a subprocess engine (kills, injected frames) skip themselves on an
+in-process client. Every wait is bounded; death must be seen within ``DEATH_BOUND_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from ..protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    RequestType,
+    SamplingParams,
+)
+from ..spec import (
+    CLIENT,
+    CLIENT_REQUEST,
+    UTILITY,
+    ClientState,
+    EngineDeadError,
+    EngineStartupError,
+    SpecViolation,
+    TraceEntry,
+    UtilityError,
+    validate_trace,
+)
+
+__all__ = [
+    "CLIENT_KINDS",
+    "DEATH_BOUND_S",
+    "ClientFactory",
+    "ClientUnderTest",
+    "Finished",
+    "check_abort_half",
+    "check_client_kill_engine_exits",
+    "check_construction_failure_leaks_nothing",
+    "check_duplicate_request_id",
+    "check_engine_fatal_error",
+    "check_generate",
+    "check_kill_during_get_output",
+    "check_kill_during_handshake",
+    "check_kill_during_utility",
+    "check_malformed_frames",
+    "check_shutdown_semantics",
+    "check_sleep_wake",
+    "check_trace",
+    "check_utilities",
+    "collect",
+    "open_client",
+    "request",
+]
+
+CLIENT_KINDS = ("inproc", "sync", "async")
+# The brief's bound: engine death is seen on every path within this many seconds.
+DEATH_BOUND_S = 1.0
+# A parent's death makes the engine exit within this many seconds.
+ORPHAN_BOUND_S = 5.0
+# Upper bound for ordinary waits (generation, utilities) on a loaded CI machine.
+WAIT_S = 60.0
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, so async clients get a blocking facade."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="conformance-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = WAIT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        async def drain() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self.run(drain(), timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@dataclass
+class ClientUnderTest:
+    """One blocking call surface over any client; ``kind`` is inproc, sync or async."""
+
+    client: Any
+    kind: str
+    trace: list[TraceEntry] | None = None
+    loop: _LoopThread | None = None
+    closed: bool = field(default=False)
+
+    @property
+    def multiprocess(self) -> bool:
+        return bool(getattr(self.client, "multiprocess", False))
+
+    @property
+    def engine_pid(self) -> int | None:
+        return getattr(self.client, "engine_pid", None)
+
+    def _call(self, name: str, *args: Any, _wait: float | None = WAIT_S, **kw: Any) -> Any:
+        if self.loop is not None:
+            return self.loop.run(getattr(self.client, f"{name}_async")(*args, **kw), _wait)
+        return getattr(self.client, name)(*args, **kw)
+
+    def submit(self, name: str, *args: Any, **kw: Any) -> concurrent.futures.Future[Any]:
+        """Start a call without waiting for it (a thread, or a task on the loop)."""
+        if self.loop is not None:
+            return self.loop.submit(getattr(self.client, f"{name}_async")(*args, **kw))
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="conformance")
+        fut = pool.submit(getattr(self.client, name), *args, **kw)
+        pool.shutdown(wait=False)
+        return fut
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._call("add_request", req)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        self._call("abort_requests", ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        bound = None if timeout is None else timeout + WAIT_S
+        out: EngineCoreOutputs = self._call("get_output", _wait=bound, timeout=timeout)
+        return out
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return self._call("call_utility", method, *args, timeout=timeout)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self._call("sleep", level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return bool(self._call("wake_up", tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("is_sleeping"))
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.client.shutdown()
+        finally:
+            if self.loop is not None:
+                self.loop.close()
+
+    def __enter__(self) -> ClientUnderTest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+ClientFactory = Callable[..., ClientUnderTest]
+
+
+def open_client(
+    kind: str, config: Any, *, construct_in_loop: bool = False, **options: Any
+) -> ClientUnderTest:
+    """Build a built-in client of ``kind`` (inproc, sync, async) with ``trace`` recording."""
+    from ..runtime.client import make_client
+
+    if kind not in CLIENT_KINDS:
+        raise ValueError(f"kind must be one of {CLIENT_KINDS}, got {kind!r}")
+    trace: list[TraceEntry] = options.pop("trace", None)
+    if trace is None:
+        trace = []
+    if kind == "async":
+        loop = _LoopThread()
+        try:
+            if construct_in_loop:
+                async def build() -> Any:
+                    return make_client(config, multiprocess=True, asyncio=True, trace=trace,
+                                       **options)
+
+                client = loop.run(build(), timeout=None)
+            else:
+                client = make_client(config, multiprocess=True, asyncio=True, trace=trace,
+                                     **options)
+        except BaseException:
+            loop.close()
+            raise
+        return ClientUnderTest(client, kind, trace, loop)
+    client = make_client(config, multiprocess=kind == "sync", asyncio=False, trace=trace,
+                         **options)
+    return ClientUnderTest(client, kind, trace)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Finished:
+    tokens: list[int]
+    reason: FinishReason
+    error: str | None = None
+
+
+def request(rid: str, max_tokens: int = 20, prompt: list[int] | None = None) -> EngineCoreRequest:
+    """A request that runs exactly ``max_tokens`` tokens (EOS ignored)."""
+    return EngineCoreRequest(
+        rid, prompt or [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+
+def collect(cut: ClientUnderTest, ids: list[str], timeout: float = WAIT_S) -> dict[str, Finished]:
+    """Read outputs until every id in ``ids`` finished; tokens per id, in order."""
+    want = set(ids)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    done: dict[str, Finished] = {}
+    deadline = time.monotonic() + timeout
+    while not want.issubset(done):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(
+                f"timed out after {timeout} s; unfinished: {sorted(want - set(done))}")
+        batch = cut.get_output(timeout=min(remaining, 5.0))
+        for out in batch.outputs:
+            if out.request_id in done and out.request_id in want:
+                raise AssertionError(f"output for {out.request_id!r} after it finished")
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                done[out.request_id] = Finished(
+                    tokens[out.request_id], FinishReason(out.finish_reason), out.error)
+    return done
+
+
+def check_trace(cut: ClientUnderTest) -> None:
+    """Every recorded step of the client, request and utility machines is in the spec."""
+    assert cut.trace is not None, "open the client with a trace list"
+    for machine in (CLIENT, CLIENT_REQUEST, UTILITY):
+        validate_trace(machine, cut.trace)
+
+
+def _wait_for(predicate: Callable[[], bool], bound: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > bound:
+            raise AssertionError(f"{what} not seen within {bound} s")
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: str) -> None:
+    try:
+        fut.result(timeout=DEATH_BOUND_S + 5)
+    except EngineDeadError as e:
+        seen = time.monotonic() - killed_at
+        assert seen <= DEATH_BOUND_S, f"{what}: death seen after {seen:.2f} s"
+        assert e.__cause__ is not None, "EngineDeadError must carry its cause"
+        return
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"{what}: still blocked after the engine was killed") from None
+    raise AssertionError(f"{what}: returned instead of raising EngineDeadError")
+
+
+# --- scenarios on a live client (safe on a shared, warm engine) ------------------------------
+
+
+def check_generate(cut: ClientUnderTest, n: int = 10, max_tokens: int = 20,
+                   prefix: str = "gen") -> None:
+    """``n`` requests x ``max_tokens`` tokens complete with exactly that many tokens each."""
+    ids = [f"{prefix}-{i}" for i in range(n)]
+    for rid in ids:
+        cut.add_request(request(rid, max_tokens))
+    done = collect(cut, ids)
+    for rid in ids:
+        assert done[rid].reason is FinishReason.LENGTH, (rid, done[rid])
+        assert len(done[rid].tokens) == max_tokens, (rid, len(done[rid].tokens))
+    check_trace(cut)
+
+
+def check_abort_half(cut: ClientUnderTest, n: int = 10, prefix: str = "abort") -> None:
+    """Aborting half: ABORT endings for those, full output for the rest; late abort harmless."""
+    # Long enough that the aborts land while the requests are live.
+    ids = [f"{prefix}-{i}" for i in range(n)]
+    aborted = ids[::2]
+    kept = ids[1::2]
+    for rid in ids:
+        cut.add_request(request(rid, 200 if rid in aborted else 20))
+    cut.abort_requests(aborted)
+    done = collect(cut, ids)
+    for rid in aborted:
+        assert done[rid].reason is FinishReason.ABORT, (rid, done[rid].reason)
+        assert len(done[rid].tokens) < 200
+    for rid in kept:
+        assert done[rid].reason is FinishReason.LENGTH, (rid, done[rid].reason)
+        assert len(done[rid].tokens) == 20
+    cut.abort_requests(kept)  # already finished: a no-op on both sides
+    cut.abort_requests(["never-sent"])
+    check_generate(cut, n=1, prefix=f"{prefix}-after")
+
+
+def check_utilities(cut: ClientUnderTest) -> None:
+    """echo round-trips; a raising utility and an unknown one raise UtilityError by name."""
+    value = {"nested": [1, 2.5, "three", None, True], "n": -7}
+    assert cut.call_utility("echo", value) == value
+    assert cut.call_utility("echo", None) is None
+    try:
+        cut.call_utility("profile", "not-an-action")
+    except UtilityError as e:
+        assert e.method == "profile" and "not-an-action" in e.remote_message, e
+    else:
+        raise AssertionError("a raising utility must raise UtilityError")
+    try:
+        cut.call_utility("_private_or_unknown")
+    except UtilityError as e:
+        assert e.method == "_private_or_unknown"
+    else:
+        raise AssertionError("an unknown utility must raise UtilityError")
+    # The client survives failed calls.
+    assert cut.call_utility("echo", 42) == 42
+    if cut.multiprocess:
+        assert cut.client.pending_utility_calls() == 0
+    check_trace(cut)
+
+
+def check_duplicate_request_id(cut: ClientUnderTest, prefix: str = "dup") -> None:
+    """A live duplicate id is refused before sending; reuse after finish is fine."""
+    rid = f"{prefix}-0"
+    cut.add_request(request(rid, 5))
+    try:
+        cut.add_request(request(rid, 5))
+    except SpecViolation:
+        pass
+    else:
+        raise AssertionError("a duplicate live request id must raise SpecViolation")
+    done = collect(cut, [rid])
+    assert len(done[rid].tokens) == 5
+    cut.add_request(request(rid, 5))
+    assert len(collect(cut, [rid])[rid].tokens) == 5
+    check_trace(cut)
+
+
+def check_sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str = "sleep") -> None:
+    """sleep(level, mode) then wake_up: in-flight requests end as the mode says."""
+    ids = [f"{prefix}-{level}-{mode}-{i}" for i in range(3)]
+    for rid in ids:
+        cut.add_request(request(rid, 20))
+    if mode == "wait" and not cut.multiprocess:
+        try:
+            cut.sleep(level, mode)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("in-process sleep(mode='wait') must raise ValueError")
+        collect(cut, ids)
+        return
+    cut.sleep(level, mode)
+    assert cut.is_sleeping()
+    assert cut.client.state is ClientState.SLEEPING
+    if mode == "abort":
+        done = collect(cut, ids)
+        for rid in ids:
+            # Requests may have finished before the sleep arrived; none may run past it.
+            assert done[rid].reason in (FinishReason.ABORT, FinishReason.LENGTH), done[rid]
+            if done[rid].reason is FinishReason.LENGTH:
+                assert len(done[rid].tokens) == 20
+    elif mode == "wait":
+        # The reply means drained: every request already finished, in full.
+        done = collect(cut, ids)
+        assert all(f.reason is FinishReason.LENGTH and len(f.tokens) == 20
+                   for f in done.values()), done
+    assert cut.wake_up() is True
+    assert not cut.is_sleeping()
+    if mode == "keep":
+        # Parked requests resume after wake-up and complete in full.
+        done = collect(cut, ids)
+        assert all(f.reason is FinishReason.LENGTH and len(f.tokens) == 20
+                   for f in done.values()), done
+    check_generate(cut, n=1, prefix=f"{prefix}-{level}-{mode}-after")
+
+
+def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
+    """Garbage on the input socket is rejected; the engine keeps serving."""
+    if not cut.multiprocess:
+        return
+    client = cut.client
+    rid = f"{prefix}-0"
+    # Pretend the client sent it, so the ERROR output it earns is expected.
+    client._track_add(request(rid))
+    frames: list[list[bytes]] = [
+        [b"\x07", b"\x90"],  # unknown request type
+        [RequestType.ADD.value, b"\xc1"],  # not msgpack at all
+        [RequestType.ADD.value, b"\x92\xa5" + rid[:5].encode()],  # wrong shape
+        [RequestType.ABORT.value, b"\x91\x07"],  # ids must be strings
+        [RequestType.ADD.value],  # no payload
+        [b"", b"", b"", b""],
+    ]
+    # A recoverable ADD: decodes far enough to name its request id.
+    import msgspec
+
+    frames.append([RequestType.ADD.value, msgspec.msgpack.encode([rid, "not a token list"])])
+    # A utility call that names its call id but no method: answered with a failure reply,
+    # which the client drops (no such call is pending).
+    frames.append([RequestType.UTILITY.value, msgspec.msgpack.encode([0, 1 << 40, None])])
+    for f in frames:
+        client.send_raw_frames(f)
+    done = collect(cut, [rid])
+    assert done[rid].reason is FinishReason.ERROR and done[rid].error, done[rid]
+    check_generate(cut, n=2, prefix=f"{prefix}-after")
+    assert cut.call_utility("echo", "still serving") == "still serving"
+
+
+def check_shutdown_semantics(cut: ClientUnderTest) -> None:
+    """shutdown is idempotent, raises no EngineDeadError, wakes a blocked get_output, and
+    later calls are refused."""
+    from ..spec import ClientClosedError
+
+    blocked = cut.submit("get_output") if cut.multiprocess else None
+    if blocked is not None:
+        cut.call_utility("echo", 0)  # the blocked call had time to reach its wait
+    cut.client.shutdown()
+    if blocked is not None:
+        try:
+            blocked.result(timeout=DEATH_BOUND_S + 5)
+        except ClientClosedError:
+            pass
+        else:
+            raise AssertionError("shutdown must wake a blocked get_output")
+    cut.client.shutdown()
+    assert cut.client.state is ClientState.SHUTDOWN
+    for call in (lambda: cut.add_request(request("late")),
+                 lambda: cut.call_utility("echo", 1),
+                 lambda: cut.get_output(timeout=0.1)):
+        try:
+            call()
+        except ClientClosedError:
+            pass
+        else:
+            raise AssertionError("calls after shutdown must raise ClientClosedError")
+    check_trace(cut)
+    cut.shutdown()
+
+
+# --- scenarios that break the engine (fresh client each) --------------------------------------
+
+
+def check_kill_during_get_output(factory: ClientFactory) -> None:
+    """SIGKILL while get_output blocks: it wakes with EngineDeadError within the bound."""
+    with factory() as cut:
+        if not cut.multiprocess:
+            return
+        cut.call_utility("echo", 0)  # the reader is running
+        fut = cut.submit("get_output")
+        pid = cut.engine_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _expect_dead(fut, time.monotonic(), "blocked get_output")
+        try:
+            cut.add_request(request("after-death"))
+        except EngineDeadError:
+            pass
+        else:
+            raise AssertionError("add_request on a dead engine must raise EngineDeadError")
+        cut.abort_requests(["x"])  # silent no-op on a dead engine
+        assert cut.client.state is ClientState.DEAD
+        check_trace(cut)
+
+
+def check_kill_during_utility(factory: ClientFactory) -> None:
+    """SIGKILL while utility calls are pending: every one fails with EngineDeadError."""
+    with factory() as cut:
+        if not cut.multiprocess:
+            return
+        pid = cut.engine_pid
+        assert pid is not None
+        cut.call_utility("echo", 0)
+        os.kill(pid, signal.SIGSTOP)  # frozen: the calls below stay pending
+        try:
+            futs = [cut.submit("call_utility", "echo", i) for i in range(3)]
+            _wait_for(lambda: cut.client.pending_utility_calls() == 3, WAIT_S, "3 pending calls")
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for f in futs:
+            _expect_dead(f, killed, "pending utility")
+        assert cut.client.pending_utility_calls() == 0
+        check_trace(cut)
+
+
+def check_kill_during_handshake(factory: ClientFactory) -> None:
+    """SIGKILL before the engine is ready: construction fails at once, nothing leaks."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+
+    def new_engines() -> set[int]:
+        # Spawned engines run spawn_main; multiprocessing's resource tracker does not.
+        found = set()
+        for p in me.children():
+            with contextlib.suppress(psutil.Error):
+                if p.pid not in before and "spawn_main" in " ".join(p.cmdline()):
+                    found.add(p.pid)
+        return found
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    fut = pool.submit(factory, engine_startup_delay_s=60.0)
+    pool.shutdown(wait=False)
+    _wait_for(lambda: bool(new_engines()), WAIT_S, "the engine process")
+    (pid,) = new_engines()
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        cut = fut.result(timeout=DEATH_BOUND_S + 5)
+    except EngineStartupError as e:
+        seen = time.monotonic() - killed
+        assert seen <= DEATH_BOUND_S, f"handshake death seen after {seen:.2f} s"
+        assert "initialization failed" in str(e) and "SIGKILL" in str(e), e
+    else:
+        cut.shutdown()
+        raise AssertionError("construction must fail when the engine dies during start-up")
+    _wait_for(lambda: not new_engines(), WAIT_S, "reaped engine")
+
+
+def check_engine_fatal_error(factory: ClientFactory) -> None:
+    """A fatal engine error: sentinel, in-flight requests wake with EngineDeadError."""
+    with factory(engine_fault="forward:3") as cut:
+        if not cut.multiprocess:
+            return
+        cut.add_request(request("doomed", 50))
+        start = time.monotonic()
+        try:
+            collect(cut, ["doomed"], timeout=WAIT_S)
+        except EngineDeadError as e:
+            # The sentinel (or, if the monitor wins the race, the exit code) is the cause.
+            cause = str(e.__cause__)
+            assert "sentinel" in cause or "exit code" in cause, cause
+        else:
+            raise AssertionError("a fatal engine error must surface as EngineDeadError")
+        assert time.monotonic() - start < WAIT_S
+        assert cut.client.state is ClientState.DEAD
+        check_trace(cut)
+
+
+_ORPHAN_SCRIPT = textwrap.dedent("""
+    import sys
+    from enginewire.runtime import make_client
+    from enginewire.runtime.config import EngineConfig
+
+    config = EngineConfig(**{config!r})
+    client = make_client(config, multiprocess=True, asyncio={is_async!r})
+    print(client.engine_pid, flush=True)
+    sys.stdin.read()  # hold until killed
+""")
+
+
+def check_client_kill_engine_exits(config_kwargs: dict[str, Any], *, is_async: bool = False
+                                   ) -> None:
+    """SIGKILL of the client process: its engine exits by itself within ORPHAN_BOUND_S."""
+    script = _ORPHAN_SCRIPT.format(config=config_kwargs, is_async=is_async)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), f"client script failed: {line!r}"
+        engine_pid = int(line)
+        proc.kill()
+        proc.wait(WAIT_S)
+        killed = time.monotonic()
+        _wait_for(lambda: _process_gone(engine_pid), ORPHAN_BOUND_S + 2, "orphaned engine exit")
+        assert time.monotonic() - killed <= ORPHAN_BOUND_S
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+        if proc.stdin:
+            proc.stdin.close()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+@contextlib.contextmanager
+def _resource_snapshot() -> Iterator[dict[str, Any]]:
+    me = psutil.Process()
+    snap = {"children": {p.pid for p in me.children(recursive=True)},
+            "threads": me.num_threads(), "fds": me.num_fds()}
+    yield snap
+
+
+def check_construction_failure_leaks_nothing(factory: ClientFactory, bad_config: Any) -> None:
+    """A client whose engine fails to build raises EngineStartupError and leaks no process,
+    thread or fd (psutil before/after)."""
+    me = psutil.Process()
+
+    def attempt() -> None:
+        try:
+            cut = factory(config=bad_config)
+        except EngineStartupError as e:
+            assert "initialization failed" in str(e), e
+        else:
+            cut.shutdown()
+            raise AssertionError("a failing engine build must raise EngineStartupError")
+
+    attempt()  # warm-up: first use creates process-wide things (imports, pools)
+    children = {p.pid for p in me.children(recursive=True)}
+    threads, fds = me.num_threads(), me.num_fds()
+    attempt()
+    _wait_for(lambda: {p.pid for p in me.children(recursive=True)} <= children, WAIT_S,
+              "no leftover process")
+    _wait_for(lambda: me.num_threads() <= threads, 5.0, f"threads back to {threads}")
+    _wait_for(lambda: me.num_fds() <= fds, 5.0, f"fds back to {fds}")

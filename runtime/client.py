@@ -1,0 +1,410 @@
+"""EngineCoreClient: one surface over an in-process engine or an engine in a subprocess.
+
+Theory of operation
+-------------------
+Rule 1: every client drives the spec's CLIENT lifecycle, one CLIENT_REQUEST lifecycle per live
+request id and one UTILITY lifecycle per call; the code fires events, never assigns states,
+and an optional ``trace`` list records every step for ``spec.validate_trace``.
+Rule 2: whose fault is in the error type: after ``shutdown()`` every call raises
+``ClientClosedError``; once the engine died every send raises ``EngineDeadError`` (its
+``__cause__`` says why), except ``abort_requests``, which is then a silent no-op so error
+paths do not raise twice.
+
+``make_client`` picks the transport: ``InprocClient`` runs the engine in the caller's thread
+(``get_output`` is one engine step; no threads, no sockets), ``SyncMPClient`` and
+``AsyncMPClient`` (``mp_client``) put it in a subprocess behind ZMQ.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import concurrent.futures
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.codec import utility_output
+from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from ..spec.client import CLIENT, ClientEvent, ClientState
+from ..spec.errors import (
+    ClientClosedError,
+    EngineDeadError,
+    EngineStartupError,
+    UtilityError,
+)
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
+from ..spec.utility import UTILITY, UtilityEvent
+
+__all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client"]
+
+SLEEP_MODES = ("abort", "wait", "keep")
+
+_FINISH_EVENTS = {
+    FinishReason.STOP: ClientRequestEvent.FINISH_STOP,
+    FinishReason.LENGTH: ClientRequestEvent.FINISH_LENGTH,
+    FinishReason.ABORT: ClientRequestEvent.FINISH_ABORT,
+    FinishReason.ERROR: ClientRequestEvent.FINISH_ERROR,
+}
+_LIVE_REQUEST = frozenset(
+    {ClientRequestState.SENT, ClientRequestState.STREAMING, ClientRequestState.ABORTING}
+)
+_TERMINAL_CLIENT = frozenset({ClientState.DEAD, ClientState.SHUTDOWN})
+
+
+def _check_sleep_args(level: int, mode: str) -> None:
+    if level not in (0, 1, 2):
+        raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+    if mode not in SLEEP_MODES:
+        raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
+
+
+class EngineCoreClient(abc.ABC):
+    """What every client shares: lifecycles, error mapping, utility wrappers."""
+
+    def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None) -> None:
+        self.config = config
+        self.trace = trace
+        # Reached from the caller's thread and from reader/monitor threads.
+        self._state_lock = threading.RLock()
+        self.lifecycle: Lifecycle[ClientState, ClientEvent] = CLIENT.lifecycle(trace=trace)
+        self._requests: dict[str, Lifecycle[ClientRequestState, ClientRequestEvent]] = {}
+        self._dead_cause: BaseException | None = None
+        self.num_gpu_blocks: int | None = None
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ClientState:
+        return self.lifecycle.state
+
+    @property
+    def is_dead(self) -> bool:
+        return self.lifecycle.state is ClientState.DEAD
+
+    @property
+    def is_closed(self) -> bool:
+        return self.lifecycle.state is ClientState.SHUTDOWN
+
+    def _dead_error(self) -> EngineDeadError:
+        err = EngineDeadError()
+        err.__cause__ = self._dead_cause
+        return err
+
+    def ensure_alive(self) -> None:
+        """Raise ``ClientClosedError`` after shutdown, ``EngineDeadError`` once the engine died."""
+        state = self.lifecycle.state
+        if state is ClientState.SHUTDOWN:
+            raise ClientClosedError("the client was shut down")
+        if state is ClientState.DEAD:
+            raise self._dead_error()
+
+    def _apply_ready(self, info: Any) -> None:
+        """Adopt what the engine reported it can hold (vLLM's ``_apply_ready_response``)."""
+        import msgspec
+
+        def get(key: str) -> int:
+            return int(info[key] if isinstance(info, dict) else getattr(info, key))
+
+        self.num_gpu_blocks = get("num_gpu_blocks")
+        changes = {"block_size": get("block_size"),
+                   "max_model_len": min(get("max_model_len"), self.config.max_model_len)}
+        self.config = msgspec.structs.replace(self.config, **changes)
+
+    def _mark_dead(self, cause: BaseException | None) -> bool:
+        """Record engine death once; True if this call made the client DEAD."""
+        with self._state_lock:
+            if self.lifecycle.state in _TERMINAL_CLIENT:
+                # A second notice loops in DEAD; after SHUTDOWN an exit is expected and is
+                # absorbed, never reported.
+                self.lifecycle.fire(ClientEvent.ENGINE_DIED)
+                return False
+            self._dead_cause = cause
+            self.lifecycle.fire(ClientEvent.ENGINE_DIED)
+            for lc in self._requests.values():
+                lc.fire(ClientRequestEvent.ENGINE_DIED)
+            self._requests.clear()
+            return True
+
+    def _mark_closed(self) -> bool:
+        """Fire SHUTDOWN (idempotent); True on the first call."""
+        with self._state_lock:
+            first = self.lifecycle.state is not ClientState.SHUTDOWN
+            if self.lifecycle.state is ClientState.CONSTRUCTING:
+                self.lifecycle.fire(ClientEvent.CONSTRUCTION_FAILED)
+            else:
+                self.lifecycle.fire(ClientEvent.SHUTDOWN)
+            if first:
+                self._requests.clear()
+            return first
+
+    # -- request bookkeeping ------------------------------------------------------------------
+
+    def _track_add(self, request: EngineCoreRequest) -> None:
+        """Check and record an ADD before it is sent; a live duplicate id is a SpecViolation."""
+        if not isinstance(request, EngineCoreRequest):
+            raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
+        with self._state_lock:
+            self.ensure_alive()
+            rid = request.request_id
+            lc = self._requests.get(rid)
+            if lc is None:
+                lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
+            if not lc.can(ClientRequestEvent.SEND) or not self.lifecycle.can(
+                ClientEvent.ADD_REQUEST
+            ):
+                # Fire to raise the SpecViolation naming the offending transition.
+                if not lc.can(ClientRequestEvent.SEND):
+                    lc.fire(ClientRequestEvent.SEND)
+                self.lifecycle.fire(ClientEvent.ADD_REQUEST)
+            lc.fire(ClientRequestEvent.SEND)
+            self.lifecycle.fire(ClientEvent.ADD_REQUEST)
+            self._requests[rid] = lc
+
+    def _untrack_add(self, request_id: str) -> None:
+        # The send failed: the request never left, so forget it (it may be re-sent).
+        with self._state_lock:
+            self._requests.pop(request_id, None)
+
+    def _track_abort(self, request_ids: list[str]) -> list[str]:
+        """Ids whose abort is worth sending; fires ABORT_SENT on the live ones."""
+        with self._state_lock:
+            for rid in request_ids:
+                lc = self._requests.get(rid)
+                if lc is not None:
+                    lc.fire(ClientRequestEvent.ABORT_SENT)
+        return list(request_ids)
+
+    def _track_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Advance each request's lifecycle; an output the spec forbids raises SpecViolation."""
+        if not outputs.outputs:
+            return
+        with self._state_lock:
+            if self.lifecycle.state in _TERMINAL_CLIENT:
+                return
+            for out in outputs.outputs:
+                lc = self._requests.get(out.request_id)
+                if lc is None:
+                    # Unknown id, or output after a finishing one: fire to raise.
+                    lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
+                if out.finish_reason is None:
+                    lc.fire(ClientRequestEvent.OUTPUT)
+                else:
+                    lc.fire(_FINISH_EVENTS[FinishReason(out.finish_reason)])
+                    self._requests.pop(out.request_id, None)
+
+    def live_requests(self) -> list[str]:
+        """Ids of requests sent and not yet seen finished (sorted)."""
+        with self._state_lock:
+            return sorted(r for r, lc in self._requests.items() if lc.state in _LIVE_REQUEST)
+
+    # -- utility bookkeeping ------------------------------------------------------------------
+
+    def _new_utility_lifecycle(self) -> Lifecycle[Any, UtilityEvent]:
+        return UTILITY.lifecycle(trace=self.trace)
+
+    def _after_sleep(self) -> None:
+        with self._state_lock:
+            if self.lifecycle.can(ClientEvent.SLEEP_ACKED):
+                self.lifecycle.fire(ClientEvent.SLEEP_ACKED)
+
+    def _after_wake(self, fully_awake: bool) -> None:
+        guard = "fully_awake" if fully_awake else "partially_awake"
+        with self._state_lock:
+            if self.lifecycle.can(ClientEvent.WAKE_ACKED, guard):
+                self.lifecycle.fire(ClientEvent.WAKE_ACKED, guard)
+            elif self.lifecycle.state not in _TERMINAL_CLIENT:
+                self.lifecycle.fire(ClientEvent.WAKE_ACKED, guard)  # raises SpecViolation
+
+    # -- context manager ----------------------------------------------------------------------
+
+    def __enter__(self) -> EngineCoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine and release every resource; idempotent."""
+
+
+class SyncClientMixin:
+    """The sync method set, written once over ``call_utility``."""
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    if TYPE_CHECKING:  # provided by EngineCoreClient, which follows in the MRO
+
+        def _after_sleep(self) -> None: ...
+
+        def _after_wake(self, fully_awake: bool) -> None: ...
+
+    def echo(self, value: Any, timeout: float | None = None) -> Any:
+        return self.call_utility("echo", value, timeout=timeout)
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        result: list[Any] = self.call_utility(
+            "collective_rpc", method, list(args), dict(kwargs or {}), timeout=timeout
+        )
+        return result
+
+    def profile(self, is_start: bool = True, path: str | None = None) -> str | None:
+        """Start the engine's profiler, or stop it and get the trace file's path."""
+        result = self.call_utility("profile", "start" if is_start else "stop", path)
+        return None if result is None else str(result)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+    def save_sharded_state(self, path: str) -> list[str]:
+        """Write the weights under ``path`` (on the engine's host); return the files."""
+        return list(self.call_utility("save_sharded_state", path))
+
+    def get_stats(self) -> Any:
+        return self.call_utility("get_stats")
+
+    def pause_scheduler(self, mode: str = "abort") -> None:
+        self.call_utility("pause_scheduler", mode)
+        self._after_sleep()
+
+    def resume_scheduler(self) -> None:
+        self.call_utility("resume_scheduler")
+        self._after_wake(not self.is_sleeping())
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        _check_sleep_args(level, mode)
+        self.call_utility("sleep", level, mode)
+        self._after_sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        fully = bool(self.call_utility("wake_up", tags))
+        self._after_wake(fully)
+        return fully
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call_utility("is_sleeping"))
+
+
+class InprocClient(SyncClientMixin, EngineCoreClient):
+    """The engine in the caller's thread: ``get_output`` runs one step. No threads, sockets."""
+
+    multiprocess = False
+
+    def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None) -> None:
+        super().__init__(config, trace=trace)
+        from .engine import EngineCore
+
+        try:
+            self.engine = EngineCore(config, inproc=True, trace=trace)
+        except Exception as e:
+            self._mark_closed()
+            raise EngineStartupError(f"engine core initialization failed: {e}") from e
+        # Release the engine if the client is dropped without shutdown().
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        # Outputs produced while a deferred utility was being driven to completion.
+        self._buffered: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._apply_ready(self.engine.ready_info())
+        with self._state_lock:
+            self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
+
+    def _step(self) -> EngineCoreOutputs:
+        try:
+            outputs: EngineCoreOutputs = self.engine.step()
+        except Exception as e:
+            self._mark_dead(e)
+            raise self._dead_error() from e
+        return outputs
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._track_add(request)
+        try:
+            self.engine.add_request(request)
+        except Exception:
+            self._untrack_add(request.request_id)
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if not request_ids or self.is_dead:
+            return
+        self.ensure_alive()
+        self.engine.abort_requests(self._track_abort(list(request_ids)))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """One engine step (``timeout`` is accepted for symmetry; a step never waits)."""
+        self.ensure_alive()
+        outputs = self._buffered.popleft() if self._buffered else self._step()
+        self._track_outputs(outputs)
+        return outputs
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        self.ensure_alive()
+        lc = self._new_utility_lifecycle()
+        try:
+            result = self.engine.call_utility(method, list(args))
+            if isinstance(result, concurrent.futures.Future):
+                # Nothing else steps the engine in-process: drive it until the reply.
+                while not result.done():
+                    outputs = self._step()
+                    if outputs.outputs or outputs.finished_requests:
+                        self._buffered.append(outputs)
+                result = result.result()
+        except EngineDeadError:
+            lc.fire(UtilityEvent.ENGINE_DIED)
+            raise
+        except Exception as e:
+            lc.fire(UtilityEvent.REPLY_ERROR)
+            # Same message a remote engine would send, so both transports read alike.
+            message = utility_output(0, method, error=e).failure_message or str(e)
+            raise UtilityError(method, message) from e
+        lc.fire(UtilityEvent.REPLY_OK)
+        return result
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        _check_sleep_args(level, mode)
+        if mode == "wait":
+            raise ValueError(
+                "sleep(mode='wait') is not supported in-process: nothing steps the engine"
+                " while the call waits; use mode='abort' or 'keep'"
+            )
+        super().sleep(level, mode)
+
+    def pause_scheduler(self, mode: str = "abort") -> None:
+        if mode == "wait":
+            raise ValueError("pause_scheduler(mode='wait') is not supported in-process")
+        super().pause_scheduler(mode)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if self._mark_closed() and self._finalizer.detach() is not None:
+            self.engine.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<InprocClient {self.lifecycle.state.name}>"
+
+
+def make_client(
+    config: Any, *, multiprocess: bool, asyncio: bool, **options: Any
+) -> EngineCoreClient:
+    """The client for a transport: in-process, or a subprocess driven sync or async."""
+    if asyncio and not multiprocess:
+        raise NotImplementedError(
+            "asyncio=True needs multiprocess=True: the engine core steps synchronously, so"
+            " an in-process engine cannot be awaited; run it in a subprocess instead"
+        )
+    if not multiprocess:
+        return InprocClient(config, **options)
+    from .mp_client import AsyncMPClient, SyncMPClient
+
+    if asyncio:
+        return AsyncMPClient(config, **options)
+    return SyncMPClient(config, **options)
+

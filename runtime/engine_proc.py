@@ -1,0 +1,645 @@
+"""EngineCoreProc: the engine core in its own process, behind two sockets.
+
+Theory of operation
+-------------------
+Three threads share the work so that (de)serialization overlaps compute (vLLM's layout):
+
+* the **input thread** owns a DEALER connected to the client's ROUTER. It speaks first (the
+  ``ReadyResponse`` handshake: a ROUTER cannot address a peer it has not heard from), then
+  decodes every frame and puts ``(kind, payload)`` on the one input queue. Nothing it receives
+  can kill it: a frame that does not decode is a logged rejection, or an ERROR output (or a
+  failed utility reply) when the request id or call id can be recovered.
+* the **busy loop** on the main thread drains the input queue, blocks on it when the engine
+  has nothing to do (no spinning; the wait is sliced at ``IDLE_WAKE_S`` so signals are seen),
+  and otherwise calls ``EngineCore.step()``. Aborts share the
+  queue with adds, so an abort is never applied before its ADD; the queue is drained before
+  every step, so an abort lands at the next step boundary.
+* the **output thread** owns a PUSH connected to the client's PULL; it encodes into reused
+  buffers, which are only handed back once zmq reports the payload frame sent.
+
+A fatal error in the loop queues the engine-dead sentinel, waits (bounded) for the output
+thread to flush it, and the process exits non-zero. SIGTERM/SIGINT shut down cleanly, also
+while the engine is still being built. The process exits by itself within 5 s of its parent's
+death: ``PR_SET_PDEATHSIG`` where Linux offers it, and a watchdog on the parent's
+multiprocessing sentinel (or pid) everywhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import enum
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from ..protocol.codec import (
+    BufferPool,
+    Encoder,
+    decode_input,
+    peek_request_id,
+    send_frames,
+    utility_output,
+)
+from ..protocol.messages import (
+    ENGINE_DEAD_SENTINEL,
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    ReadyResponse,
+    RequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+from ..spec.engine import EngineEvent, EngineState
+from ..spec.errors import ProtocolError
+from ..spec.machine import TraceEntry
+
+__all__ = ["EngineCoreProc", "EngineShutdownRequested", "run_engine_core"]
+
+logger = logging.getLogger(__name__)
+
+# Seconds the whole process may take to go once its parent is gone (brief: within 5 s).
+PARENT_DEATH_EXIT_S = 3.0
+# Bound on waiting for the output thread to flush the dead sentinel or the last outputs.
+OUTPUT_FLUSH_S = 4.0
+# Longest an idle busy loop waits before it looks at pending signals (see _wait_input).
+IDLE_WAKE_S = 0.5
+# Bound on the input thread connecting and sending the ready handshake.
+HANDSHAKE_SEND_S = 30.0
+
+
+class EngineShutdownRequested(SystemExit):
+    """A signal asked the engine to stop before its busy loop ran; exits with status 0."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class _Control(enum.Enum):
+    # Items of the input queue that do not come from the wire.
+    SHUTDOWN = "shutdown"
+    OUTPUTS = "outputs"  # an output built by the input thread (a rejection)
+
+
+_STOP = object()  # output-queue item: flush and exit
+
+
+class _ShutdownSignals:
+    """SIGTERM/SIGINT handling that is safe both during construction and in the loop.
+
+    Before the loop is armed a signal raises ``EngineShutdownRequested`` in the main thread, so
+    a long construction is interrupted at once. Once armed, the handler only sets an event: a
+    helper thread puts the shutdown item on the input queue (a handler must not take the
+    queue's lock, which the interrupted main thread may hold).
+    """
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._armed: queue.Queue[Any] | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, prev in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, prev)
+        self._previous.clear()
+
+    def arm(self, input_queue: queue.Queue[Any]) -> None:
+        self._armed = input_queue
+        threading.Thread(target=self._waker, name="EngineSignalWaker", daemon=True).start()
+        if self.requested.is_set():
+            raise EngineShutdownRequested()
+
+    def _waker(self) -> None:
+        self.requested.wait()
+        if self._armed is not None:
+            self._armed.put((_Control.SHUTDOWN, None))
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        first = not self.requested.is_set()
+        self.requested.set()
+        if first:
+            logger.info("engine core received %s; shutting down", signal.Signals(signum).name)
+        if self._armed is None:
+            raise EngineShutdownRequested()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed."""
+    if sys.platform.startswith("linux"):
+        # Delivered when the parent *thread* that spawned us exits, which may happen while the
+        # parent process lives on: the handler checks the real parent before acting.
+        def on_pdeathsig(_signum: int, _frame: object) -> None:
+            if os.getppid() != parent_pid:
+                _parent_gone("PR_SET_PDEATHSIG")
+
+        with contextlib.suppress(Exception):
+            signal.signal(signal.SIGUSR1, on_pdeathsig)
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, int(signal.SIGUSR1), 0, 0, 0)
+
+    def watchdog() -> None:
+        parent = multiprocessing.parent_process()
+        sentinel = getattr(parent, "sentinel", None) if parent is not None else None
+        while True:
+            if sentinel is not None:
+                # The spawn parent holds the write end of this pipe: EOF means it is gone.
+                if multiprocessing.connection.wait([sentinel], timeout=0.5):
+                    break
+            elif not _pid_alive(parent_pid):
+                break
+            else:
+                time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                break
+        _parent_gone("watchdog")
+
+    threading.Thread(target=watchdog, name="EngineParentWatchdog", daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        _parent_gone("startup check")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_parent_gone_once = threading.Lock()
+
+
+def _parent_gone(how: str) -> None:
+    if not _parent_gone_once.acquire(blocking=False):
+        return
+    logger.warning("engine core: parent process is gone (%s); exiting", how)
+
+    def hard_exit() -> None:
+        time.sleep(PARENT_DEATH_EXIT_S)
+        os._exit(1)
+
+    threading.Thread(target=hard_exit, name="EngineHardExit", daemon=True).start()
+    # Route through the SIGTERM handler so a clean shutdown is tried first.
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _salvage_call_id(frame: Any) -> int | None:
+    """Call id of a utility request that failed to decode, so its caller is not left hanging."""
+    try:
+        value = msgspec.msgpack.decode(memoryview(frame))
+    except Exception:
+        return None
+    if isinstance(value, list) and len(value) >= 2:
+        call_id = value[1]
+        if isinstance(call_id, int) and not isinstance(call_id, bool):
+            return call_id
+    return None
+
+
+class EngineCoreProc:
+    """The engine core plus its IO threads; ``run_busy_loop()`` runs on the calling thread."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        input_address: str,
+        output_address: str,
+        engine_index: int = 0,
+        heartbeat_interval_s: float | None = None,
+        startup_delay_s: float = 0.0,
+        trace: list[TraceEntry] | None = None,
+        signals: _ShutdownSignals | None = None,
+        fault: str | None = None,
+    ) -> None:
+        from .engine import EngineCore  # deferred: keeps this module importable without torch
+
+        self.engine_index = engine_index
+        self.identity = engine_index.to_bytes(2, "little")
+        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._signals = signals
+        self._ctx = zmq.Context()
+        self._threads: list[threading.Thread] = []
+        self._deferred: set[concurrent.futures.Future[Any]] = set()
+        self._replies: list[UtilityOutput] = []
+        self._input_ready = threading.Event()
+        self._input_error: BaseException | None = None
+        self.engine: Any = None
+        try:
+            if startup_delay_s > 0:
+                # Test hook: hold the handshake so a test can act "during start-up".
+                time.sleep(startup_delay_s)
+            self.engine = EngineCore(config, inproc=False, trace=trace)
+            if fault:
+                self.engine.fault_hook = _fault_hook(fault)
+            info = self.engine.ready_info()
+            ready = ReadyResponse(
+                protocol_version=PROTOCOL_VERSION,
+                engine_index=engine_index,
+                num_gpu_blocks=int(info["num_gpu_blocks"]),
+                block_size=int(info["block_size"]),
+                max_model_len=int(info["max_model_len"]),
+                model=str(info["model"]),
+                device=str(info["device"]),
+            )
+            self._start("EngineCoreOutputThread", self._output_thread, output_address)
+            self._start("EngineCoreInputThread", self._input_thread, input_address, ready)
+            deadline = time.monotonic() + HANDSHAKE_SEND_S
+            while not self._input_ready.wait(0.1):
+                if self._input_error is not None or not self._threads[-1].is_alive():
+                    raise RuntimeError("engine input thread died during start-up") from (
+                        self._input_error
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError("engine could not send its ready handshake")
+            self.engine.lifecycle.fire(EngineEvent.HANDSHAKE_SENT)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def _start(self, name: str, target: Any, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _input_thread(self, address: str, ready: ReadyResponse) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(address)
+            sock.send_multipart(Encoder().encode(ready), copy=False)
+            self._input_ready.set()
+            while True:
+                try:
+                    frames = sock.recv_multipart(copy=False)
+                except zmq.ContextTerminated:
+                    return
+                try:
+                    self._accept(frames)
+                except Exception:
+                    # The input thread must outlive any frame: log and keep serving.
+                    logger.exception("engine input thread: dropped a frame it could not handle")
+        except zmq.ContextTerminated:
+            return
+        except BaseException as e:
+            self._input_error = e
+            logger.exception("engine input thread failed")
+            # Without input the engine is useless: make it visible as a fatal error.
+            self.input_queue.put((_Control.SHUTDOWN, e))
+        finally:
+            sock.close(linger=0)
+
+    def _accept(self, frames: list[Any]) -> None:
+        if not frames:
+            raise ProtocolError("empty message")
+        type_byte = bytes(frames[0].buffer)
+        rest = [f.buffer for f in frames[1:]]
+        try:
+            kind, payload = decode_input(type_byte, rest)
+        except ProtocolError as e:
+            self._reject(type_byte, rest, e)
+            return
+        self.input_queue.put((kind, payload))
+
+    def _reject(self, type_byte: bytes, rest: list[Any], error: ProtocolError) -> None:
+        request_id = peek_request_id(rest) if rest else None
+        if type_byte == RequestType.ADD.value and request_id is not None:
+            logger.warning("rejected malformed ADD for %r: %s", request_id, error)
+            out = EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=f"malformed request: {error}",
+            )
+            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(outputs=[out])))
+            return
+        call_id = _salvage_call_id(rest[0]) if rest else None
+        if type_byte == RequestType.UTILITY.value and call_id is not None:
+            logger.warning("rejected malformed utility call %r: %s", call_id, error)
+            reply = UtilityOutput(call_id=call_id, failure_message=f"malformed call: {error}")
+            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(utility_output=reply)))
+            return
+        logger.warning("rejected malformed input (type byte %r): %s", type_byte[:4], error)
+
+    def _output_thread(self, address: str) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
+        encoder = Encoder()
+        pool = BufferPool(max_free=4)
+        try:
+            sock.connect(address)
+            while True:
+                try:
+                    item = self.output_queue.get(timeout=self.heartbeat_interval_s)
+                except queue.Empty:
+                    # Idle heartbeat: lets an attached client tell "idle" from "gone".
+                    item = EngineCoreOutputs(engine_index=self.engine_index,
+                                             timestamp=EngineCoreOutputs.now())
+                if item is _STOP:
+                    return
+                if isinstance(item, bytes):  # the engine-dead sentinel
+                    sock.send(item)
+                    return
+                buf = pool.acquire()
+                frames = encoder.encode_into(item, buf)
+                # The payload's own tracker decides when ``buf`` may be reused.
+                pool.release(buf, send_frames(sock, frames, track=True))
+        except zmq.ContextTerminated:
+            return
+        except BaseException:
+            logger.exception("engine output thread failed")
+            # Nothing can reach the client any more; make the engine stop.
+            self.input_queue.put((_Control.SHUTDOWN, RuntimeError("output thread failed")))
+        finally:
+            sock.close()
+
+    # -- main loop ----------------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        self.engine.lifecycle.fire(EngineEvent.LOOP_STARTED)
+        if self._signals is not None:
+            self._signals.arm(self.input_queue)
+        idle_rounds = 0
+        while True:
+            if not self._drain_input(block=not self._has_work(), idle_rounds=idle_rounds):
+                return
+            if not self._has_work():
+                continue
+            outputs = self.engine.step()
+            progressed = self._emit(outputs) | self._flush_replies()
+            idle_rounds = 0 if progressed else idle_rounds + 1
+
+    def _flush_replies(self) -> bool:
+        if not self._replies:
+            return False
+        replies, self._replies = self._replies, []
+        for out in replies:
+            self._emit_utility(out)
+        return True
+
+    def _has_work(self) -> bool:
+        e = self.engine
+        return bool(e.has_unfinished_requests() or e.has_pending_outputs() or self._deferred)
+
+    def _drain_input(self, *, block: bool, idle_rounds: int) -> bool:
+        """Handle queued input; False once shutdown was requested."""
+        try:
+            if block:
+                item = self._wait_input()
+                if item is None:
+                    return not self._stop_requested()
+            elif idle_rounds > 2:
+                # Work exists but steps produce nothing (e.g. parked requests): back off
+                # instead of spinning, while still reacting to input at once.
+                item = self.input_queue.get(timeout=min(0.05, 0.001 * idle_rounds))
+            else:
+                item = self.input_queue.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if not self._handle(*item):
+                return False
+            self._flush_replies()
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _wait_input(self) -> tuple[Any, Any] | None:
+        # Idle: block on the queue. The wait is sliced because CPython runs signal handlers
+        # only on the main thread, and a signal the kernel hands to another thread (zmq's,
+        # torch's) does not interrupt this wait: every IDLE_WAKE_S the main thread looks.
+        try:
+            return self.input_queue.get(timeout=IDLE_WAKE_S)
+        except queue.Empty:
+            return None
+
+    def _stop_requested(self) -> bool:
+        return self._signals is not None and self._signals.requested.is_set()
+
+    def _handle(self, kind: Any, payload: Any) -> bool:
+        if kind is _Control.SHUTDOWN:
+            if isinstance(payload, BaseException):
+                raise RuntimeError("engine IO thread failed") from payload
+            return False
+        if kind is _Control.OUTPUTS:
+            self._emit(payload)
+        elif kind is RequestType.ADD:
+            try:
+                self.engine.add_request(payload)
+            except Exception as e:
+                if self.engine.lifecycle.state is EngineState.DEAD:
+                    raise
+                # Request-scoped: this request fails, the engine serves on.
+                logger.exception("engine refused request %r", payload.request_id)
+                self._emit(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    payload.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}")]))
+        elif kind is RequestType.ABORT:
+            self.engine.abort_requests(list(payload))
+        elif kind is RequestType.UTILITY:
+            self._call_utility(payload)
+        else:
+            logger.error("engine: unknown input kind %r dropped", kind)
+        return True
+
+    def _call_utility(self, call: UtilityRequest) -> None:
+        try:
+            result = self.engine.call_utility(call.method, list(call.args))
+        except Exception as e:
+            self._emit_utility(utility_output(call.call_id, call.method, error=e))
+            return
+        if isinstance(result, concurrent.futures.Future):
+            # Deferred reply (pause/sleep in "wait" mode): sent when the engine resolves it.
+            self._deferred.add(result)
+
+            def done(fut: concurrent.futures.Future[Any]) -> None:
+                self._deferred.discard(fut)
+                exc = fut.exception()
+                if exc is not None:
+                    out = utility_output(call.call_id, call.method, error=exc)
+                else:
+                    out = utility_output(call.call_id, call.method, result=fut.result())
+                # Completed inside step(): held until that step's outputs are queued, so a
+                # "wait" reply follows the last outputs it waited for.
+                self._replies.append(out)
+
+            result.add_done_callback(done)
+        else:
+            self._emit_utility(utility_output(call.call_id, call.method, result=result))
+
+    def _emit_utility(self, out: UtilityOutput) -> None:
+        self.output_queue.put(
+            EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
+                              timestamp=EngineCoreOutputs.now())
+        )
+
+    def _emit(self, outputs: EngineCoreOutputs | None) -> bool:
+        if outputs is None:
+            return False
+        if not (outputs.outputs or outputs.finished_requests or outputs.utility_output):
+            return False
+        if outputs.engine_index != self.engine_index:
+            outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
+        self.output_queue.put(outputs)
+        return True
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def send_engine_dead(self) -> None:
+        """Queue the sentinel and give the output thread a bounded time to flush it."""
+        if self.engine is not None and self.engine.lifecycle.can(EngineEvent.FATAL_ERROR):
+            self.engine.lifecycle.fire(EngineEvent.FATAL_ERROR)
+        self.output_queue.put(ENGINE_DEAD_SENTINEL)
+        for t in self._threads:
+            if t.name == "EngineCoreOutputThread":
+                t.join(OUTPUT_FLUSH_S)
+                if t.is_alive():
+                    logger.critical("engine-dead sentinel could not be flushed in time")
+
+    def close(self) -> None:
+        """Shut the engine down, flush its last outputs, stop the IO threads; bounded."""
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+                # Live requests end with ABORT on shutdown: let their owners know.
+                final = self.engine.take_final_outputs()
+                if final is not None:
+                    self._emit(final)
+                self._flush_replies()  # deferred calls failed by the shutdown
+            except Exception:
+                logger.exception("engine shutdown raised")
+        self.output_queue.put(_STOP)
+        for t in self._threads:
+            if t.name == "EngineCoreOutputThread":
+                t.join(OUTPUT_FLUSH_S)
+        # Terminating the context wakes the input thread's blocking recv; it closes its
+        # socket and term() returns. Bounded by a helper thread in case a socket is stuck.
+        ctx = self._ctx
+        t = threading.Thread(target=ctx.term, name="EngineCtxTerm", daemon=True)
+        t.start()
+        t.join(2.0)
+        for th in self._threads:
+            th.join(1.0)
+        self._threads.clear()
+
+
+def _fault_hook(spec: str) -> Any:
+    """Test hook ``"<point>:<n>"``: raise a RuntimeError the n-th time ``point`` is reached
+    (points: ``step``, ``forward``, ``utility:<method>``, ``sleep``, ``wake_up``)."""
+    point, _, nth = spec.rpartition(":")
+    if not point:
+        point, nth = spec, "1"
+    remaining = [int(nth)]
+
+    def hook(where: str) -> None:
+        if where == point:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                raise RuntimeError(f"injected fault at {where}")
+
+    return hook
+
+
+def run_engine_core(
+    config: Any,
+    *,
+    input_address: str,
+    output_address: str,
+    engine_index: int = 0,
+    parent_pid: int | None = None,
+    heartbeat_interval_s: float | None = None,
+    startup_delay_s: float = 0.0,
+    trace: list[TraceEntry] | None = None,
+    fault: str | None = None,
+) -> int:
+    """Build the engine, handshake with the client at the given addresses, serve until told
+    to stop. Returns the process exit status (0 clean, 1 fatal). ``parent_pid`` turns on the
+    parent-death watch; engines started by ``enginewire engine`` pass None. ``fault`` is a
+    test hook (see ``_fault_hook``)."""
+    signals = _ShutdownSignals()
+    signals.install()
+    if parent_pid is not None:
+        _watch_parent(parent_pid)
+    proc: EngineCoreProc | None = None
+    constructed = False
+    try:
+        proc = EngineCoreProc(
+            config,
+            input_address=input_address,
+            output_address=output_address,
+            engine_index=engine_index,
+            heartbeat_interval_s=heartbeat_interval_s,
+            startup_delay_s=startup_delay_s,
+            trace=trace,
+            signals=signals,
+            fault=fault,
+        )
+        constructed = True
+        # The model and its imports are built: move them out of the collector's reach so
+        # full collections do not stall steps (vLLM's freeze_gc_heap).
+        gc.collect()
+        gc.freeze()
+        proc.run_busy_loop()
+        return 0
+    except EngineShutdownRequested:
+        logger.info("engine core shut down by signal")
+        return 0
+    except Exception:
+        if not constructed:
+            logger.exception("engine core failed to start")
+        else:
+            logger.exception("engine core hit a fatal error")
+            assert proc is not None
+            proc.send_engine_dead()
+        return 1
+    finally:
+        signals.restore()
+        if proc is not None:
+            proc.close()
+
+
+def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
+    """Entry point of a spawned engine process (importable, so spawn can find it)."""
+    logging.basicConfig(
+        level=os.environ.get("ENGINEWIRE_ENGINE_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s",
+    )
+    threads = os.environ.get("ENGINEWIRE_ENGINE_THREADS")
+    if threads:
+        # CPU engines on a shared machine (CI) oversubscribe cores with torch's default.
+        import torch
+
+        torch.set_num_threads(int(threads))
+    config: Any = msgspec.msgpack.decode(config_bytes, type=config_type)
+    code = run_engine_core(config, **kwargs)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit skips interpreter teardown, which could block on a stuck daemon thread.
+    os._exit(code)

@@ -1,0 +1,1043 @@
+"""Multi-process clients: the engine core in a subprocess, behind a ROUTER/PULL socket pair.
+
+Theory of operation
+-------------------
+``MPClient`` (shared by ``SyncMPClient`` and ``AsyncMPClient``) binds an input ROUTER and an
+output PULL on ``ipc://`` paths inside a private 0700 directory, starts the engine process
+(spawn: safe with CUDA) and waits for the engine's ``ReadyResponse`` on the ROUTER. That wait
+has a deadline (``ready_timeout_s``) and also watches the process sentinel, so an engine that
+dies while starting fails construction at once instead of at the deadline.
+
+Everything outside Python objects (process, sockets, context, ipc directory, monitor thread)
+is held by ``BackgroundResources``, attached with ``weakref.finalize`` *before* anything is
+created: a failure anywhere during construction, a dropped client and ``shutdown()`` all run
+the same idempotent teardown. The output socket belongs to its reader (thread or task) and is
+closed only there; the others are closed with linger 0 before the context terminates.
+
+Engine death is seen on every path, within a second:
+
+* the **monitor thread** waits on the process sentinel (and, for attached engines, a
+  heartbeat deadline): a SIGKILLed engine sends nothing, yet its exit is seen at once;
+* the **reader** treats the engine-dead sentinel frame, or an undecodable frame, as death;
+* on death the client fires ENGINE_DIED, fails *every* pending utility future with
+  ``EngineDeadError`` (vLLM leaves them hanging) and wakes every blocked ``get_output``.
+
+Utility calls are futures in a registry keyed by ``call_id``, registered before the frame is
+sent. Each has exactly one outcome (spec ``UTILITY``); a reply that arrives after a timeout or
+a cancellation finds no entry and is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ..protocol.codec import (
+    Encoder,
+    decode_outputs,
+    decode_ready,
+    decode_utility_result,
+    encode_input,
+    is_dead_sentinel,
+)
+from ..protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+from ..spec.client import ClientEvent
+from ..spec.errors import (
+    ClientClosedError,
+    EngineDeadError,
+    EngineStartupError,
+    ProtocolError,
+    UtilityError,
+    UtilityTimeoutError,
+)
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.utility import UtilityEvent, UtilityState
+from .client import EngineCoreClient, SyncClientMixin, _check_sleep_args
+from .ipc import IpcDir
+
+__all__ = [
+    "DEFAULT_READY_TIMEOUT_S",
+    "READY_TIMEOUT_ENV",
+    "AsyncMPClient",
+    "BackgroundResources",
+    "MPClient",
+    "SyncMPClient",
+]
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_ENV = "ENGINEWIRE_ENGINE_READY_TIMEOUT_S"
+DEFAULT_READY_TIMEOUT_S = 120.0
+# Grace between SIGTERM and SIGKILL when shutting the engine down.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# Late replies remembered (to record their drop in the trace); bounded, oldest forgotten.
+_LATE_MEMORY = 256
+
+_DEAD = object()  # output-queue marker: the engine died
+_CLOSED = object()  # output-queue marker: the client was shut down
+
+
+def _ready_timeout(option: float | None) -> float:
+    if option is not None:
+        return float(option)
+    raw = os.environ.get(READY_TIMEOUT_ENV)
+    if raw:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{READY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return DEFAULT_READY_TIMEOUT_S
+
+
+def _describe_exit(pid: int | None, code: int | None) -> str:
+    if code is None:
+        return f"engine core process {pid} stopped responding"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"engine core process {pid} was killed by {name} (exit code {code})"
+    return f"engine core process {pid} exited with exit code {code}"
+
+
+class EngineProcessDied(RuntimeError):
+    """Cause attached to ``EngineDeadError`` when the engine process went away."""
+
+
+# --- utility registry ------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    future: Any  # concurrent.futures.Future or asyncio.Future
+    lifecycle: Lifecycle[UtilityState, UtilityEvent]
+    method: str
+
+
+class _UtilityRegistry:
+    """call_id -> pending future. Entries leave at their first (and only) outcome."""
+
+    def __init__(self, trace: list[TraceEntry] | None) -> None:
+        self._trace = trace
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._late: collections.OrderedDict[int, Lifecycle[UtilityState, UtilityEvent]] = (
+            collections.OrderedDict()
+        )
+        self._refused: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def register(self, future: Any, method: str) -> int:
+        from ..spec.utility import UTILITY
+
+        with self._lock:
+            if self._refused is not None:
+                raise self._refused
+            call_id = next(self._ids)
+            self._pending[call_id] = _Pending(future, UTILITY.lifecycle(trace=self._trace), method)
+            return call_id
+
+    def _forget(self, call_id: int, entry: _Pending, event: UtilityEvent) -> None:
+        entry.lifecycle.fire(event)
+        self._late[call_id] = entry.lifecycle
+        while len(self._late) > _LATE_MEMORY:
+            self._late.popitem(last=False)
+
+    def give_up(self, call_id: int, event: UtilityEvent) -> bool:
+        """Timeout or cancel: remove the entry; False if an outcome already arrived."""
+        with self._lock:
+            entry = self._pending.pop(call_id, None)
+            if entry is None:
+                return False
+            self._forget(call_id, entry, event)
+            return True
+
+    def withdraw(self, call_id: int, event: UtilityEvent) -> None:
+        """The frame never left: remove the entry with the given outcome."""
+        with self._lock:
+            entry = self._pending.pop(call_id, None)
+            if entry is not None:
+                entry.lifecycle.fire(event)
+
+    def resolve(self, reply: UtilityOutput) -> tuple[Any, BaseException | None, Any] | None:
+        """Match a reply to its entry: ``(future, error, result)``, or None if dropped."""
+        ok = reply.failure_message is None
+        event = UtilityEvent.REPLY_OK if ok else UtilityEvent.REPLY_ERROR
+        with self._lock:
+            entry = self._pending.pop(reply.call_id, None)
+            if entry is None:
+                late = self._late.pop(reply.call_id, None)
+                if late is not None:
+                    late.fire(event)  # loops in CANCELLED / TIMED_OUT: dropped
+                else:
+                    logger.debug("utility reply for unknown call id %s dropped", reply.call_id)
+                return None
+            if entry.future.done():
+                # Cancelled by its caller before it could withdraw the entry.
+                entry.lifecycle.fire(UtilityEvent.CANCEL)
+                entry.lifecycle.fire(event)
+                return None
+            if not ok:
+                entry.lifecycle.fire(event)
+                return entry.future, UtilityError(entry.method, reply.failure_message or ""), None
+            try:
+                result = decode_utility_result(reply.result)
+            except ProtocolError as e:
+                entry.lifecycle.fire(UtilityEvent.REPLY_ERROR)
+                return entry.future, UtilityError(entry.method, str(e)), None
+            entry.lifecycle.fire(event)
+            return entry.future, None, result
+
+    def fail_all(self, error: BaseException, event: UtilityEvent) -> list[Any]:
+        """Fire ``event`` on every pending call and refuse new ones; return their futures."""
+        with self._lock:
+            if self._refused is None:
+                self._refused = error
+            entries = list(self._pending.values())
+            self._pending.clear()
+            for entry in entries:
+                entry.lifecycle.fire(event)
+            return [e.future for e in entries]
+
+
+def _set_future(fut: Any, error: BaseException | None, result: Any) -> None:
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
+        pass  # cancelled in between: the reply is dropped
+
+
+# --- background resources --------------------------------------------------------------------
+
+
+@dataclass
+class BackgroundResources:
+    """What a client owns outside Python objects. Calling it tears everything down, once.
+
+    It holds no reference to the client, so ``weakref.finalize(client, resources)`` runs it
+    when the client is dropped, at interpreter exit, or explicitly from ``shutdown()``.
+    """
+
+    ctx: zmq.Context[Any] | None = None
+    ipc_dir: IpcDir | None = None
+    proc: Any = None  # multiprocessing.Process
+    input_socket: zmq.Socket[Any] | None = None
+    # Owned by the reader once it runs (then None here).
+    output_socket: zmq.Socket[Any] | None = None
+    shutdown_address: str | None = None
+    reader_thread: threading.Thread | None = None
+    reader_task: asyncio.Task[Any] | None = None
+    reader_loop: asyncio.AbstractEventLoop | None = None
+    async_output_socket: zmq.asyncio.Socket | None = None
+    monitor_thread: threading.Thread | None = None
+    monitor_pipe: tuple[int, int] | None = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    shutdown_timeout: float | None = None
+    last_seen: list[float] = field(default_factory=lambda: [time.monotonic()])
+    done: bool = False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._stop_monitor()
+        self._stop_process()
+        self._close_sockets()
+        self._term_context()
+        if self.ipc_dir is not None:
+            self.ipc_dir.remove()
+            self.ipc_dir = None
+
+    def _stop_monitor(self) -> None:
+        if self.monitor_pipe is not None:
+            try:
+                os.write(self.monitor_pipe[1], b"x")
+            except OSError:
+                pass
+        monitor = self.monitor_thread
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(2.0)
+        if self.monitor_pipe is not None:
+            for fd in self.monitor_pipe:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.monitor_pipe = None
+
+    def _stop_process(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        self.proc = None
+        timeout = self.shutdown_timeout
+        if timeout is None:
+            timeout = DEFAULT_SHUTDOWN_TIMEOUT_S
+        try:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout)
+            if proc.is_alive():
+                logger.warning("engine core did not stop within %.1f s; killing it", timeout)
+                proc.kill()
+                proc.join(5.0)
+            proc.join(0)
+            proc.close()
+        except ValueError:
+            pass  # already closed
+
+    def _close_sockets(self) -> None:
+        with self.send_lock:
+            if self.input_socket is not None:
+                self.input_socket.close(linger=0)
+                self.input_socket = None
+        if self.output_socket is not None:  # never handed to a reader
+            self.output_socket.close(linger=0)
+            self.output_socket = None
+        if self.reader_thread is not None and self.ctx is not None:
+            # Ask the reader to close the PULL socket in its own thread (sockets are not
+            # thread-safe); NOBLOCK because a reader that already exited is not listening.
+            sig = self.ctx.socket(zmq.PAIR)
+            try:
+                sig.connect(self.shutdown_address or "")
+                sig.send(b"", flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            finally:
+                sig.close(linger=0)
+            if self.reader_thread is not threading.current_thread():
+                self.reader_thread.join(5.0)
+                if self.reader_thread.is_alive():
+                    logger.warning("output reader thread did not exit")
+        if self.async_output_socket is not None:
+            self._close_async()
+
+    def _close_async(self) -> None:
+        sock, task, loop = self.async_output_socket, self.reader_task, self.reader_loop
+        self.async_output_socket = None
+        assert sock is not None
+
+        def close() -> None:
+            if task is not None:
+                task.cancel()
+            sock.close(linger=0)
+
+        on_loop = False
+        try:
+            on_loop = loop is not None and asyncio.get_running_loop() is loop
+        except RuntimeError:
+            pass
+        if loop is None or on_loop or loop.is_closed() or not loop.is_running():
+            close()
+            return
+        done = threading.Event()
+
+        def close_and_signal() -> None:
+            try:
+                close()
+            finally:
+                done.set()
+
+        try:
+            loop.call_soon_threadsafe(close_and_signal)
+        except RuntimeError:  # loop closed in between
+            close()
+            return
+        if not done.wait(5.0):
+            logger.warning("event loop did not close the output socket; closing it here")
+            close()
+
+    def _term_context(self) -> None:
+        ctx = self.ctx
+        self.ctx = None
+        if ctx is None:
+            return
+        # term() blocks until every socket is closed; bound it so a stuck reader cannot
+        # hang shutdown (the context then leaks, which is logged).
+        t = threading.Thread(target=ctx.term, name="EngineClientCtxTerm", daemon=True)
+        t.start()
+        t.join(5.0)
+        if t.is_alive():
+            logger.warning("zmq context did not terminate; a socket was left open")
+
+
+def _monitor_engine(
+    client_ref: weakref.ReferenceType[MPClient],
+    proc: Any,
+    stop_fd: int,
+    heartbeat_timeout_s: float | None,
+    last_seen: list[float],
+) -> None:
+    """Wait for the engine process to exit (or go silent) and report it to the client."""
+    waitables: list[Any] = [stop_fd]
+    if proc is not None:
+        waitables.append(proc.sentinel)
+    period = heartbeat_timeout_s / 4 if heartbeat_timeout_s else None
+    while True:
+        ready = multiprocessing.connection.wait(waitables, timeout=period)
+        if stop_fd in ready:
+            return
+        if proc is not None and proc.sentinel in ready:
+            # A readable sentinel with a live process would be a false alarm (vLLM #54184):
+            # require a real exit code.
+            proc.join(1.0)
+            if proc.exitcode is None:
+                continue
+            cause: BaseException = EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
+            break
+        if heartbeat_timeout_s and time.monotonic() - last_seen[0] > heartbeat_timeout_s:
+            cause = EngineProcessDied(
+                f"no message from the engine for {heartbeat_timeout_s:g} s"
+                " (engine_heartbeat_timeout_s)"
+            )
+            break
+    client = client_ref()
+    if client is not None:
+        client._on_engine_dead(cause)
+
+
+# --- MPClient --------------------------------------------------------------------------------
+
+
+class MPClient(EngineCoreClient):
+    """Shared by the sync and async clients: launch, handshake, monitor, registry, teardown."""
+
+    multiprocess = True
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        trace: list[TraceEntry] | None = None,
+        ready_timeout_s: float | None = None,
+        engine_index: int = 0,
+        client_index: int = 0,
+        input_address: str | None = None,
+        output_address: str | None = None,
+        launch_engine: bool = True,
+        engine_heartbeat_timeout_s: float | None = None,
+        engine_heartbeat_interval_s: float | None = None,
+        engine_startup_delay_s: float = 0.0,
+        engine_fault: str | None = None,
+        shutdown_timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(config, trace=trace)
+        self.resources = BackgroundResources(shutdown_timeout=shutdown_timeout_s)
+        # First thing: whatever fails below, the finalizer reclaims what was created.
+        self._finalizer = weakref.finalize(self, self.resources)
+        self.engine_index = engine_index
+        self.client_index = client_index
+        self.identity = engine_index.to_bytes(2, "little")
+        self._utilities = _UtilityRegistry(trace)
+        self._encoder = Encoder()
+        self._pending_sends: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
+        self.engine_pid: int | None = None
+        self.ready_response: Any = None
+        try:
+            self._start(
+                ready_timeout=_ready_timeout(ready_timeout_s),
+                input_address=input_address,
+                output_address=output_address,
+                launch_engine=launch_engine,
+                heartbeat_timeout_s=engine_heartbeat_timeout_s,
+                heartbeat_interval_s=engine_heartbeat_interval_s,
+                startup_delay_s=engine_startup_delay_s,
+                fault=engine_fault,
+            )
+        except BaseException:
+            self._mark_closed()
+            self._finalizer()
+            raise
+
+    def _start(
+        self,
+        *,
+        ready_timeout: float,
+        input_address: str | None,
+        output_address: str | None,
+        launch_engine: bool,
+        heartbeat_timeout_s: float | None,
+        heartbeat_interval_s: float | None,
+        startup_delay_s: float,
+        fault: str | None,
+    ) -> None:
+        res = self.resources
+        res.ctx = zmq.Context(io_threads=1)
+        if input_address is None or output_address is None:
+            res.ipc_dir = IpcDir()
+            input_address = input_address or res.ipc_dir.address("input")
+            output_address = output_address or res.ipc_dir.address("output")
+        inp = res.ctx.socket(zmq.ROUTER)
+        res.input_socket = inp
+        inp.setsockopt(zmq.LINGER, 0)
+        inp.setsockopt(zmq.SNDHWM, 0)  # a full ROUTER drops silently: never drop a request
+        inp.setsockopt(zmq.RCVHWM, 0)
+        inp.bind(input_address)
+        self.input_address = inp.getsockopt_string(zmq.LAST_ENDPOINT)
+        out = self._make_output_socket(res.ctx)
+        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.RCVHWM, 0)
+        out.bind(output_address)
+        self.output_address = out.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        if launch_engine:
+            from .engine_proc import _process_main
+
+            mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
+            kwargs = {
+                "input_address": self.input_address,
+                "output_address": self.output_address,
+                "engine_index": self.engine_index,
+                "parent_pid": os.getpid(),
+                "heartbeat_interval_s": heartbeat_interval_s,
+                "startup_delay_s": startup_delay_s,
+                "fault": fault,
+            }
+            proc = mp.Process(
+                target=_process_main,
+                args=(type(self.config), msgspec.msgpack.encode(self.config), kwargs),
+                name=f"EngineCore_{self.engine_index}",
+                daemon=True,
+            )
+            proc.start()
+            res.proc = proc
+            self.engine_pid = proc.pid
+        elif heartbeat_timeout_s is None:
+            logger.info("attached engine without a heartbeat: only its sentinel reports death")
+
+        ready = self._wait_ready(ready_timeout)
+        self.ready_response = ready
+        self._apply_ready(ready)
+        res.last_seen[0] = time.monotonic()
+
+        stop_r, stop_w = os.pipe()
+        res.monitor_pipe = (stop_r, stop_w)
+        if res.proc is not None or heartbeat_timeout_s:
+            res.monitor_thread = threading.Thread(
+                target=_monitor_engine,
+                args=(weakref.ref(self), res.proc, stop_r, heartbeat_timeout_s, res.last_seen),
+                name="EngineCoreMonitor",
+                daemon=True,
+            )
+            res.monitor_thread.start()
+        self._start_reader()
+        with self._state_lock:
+            self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
+
+    def _make_output_socket(self, ctx: zmq.Context[Any]) -> Any:
+        sock = ctx.socket(zmq.PULL)
+        self.resources.output_socket = sock
+        return sock
+
+    def _start_reader(self) -> None:
+        raise NotImplementedError
+
+    def _wait_ready(self, timeout: float) -> Any:
+        """The engine speaks first: wait for its ReadyResponse, its death, or the deadline."""
+        res = self.resources
+        assert res.input_socket is not None
+        poller = zmq.Poller()
+        poller.register(res.input_socket, zmq.POLLIN)
+        sentinel = res.proc.sentinel if res.proc is not None else None
+        if sentinel is not None:
+            poller.register(sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineStartupError(
+                    f"timed out after {timeout:g} s waiting for the engine core to start"
+                    " (slow weight loading is a common cause); raise the deadline with the"
+                    f" ready_timeout_s option or the {READY_TIMEOUT_ENV} environment variable"
+                )
+            events = dict(poller.poll(max(1, int(min(remaining, 1.0) * 1000))))
+            if res.input_socket in events:
+                identity, *frames = res.input_socket.recv_multipart()
+                if identity != self.identity:
+                    logger.warning("ignoring a message from unknown engine %r", identity)
+                    continue
+                try:
+                    return decode_ready(frames)
+                except ProtocolError as e:
+                    raise EngineStartupError(f"engine handshake refused: {e}") from e
+            if sentinel is not None and (sentinel in events or not res.proc.is_alive()):
+                res.proc.join(1.0)
+                raise EngineStartupError(
+                    "engine core initialization failed; see the engine's log above: "
+                    + _describe_exit(res.proc.pid, res.proc.exitcode)
+                )
+
+    # -- death and shutdown -------------------------------------------------------------------
+
+    def _on_engine_dead(self, cause: BaseException) -> None:
+        """Called from the monitor or the reader; safe to call more than once."""
+        if not self._mark_dead(cause):
+            return
+        logger.warning("engine core died: %s", cause)
+        err = self._dead_error()
+        self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
+        self._wake_waiters(_DEAD)
+
+    def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
+        for fut in futures:
+            _set_future(fut, err, None)
+
+    def _wake_waiters(self, marker: object) -> None:
+        raise NotImplementedError
+
+    def pending_utility_calls(self) -> int:
+        """Registry entries still waiting for an outcome (0 once all calls ended)."""
+        return len(self._utilities)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after ``timeout`` s) and free everything."""
+        if not self._mark_closed():
+            return
+        err = ClientClosedError("the client was shut down")
+        self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.CLIENT_SHUTDOWN), err)
+        self._wake_waiters(_CLOSED)
+        if timeout is not None:
+            self.resources.shutdown_timeout = timeout
+        self._finalizer()
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def _send(self, kind: RequestType, obj: object) -> None:
+        self.ensure_alive()
+        res = self.resources
+        with res.send_lock:
+            sock = res.input_socket
+            if sock is None:
+                raise ClientClosedError("the client was shut down")
+            frames = encode_input(self._encoder, kind, obj)
+            if len(frames) <= 2:
+                sock.send_multipart([self.identity, *frames], copy=False)
+                return
+            # Aux frames are zero-copy views of the caller's arrays: keep them (and their
+            # trackers) until libzmq is done, so the memory outlives the send.
+            pending = self._pending_sends
+            while pending and all(t.done for t in pending[0][0]):
+                pending.popleft()
+            trackers = []
+            sock.send(self.identity, zmq.SNDMORE)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                flags = zmq.SNDMORE if i < last else 0
+                trackers.append(sock.send(frame, flags, copy=False, track=True))
+            pending.append((trackers, frames))
+
+    def send_raw_frames(self, frames: list[bytes]) -> None:
+        """Send ``[identity, *frames]`` unchecked: for conformance tests that inject
+        malformed input on the wire."""
+        self.ensure_alive()
+        with self.resources.send_lock:
+            sock = self.resources.input_socket
+            if sock is None:
+                raise ClientClosedError("the client was shut down")
+            sock.send_multipart([self.identity, *frames])
+
+    def _send_add(self, request: EngineCoreRequest) -> None:
+        if request.client_index != self.client_index:
+            request = msgspec.structs.replace(request, client_index=self.client_index)
+        self._track_add(request)
+        try:
+            self._send(RequestType.ADD, request)
+        except BaseException:
+            self._untrack_add(request.request_id)
+            raise
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        # On a dead engine an abort is a silent no-op: error paths must not raise twice.
+        if not request_ids or self.is_dead:
+            return
+        self.ensure_alive()
+        ids = self._track_abort(list(request_ids))
+        try:
+            self._send(RequestType.ABORT, ids)
+        except EngineDeadError:
+            pass
+
+    def _register_call(self, future: Any, method: str, args: tuple[Any, ...]) -> int:
+        self.ensure_alive()
+        call_id = self._utilities.register(future, method)
+        try:
+            self._send(
+                RequestType.UTILITY,
+                UtilityRequest(self.client_index, call_id, method, list(args)),
+            )
+        except BaseException:
+            event = UtilityEvent.ENGINE_DIED if self.is_dead else UtilityEvent.CLIENT_SHUTDOWN
+            self._utilities.withdraw(call_id, event)
+            raise
+        return call_id
+
+    # -- receiving (shared by the thread and the task) -----------------------------------------
+
+    def _on_frames(self, frames: list[Any]) -> EngineCoreOutputs | None:
+        """Decode one message; route utility replies; return a batch worth queueing."""
+        self.resources.last_seen[0] = time.monotonic()
+        if is_dead_sentinel(frames):
+            raise EngineProcessDied(
+                "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+        outputs = decode_outputs(frames)
+        if outputs.utility_output is not None:
+            hit = self._utilities.resolve(outputs.utility_output)
+            if hit is not None:
+                _set_future(*hit)
+            return None
+        if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats:
+            return outputs
+        return None  # heartbeat
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} engine pid={self.engine_pid} {self.lifecycle.state.name}>"
+
+
+# --- sync ------------------------------------------------------------------------------------
+
+
+def _read_outputs_thread(
+    client_ref: weakref.ReferenceType[SyncMPClient],
+    out: zmq.Socket[Any],
+    stop: zmq.Socket[Any],
+    outputs: queue.Queue[Any],
+) -> None:
+    """Owns ``out`` and ``stop``: polls both, routes outputs, closes both on exit."""
+    poller = zmq.Poller()
+    poller.register(out, zmq.POLLIN)
+    poller.register(stop, zmq.POLLIN)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if stop in events:
+                return  # shutdown wins even when output is ready too
+            frames = out.recv_multipart(copy=False)
+            client = client_ref()
+            if client is None:
+                return
+            try:
+                batch = client._on_frames(frames)
+            except Exception as e:  # sentinel or undecodable frame: the engine is unusable
+                client._on_engine_dead(e)
+                return
+            if batch is not None:
+                outputs.put(batch)
+            del client
+    except Exception as e:
+        client = client_ref()
+        if client is not None:
+            client._on_engine_dead(e)
+    finally:
+        stop.close(linger=0)
+        out.close(linger=0)
+
+
+class SyncMPClient(SyncClientMixin, MPClient):
+    """Blocking client: a reader thread feeds a ``queue.Queue`` that ``get_output`` reads."""
+
+    def __init__(self, config: Any, **options: Any) -> None:
+        self._outputs: queue.Queue[Any] = queue.Queue()
+        super().__init__(config, **options)
+
+    def _start_reader(self) -> None:
+        res = self.resources
+        assert res.ctx is not None and res.output_socket is not None
+        res.shutdown_address = f"inproc://enginewire-reader-stop-{id(self):x}"
+        stop = res.ctx.socket(zmq.PAIR)
+        stop.bind(res.shutdown_address)
+        out, res.output_socket = res.output_socket, None  # ownership moves to the reader
+        res.reader_thread = threading.Thread(
+            target=_read_outputs_thread,
+            args=(weakref.ref(self), out, stop, self._outputs),
+            name="EngineCoreOutputReader",
+            daemon=True,
+        )
+        res.reader_thread.start()
+
+    def _wake_waiters(self, marker: object) -> None:
+        self._outputs.put(marker)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send_add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send_abort(request_ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """Next batch; an empty batch if ``timeout`` passes first. Outputs queued before a
+        death are still delivered, then ``EngineDeadError``."""
+        if self.is_closed:
+            raise ClientClosedError("the client was shut down")
+        try:
+            if self.is_dead:
+                item = self._outputs.get_nowait()
+            else:
+                item = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            if self.is_dead:
+                raise self._dead_error() from None
+            return EngineCoreOutputs()
+        if item is _DEAD or item is _CLOSED:
+            self._outputs.put(item)  # wake the next waiter too
+            if item is _CLOSED or self.is_closed:
+                raise ClientClosedError("the client was shut down")
+            raise self._dead_error()
+        self._track_outputs(item)
+        out: EngineCoreOutputs = item
+        return out
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = self._register_call(fut, method, args)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
+                assert timeout is not None
+                raise UtilityTimeoutError(method, timeout) from None
+            return fut.result()  # the outcome won the race
+
+
+# --- async -----------------------------------------------------------------------------------
+
+
+async def _read_outputs_task(
+    client_ref: weakref.ReferenceType[AsyncMPClient], out: zmq.asyncio.Socket
+) -> None:
+    try:
+        while True:
+            frames = await out.recv_multipart(copy=False)
+            client = client_ref()
+            if client is None:
+                return
+            try:
+                batch = client._on_frames(frames)
+            except Exception as e:  # sentinel or undecodable frame: the engine is unusable
+                client._on_engine_dead(e)
+                return
+            if batch is not None and client._outputs is not None:
+                client._outputs.put_nowait(batch)
+            del client
+    except asyncio.CancelledError:
+        pass
+    except Exception as e:
+        client = client_ref()
+        if client is not None:
+            client._on_engine_dead(e)
+    finally:
+        out.close(linger=0)
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client: a reader task feeds an ``asyncio.Queue``; utilities are asyncio futures.
+
+    It may be built outside a running loop: the reader task then starts on first use.
+    """
+
+    def __init__(self, config: Any, **options: Any) -> None:
+        self._outputs: asyncio.Queue[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(config, **options)
+
+    def _make_output_socket(self, ctx: zmq.Context[Any]) -> Any:
+        actx = zmq.asyncio.Context.shadow(ctx.underlying)
+        sock = actx.socket(zmq.PULL)
+        self.resources.async_output_socket = sock
+        return sock
+
+    def _start_reader(self) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # lazily, on first use inside a loop
+        self._ensure_reader()
+
+    def _ensure_reader(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            res = self.resources
+            self._loop = loop
+            self._outputs = asyncio.Queue()
+            if res.async_output_socket is None:
+                raise ClientClosedError("the client was shut down")
+            res.reader_loop = loop
+            res.reader_task = loop.create_task(
+                _read_outputs_task(weakref.ref(self), res.async_output_socket),
+                name="EngineCoreOutputReader",
+            )
+            if self.is_dead:
+                self._outputs.put_nowait(_DEAD)
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncMPClient is bound to the event loop it first ran on")
+
+    def _wake_waiters(self, marker: object) -> None:
+        self._call_on_loop(lambda: self._outputs.put_nowait(marker) if self._outputs else None)
+
+    def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
+        if futures:
+            def fail() -> None:
+                for f in futures:
+                    _set_future(f, err, None)
+
+            self._call_on_loop(fail)
+
+    def _call_on_loop(self, fn: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            fn()
+            return
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:
+            pass  # loop closed: nobody is waiting on it any more
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._ensure_reader()
+        self._send_add(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._send_abort(request_ids)
+
+    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """Next batch; an empty batch if ``timeout`` passes first (see ``SyncMPClient``)."""
+        if self.is_closed:
+            raise ClientClosedError("the client was shut down")
+        self._ensure_reader()
+        q = self._outputs
+        assert q is not None
+        if self.is_dead and q.empty():
+            raise self._dead_error()
+        try:
+            if timeout is None:
+                item = await q.get()
+            else:
+                item = await asyncio.wait_for(q.get(), timeout)
+        except TimeoutError:
+            return EngineCoreOutputs()
+        if item is _DEAD or item is _CLOSED:
+            q.put_nowait(item)
+            if item is _CLOSED or self.is_closed:
+                raise ClientClosedError("the client was shut down")
+            raise self._dead_error()
+        self._track_outputs(item)
+        out: EngineCoreOutputs = item
+        return out
+
+    async def call_utility_async(
+        self, method: str, *args: Any, timeout: float | None = None
+    ) -> Any:
+        self._ensure_reader()
+        assert self._loop is not None
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        call_id = self._register_call(fut, method, args)
+        try:
+            if timeout is None:
+                return await fut
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.CancelledError:
+            self._utilities.give_up(call_id, UtilityEvent.CANCEL)
+            raise
+        except TimeoutError:
+            if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
+                assert timeout is not None
+                raise UtilityTimeoutError(method, timeout) from None
+            raise
+
+    # The utility wrappers, async twins of SyncClientMixin.
+
+    async def echo_async(self, value: Any, timeout: float | None = None) -> Any:
+        return await self.call_utility_async("echo", value, timeout=timeout)
+
+    async def collective_rpc_async(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        result: list[Any] = await self.call_utility_async(
+            "collective_rpc", method, list(args), dict(kwargs or {}), timeout=timeout
+        )
+        return result
+
+    async def profile_async(self, is_start: bool = True, path: str | None = None) -> str | None:
+        result = await self.call_utility_async("profile", "start" if is_start else "stop", path)
+        return None if result is None else str(result)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return bool(await self.call_utility_async("reset_prefix_cache"))
+
+    async def save_sharded_state_async(self, path: str) -> list[str]:
+        return list(await self.call_utility_async("save_sharded_state", path))
+
+    async def get_stats_async(self) -> Any:
+        return await self.call_utility_async("get_stats")
+
+    async def pause_scheduler_async(self, mode: str = "abort") -> None:
+        await self.call_utility_async("pause_scheduler", mode)
+        self._after_sleep()
+
+    async def resume_scheduler_async(self) -> None:
+        await self.call_utility_async("resume_scheduler")
+        self._after_wake(not await self.is_sleeping_async())
+
+    async def sleep_async(self, level: int = 1, mode: str = "abort") -> None:
+        _check_sleep_args(level, mode)
+        await self.call_utility_async("sleep", level, mode)
+        self._after_sleep()
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> bool:
+        fully = bool(await self.call_utility_async("wake_up", tags))
+        self._after_wake(fully)
+        return fully
+
+    async def is_sleeping_async(self) -> bool:
+        return bool(await self.call_utility_async("is_sleeping"))
+
+    async def shutdown_async(self, timeout: float | None = None) -> None:
+        self.shutdown(timeout)
+
+    async def __aenter__(self) -> AsyncMPClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()

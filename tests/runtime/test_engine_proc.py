@@ -1,0 +1,450 @@
+"""EngineCoreProc: the engine behind raw sockets (a hand-driven peer), signals, parent death,
+attached engines with a heartbeat, and the private ipc directory."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+from enginewire.protocol.codec import Encoder, decode_outputs, decode_ready
+from enginewire.protocol.messages import (
+    ENGINE_DEAD_SENTINEL,
+    PROTOCOL_VERSION,
+    EngineCoreOutputs,
+    FinishReason,
+    ReadyResponse,
+    RequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+from enginewire.runtime import IpcDir, cleanup_stale_dirs, make_client
+from enginewire.runtime.config import EngineConfig
+from enginewire.runtime.engine_proc import EngineCoreProc, _Control, _process_main
+from enginewire.spec import (
+    ENGINE,
+    UTILITY,
+    ClientClosedError,
+    EngineDeadError,
+    EngineStartupError,
+    EngineState,
+    ProtocolError,
+    validate_trace,
+)
+from enginewire.testing.conformance import open_client, request
+
+torch.set_num_threads(1)
+os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")
+
+CONFIG = EngineConfig(model="tiny", max_num_seqs=8)
+BOUND_S = 30.0
+
+
+class Peer:
+    """The client's two sockets, driven by hand (h11's ConnectionPair in spirit)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(f"ipc://{tmp}/in")
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(f"ipc://{tmp}/out")
+        self.input_address = f"ipc://{tmp}/in"
+        self.output_address = f"ipc://{tmp}/out"
+        self.identity = (0).to_bytes(2, "little")
+        self.encoder = Encoder()
+
+    def send(self, kind: RequestType, obj: object) -> None:
+        self.router.send_multipart([self.identity, kind.value, *self.encoder.encode(obj)])
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.router.send_multipart([self.identity, *frames])
+
+    def recv(self, timeout: float = BOUND_S) -> EngineCoreOutputs:
+        if not self.pull.poll(int(timeout * 1000)):
+            raise AssertionError(f"no output within {timeout} s")
+        return decode_outputs(self.pull.recv_multipart())
+
+    def until(self, pred: Any, timeout: float = BOUND_S) -> list[EngineCoreOutputs]:
+        got: list[EngineCoreOutputs] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            got.append(self.recv(max(0.01, deadline - time.monotonic())))
+            if pred(got[-1]):
+                return got
+
+    def close(self) -> None:
+        self.router.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Peer, EngineCoreProc, list[Any]]]:
+    """An EngineCoreProc whose busy loop runs on a thread, facing a hand-driven peer."""
+    peer = Peer(tmp_path)
+    trace: list[Any] = []
+    proc = EngineCoreProc(CONFIG, input_address=peer.input_address,
+                          output_address=peer.output_address, trace=trace)
+    identity, *frames = peer.router.recv_multipart()
+    assert identity == peer.identity
+    ready = decode_ready(frames)
+    assert ready.num_gpu_blocks > 0 and ready.block_size == CONFIG.block_size
+    loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    loop.start()
+    try:
+        yield peer, proc, trace
+    finally:
+        proc.input_queue.put((_Control.SHUTDOWN, None))
+        loop.join(BOUND_S)
+        assert not loop.is_alive()
+        proc.close()
+        peer.close()
+        assert proc.engine.lifecycle.state is EngineState.SHUTDOWN
+        validate_trace(ENGINE, trace)
+
+
+def _finished(rid: str) -> Any:
+    return lambda b: any(o.request_id == rid and o.finished for o in b.outputs)
+
+
+def test_handshake_then_loop_in_trace(served: Any) -> None:
+    peer, _proc, trace = served
+    peer.send(RequestType.ADD, request("a", 5))
+    outs = peer.until(_finished("a"))
+    assert sum(len(o.new_token_ids) for b in outs for o in b.outputs) == 5
+    events = [e[2] for e in trace if e[0] == "engine"]
+    assert events[:3] == ["BUILT", "HANDSHAKE_SENT", "LOOP_STARTED"]
+
+
+def test_abort_right_after_add_is_never_lost(served: Any) -> None:
+    peer, _proc, _trace = served
+    for i in range(5):
+        peer.send(RequestType.ADD, request(f"r{i}", 200))
+        peer.send(RequestType.ABORT, [f"r{i}"])
+    done: dict[str, FinishReason] = {}
+    deadline = time.monotonic() + BOUND_S
+    while len(done) < 5 and time.monotonic() < deadline:
+        for o in peer.recv().outputs:
+            if o.finish_reason is not None:
+                done[o.request_id] = o.finish_reason
+    assert done == {f"r{i}": FinishReason.ABORT for i in range(5)}
+
+
+def test_malformed_frames_never_kill_the_input_thread(served: Any) -> None:
+    peer, proc, _trace = served
+    peer.send_raw(b"\x09", b"junk")
+    peer.send_raw(RequestType.ADD.value, b"\xc1")
+    peer.send_raw(RequestType.ADD.value)
+    peer.send_raw(b"")
+    peer.send_raw(RequestType.ADD.value, msgspec.msgpack.encode(["bad-1", "x"]))
+    peer.send_raw(RequestType.UTILITY.value, msgspec.msgpack.encode([0, 77, None]))
+    outs = peer.until(lambda b: b.utility_output is not None)
+    errors = [o for b in outs for o in b.outputs if o.request_id == "bad-1"]
+    if not errors:
+        errors = [o for b in peer.until(_finished("bad-1")) for o in b.outputs]
+    assert errors[-1].finish_reason is FinishReason.ERROR and errors[-1].error
+    assert outs[-1].utility_output.call_id == 77 and outs[-1].utility_output.failure_message
+    assert all(t.is_alive() for t in proc._threads)
+    peer.send(RequestType.ADD, request("ok", 3))
+    peer.until(_finished("ok"))
+
+
+def test_deferred_reply_follows_the_outputs_it_waited_for(served: Any) -> None:
+    peer, _proc, _trace = served
+    peer.send(RequestType.ADD, request("w", 30))
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 5, "pause_scheduler", ["wait"]))
+    outs = peer.until(lambda b: b.utility_output is not None)
+    finished = [o for b in outs for o in b.outputs if o.finished]
+    assert [o.request_id for o in finished] == ["w"], "reply arrived before the drain finished"
+    assert outs[-1].utility_output.failure_message is None
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 6, "resume_scheduler", []))
+    peer.until(lambda b: b.utility_output is not None)
+
+
+def test_utility_failure_is_a_reply_not_a_crash(served: Any) -> None:
+    peer, _proc, _trace = served
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 1, "no_such_method", []))
+    reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
+    assert reply.call_id == 1 and "no such utility" in (reply.failure_message or "")
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 2, "echo", [[1, 2]]))
+    reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
+    assert reply.result == [1, 2]
+
+
+def _spawn_engine(tmp: Path, **kwargs: Any) -> Any:
+    mp = multiprocessing.get_context("spawn")
+    base = {"input_address": f"ipc://{tmp}/in", "output_address": f"ipc://{tmp}/out"}
+    p = mp.Process(target=_process_main,
+                   args=(EngineConfig, msgspec.msgpack.encode(CONFIG), {**base, **kwargs}),
+                   daemon=True)
+    p.start()
+    return p
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler for ``sig`` (Linux: SigCgt in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_sigterm_during_construction_exits_cleanly(tmp_path: Path) -> None:
+    p = _spawn_engine(tmp_path, startup_delay_s=60.0)
+    try:
+        # Before Python runs our code the default action applies; wait (bounded) until the
+        # engine catches SIGTERM, i.e. it is inside run_engine_core, holding before the build.
+        deadline = time.monotonic() + BOUND_S
+        while not _catches(p.pid, signal.SIGTERM):
+            assert time.monotonic() < deadline, "engine never installed its SIGTERM handler"
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGTERM)
+        p.join(BOUND_S)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def test_sigterm_of_running_engine_is_a_clean_exit() -> None:
+    with open_client("sync", CONFIG) as cut:
+        pid = cut.engine_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError) as info:
+            cut.get_output(timeout=BOUND_S)
+        assert time.monotonic() - killed < 2.0
+        assert "exit code 0" in str(info.value.__cause__)
+
+
+def test_attached_engine_with_heartbeat(tmp_path: Path) -> None:
+    """An engine started elsewhere: liveness from the heartbeat, not a process handle."""
+    ipc = tmp_path
+    engine = _spawn_engine(ipc, heartbeat_interval_s=0.1)
+    try:
+        client = make_client(CONFIG, multiprocess=True, asyncio=False, launch_engine=False,
+                             input_address=f"ipc://{ipc}/in", output_address=f"ipc://{ipc}/out",
+                             engine_heartbeat_timeout_s=1.0, ready_timeout_s=BOUND_S)
+        with client:
+            client.add_request(request("hb", 5))
+            assert collect_sync(client, "hb") == 5
+            os.kill(engine.pid, signal.SIGSTOP)  # alive but silent
+            stopped = time.monotonic()
+            with pytest.raises(EngineDeadError) as info:
+                client.get_output(timeout=BOUND_S)
+            assert time.monotonic() - stopped < 2.0
+            assert "heartbeat" in str(info.value.__cause__)
+    finally:
+        engine.kill()
+        engine.join(BOUND_S)
+
+
+def collect_sync(client: Any, rid: str) -> int:
+    n = 0
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        for o in client.get_output(timeout=1.0).outputs:
+            n += len(o.new_token_ids)
+            if o.request_id == rid and o.finished:
+                return n
+    raise AssertionError("request did not finish")
+
+
+def test_ipc_dir_is_private_and_removed(tmp_path: Path) -> None:
+    d = IpcDir(tmp_path)
+    assert stat.S_IMODE(d.path.stat().st_mode) == 0o700
+    assert d.address("input").startswith("ipc://")
+    d.remove()
+    assert not d.path.exists()
+    # A directory of a process that no longer runs is stale and reclaimed.
+    stale = tmp_path / "enginewire-999999999-1-abcd"
+    stale.mkdir()
+    (stale / "input").touch()
+    mine = IpcDir(tmp_path)  # creating one cleans up the stale ones
+    assert not stale.exists() and mine.path.exists()
+    assert cleanup_stale_dirs(tmp_path) == []
+    mine.remove()
+
+
+def test_client_ipc_dir_removed_on_shutdown() -> None:
+    cut = open_client("sync", CONFIG)
+    path = cut.client.resources.ipc_dir.path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    cut.shutdown()
+    assert not path.exists()
+
+
+def test_outputs_queued_before_death_are_delivered_first() -> None:
+    with open_client("sync", CONFIG) as cut:
+        client = cut.client
+        cut.add_request(request("pre", 5))
+
+        def finish_queued() -> bool:
+            return any(o.finished for b in list(client._outputs.queue)
+                       if isinstance(b, EngineCoreOutputs) for o in b.outputs)
+
+        deadline = time.monotonic() + BOUND_S
+        while not finish_queued():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.kill(cut.engine_pid, signal.SIGKILL)
+        while not client.is_dead:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        tokens = 0
+        with pytest.raises(EngineDeadError):
+            for _ in range(100):
+                tokens += sum(len(o.new_token_ids) for o in cut.get_output(timeout=1.0).outputs)
+        assert tokens == 5
+
+
+class FakeEngine:
+    """A hand-driven engine peer for an attached client (vLLM's fake-engine utility tests)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.input_address = f"ipc://{tmp}/fin"
+        self.output_address = f"ipc://{tmp}/fout"
+        self.ctx = zmq.Context()
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+        self.dealer.connect(self.input_address)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(self.output_address)
+        self.encoder = Encoder()
+
+    def ready(self, version: int = PROTOCOL_VERSION) -> None:
+        self.dealer.send(msgspec.msgpack.encode(
+            ReadyResponse(version, 0, 64, CONFIG.block_size, 128, "fake", "cpu")))
+
+    def recv_input(self) -> tuple[bytes, Any]:
+        assert self.dealer.poll(int(BOUND_S * 1000))
+        type_byte, *frames = self.dealer.recv_multipart()
+        return type_byte, msgspec.msgpack.decode(frames[0])
+
+    def send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self.push.send_multipart(self.encoder.encode(outputs))
+
+    def close(self) -> None:
+        self.dealer.close(linger=0)
+        self.push.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[FakeEngine]:
+    f = FakeEngine(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _attach(fake: FakeEngine, **options: Any) -> Any:
+    return make_client(CONFIG, multiprocess=True, asyncio=False, launch_engine=False,
+                       input_address=fake.input_address, output_address=fake.output_address,
+                       ready_timeout_s=BOUND_S, **options)
+
+
+def test_protocol_version_mismatch_is_refused(fake: FakeEngine) -> None:
+    fake.ready(version=PROTOCOL_VERSION + 1)
+    with pytest.raises(EngineStartupError, match="protocol version"):
+        _attach(fake)
+
+
+def test_ready_response_is_applied_to_the_config(fake: FakeEngine) -> None:
+    fake.ready()
+    with _attach(fake) as client:
+        assert client.num_gpu_blocks == 64
+        assert client.config.max_model_len == 128  # min(ours, the engine's)
+
+
+def test_sentinel_fails_every_pending_utility(fake: FakeEngine) -> None:
+    fake.ready()
+    trace: list[Any] = []
+    with _attach(fake, trace=trace) as client:
+        pool = [threading.Thread(target=_expect_dead_call, args=(client, i)) for i in range(3)]
+        for t in pool:
+            t.start()
+        for _ in range(3):
+            fake.recv_input()  # all three calls are on the wire
+        fake.push.send(ENGINE_DEAD_SENTINEL)
+        for t in pool:
+            t.join(BOUND_S)
+            assert not t.is_alive()
+        assert client.pending_utility_calls() == 0
+        with pytest.raises(EngineDeadError):
+            client.call_utility("echo", 1)
+    validate_trace(UTILITY, trace)
+    assert sum(1 for e in trace if e[0] == "utility" and e[2] == "ENGINE_DIED") == 3
+
+
+def _expect_dead_call(client: Any, i: int) -> None:
+    with pytest.raises(EngineDeadError):
+        client.call_utility("echo", i)
+
+
+def test_unknown_call_id_reply_is_dropped_and_reader_lives(fake: FakeEngine) -> None:
+    fake.ready()
+    with _attach(fake) as client:
+        fake.send_outputs(EngineCoreOutputs(utility_output=UtilityOutput(12345, result=1)))
+        done = threading.Event()
+        result: list[Any] = []
+
+        def call() -> None:
+            result.append(client.call_utility("echo", "x", timeout=BOUND_S))
+            done.set()
+
+        t = threading.Thread(target=call)
+        t.start()
+        _, (_idx, call_id, method, args) = fake.recv_input()
+        assert method == "echo"
+        fake.send_outputs(EngineCoreOutputs(utility_output=UtilityOutput(call_id, result=args[0])))
+        assert done.wait(BOUND_S) and result == ["x"]
+        t.join(BOUND_S)
+
+
+def test_undecodable_output_is_engine_death_with_protocol_cause(fake: FakeEngine) -> None:
+    fake.ready()
+    with _attach(fake) as client:
+        fake.push.send(b"\xc1 definitely not msgpack")
+        with pytest.raises(EngineDeadError) as info:
+            client.get_output(timeout=BOUND_S)
+        assert isinstance(info.value.__cause__, ProtocolError)
+
+
+def test_shutdown_fails_pending_utility_with_client_closed(fake: FakeEngine) -> None:
+    fake.ready()
+    client = _attach(fake)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call_utility("echo", 1)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    fake.recv_input()
+    client.shutdown()
+    t.join(BOUND_S)
+    assert len(errors) == 1 and isinstance(errors[0], ClientClosedError)
+    client.shutdown()  # idempotent
