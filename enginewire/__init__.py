@@ -7,6 +7,14 @@ else is private to its layer (``enginewire.spec``, ``enginewire.protocol``,
 
 from __future__ import annotations
 
+from .protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+    UtilityOutput,
+)
 from .spec.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -17,19 +25,37 @@ from .spec.errors import (
     UtilityError,
     UtilityTimeoutError,
 )
-from .protocol.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-    SamplingParams,
-    UtilityOutput,
-)
 
 __version__ = "0.1.0"
 
+# Runtime names load torch; resolve them on first use so `import enginewire` (and the CLI's
+# --help) stays light.
+_LAZY = {
+    "AsyncMPClient": "mp_client",
+    "EngineConfig": "config",
+    "EngineCoreClient": "client",
+    "InprocClient": "client",
+    "SyncMPClient": "mp_client",
+    "make_client": "client",
+    "run_engine_core": "engine_proc",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'enginewire' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".runtime.{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
+    "AsyncMPClient",
     "ClientClosedError",
+    "EngineConfig",
+    "EngineCoreClient",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
@@ -37,11 +63,15 @@ __all__ = [
     "EngineStartupError",
     "EngineWireError",
     "FinishReason",
+    "InprocClient",
     "ProtocolError",
     "SamplingParams",
     "SpecViolation",
+    "SyncMPClient",
     "UtilityError",
     "UtilityOutput",
     "UtilityTimeoutError",
     "__version__",
+    "make_client",
+    "run_engine_core",
 ]

@@ -37,10 +37,13 @@ class ClientClosedError(EngineWireError):
     """The client was shut down by its owner; nothing more can be sent or received."""
 
 
+_DEAD_MESSAGE = "engine core is dead; see __cause__ and the engine log"
+
+
 class EngineDeadError(EngineWireError):
     """The engine died or hit a fatal error; ``__cause__`` carries the reason when known."""
 
-    def __init__(self, message: str = "engine core is dead; see __cause__ and the engine log") -> None:
+    def __init__(self, message: str = _DEAD_MESSAGE) -> None:
         super().__init__(message)
 
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 import enginewire
 
 EXPECTED = {
+    "AsyncMPClient",
+    "EngineConfig",
+    "EngineCoreClient",
+    "InprocClient",
+    "SyncMPClient",
+    "make_client",
+    "run_engine_core",
     "ClientClosedError",
     "EngineCoreOutput",
     "EngineCoreOutputs",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+
 from enginewire.protocol import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,

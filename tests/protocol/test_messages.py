@@ -14,6 +14,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
 from enginewire.protocol import (
     PROTOCOL_VERSION,
     Decoder,
@@ -32,9 +36,6 @@ from enginewire.protocol import (
     decode_input,
     decode_outputs,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 FUZZ_EXAMPLES = int(os.environ.get("ENGINEWIRE_FUZZ_EXAMPLES", "300"))
 

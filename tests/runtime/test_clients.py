@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from enginewire.runtime import make_client
 from enginewire.runtime.config import EngineConfig
 from enginewire.spec import ClientState, EngineStartupError

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+
 from enginewire.protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+
 from enginewire.protocol.codec import Encoder, decode_outputs, decode_ready
 from enginewire.protocol.messages import (
     ENGINE_DEAD_SENTINEL,

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+
 from enginewire.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore

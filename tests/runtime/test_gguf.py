@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from enginewire.runtime.gguf_loader import (
     SUPPORTED_QUANT_TYPES,
     GGUFArch,

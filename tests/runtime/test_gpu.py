@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore

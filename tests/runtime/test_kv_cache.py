@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from enginewire.runtime.kv_cache import KVCacheManager, check_fits
 
 

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.executor import NullWorker
 from enginewire.runtime.model import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore

@@ -1,0 +1,177 @@
+"""``enginewire generate``: one prompt through a chosen client, tokens streamed with timing."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+
+# Random-weight models have no tokenizer: text becomes its UTF-8 bytes, shifted past the
+# tiny model's special ids (0..2), so any prompt maps to valid ids.
+_BYTE_OFFSET = 3
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.total_s - self.ttft_s
+        return (len(self.token_ids) - 1) / decode if len(self.token_ids) > 1 and decode > 0 else 0.0
+
+
+class _Text:
+    """Prompt encoding and streaming decoding for the chosen model."""
+
+    def __init__(self, model: str) -> None:
+        self._tok: Any = None
+        self._detok: Any = None
+        if model not in ("tiny", "null"):
+            from .runtime.gguf_loader import resolve_model_path
+            from .runtime.tokenizer import Tokenizer
+
+            self._tok = Tokenizer.from_gguf(resolve_model_path(model))
+
+    @property
+    def eos(self) -> list[int]:
+        return [self._tok.eos_token_id] if self._tok is not None else []
+
+    def encode(self, prompt: str) -> list[int]:
+        if self._tok is None:
+            return [b + _BYTE_OFFSET for b in prompt.encode()]
+        chat = self._tok.apply_chat_template([{"role": "user", "content": prompt}])
+        self._detok = self._tok.incremental()
+        ids: list[int] = self._tok.encode(chat)
+        return ids
+
+    def delta(self, token_id: int) -> str:
+        if self._detok is None:
+            return f"{token_id} "
+        out: str = self._detok.push(token_id)
+        return out
+
+    def flush(self) -> str:
+        return self._detok.flush() if self._detok is not None else ""
+
+
+def generate(
+    *,
+    model: str,
+    prompt_ids: list[int] | None,
+    prompt: str,
+    client: str,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    on_text: Callable[[str], None] | None = None,
+    engine_options: dict[str, Any] | None = None,
+) -> GenerateResult:
+    from .runtime.client import make_client
+    from .runtime.config import EngineConfig
+
+    text = _Text(model)
+    ids = prompt_ids if prompt_ids is not None else text.encode(prompt)
+    config = EngineConfig(model=model, seed=seed, **(engine_options or {}))
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=text.eos
+    )
+    request = EngineCoreRequest("generate-0", ids, params)
+    result = GenerateResult()
+    emit = on_text or (lambda s: None)
+
+    def consume(outputs: EngineCoreOutputs, start: float) -> bool:
+        for out in outputs.outputs:
+            if out.request_id != request.request_id:
+                continue
+            if out.new_token_ids and not result.token_ids:
+                result.ttft_s = time.perf_counter() - start
+            for t in out.new_token_ids:
+                result.token_ids.append(t)
+                piece = text.delta(t)
+                result.text += piece
+                emit(piece)
+            if out.finish_reason is not None:
+                tail = text.flush()
+                result.text += tail
+                emit(tail)
+                result.finish_reason = str(out.finish_reason)
+                if out.error:
+                    raise RuntimeError(f"request failed: {out.error}")
+                return True
+        return False
+
+    if client == "async":
+
+        async def run_async() -> None:
+            c: Any = make_client(config, multiprocess=True, asyncio=True)
+            try:
+                start = time.perf_counter()
+                await c.add_request_async(request)
+                while not consume(await c.get_output_async(), start):
+                    pass
+                result.total_s = time.perf_counter() - start
+            finally:
+                await c.shutdown_async()
+
+        asyncio.run(run_async())
+        return result
+
+    with make_client(config, multiprocess=client == "sync", asyncio=False) as c:
+        start = time.perf_counter()
+        c.add_request(request)
+        while not consume(c.get_output(timeout=300.0), start):
+            pass
+        result.total_s = time.perf_counter() - start
+    return result
+
+
+def run_generate(
+    *,
+    model: str,
+    prompt: str,
+    prompt_tokens: str | None,
+    client: str,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+) -> int:
+    ids = None
+    if prompt_tokens:
+        try:
+            ids = [int(t) for t in prompt_tokens.split(",") if t.strip()]
+        except ValueError:
+            print(f"--prompt-tokens: expected comma-separated integers, got {prompt_tokens!r}",
+                  file=sys.stderr)
+            return 2
+    try:
+        res = generate(
+            model=model,
+            prompt_ids=ids,
+            prompt=prompt,
+            client=client,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+        )
+    except FileNotFoundError as exc:
+        print(f"\n{exc}", file=sys.stderr)
+        return 3
+    print()
+    print(
+        f"[{client}] {len(res.token_ids)} tokens, finish={res.finish_reason}, "
+        f"ttft={res.ttft_s * 1e3:.1f} ms, {res.tokens_per_s:.1f} tok/s after the first, "
+        f"total={res.total_s:.2f} s",
+        file=sys.stderr,
+    )
+    return 0

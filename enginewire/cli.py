@@ -1,0 +1,159 @@
+"""The ``enginewire`` command line: one entry point, one subcommand per job.
+
+Exit codes mean the same thing everywhere:
+0 the job ran and everything it checked held; 1 a check failed (a property, a campaign, a
+fault cell, a benchmark bar); 2 bad usage; 3 the environment is missing something (a tool,
+a model file). Each subcommand imports its machinery lazily so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _spec_check(args: argparse.Namespace) -> int:
+    from .testing.spec_check import run_spec_check
+
+    return run_spec_check(
+        spin=not args.no_spin,
+        negatives=args.negatives,
+        json_out=args.json,
+    )
+
+
+def _spec_diagrams(args: argparse.Namespace) -> int:
+    from .testing.generate import write_diagrams
+
+    for path in write_diagrams(args.out):
+        print(path)
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ._generate import run_generate
+
+    return run_generate(
+        model=args.model,
+        prompt=args.prompt,
+        prompt_tokens=args.prompt_tokens,
+        client=args.client,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from .runtime.config import EngineConfig
+    from .runtime.engine_proc import run_engine_core
+
+    return run_engine_core(
+        EngineConfig(model=args.model, seed=args.seed),
+        input_address=args.input_address,
+        output_address=args.output_address,
+        engine_index=args.engine_index,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="enginewire",
+        description=(
+            "A formally specified front-end <-> engine-core protocol for LLM inference engines: "
+            "model-check the spec, run campaigns and fault matrices against a real engine, "
+            "benchmark the IPC layer, or serve an engine."
+        ),
+        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 missing tool or file.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    spec = sub.add_parser("spec", help="check the lifecycle state machines or draw them")
+    spec_sub = spec.add_subparsers(dest="spec_command", metavar="ACTION", required=True)
+    check = spec_sub.add_parser(
+        "check",
+        help="model-check the spec: exhaustive explorer for safety, SPIN for liveness",
+        description="Explore every machine and the composed model, run SPIN on the generated "
+        "Promela, and prove every negative control is rejected.",
+    )
+    check.add_argument("--no-spin", action="store_true", help="skip SPIN (explorer only)")
+    check.add_argument(
+        "--negatives",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run every deliberately broken variant and require it to fail (default on)",
+    )
+    check.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+    check.set_defaults(handler=_spec_check)
+    diagrams = spec_sub.add_parser(
+        "diagrams",
+        help="write Mermaid and DOT diagrams of every machine",
+        description="Render every machine's diagram (Mermaid and DOT) into a directory.",
+    )
+    diagrams.add_argument("--out", default="docs/diagrams", help="output directory")
+    diagrams.set_defaults(handler=_spec_diagrams)
+
+    gen = sub.add_parser(
+        "generate",
+        help="stream tokens for a prompt through a chosen client, with timing",
+        description="Send one prompt through a client to a real engine and stream the tokens "
+        "as they arrive; prints time to first token and tokens per second.",
+    )
+    gen.add_argument(
+        "--model", default="tiny", help="engine model: tiny, null, smollm2-135m or a .gguf path"
+    )
+    gen.add_argument("--prompt", default="Hello", help="text prompt (tokenized by the model)")
+    gen.add_argument(
+        "--prompt-tokens", help="comma-separated token ids instead of text (for tiny/null)"
+    )
+    gen.add_argument(
+        "--client",
+        choices=("inproc", "sync", "async"),
+        default="sync",
+        help="which client carries the request",
+    )
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.set_defaults(handler=_generate)
+
+    eng = sub.add_parser(
+        "engine",
+        help="run an engine process that connects to a front end's addresses",
+        description="Start an engine core in this process and connect it to a front end that "
+        "bound the given input and output addresses (like vLLM's headless engines).",
+    )
+    eng.add_argument("--model", default="tiny", help="engine model: tiny, null")
+    eng.add_argument("--input-address", required=True, help="front end's ROUTER address")
+    eng.add_argument("--output-address", required=True, help="front end's PULL address")
+    eng.add_argument("--engine-index", type=int, default=0, help="this engine's rank")
+    eng.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    eng.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between idle heartbeats, so the front end can tell a live engine "
+        "from a vanished one",
+    )
+    eng.set_defaults(handler=_engine)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

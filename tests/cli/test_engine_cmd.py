@@ -1,0 +1,49 @@
+"""`enginewire engine`: an engine process started on its own serves a front end elsewhere."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from enginewire import EngineCoreRequest, SamplingParams, make_client
+from enginewire.runtime.config import EngineConfig
+
+BOUND_S = 60.0
+
+
+def test_engine_command_serves_an_attached_client(tmp_path: Path) -> None:
+    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "enginewire.cli", "engine", "--model", "tiny",
+         "--input-address", inp, "--output-address", out, "--heartbeat-interval", "0.2"],
+    )
+    try:
+        client = make_client(EngineConfig(model="tiny"), multiprocess=True, asyncio=False,
+                             launch_engine=False, input_address=inp, output_address=out,
+                             engine_heartbeat_timeout_s=5.0, ready_timeout_s=BOUND_S)
+        with client:
+            client.add_request(EngineCoreRequest("e1", [5, 6, 7], SamplingParams(max_tokens=6)))
+            tokens: list[int] = []
+            finished = False
+            while not finished:
+                for o in client.get_output(timeout=BOUND_S).outputs:
+                    tokens += o.new_token_ids
+                    finished = finished or o.finished
+            assert len(tokens) == 6
+            assert client.call_utility("echo", "ping", timeout=BOUND_S) == "ping"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(BOUND_S)
+
+
+def test_engine_command_help_lists_every_option() -> None:
+    res = subprocess.run([sys.executable, "-m", "enginewire.cli", "engine", "--help"],
+                         capture_output=True, text=True, timeout=BOUND_S, check=True)
+    for opt in ("--model", "--input-address", "--output-address", "--engine-index",
+                "--heartbeat-interval", "--seed"):
+        assert opt in res.stdout
