@@ -21,16 +21,18 @@ def _spec_check(args: argparse.Namespace) -> int:
     from .testing.spec_check import run_spec_check
 
     return run_spec_check(
-        spin=not args.no_spin,
-        negatives=args.negatives,
-        json_out=args.json,
+        negative=args.negative,
+        spin=False if args.no_spin else None,
+        controls=args.controls,
     )
 
 
 def _spec_diagrams(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .testing.generate import write_diagrams
 
-    for path in write_diagrams(args.out):
+    for path in write_diagrams(Path(args.out)):
         print(path)
     return EXIT_OK
 
@@ -82,14 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Explore every machine and the composed model, run SPIN on the generated "
         "Promela, and prove every negative control is rejected.",
     )
-    check.add_argument("--no-spin", action="store_true", help="skip SPIN (explorer only)")
     check.add_argument(
-        "--negatives",
+        "--no-spin", action="store_true", help="skip SPIN (explorer only; liveness unchecked)"
+    )
+    check.add_argument(
+        "--controls",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run every deliberately broken variant and require it to fail (default on)",
+        help="also run every deliberately broken variant and require both checkers to reject "
+        "it (default on)",
     )
-    check.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+    check.add_argument(
+        "--negative",
+        metavar="NAME",
+        help="check one broken variant as if it were the spec: exits 1 with its shortest "
+        "counterexample",
+    )
     check.set_defaults(handler=_spec_check)
     diagrams = spec_sub.add_parser(
         "diagrams",

@@ -28,7 +28,6 @@ from .kv_cache import KVCacheManager
 __all__ = ["Request", "Scheduler"]
 
 RE = EngineRequestEvent
-_TABLE = ENGINE_REQUEST.table()
 
 
 class Request:
@@ -76,8 +75,8 @@ class Request:
         self.finished = False
         self.in_waiting = False
         self.draining = False
-        self.lifecycle: Lifecycle[EngineRequestState, EngineRequestEvent] = Lifecycle(
-            ENGINE_REQUEST.name, ENGINE_REQUEST.initial, _TABLE, trace
+        self.lifecycle: Lifecycle[EngineRequestState, EngineRequestEvent] = (
+            ENGINE_REQUEST.lifecycle(trace=trace)
         )
 
     @property

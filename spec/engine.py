@@ -111,6 +111,9 @@ ENGINE: Machine[EngineState, EngineEvent] = Machine(
         Transition(S.PAUSED, E.WAKE_UP, S.IDLE, guard=NO_WORK),
         Transition(S.IDLE, E.WAKE_UP, S.IDLE, note="not asleep: no-op"),
         Transition(S.RUNNING, E.WAKE_UP, S.RUNNING, note="not asleep: no-op"),
+        # Found by the composed model: a wake-up can overtake a sleep(wait) that is still
+        # draining; the engine is not asleep yet, so it is a no-op and the sleep completes.
+        Transition(S.DRAINING, E.WAKE_UP, S.DRAINING, note="not asleep yet: no-op"),
         *(Transition(s, E.FATAL_ERROR, S.DEAD) for s in (S.CONSTRUCTING, *_LIVE)),
         Transition(S.DEAD, E.FATAL_ERROR, S.DEAD),
         *(Transition(s, E.SHUTDOWN, S.SHUTDOWN) for s in (S.CONSTRUCTING, *_LIVE, S.DEAD)),

@@ -1,0 +1,335 @@
+"""``enginewire spec check``: the explorer and SPIN over the spec, and every negative control.
+
+What runs:
+1. each machine alone (BFS): an unreachable state or transition is a failure;
+2. the composed model (BFS): every safety property after each step, every liveness
+   obligation at each quiescent world; a counterexample is printed as its shortest run;
+3. SPIN on the committed ``spec/enginewire.pml``: every property as LTL, ``pan -a -f``
+   (acceptance cycles under weak fairness); ``pan`` exits 0 even on a violation, so the
+   verdict is parsed from ``errors: N``;
+4. every negative control in both checkers: each must break every property it names, else
+   that property is vacuous and the check fails.
+
+``--negative NAME`` checks the model with one control switched on as if it were the real
+protocol, so it exits 1 and prints the shortest counterexample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from enginewire.spec import MACHINES
+from enginewire.spec.compose import BUGS
+from enginewire.spec.explore import (
+    ExploreResult,
+    MachineReport,
+    explore,
+    explore_machine,
+    uncovered_rows,
+)
+from enginewire.spec.promela import render_promela
+from enginewire.spec.properties import LIVENESS, PROPERTIES, SAFETY, control_targets
+
+__all__ = [
+    "ControlResult",
+    "SpecReport",
+    "SpinResult",
+    "main",
+    "render_report",
+    "run_spec_check",
+    "run_spin",
+    "spec_transition_cost_ns",
+    "spin_available",
+]
+
+SPIN_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class SpinResult:
+    prop: str
+    bug: str | None
+    errors: int
+    states: int
+    depth: int
+    seconds: float
+    output: str = ""  # pan's stdout, kept when it found an error (with the replay)
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    bug: str
+    targets: tuple[str, ...]
+    explorer_broke: tuple[str, ...]
+    spin_broke: tuple[str, ...] | None  # None: SPIN was not run
+    counterexample: str
+
+    @property
+    def ok(self) -> bool:
+        spin_ok = self.spin_broke is None or set(self.targets) <= set(self.spin_broke)
+        return set(self.targets) <= set(self.explorer_broke) and spin_ok
+
+
+@dataclass
+class SpecReport:
+    machines: list[MachineReport] = field(default_factory=list)
+    composed: ExploreResult | None = None
+    uncovered: dict[str, list[str]] = field(default_factory=dict)
+    spin: list[SpinResult] = field(default_factory=list)
+    spin_skipped: str = ""
+    controls: list[ControlResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            all(m.ok for m in self.machines)
+            and (self.composed is None or self.composed.ok)
+            and all(r.errors == 0 for r in self.spin)
+            and all(c.ok for c in self.controls)
+        )
+
+
+# ---- SPIN ------------------------------------------------------------------------------------
+
+def spin_available() -> bool:
+    return shutil.which("spin") is not None and shutil.which("gcc") is not None
+
+
+def _sh(cmd: list[str], cwd: Path) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=SPIN_TIMEOUT_S)
+    if proc.returncode != 0:
+        what = " ".join(cmd)
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+def _compile(pml: str, workdir: Path, defines: Sequence[str]) -> Path:
+    (workdir / "enginewire.pml").write_text(pml, encoding="utf-8")
+    _sh(["spin", *(f"-D{d}" for d in defines), "-a", "enginewire.pml"], workdir)
+    # -O0: pan.c is large and the model small, so compiling dominates; NFAIR for 7 processes.
+    _sh(["gcc", "-O0", "-w", "-DNFAIR=3", "-o", "pan", "pan.c"], workdir)
+    return workdir / "pan"
+
+
+_NUM = {
+    "errors": re.compile(r"errors: (\d+)"),
+    "states": re.compile(r"(\d+) states, stored"),
+    "depth": re.compile(r"depth reached (\d+)"),
+}
+
+
+def _run_pan(workdir: Path, prop: str, bug: str | None, defines: Sequence[str]) -> SpinResult:
+    t0 = time.perf_counter()
+    out = _sh(["./pan", "-a", "-f", "-E", "-m50000", "-N", prop], workdir)
+    found = {k: rx.search(out) for k, rx in _NUM.items()}
+    if found["errors"] is None:
+        raise RuntimeError(f"pan printed no 'errors:' line for {prop}:\n{out}")
+    errors = int(found["errors"].group(1))
+    if errors:
+        try:  # best effort: the replay is for the reader, the verdict is already known
+            replay = _sh(["spin", *(f"-D{d}" for d in defines), "-t", "-ltl", prop, "-p", "-g",
+                          "enginewire.pml"], workdir)
+            steps = sum(1 for line in replay.splitlines() if re.match(r"\s*\d+:\s+proc", line))
+            out += f"\nSPIN trail: {steps} steps\n" + replay[-3000:]
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            out += f"\n(replay failed: {exc})"
+    return SpinResult(
+        prop, bug, errors,
+        int(found["states"].group(1)) if found["states"] else 0,
+        int(found["depth"].group(1)) if found["depth"] else 0,
+        time.perf_counter() - t0,
+        out if errors else "",
+    )
+
+
+def run_spin(props: Sequence[str], bug: str | None = None, *, pml: str | None = None,
+             jobs: int = 2) -> list[SpinResult]:
+    """Compile the model once (with ``-DBUG_<bug>``) and check each named property."""
+    pml = pml if pml is not None else render_promela()
+    defines = [f"BUG_{bug.upper()}"] if bug else []
+    if bug:  # only the claims under test: each claim costs compile time
+        defines += ["LTL_ONLY", *(f"LTL_{p}" for p in props)]
+    with tempfile.TemporaryDirectory(prefix="enginewire-spin-") as tmp:
+        work = Path(tmp)
+        _compile(pml, work, defines)
+        if len(props) <= 1 or jobs <= 1:
+            return [_run_pan(work, p, bug, defines) for p in props]
+        # pan writes its trail next to the model; one copy per worker avoids clashes.
+        dirs: list[Path] = []
+        for i in range(jobs):
+            d = work / f"w{i}"
+            d.mkdir()
+            for name in ("pan", "enginewire.pml"):
+                shutil.copy2(work / name, d / name)
+            dirs.append(d)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(_run_pan, dirs[i % jobs], p, bug, defines)
+                       for i, p in enumerate(props)]
+            return [f.result() for f in futures]
+
+
+# ---- the whole check -------------------------------------------------------------------------
+
+def _explorer_control(bug: str, targets: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    res = explore(bug, stop_when=frozenset(targets))
+    broke = tuple(p for p in targets if p in res.violations)
+    text = "\n".join(res.violations[p].render() for p in broke)
+    return broke, text
+
+
+def run_spec_check(
+    *,
+    negative: str | None = None,
+    spin: bool | None = None,
+    controls: bool = True,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Run the check; print a summary table through ``out``; return the exit code.
+
+    ``spin=None`` runs SPIN when it is installed and fails when it is not but ``CI`` is set.
+    ``negative=NAME`` checks the model with that control on; it must fail (exit 1).
+    """
+    t0 = time.perf_counter()
+    if negative is not None and negative not in BUGS:
+        out(f"unknown negative control {negative!r}; choose one of: {', '.join(BUGS)}")
+        return 2
+    if spin is None:
+        spin = spin_available()
+        if not spin:
+            if os.environ.get("CI"):
+                out("SPIN (and gcc) are required when CI is set: apt-get install spin")
+                return 1
+            out("note: spin not installed; liveness is checked by the explorer only")
+    report = SpecReport()
+    report.machines = [explore_machine(mach) for mach in MACHINES]
+    report.composed = explore(negative)
+    report.uncovered = uncovered_rows(report.composed, MACHINES)
+    if spin:
+        report.spin = run_spin([p.name for p in PROPERTIES], negative)
+    else:
+        report.spin_skipped = "spin not run"
+    if controls and negative is None:
+        # SPIN's compiles run two at a time in the background while the explorer (CPU-bound,
+        # holding the GIL) works through the same controls here.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            pending = {
+                bug: pool.submit(run_spin, list(targets), bug, jobs=1)
+                for bug, targets in control_targets().items()
+            } if spin else {}
+            for bug, targets in control_targets().items():
+                broke, text = _explorer_control(bug, targets)
+                spin_broke: tuple[str, ...] | None = None
+                if bug in pending:
+                    spin_broke = tuple(r.prop for r in pending[bug].result() if r.errors > 0)
+                report.controls.append(ControlResult(bug, targets, broke, spin_broke, text))
+    report.seconds = time.perf_counter() - t0
+    out(render_report(report))
+    return 0 if report.ok else 1
+
+
+def render_report(report: SpecReport) -> str:
+    """The summary table: machine, states, transitions, properties held, explored, time."""
+    lines: list[str] = []
+    row = "{:<16} {:>7} {:>11} {:>10} {:>12} {:>9}"
+    lines.append(
+        row.format("machine", "states", "transitions", "unreached", "composed-cov", "time")
+    )
+    for m in report.machines:
+        miss = len(report.uncovered.get(m.machine, []))
+        lines.append(row.format(
+            m.machine, m.states, m.transitions,
+            len(m.unreachable_transitions) + len(m.unreachable_states),
+            f"{m.transitions - miss}/{m.transitions}", f"{m.seconds * 1e3:.1f}ms",
+        ))
+    comp = report.composed
+    if comp is not None:
+        held = sum(1 for p in PROPERTIES if p.name not in comp.violations)
+        lines.append("")
+        lines.append(
+            f"composed model{' (negative control ' + comp.bug + ')' if comp.bug else ''}: "
+            f"{comp.states} worlds, {comp.edges} steps, {comp.quiescent} quiescent, "
+            f"{comp.seconds:.2f}s; properties held {held}/{len(PROPERTIES)} "
+            f"({len(SAFETY)} safety, {len(LIVENESS)} liveness)"
+        )
+        for v in comp.violations.values():
+            lines.append(v.render())
+    for m in report.machines:
+        for t in (*m.unreachable_states, *m.unreachable_transitions):
+            lines.append(f"UNREACHABLE in {m.machine}: {t}")
+    if report.spin:
+        lines.append("")
+        srow = "{:<26} {:<8} {:>7} {:>9} {:>8}"
+        lines.append(srow.format("SPIN property", "kind", "errors", "states", "time"))
+        kinds = {p.name: p.kind for p in PROPERTIES}
+        for r in report.spin:
+            took = f"{r.seconds:.1f}s"
+            lines.append(srow.format(r.prop, kinds[r.prop], r.errors, r.states, took))
+            if r.errors:
+                lines.append(r.output[-2000:])
+    elif report.spin_skipped:
+        lines.append(f"SPIN: {report.spin_skipped}")
+    if report.controls:
+        lines.append("")
+        crow = "{:<26} {:<44} {:<8} {:<8}"
+        lines.append(crow.format("negative control", "must break", "explorer", "SPIN"))
+        for c in report.controls:
+            exp = "rejects" if set(c.targets) <= set(c.explorer_broke) else "MISSES"
+            sp = "-" if c.spin_broke is None else (
+                "rejects" if set(c.targets) <= set(c.spin_broke) else "MISSES")
+            lines.append(crow.format(c.bug, ", ".join(c.targets), exp, sp))
+            if not c.ok:
+                lines.append(f"  vacuous property? {c.bug} must break {c.targets}")
+    lines.append("")
+    lines.append(f"spec check {'OK' if report.ok else 'FAILED'} in {report.seconds:.1f}s")
+    return "\n".join(lines)
+
+
+# ---- the hot-path cost, for the benchmarks ---------------------------------------------------
+
+def spec_transition_cost_ns(n: int = 200_000, repeat: int = 5) -> float:
+    """Best-of-``repeat`` cost of one ``Lifecycle.fire`` in ns (request stream, unguarded)."""
+    from enginewire.spec import CLIENT_REQUEST, ClientRequestEvent
+
+    output = ClientRequestEvent.OUTPUT  # bound once: Enum class attribute access costs ~150 ns
+    send = ClientRequestEvent.SEND
+    best = float("inf")
+    for _ in range(repeat):
+        lc = CLIENT_REQUEST.lifecycle()
+        lc.fire(send)
+        lc.fire(output)
+        fire = lc.fire
+        t0 = time.perf_counter_ns()
+        for _ in range(n // 10):
+            fire(output); fire(output); fire(output); fire(output); fire(output)  # noqa: E702
+            fire(output); fire(output); fire(output); fire(output); fire(output)  # noqa: E702
+        best = min(best, (time.perf_counter_ns() - t0) / (n // 10 * 10))
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m enginewire.testing.spec_check")
+    parser.add_argument("--negative", metavar="NAME", help=f"one of: {', '.join(BUGS)}")
+    parser.add_argument("--no-spin", action="store_true", help="explorer only")
+    parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
+    args = parser.parse_args(argv)
+    return run_spec_check(
+        negative=args.negative,
+        spin=False if args.no_spin else None,
+        controls=not args.no_controls,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,688 @@
+"""The composed model: client x engine x input channel x output channel x process monitor.
+
+Theory of operation
+-------------------
+Rule 1: every component fires its events through the machine tables of this package (the
+same rows the runtime uses); an event the tables forbid is itself a violation
+(``spec_conformance``), so the composition can never drift from the declarations silently.
+Rule 2: the model is bounded, so its state space is finite: one request id (reusable after it
+finishes), at most one utility call, ``BUDGET`` owner actions, at most one fault, an input
+channel of ``IN_CAP`` frames and an output channel of ``OUT_CAP`` frames.
+
+A ``World`` is a flat tuple of small ints (enum members are stored by ``_ix``) so that the
+explorer can hash millions of them quickly. An *action* is a guarded atomic step of one
+actor: the owner (``user``), the client's output thread (``client``), the engine busy loop
+(``engine``), the client's process monitor (``monitor``), the engine's parent-death watcher
+(``watchdog``) and the fault injector (``fault``). Faults are ordinary actions: a crash with
+or without the dead sentinel (also during the handshake), a hang, a handshake slower than
+the client's deadline, a corrupted input or output frame, and the death of the parent.
+
+Each negative control (``BUGS``) is a one-line deviation from the correct protocol; the
+generated Promela model carries the same deviations under ``#ifdef BUG_<NAME>`` so that both
+checkers are held to rejecting it. Keep this file and ``promela.py``'s template in step: the
+tests compare the explorer's and SPIN's verdicts on every property and every control.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from .client import CLIENT, ClientEvent, ClientState
+from .engine import ENGINE, EngineEvent, EngineState
+from .machine import Machine
+from .request import (
+    CLIENT_REQUEST,
+    ENGINE_REQUEST,
+    ClientRequestEvent,
+    ClientRequestState,
+    EngineRequestEvent,
+    EngineRequestState,
+)
+from .utility import UTILITY, UtilityEvent, UtilityState
+
+__all__ = [
+    "BUGS",
+    "FIELDS",
+    "IN_MSGS",
+    "OUT_MSGS",
+    "Composition",
+    "World",
+    "describe_world",
+]
+
+# ---- bounds --------------------------------------------------------------------------------
+BUDGET = 3  # owner API calls per run, shutdown included (an owner may never shut down)
+FAULTS = 1  # single-fault assumption
+IN_CAP = 2
+OUT_CAP = 4
+TOKENS = 1  # tokens a request may emit before its length limit
+
+# ---- messages (kind in the low 4 bits, request-frame sequence number above) -----------------
+IN_MSGS = (
+    "ADD", "ABORT", "UTIL", "SLEEP_ABORT", "SLEEP_WAIT", "PAUSE_KEEP",
+    "WAKE_WEIGHTS", "WAKE_ALL", "SHUTDOWN", "CORRUPT",
+)
+OUT_MSGS = (
+    "HS", "TOK", "FIN_STOP", "FIN_LENGTH", "FIN_ABORT", "FIN_ERROR",
+    "UREPLY_OK", "UREPLY_ERR", "SLEPT", "WOKE_FULL", "WOKE_PART", "DEAD", "CORRUPT",
+)
+(I_ADD, I_ABORT, I_UTIL, I_SLEEP_ABORT, I_SLEEP_WAIT, I_PAUSE_KEEP,
+ I_WAKE_WEIGHTS, I_WAKE_ALL, I_SHUTDOWN, I_CORRUPT) = range(1, len(IN_MSGS) + 1)
+(O_HS, O_TOK, O_FIN_STOP, O_FIN_LENGTH, O_FIN_ABORT, O_FIN_ERROR, O_UREPLY_OK, O_UREPLY_ERR,
+ O_SLEPT, O_WOKE_FULL, O_WOKE_PART, O_DEAD, O_CORRUPT) = range(1, len(OUT_MSGS) + 1)
+
+# ---- world layout ----------------------------------------------------------------------------
+FIELDS = (
+    "client", "engine", "proc_exited", "hung", "parent_dead", "inq", "outq", "creq", "ereq",
+    "toks", "preempted", "sent", "applied", "util", "util_ends", "weights_asleep",
+    "kv_asleep", "sleep_flag", "drain_reply", "closing", "budget", "faults", "monitor_seen",
+    "bad",
+)
+(C, E, PROC_EXITED, HUNG, PARENT_DEAD, INQ, OUTQ, CREQ, EREQ, TOKS, PREEMPTED, SENT, APPLIED,
+ UTIL, UTIL_ENDS, WA, KVA, SLEEP_FLAG, DRAIN_REPLY, CLOSING, BUDGET_LEFT, FAULTS_LEFT,
+ MONITOR_SEEN, BAD) = range(len(FIELDS))
+NO_UTIL = -1  # ``util`` before the one call is made
+World = tuple[Any, ...]
+
+# Negative controls: each breaks the protocol in one place (see ``properties.CONTROLS``).
+BUGS = (
+    "forget_pending_on_death",
+    "late_reply_resolves",
+    "abort_ack_before_flush",
+    "abort_unanswered",
+    "reply_before_drain",
+    "partial_wake_clears_flag",
+    "input_reorders",
+    "shutdown_skips_join",
+    "shutdown_no_kill",
+    "no_monitor",
+    "ignore_parent_death",
+    "drop_failed_reply",
+    "add_before_ready",
+)
+
+CS, CE = ClientState, ClientEvent
+ES, EE = EngineState, EngineEvent
+RS, RE = EngineRequestState, EngineRequestEvent
+QS, QE = ClientRequestState, ClientRequestEvent
+US, UE = UtilityState, UtilityEvent
+
+
+def _ix(member: Enum) -> int:
+    return list(type(member)).index(member)
+
+
+# Int views of the states the actions test (computed once; worlds store ints).
+C_CONSTRUCTING, C_READY, C_RUNNING, C_SLEEPING, C_DEAD, C_SHUTDOWN = (_ix(s) for s in CS)
+C_LIVE = frozenset({C_READY, C_RUNNING, C_SLEEPING})
+E_IDLE, E_RUNNING, E_DRAINING, E_PAUSED, E_SLEEPING = (
+    _ix(ES.IDLE), _ix(ES.RUNNING), _ix(ES.DRAINING), _ix(ES.PAUSED), _ix(ES.SLEEPING))
+E_CONSTRUCTING, E_DEAD, E_SHUTDOWN = _ix(ES.CONSTRUCTING), _ix(ES.DEAD), _ix(ES.SHUTDOWN)
+E_LOOP = frozenset({E_IDLE, E_RUNNING, E_DRAINING, E_PAUSED, E_SLEEPING})
+R_LIVE = frozenset(_ix(s) for s in (RS.WAITING, RS.RUNNING, RS.PREEMPTED))
+R_QUEUED = frozenset(_ix(s) for s in (RS.WAITING, RS.PREEMPTED))
+R_RUNNING = _ix(RS.RUNNING)
+Q_LIVE = frozenset(_ix(s) for s in (QS.SENT, QS.STREAMING, QS.ABORTING))
+# The owner may abort any id: aborting an unknown, finished or already aborting request is a
+# no-op on both sides, and the model checks that it stays one.
+Q_ABORTABLE = frozenset(_ix(s) for s in QS)
+Q_FREE = frozenset(_ix(s) for s in QS) - Q_LIVE
+U_PENDING = _ix(US.PENDING)
+U_LATE_OK = frozenset({_ix(US.CANCELLED), _ix(US.TIMED_OUT)})
+
+_FIN_EVENT = {
+    O_FIN_STOP: QE.FINISH_STOP,
+    O_FIN_LENGTH: QE.FINISH_LENGTH,
+    O_FIN_ABORT: QE.FINISH_ABORT,
+    O_FIN_ERROR: QE.FINISH_ERROR,
+}
+
+
+class _Table:
+    """``(state_ix, event, guard) -> state_ix`` for one machine, plus a coverage log."""
+
+    def __init__(self, machine: Machine[Any, Any]) -> None:
+        self.machine = machine
+        # Keyed by ints: Enum.__hash__ is Python-level and this lookup runs millions of times.
+        self.rows = {
+            (_ix(t.source), _ix(t.event), t.guard): _ix(t.target) for t in machine.transitions
+        }
+        machine.compiled()  # gives every member its ``_ix``
+
+
+@dataclass(frozen=True)
+class Action:
+    actor: str
+    name: str
+    run: Callable[[World], Iterator[tuple[str, World]]]
+
+
+class _Step:
+    """A mutable copy of a world for one action; ``fire`` reads the machine tables."""
+
+    __slots__ = ("comp", "w")
+
+    def __init__(self, comp: Composition, world: World) -> None:
+        self.comp = comp
+        self.w = list(world)
+
+    def fire(self, field: int, table: _Table, event: Enum, guard: str | None = None) -> None:
+        key = (self.w[field], event._ix, guard)  # type: ignore[attr-defined]
+        new = table.rows.get(key)
+        if new is None:
+            self.flag("spec_conformance")
+            return
+        self.comp.covered.add((table.machine.name, *key))
+        self.w[field] = new
+
+    def flag(self, prop: str) -> None:
+        if not self.w[BAD]:
+            self.w[BAD] = prop
+
+    def push_out(self, msg: int, front: bool = False) -> None:
+        q = self.w[OUTQ]
+        self.w[OUTQ] = (msg, *q) if front else (*q, msg)
+
+    def push_in(self, msg: int) -> None:
+        self.w[INQ] = (*self.w[INQ], msg)
+
+    def freeze(self) -> World:
+        return tuple(self.w)
+
+
+class Composition:
+    """The composed model; ``bug`` selects one negative control (``None``: the real protocol)."""
+
+    def __init__(self, bug: str | None = None) -> None:
+        if bug is not None and bug not in BUGS:
+            raise ValueError(f"unknown negative control {bug!r}; choose one of {', '.join(BUGS)}")
+        self.bug = bug
+        # (machine name, source index, event index, guard) of every row a step fired
+        self.covered: set[tuple[str, int, int, str | None]] = set()
+        self.t_client = _Table(CLIENT)
+        self.t_engine = _Table(ENGINE)
+        self.t_ereq = _Table(ENGINE_REQUEST)
+        self.t_creq = _Table(CLIENT_REQUEST)
+        self.t_util = _Table(UTILITY)
+        self.actions: tuple[Action, ...] = self._actions()
+
+    def tables(self) -> tuple[_Table, ...]:
+        return (self.t_client, self.t_engine, self.t_ereq, self.t_creq, self.t_util)
+
+    # ---- the initial world -------------------------------------------------------------------
+    def initial(self) -> World:
+        w: list[Any] = [0] * len(FIELDS)
+        w[C] = C_CONSTRUCTING
+        w[E] = E_CONSTRUCTING
+        w[INQ] = ()
+        w[OUTQ] = ()
+        w[CREQ] = _ix(QS.UNKNOWN)
+        w[EREQ] = _ix(RS.UNKNOWN)
+        w[UTIL] = NO_UTIL
+        w[BUDGET_LEFT] = BUDGET
+        w[FAULTS_LEFT] = FAULTS
+        w[BAD] = ""
+        return tuple(w)
+
+    def successors(self, world: World) -> Iterator[tuple[str, World]]:
+        if world[BAD]:
+            return
+        for action in self.actions:
+            yield from action.run(world)
+
+    # ---- shared effects ----------------------------------------------------------------------
+    def _on_death(self, s: _Step) -> None:
+        """The client learns the engine is dead: every pending and live thing fails now."""
+        s.fire(C, self.t_client, CE.ENGINE_DIED)
+        if s.w[UTIL] == U_PENDING and self.bug != "forget_pending_on_death":
+            s.fire(UTIL, self.t_util, UE.ENGINE_DIED)
+            s.w[UTIL_ENDS] += 1
+        # Unconditional: for a finished request the table makes the notice a no-op.
+        s.fire(CREQ, self.t_creq, QE.ENGINE_DIED)
+
+    def _has_work(self, s: _Step) -> bool:
+        return s.w[EREQ] in R_LIVE
+
+    def _reply_slept(self, s: _Step) -> None:
+        # "sleep/pause replies only once the engine is idle": paused or asleep, nothing running.
+        if s.w[E] not in (E_PAUSED, E_SLEEPING) or s.w[EREQ] == R_RUNNING:
+            s.flag("sleep_reply_when_idle")
+        s.push_out(O_SLEPT)
+
+    def _release(self, s: _Step) -> None:
+        s.fire(E, self.t_engine, EE.RELEASE_MEMORY)
+        s.w[WA] = s.w[KVA] = 1
+        s.w[SLEEP_FLAG] = 1
+
+    def _abort_live(self, s: _Step) -> None:
+        if s.w[EREQ] in R_LIVE:
+            s.fire(EREQ, self.t_ereq, RE.ABORT)
+            if self.bug != "abort_unanswered":
+                s.push_out(O_FIN_ABORT, front=self.bug == "abort_ack_before_flush")
+
+    def _settle(self, s: _Step) -> None:
+        """The busy loop's bookkeeping after each step: idle when done, pause when drained."""
+        live = s.w[EREQ] in R_LIVE
+        if s.w[E] == E_RUNNING and not live:
+            s.fire(E, self.t_engine, EE.ALL_FINISHED)
+        elif s.w[E] == E_DRAINING and not live:
+            s.fire(E, self.t_engine, EE.DRAINED)
+            s.w[SLEEP_FLAG] = 1
+            if s.w[DRAIN_REPLY]:
+                self._release(s)
+                s.w[DRAIN_REPLY] = 0
+                self._reply_slept(s)
+
+    def _wake(self, s: _Step, full: bool) -> None:
+        e = s.w[E]
+        if e == E_SLEEPING:
+            s.w[WA] = 0
+            if full:
+                s.w[KVA] = 0
+            if s.w[KVA]:
+                s.fire(E, self.t_engine, EE.WAKE_UP, "partial")
+                if self.bug == "partial_wake_clears_flag":
+                    s.w[SLEEP_FLAG] = 0
+                s.push_out(O_WOKE_PART)
+                return
+        if e in (E_SLEEPING, E_PAUSED):
+            s.fire(E, self.t_engine, EE.WAKE_UP, "has_work" if self._has_work(s) else "no_work")
+            s.w[SLEEP_FLAG] = 0
+        elif e in (E_IDLE, E_RUNNING):
+            s.fire(E, self.t_engine, EE.WAKE_UP)
+        else:  # draining: not asleep yet, the deferred sleep still completes later
+            s.fire(E, self.t_engine, EE.WAKE_UP)
+        s.push_out(O_WOKE_FULL)
+
+    def _check_seq(self, s: _Step, msg: int) -> None:
+        seq = msg >> 4
+        if seq != s.w[APPLIED]:
+            s.flag("frames_in_order")
+        s.w[APPLIED] = seq + 1
+
+    # ---- actions -----------------------------------------------------------------------------
+    def _actions(self) -> tuple[Action, ...]:
+        bug = self.bug
+        acts: list[Action] = []
+
+        def action(actor: str, name: str) -> Callable[[Callable[..., Any]], Any]:
+            def wrap(fn: Callable[[World], Iterator[tuple[str, World]]]) -> Any:
+                acts.append(Action(actor, name, fn))
+                return fn
+
+            return wrap
+
+        def owner_may_call(w: World) -> bool:
+            return bool(not w[PARENT_DEAD] and not w[CLOSING] and w[BUDGET_LEFT] > 0)
+
+        def user_send(
+            w: World, msg: int, label: str, *, request_frame: bool = False
+        ) -> Iterator[tuple[str, World]]:
+            if owner_may_call(w) and w[C] in C_LIVE and len(w[INQ]) < IN_CAP:
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                if request_frame:
+                    msg |= s.w[SENT] << 4
+                    s.w[SENT] += 1
+                s.push_in(msg)
+                yield label, s.freeze()
+
+        # -- the owner (user) ---------------------------------------------------------------
+        @action("user", "add_request")
+        def _add(w: World) -> Iterator[tuple[str, World]]:
+            ok_state = w[C] in C_LIVE or (bug == "add_before_ready" and w[C] == C_CONSTRUCTING)
+            if owner_may_call(w) and ok_state and w[CREQ] in Q_FREE and len(w[INQ]) < IN_CAP:
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.fire(C, self.t_client, CE.ADD_REQUEST)
+                s.fire(CREQ, self.t_creq, QE.SEND)
+                s.push_in(I_ADD | s.w[SENT] << 4)
+                s.w[SENT] += 1
+                yield "add_request", s.freeze()
+
+        @action("user", "abort_request")
+        def _abort(w: World) -> Iterator[tuple[str, World]]:
+            if w[CREQ] in Q_ABORTABLE:
+                for label, nw in user_send(w, I_ABORT, "abort_request", request_frame=True):
+                    s = _Step(self, nw)
+                    s.fire(CREQ, self.t_creq, QE.ABORT_SENT)
+                    yield label, s.freeze()
+
+        @action("user", "call_utility")
+        def _util(w: World) -> Iterator[tuple[str, World]]:
+            if not owner_may_call(w) or w[UTIL] != NO_UTIL:
+                return
+            if w[C] == C_DEAD:  # fails at once with EngineDeadError
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.w[UTIL] = U_PENDING
+                s.fire(UTIL, self.t_util, UE.ENGINE_DIED)
+                s.w[UTIL_ENDS] += 1
+                yield "call_utility", s.freeze()
+                return
+            for label, nw in user_send(w, I_UTIL, "call_utility"):
+                s = _Step(self, nw)
+                s.w[UTIL] = U_PENDING
+                yield label, s.freeze()
+
+        for ev, label in ((UE.CANCEL, "cancel_utility"), (UE.TIMEOUT, "utility_timeout")):
+            def _end_call(
+                w: World, ev: UtilityEvent = ev, label: str = label
+            ) -> Iterator[tuple[str, World]]:
+                if owner_may_call(w) and w[UTIL] == U_PENDING:
+                    s = _Step(self, w)
+                    s.w[BUDGET_LEFT] -= 1
+                    s.fire(UTIL, self.t_util, ev)
+                    s.w[UTIL_ENDS] += 1
+                    yield label, s.freeze()
+
+            acts.append(Action("user", label, _end_call))
+
+        for msg, label in (
+            (I_SLEEP_ABORT, "sleep_abort"),
+            (I_SLEEP_WAIT, "sleep_wait"),
+            (I_PAUSE_KEEP, "pause_keep"),
+            (I_WAKE_WEIGHTS, "wake_weights"),
+            (I_WAKE_ALL, "wake_all"),
+        ):
+            def _send(w: World, msg: int = msg, label: str = label) -> Iterator[tuple[str, World]]:
+                yield from user_send(w, msg, label)
+
+            acts.append(Action("user", label, _send))
+
+        @action("user", "shutdown")
+        def _shutdown(w: World) -> Iterator[tuple[str, World]]:
+            if owner_may_call(w) and (w[C] in C_LIVE or w[C] == C_DEAD):
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.w[CLOSING] = 1
+                if not s.w[PROC_EXITED] and len(s.w[INQ]) < IN_CAP:
+                    s.push_in(I_SHUTDOWN)
+                yield "shutdown", s.freeze()
+
+        # -- the client's own threads ----------------------------------------------------------
+        @action("client", "shutdown_kill")
+        def _kill(w: World) -> Iterator[tuple[str, World]]:
+            # The grace period ran out: terminate, then kill, the engine process.
+            if (bug != "shutdown_no_kill" and w[CLOSING] and not w[PROC_EXITED]
+                    and not w[PARENT_DEAD]):
+                s = _Step(self, w)
+                s.w[PROC_EXITED] = 1
+                yield "shutdown_kill", s.freeze()
+
+        @action("client", "shutdown_finish")
+        def _finish(w: World) -> Iterator[tuple[str, World]]:
+            joined = w[PROC_EXITED] or bug == "shutdown_skips_join"
+            if w[CLOSING] and joined and w[C] != C_SHUTDOWN and not w[PARENT_DEAD]:
+                s = _Step(self, w)
+                s.fire(C, self.t_client, CE.SHUTDOWN)
+                if s.w[UTIL] == U_PENDING:
+                    s.fire(UTIL, self.t_util, UE.CLIENT_SHUTDOWN)
+                    s.w[UTIL_ENDS] += 1
+                if s.w[CREQ] in Q_LIVE:
+                    s.fire(CREQ, self.t_creq, QE.FINISH_ERROR)
+                yield "shutdown_finish", s.freeze()
+
+        @action("client", "handshake_deadline")
+        def _deadline(w: World) -> Iterator[tuple[str, World]]:
+            if w[C] == C_CONSTRUCTING and w[FAULTS_LEFT] and not w[PARENT_DEAD]:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.fire(C, self.t_client, CE.CONSTRUCTION_FAILED)
+                s.w[PROC_EXITED] = 1  # the constructor kills and reaps the engine
+                yield "handshake_deadline", s.freeze()
+
+        @action("client", "receive_output")
+        def _rx(w: World) -> Iterator[tuple[str, World]]:
+            if not w[OUTQ] or w[PARENT_DEAD] or w[C] in (C_DEAD, C_SHUTDOWN):
+                return
+            s = _Step(self, w)
+            msg, s.w[OUTQ] = s.w[OUTQ][0], s.w[OUTQ][1:]
+            if msg == O_HS:
+                s.fire(C, self.t_client, CE.HANDSHAKE_OK)
+            elif msg == O_TOK or msg in _FIN_EVENT:
+                if s.w[CREQ] not in Q_LIVE:
+                    s.flag("no_output_after_finish")
+                elif msg == O_TOK:
+                    s.fire(CREQ, self.t_creq, QE.OUTPUT)
+                else:
+                    s.fire(CREQ, self.t_creq, _FIN_EVENT[msg])
+            elif msg in (O_UREPLY_OK, O_UREPLY_ERR):
+                ev = UE.REPLY_OK if msg == O_UREPLY_OK else UE.REPLY_ERROR
+                if s.w[UTIL] == U_PENDING:
+                    s.fire(UTIL, self.t_util, ev)
+                    s.w[UTIL_ENDS] += 1
+                elif s.w[UTIL] in U_LATE_OK:
+                    s.fire(UTIL, self.t_util, ev)  # late reply: dropped, no entry left
+                    if bug == "late_reply_resolves":
+                        s.w[UTIL_ENDS] += 1
+                else:
+                    s.flag("spec_conformance")
+            elif msg == O_SLEPT:
+                s.fire(C, self.t_client, CE.SLEEP_ACKED)
+            elif msg == O_WOKE_FULL:
+                s.fire(C, self.t_client, CE.WAKE_ACKED, "fully_awake")
+            elif msg == O_WOKE_PART:
+                s.fire(C, self.t_client, CE.WAKE_ACKED, "partially_awake")
+            elif msg == O_DEAD:
+                self._on_death(s)
+            else:  # O_CORRUPT: undecodable frame -> ProtocolError, engine unusable: kill it
+                self._on_death(s)
+                s.w[PROC_EXITED] = 1
+            yield "receive_output", s.freeze()
+
+        @action("monitor", "process_exit_noticed")
+        def _monitor(w: World) -> Iterator[tuple[str, World]]:
+            # Reports each exit once. It races the dead sentinel (then the client is already
+            # DEAD and the notice loops there) and a finished shutdown (the notice is ignored
+            # there); while a shutdown is under way the exit is expected and not reported,
+            # so pending calls end in ClientClosedError, not a spurious EngineDeadError.
+            if (bug == "no_monitor" or not w[PROC_EXITED] or w[MONITOR_SEEN] or w[PARENT_DEAD]
+                    or (w[CLOSING] and w[C] != C_SHUTDOWN)):
+                return
+            s = _Step(self, w)
+            s.w[MONITOR_SEEN] = 1
+            if w[C] in (C_DEAD, C_SHUTDOWN):
+                s.fire(C, self.t_client, CE.ENGINE_DIED)
+            else:
+                self._on_death(s)
+            yield "process_exit_noticed", s.freeze()
+
+        # -- the engine process ------------------------------------------------------------
+        def engine_runs(w: World) -> bool:
+            return not w[PROC_EXITED] and not w[HUNG]
+
+        @action("engine", "start")
+        def _start(w: World) -> Iterator[tuple[str, World]]:
+            if engine_runs(w) and w[E] == E_CONSTRUCTING:
+                s = _Step(self, w)
+                s.fire(E, self.t_engine, EE.BUILT, "subprocess")
+                s.fire(E, self.t_engine, EE.HANDSHAKE_SENT)
+                s.push_out(O_HS)
+                s.fire(E, self.t_engine, EE.LOOP_STARTED)
+                yield "engine_start", s.freeze()
+
+        @action("engine", "receive_input")
+        def _recv(w: World) -> Iterator[tuple[str, World]]:
+            if not (engine_runs(w) and w[INQ] and w[E] in E_LOOP and len(w[OUTQ]) <= 1):
+                return
+            s = _Step(self, w)
+            q = s.w[INQ]
+            if bug == "input_reorders" and len(q) > 1:
+                msg, s.w[INQ] = q[-1], q[:-1]
+            else:
+                msg, s.w[INQ] = q[0], q[1:]
+            kind = msg & 15
+            if kind == I_ADD:
+                self._check_seq(s, msg)
+                s.fire(EREQ, self.t_ereq, RE.ADD)
+                s.w[TOKS] = TOKENS
+                if s.w[E] != E_RUNNING:
+                    s.fire(E, self.t_engine, EE.WORK_ARRIVED)
+            elif kind == I_ABORT:
+                self._check_seq(s, msg)
+                if s.w[EREQ] in R_LIVE:
+                    self._abort_live(s)
+                else:
+                    s.fire(EREQ, self.t_ereq, RE.ABORT)  # unknown or finished id: no-op
+            elif kind == I_UTIL:
+                s0 = _Step(self, s.freeze())
+                s0.push_out(O_UREPLY_OK)
+                self._settle(s0)
+                yield "engine_utility_ok", s0.freeze()
+                if bug != "drop_failed_reply":
+                    s.push_out(O_UREPLY_ERR)
+                self._settle(s)
+                yield "engine_utility_error", s.freeze()
+                return
+            elif kind == I_SLEEP_ABORT:
+                self._abort_live(s)
+                s.fire(E, self.t_engine, EE.PAUSE_ABORT)
+                s.w[DRAIN_REPLY] = 0
+                self._release(s)
+                self._reply_slept(s)
+            elif kind == I_SLEEP_WAIT:
+                s.fire(E, self.t_engine, EE.PAUSE_WAIT)
+                if s.w[E] == E_DRAINING:
+                    s.w[DRAIN_REPLY] = 1
+                    if bug == "reply_before_drain":
+                        s.w[DRAIN_REPLY] = 0
+                        self._reply_slept(s)
+                else:
+                    self._release(s)
+                    self._reply_slept(s)
+            elif kind == I_PAUSE_KEEP:
+                if s.w[EREQ] == R_RUNNING:
+                    s.fire(EREQ, self.t_ereq, RE.PREEMPT)  # parked, resumes after wake-up
+                was_draining = s.w[E] == E_DRAINING
+                s.fire(E, self.t_engine, EE.PAUSE_KEEP)
+                s.w[SLEEP_FLAG] = 1
+                if was_draining and s.w[DRAIN_REPLY]:
+                    # The earlier sleep(wait) stops waiting: release and answer it first.
+                    s.w[DRAIN_REPLY] = 0
+                    self._release(s)
+                    self._reply_slept(s)
+                self._reply_slept(s)
+            elif kind in (I_WAKE_WEIGHTS, I_WAKE_ALL):
+                self._wake(s, full=kind == I_WAKE_ALL)
+            elif kind == I_SHUTDOWN:
+                s.fire(E, self.t_engine, EE.SHUTDOWN)
+                s.w[PROC_EXITED] = 1
+            else:  # I_CORRUPT: the input thread fails the engine loudly, never silently
+                s.fire(E, self.t_engine, EE.FATAL_ERROR)
+                s.push_out(O_DEAD)
+                s.w[PROC_EXITED] = 1
+            self._settle(s)
+            yield "engine_receive", s.freeze()
+
+        @action("engine", "step")
+        def _step(w: World) -> Iterator[tuple[str, World]]:
+            if not (engine_runs(w) and w[E] in (E_RUNNING, E_DRAINING) and len(w[OUTQ]) < OUT_CAP):
+                return
+            r = w[EREQ]
+            if r in R_QUEUED:
+                s = _Step(self, w)
+                s.fire(EREQ, self.t_ereq, RE.SCHEDULE)
+                yield "engine_schedule", s.freeze()
+                return
+            if r != R_RUNNING:
+                return
+            choices: list[tuple[str, EngineRequestEvent | None, int]] = []
+            if w[TOKS] > 0:
+                choices.append(("engine_token", None, O_TOK))
+            else:
+                choices.append(("engine_length", RE.LENGTH, O_FIN_LENGTH))
+            choices.append(("engine_stop", RE.STOP, O_FIN_STOP))
+            choices.append(("engine_request_error", RE.ERROR, O_FIN_ERROR))
+            if not w[PREEMPTED]:
+                choices.append(("engine_preempt", RE.PREEMPT, 0))
+            for label, ev, out in choices:
+                s = _Step(self, w)
+                if ev is None:
+                    s.w[TOKS] -= 1
+                else:
+                    s.fire(EREQ, self.t_ereq, ev)
+                if ev is RE.PREEMPT:
+                    s.w[PREEMPTED] = 1
+                if out:
+                    s.push_out(out)
+                self._settle(s)
+                yield label, s.freeze()
+
+        @action("watchdog", "parent_gone")
+        def _watchdog(w: World) -> Iterator[tuple[str, World]]:
+            if bug != "ignore_parent_death" and w[PARENT_DEAD] and not w[PROC_EXITED]:
+                s = _Step(self, w)
+                if s.w[E] != E_SHUTDOWN:
+                    s.fire(E, self.t_engine, EE.SHUTDOWN)
+                s.w[PROC_EXITED] = 1
+                yield "engine_exits_orphaned", s.freeze()
+
+        # -- faults ------------------------------------------------------------------------------
+        @action("fault", "faults")
+        def _faults(w: World) -> Iterator[tuple[str, World]]:
+            if not w[FAULTS_LEFT]:
+                return
+            # A run may also be fault-free; without this choice every quiescent world would
+            # have seen a fault, and fault-excused obligations would hide liveness bugs.
+            s = _Step(self, w)
+            s.w[FAULTS_LEFT] = 0
+            yield "no_fault", s.freeze()
+            alive = not w[PROC_EXITED]
+            if alive and w[E] not in (E_DEAD, E_SHUTDOWN) and not w[HUNG]:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.fire(E, self.t_engine, EE.FATAL_ERROR)
+                s.push_out(O_DEAD)
+                s.w[PROC_EXITED] = 1
+                yield "crash_with_sentinel", s.freeze()
+            if alive:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.w[PROC_EXITED] = 1
+                yield "crash_silently", s.freeze()
+                if not w[HUNG]:
+                    s = _Step(self, w)
+                    s.w[FAULTS_LEFT] -= 1
+                    s.w[HUNG] = 1
+                    yield "engine_hangs", s.freeze()
+            if alive and len(w[INQ]) < IN_CAP and not w[PARENT_DEAD]:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.push_in(I_CORRUPT)
+                yield "corrupt_input_frame", s.freeze()
+            if w[C] not in (C_DEAD, C_SHUTDOWN) and alive and not w[PARENT_DEAD]:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.push_out(O_CORRUPT)
+                yield "corrupt_output_frame", s.freeze()
+            if not w[PARENT_DEAD]:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.w[PARENT_DEAD] = 1
+                yield "parent_dies", s.freeze()
+
+        return tuple(acts)
+
+
+def describe_world(world: World) -> dict[str, object]:
+    """A readable view of a world (enum names instead of ints) for counterexamples."""
+    names: dict[int, type[Enum]] = {
+        C: ClientState, E: EngineState, CREQ: ClientRequestState, EREQ: EngineRequestState,
+    }
+    out: dict[str, object] = {}
+    for i, field in enumerate(FIELDS):
+        v = world[i]
+        if i in names:
+            v = list(names[i])[v].name
+        elif i == UTIL:
+            v = "none" if v == NO_UTIL else list(UtilityState)[v].name
+        elif i == INQ:
+            v = [IN_MSGS[(m & 15) - 1] for m in v]
+        elif i == OUTQ:
+            v = [OUT_MSGS[m - 1] for m in v]
+        out[field] = v
+    return out

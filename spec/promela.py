@@ -1,0 +1,485 @@
+"""The Promela model, generated from the machine tables; pure text, no I/O.
+
+Theory of operation
+-------------------
+Rule 1: the *protocol* part (every state, event and guard as a ``#define``, and one
+``fire_<machine>`` inline reading a constant array filled with one assignment per table row)
+is generated from the same ``Transition`` tuples the runtime reads; an event outside the table sets
+``v_spec_conformance`` exactly as the Python composition flags it.
+Rule 2: the *environment* (owner, client threads, engine loop, monitor, watchdog, faults) is a
+template that mirrors ``compose.py`` action for action, one ``atomic`` arm per action, one
+proctype per actor so that SPIN's weak fairness (``pan -f``) is fairness between actors.
+Negative controls are ``#ifdef BUG_<NAME>`` blocks; ``spin -DBUG_<NAME>`` selects one.
+
+The properties come from ``properties.py`` as named ``ltl`` blocks (``pan -N <name>``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from string import Template
+from typing import Any
+
+from . import MACHINES
+from . import compose as m
+from .machine import Machine
+from .properties import PROPERTIES
+
+__all__ = ["GUARDS", "promela_name", "render_promela"]
+
+# Every guard name of every machine, sorted; 0 means "no guard".
+GUARDS: tuple[str, ...] = tuple(
+    sorted({t.guard for mach in MACHINES for t in mach.transitions if t.guard is not None})
+)
+# Promela variable holding each machine's state in the composition.
+_VAR = {
+    "client": "client",
+    "engine": "engine",
+    "engine_request": "ereq",
+    "client_request": "creq",
+    "utility": "util",
+}
+
+
+def promela_name(machine: Machine[Any, Any]) -> str:
+    return machine.name.upper()
+
+
+def _guard_id(guard: str | None) -> str:
+    return "G_NONE" if guard is None else f"G_{guard.upper()}"
+
+
+def _defines() -> list[str]:
+    out = ["#define G_NONE 0"]
+    out += [f"#define G_{g.upper()} {i + 1}" for i, g in enumerate(GUARDS)]
+    for mach in MACHINES:
+        p = promela_name(mach)
+        out += [f"#define {p}_S_{s.name} {i}" for i, s in enumerate(mach.state_members())]
+        out += [f"#define {p}_E_{e.name} {i}" for i, e in enumerate(mach.event_members())]
+    return out
+
+
+def _fire_inline(mach: Machine[Any, Any]) -> list[str]:
+    """A constant ``hidden`` lookup array (outside the state vector) and the inline reading it.
+
+    Inline if-chains per row made ``pan.c`` take minutes to compile; a table does not.
+    """
+    var = _VAR[mach.name]
+    n_ev, n_g = len(mach.event_members()), len(GUARDS) + 1
+    size = len(mach.state_members()) * n_ev * n_g
+    return [
+        f"hidden byte {var}_next[{size}];",
+        f"inline fire_{var}(ev, g) {{",
+        f"  nxt = {var}_next[({var} * {n_ev} + ev) * {n_g} + g];",
+        f"  if :: nxt == 255 -> v_spec_conformance = 1 :: else -> {var} = nxt fi;",
+        "  nxt = 0",
+        "}",
+    ]
+
+
+def _table_init(mach: Machine[Any, Any]) -> list[str]:
+    """One assignment per table row, run once by ``init`` before any actor starts."""
+    p, var = promela_name(mach), _VAR[mach.name]
+    n_ev, n_g = len(mach.event_members()), len(GUARDS) + 1
+    size = len(mach.state_members()) * n_ev * n_g
+    lines = [f"  ti = 0; do :: ti < {size} -> {var}_next[ti] = 255; ti++ :: else -> break od;"]
+    rows = sorted(
+        mach.transitions,
+        key=lambda t: (mach.state_members().index(t.source),
+                       mach.event_members().index(t.event), t.guard or ""),
+    )
+    for t in rows:
+        cell = f"{p}_S_{t.source.name} * {n_ev} + {p}_E_{t.event.name}"
+        ix = f"({cell}) * {n_g} + {_guard_id(t.guard)}"
+        lines.append(f"  {var}_next[{ix}] = {p}_S_{t.target.name};")
+    return lines
+
+
+def _set_macro(name: str, var: str, ixs: frozenset[int]) -> str:
+    return f"#define {name} (" + " || ".join(f"{var} == {i}" for i in sorted(ixs)) + ")"
+
+
+def _queue_inlines() -> list[str]:
+    n_out = m.OUT_CAP + 2  # headroom for the dead sentinel pushed past the cap
+    shift_left = "; ".join(f"outq[{i}] = outq[{i + 1}]" for i in range(n_out - 1))
+    shift_right = "; ".join(f"outq[{i}] = outq[{i - 1}]" for i in range(n_out - 1, 0, -1))
+    return [
+        f"#define OUTQ_SIZE {n_out}",
+        f"byte inq[{m.IN_CAP}]; byte inq_len; byte outq[OUTQ_SIZE]; byte outq_len;",
+        "inline push_in(x) { inq[inq_len] = x; inq_len++ }",
+        "inline pop_in_head(x) { x = inq[0]; "
+        + "; ".join(f"inq[{i}] = inq[{i + 1}]" for i in range(m.IN_CAP - 1))
+        + f"; inq[{m.IN_CAP - 1}] = 0; inq_len-- }}",
+        "inline pop_in_tail(x) { x = inq[inq_len - 1]; inq[inq_len - 1] = 0; inq_len-- }",
+        "inline push_out(x) { assert(outq_len < OUTQ_SIZE); outq[outq_len] = x; outq_len++ }",
+        f"inline push_out_front(x) {{ assert(outq_len < OUTQ_SIZE); {shift_right}; "
+        "outq[0] = x; outq_len++ }",
+        f"inline pop_out(x) {{ x = outq[0]; {shift_left}; outq[OUTQ_SIZE - 1] = 0; outq_len-- }}",
+    ]
+
+
+def _constants() -> list[str]:
+    out = [
+        f"#define BUDGET {m.BUDGET}",
+        f"#define FAULTS {m.FAULTS}",
+        f"#define IN_CAP {m.IN_CAP}",
+        f"#define OUT_CAP {m.OUT_CAP}",
+        f"#define TOKENS {m.TOKENS}",
+        f"#define NO_UTIL {m.NO_UTIL}",
+    ]
+    out += [f"#define I_{name} {i + 1}" for i, name in enumerate(m.IN_MSGS)]
+    out += [f"#define O_{name} {i + 1}" for i, name in enumerate(m.OUT_MSGS)]
+    out += [
+        _set_macro("creq_live", "creq", m.Q_LIVE),
+        _set_macro("creq_free", "creq", m.Q_FREE),
+        _set_macro("creq_abortable", "creq", m.Q_ABORTABLE),
+        _set_macro("ereq_live", "ereq", m.R_LIVE),
+        _set_macro("ereq_queued", "ereq", m.R_QUEUED),
+        _set_macro("engine_in_loop", "engine", m.E_LOOP),
+        _set_macro("client_live", "client", m.C_LIVE),
+    ]
+    return out
+
+
+_TEMPLATE = Template(r"""
+/* ---- the composed world (compose.FIELDS) ---------------------------------------------- */
+byte client = CLIENT_S_CONSTRUCTING;
+byte engine = ENGINE_S_CONSTRUCTING;
+bit proc_exited; bit hung; bit parent_dead;
+byte creq = CLIENT_REQUEST_S_UNKNOWN;
+byte ereq = ENGINE_REQUEST_S_UNKNOWN;
+byte toks; bit preempted; byte sent; byte applied;
+short util = NO_UTIL; byte util_ends;
+bit weights_asleep; bit kv_asleep; bit sleep_flag; bit drain_reply; bit closing;
+byte budget = BUDGET; byte faults = FAULTS; bit monitor_seen;
+/* safety flags set by the model where a property is a statement about one step */
+bit v_spec_conformance; bit v_no_output_after_finish; bit v_sleep_reply_when_idle;
+bit v_frames_in_order;
+/* scratch, reset to 0 after every use so it does not split states */
+byte msg; byte kind; byte e0; bit partial; bit was_draining; byte nxt;
+hidden short ti;
+
+$fire_inlines
+
+#ifdef BUG_ADD_BEFORE_READY
+#define ADD_OK (client_live || client == CLIENT_S_CONSTRUCTING)
+#else
+#define ADD_OK client_live
+#endif
+#define OWNER_MAY_CALL (!parent_dead && !closing && budget > 0)
+#define ENGINE_RUNS (!proc_exited && !hung)
+
+inline on_death() {
+  fire_client(CLIENT_E_ENGINE_DIED, G_NONE);
+#ifndef BUG_FORGET_PENDING_ON_DEATH
+  if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_ENGINE_DIED, G_NONE); util_ends++
+     :: else -> skip fi;
+#endif
+  fire_creq(CLIENT_REQUEST_E_ENGINE_DIED, G_NONE)
+}
+
+inline reply_slept() {
+  if :: (engine != ENGINE_S_PAUSED && engine != ENGINE_S_SLEEPING)
+        || ereq == ENGINE_REQUEST_S_RUNNING -> v_sleep_reply_when_idle = 1
+     :: else -> skip fi;
+  push_out(O_SLEPT)
+}
+
+inline release() {
+  fire_engine(ENGINE_E_RELEASE_MEMORY, G_NONE);
+  weights_asleep = 1; kv_asleep = 1; sleep_flag = 1
+}
+
+inline abort_live() {
+  if :: ereq_live ->
+        fire_ereq(ENGINE_REQUEST_E_ABORT, G_NONE);
+#if defined(BUG_ABORT_ACK_BEFORE_FLUSH)
+        push_out_front(O_FIN_ABORT)
+#elif defined(BUG_ABORT_UNANSWERED)
+        skip
+#else
+        push_out(O_FIN_ABORT)
+#endif
+     :: else -> skip fi
+}
+
+inline settle() {
+  if :: engine == ENGINE_S_RUNNING && !ereq_live -> fire_engine(ENGINE_E_ALL_FINISHED, G_NONE)
+     :: engine == ENGINE_S_DRAINING && !ereq_live ->
+        fire_engine(ENGINE_E_DRAINED, G_NONE); sleep_flag = 1;
+        if :: drain_reply -> release(); drain_reply = 0; reply_slept() :: else -> skip fi
+     :: else -> skip fi
+}
+
+inline wake(wake_all) {
+  e0 = engine; partial = 0;
+  if :: e0 == ENGINE_S_SLEEPING ->
+        weights_asleep = 0;
+        if :: wake_all -> kv_asleep = 0 :: else -> skip fi;
+        if :: kv_asleep ->
+              fire_engine(ENGINE_E_WAKE_UP, G_PARTIAL);
+#ifdef BUG_PARTIAL_WAKE_CLEARS_FLAG
+              sleep_flag = 0;
+#endif
+              push_out(O_WOKE_PART); partial = 1
+           :: else -> skip fi
+     :: else -> skip fi;
+  if :: !partial ->
+        if :: e0 == ENGINE_S_SLEEPING || e0 == ENGINE_S_PAUSED ->
+              if :: ereq_live -> fire_engine(ENGINE_E_WAKE_UP, G_HAS_WORK)
+                 :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK) fi;
+              sleep_flag = 0
+           :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NONE) fi;
+        push_out(O_WOKE_FULL)
+     :: else -> skip fi;
+  e0 = 0; partial = 0
+}
+
+inline check_seq(x) {
+  if :: (x >> 4) != applied -> v_frames_in_order = 1 :: else -> skip fi;
+  applied = (x >> 4) + 1
+}
+
+inline user_send(x) { budget--; push_in(x) }
+
+proctype User() {
+end: do
+  :: atomic { OWNER_MAY_CALL && ADD_OK && creq_free && inq_len < IN_CAP ->
+       budget--; fire_client(CLIENT_E_ADD_REQUEST, G_NONE);
+       fire_creq(CLIENT_REQUEST_E_SEND, G_NONE); push_in(I_ADD | (sent << 4)); sent++ }
+  :: atomic { creq_abortable && OWNER_MAY_CALL && client_live && inq_len < IN_CAP ->
+       user_send(I_ABORT | (sent << 4)); sent++;
+       fire_creq(CLIENT_REQUEST_E_ABORT_SENT, G_NONE) }
+  :: atomic { OWNER_MAY_CALL && util == NO_UTIL && client == CLIENT_S_DEAD ->
+       budget--; util = UTILITY_S_PENDING; fire_util(UTILITY_E_ENGINE_DIED, G_NONE); util_ends++ }
+  :: atomic { OWNER_MAY_CALL && util == NO_UTIL && client_live && inq_len < IN_CAP ->
+       user_send(I_UTIL); util = UTILITY_S_PENDING }
+  :: atomic { OWNER_MAY_CALL && util == UTILITY_S_PENDING ->
+       budget--; fire_util(UTILITY_E_CANCEL, G_NONE); util_ends++ }
+  :: atomic { OWNER_MAY_CALL && util == UTILITY_S_PENDING ->
+       budget--; fire_util(UTILITY_E_TIMEOUT, G_NONE); util_ends++ }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_SLEEP_ABORT) }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_SLEEP_WAIT) }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_PAUSE_KEEP) }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_WAKE_WEIGHTS) }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_WAKE_ALL) }
+  :: atomic { OWNER_MAY_CALL && (client_live || client == CLIENT_S_DEAD) ->
+       budget--; closing = 1;
+       if :: !proc_exited && inq_len < IN_CAP -> push_in(I_SHUTDOWN) :: else -> skip fi }
+  od
+}
+
+proctype Client() {
+end: do
+#ifndef BUG_SHUTDOWN_NO_KILL
+  :: atomic { closing && !proc_exited && !parent_dead -> proc_exited = 1 }
+#endif
+#ifdef BUG_SHUTDOWN_SKIPS_JOIN
+  :: atomic { closing && client != CLIENT_S_SHUTDOWN && !parent_dead ->
+#else
+  :: atomic { closing && proc_exited && client != CLIENT_S_SHUTDOWN && !parent_dead ->
+#endif
+       fire_client(CLIENT_E_SHUTDOWN, G_NONE);
+       if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_CLIENT_SHUTDOWN, G_NONE); util_ends++
+          :: else -> skip fi;
+       if :: creq_live -> fire_creq(CLIENT_REQUEST_E_FINISH_ERROR, G_NONE) :: else -> skip fi }
+  :: atomic { client == CLIENT_S_CONSTRUCTING && faults > 0 && !parent_dead ->
+       faults--; fire_client(CLIENT_E_CONSTRUCTION_FAILED, G_NONE); proc_exited = 1 }
+  :: atomic { outq_len > 0 && !parent_dead && client != CLIENT_S_DEAD
+              && client != CLIENT_S_SHUTDOWN ->
+       pop_out(msg);
+       if
+       :: msg == O_HS -> fire_client(CLIENT_E_HANDSHAKE_OK, G_NONE)
+       :: msg >= O_TOK && msg <= O_FIN_ERROR ->
+          if
+          :: !creq_live -> v_no_output_after_finish = 1
+          :: else ->
+             if
+             :: msg == O_TOK -> fire_creq(CLIENT_REQUEST_E_OUTPUT, G_NONE)
+             :: msg == O_FIN_STOP -> fire_creq(CLIENT_REQUEST_E_FINISH_STOP, G_NONE)
+             :: msg == O_FIN_LENGTH -> fire_creq(CLIENT_REQUEST_E_FINISH_LENGTH, G_NONE)
+             :: msg == O_FIN_ABORT -> fire_creq(CLIENT_REQUEST_E_FINISH_ABORT, G_NONE)
+             :: msg == O_FIN_ERROR -> fire_creq(CLIENT_REQUEST_E_FINISH_ERROR, G_NONE)
+             fi
+          fi
+       :: msg == O_UREPLY_OK || msg == O_UREPLY_ERR ->
+          if :: msg == O_UREPLY_OK -> kind = UTILITY_E_REPLY_OK
+             :: else -> kind = UTILITY_E_REPLY_ERROR fi;
+          if
+          :: util == UTILITY_S_PENDING -> fire_util(kind, G_NONE); util_ends++
+          :: util == UTILITY_S_CANCELLED || util == UTILITY_S_TIMED_OUT ->
+             fire_util(kind, G_NONE);
+#ifdef BUG_LATE_REPLY_RESOLVES
+             util_ends++;
+#endif
+             skip
+          :: else -> v_spec_conformance = 1
+          fi
+       :: msg == O_SLEPT -> fire_client(CLIENT_E_SLEEP_ACKED, G_NONE)
+       :: msg == O_WOKE_FULL -> fire_client(CLIENT_E_WAKE_ACKED, G_FULLY_AWAKE)
+       :: msg == O_WOKE_PART -> fire_client(CLIENT_E_WAKE_ACKED, G_PARTIALLY_AWAKE)
+       :: msg == O_DEAD -> on_death()
+       :: msg == O_CORRUPT -> on_death(); proc_exited = 1
+       fi;
+       msg = 0; kind = 0 }
+  od
+}
+
+proctype Monitor() {
+end: do
+#ifndef BUG_NO_MONITOR
+  :: atomic { proc_exited && !monitor_seen && !parent_dead
+              && !(closing && client != CLIENT_S_SHUTDOWN) ->
+       monitor_seen = 1;
+       if :: client == CLIENT_S_DEAD || client == CLIENT_S_SHUTDOWN ->
+             fire_client(CLIENT_E_ENGINE_DIED, G_NONE)
+          :: else -> on_death() fi }
+#endif
+  :: false
+  od
+}
+
+proctype Engine() {
+end: do
+  :: atomic { ENGINE_RUNS && engine == ENGINE_S_CONSTRUCTING ->
+       fire_engine(ENGINE_E_BUILT, G_SUBPROCESS); fire_engine(ENGINE_E_HANDSHAKE_SENT, G_NONE);
+       push_out(O_HS); fire_engine(ENGINE_E_LOOP_STARTED, G_NONE) }
+  :: atomic { ENGINE_RUNS && inq_len > 0 && engine_in_loop && outq_len <= 1 ->
+#ifdef BUG_INPUT_REORDERS
+       if :: inq_len > 1 -> pop_in_tail(msg) :: else -> pop_in_head(msg) fi;
+#else
+       pop_in_head(msg);
+#endif
+       kind = msg & 15;
+       if
+       :: kind == I_ADD ->
+          check_seq(msg); fire_ereq(ENGINE_REQUEST_E_ADD, G_NONE); toks = TOKENS;
+          if :: engine != ENGINE_S_RUNNING -> fire_engine(ENGINE_E_WORK_ARRIVED, G_NONE)
+             :: else -> skip fi
+       :: kind == I_ABORT ->
+          check_seq(msg);
+          if :: ereq_live -> abort_live()
+             :: else -> fire_ereq(ENGINE_REQUEST_E_ABORT, G_NONE) fi
+       :: kind == I_UTIL ->
+          if :: true -> push_out(O_UREPLY_OK)
+#ifdef BUG_DROP_FAILED_REPLY
+             :: true -> skip
+#else
+             :: true -> push_out(O_UREPLY_ERR)
+#endif
+          fi
+       :: kind == I_SLEEP_ABORT ->
+          abort_live(); fire_engine(ENGINE_E_PAUSE_ABORT, G_NONE); drain_reply = 0;
+          release(); reply_slept()
+       :: kind == I_SLEEP_WAIT ->
+          fire_engine(ENGINE_E_PAUSE_WAIT, G_NONE);
+          if :: engine == ENGINE_S_DRAINING ->
+#ifdef BUG_REPLY_BEFORE_DRAIN
+                drain_reply = 0; reply_slept()
+#else
+                drain_reply = 1
+#endif
+             :: else -> release(); reply_slept() fi
+       :: kind == I_PAUSE_KEEP ->
+          if :: ereq == ENGINE_REQUEST_S_RUNNING -> fire_ereq(ENGINE_REQUEST_E_PREEMPT, G_NONE)
+             :: else -> skip fi;
+          was_draining = (engine == ENGINE_S_DRAINING);
+          fire_engine(ENGINE_E_PAUSE_KEEP, G_NONE); sleep_flag = 1;
+          if :: was_draining && drain_reply -> drain_reply = 0; release(); reply_slept()
+             :: else -> skip fi;
+          reply_slept(); was_draining = 0
+       :: kind == I_WAKE_WEIGHTS -> wake(0)
+       :: kind == I_WAKE_ALL -> wake(1)
+       :: kind == I_SHUTDOWN -> fire_engine(ENGINE_E_SHUTDOWN, G_NONE); proc_exited = 1
+       :: kind == I_CORRUPT ->
+          fire_engine(ENGINE_E_FATAL_ERROR, G_NONE); push_out(O_DEAD); proc_exited = 1
+       fi;
+       settle(); msg = 0; kind = 0 }
+  :: atomic { ENGINE_RUNS && (engine == ENGINE_S_RUNNING || engine == ENGINE_S_DRAINING)
+              && outq_len < OUT_CAP && ereq_queued ->
+       fire_ereq(ENGINE_REQUEST_E_SCHEDULE, G_NONE) }
+  :: atomic { ENGINE_RUNS && (engine == ENGINE_S_RUNNING || engine == ENGINE_S_DRAINING)
+              && outq_len < OUT_CAP && ereq == ENGINE_REQUEST_S_RUNNING ->
+       if
+       :: toks > 0 -> toks--; push_out(O_TOK)
+       :: toks == 0 -> fire_ereq(ENGINE_REQUEST_E_LENGTH, G_NONE); push_out(O_FIN_LENGTH)
+       :: true -> fire_ereq(ENGINE_REQUEST_E_STOP, G_NONE); push_out(O_FIN_STOP)
+       :: true -> fire_ereq(ENGINE_REQUEST_E_ERROR, G_NONE); push_out(O_FIN_ERROR)
+       :: !preempted -> fire_ereq(ENGINE_REQUEST_E_PREEMPT, G_NONE); preempted = 1
+       fi;
+       settle() }
+  od
+}
+
+proctype Watchdog() {
+end: do
+#ifndef BUG_IGNORE_PARENT_DEATH
+  :: atomic { parent_dead && !proc_exited ->
+       if :: engine != ENGINE_S_SHUTDOWN -> fire_engine(ENGINE_E_SHUTDOWN, G_NONE)
+          :: else -> skip fi;
+       proc_exited = 1 }
+#endif
+  :: false
+  od
+}
+
+proctype Fault() {
+end: do
+  :: atomic { faults > 0 -> faults = 0 }
+  :: atomic { faults > 0 && !proc_exited && engine != ENGINE_S_DEAD
+              && engine != ENGINE_S_SHUTDOWN && !hung ->
+       faults--; fire_engine(ENGINE_E_FATAL_ERROR, G_NONE); push_out(O_DEAD); proc_exited = 1 }
+  :: atomic { faults > 0 && !proc_exited -> faults--; proc_exited = 1 }
+  :: atomic { faults > 0 && !proc_exited && !hung -> faults--; hung = 1 }
+  :: atomic { faults > 0 && !proc_exited && inq_len < IN_CAP && !parent_dead ->
+       faults--; push_in(I_CORRUPT) }
+  :: atomic { faults > 0 && client != CLIENT_S_DEAD && client != CLIENT_S_SHUTDOWN
+              && !proc_exited && !parent_dead -> faults--; push_out(O_CORRUPT) }
+  :: atomic { faults > 0 && !parent_dead -> faults--; parent_dead = 1 }
+  od
+}
+
+init {
+  d_step {
+$table_init
+    ti = 0
+  };
+  atomic { run User(); run Client(); run Monitor(); run Engine(); run Watchdog(); run Fault() }
+}
+
+/* ---- properties (properties.py) ------------------------------------------------------- */
+$ltl
+""")
+
+
+def render_promela() -> str:
+    """The whole ``enginewire.pml`` text, deterministic, with its AUTOGENERATED header."""
+    fire: list[str] = []
+    init: list[str] = []
+    for mach in MACHINES:
+        fire += _fire_inline(mach)
+        fire.append("")
+        init += _table_init(mach)
+    # -DLTL_ONLY -DLTL_<name> keeps only the named claims (each claim costs compile time).
+    ltl = [
+        f"#if !defined(LTL_ONLY) || defined(LTL_{p.name})\nltl {p.name} {{ {p.promela} }}\n#endif"
+        for p in PROPERTIES
+    ]
+    body = "\n".join(
+        [*_defines(), "", *_constants(), "", *_queue_inlines()]
+    ) + _TEMPLATE.substitute(
+        fire_inlines="\n".join(fire), ltl="\n".join(ltl), table_init="\n".join(init)
+    )
+    # SPIN's parser ends a guard at a newline; the template wraps long ones for reading.
+    body = re.sub(r"\n\s+(&&|\|\|)", r" \1", body)
+    stamp = hashlib.sha256(body.encode()).hexdigest()[:16]
+    sources = ", ".join(f"{mach.name}={mach.fingerprint()}" for mach in MACHINES)
+    header = (
+        "/* AUTOGENERATED by `python -m enginewire.testing.generate`; ALL EDITS WILL BE LOST.\n"
+        f" * stamp {stamp}; tables {sources}\n"
+        " * Check one property: spin -a enginewire.pml && gcc -O2 -o pan pan.c"
+        " && ./pan -a -f -N <name>\n"
+        " * Negative control: add -DBUG_<NAME> to spin (see enginewire.spec.compose.BUGS). */\n"
+    )
+    return header + body

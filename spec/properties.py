@@ -1,0 +1,182 @@
+"""The named properties of the composed model, safety apart from liveness.
+
+Theory of operation
+-------------------
+Rule 1: a *safety* property is an assertion about every reachable world (P's monitors): the
+explorer checks it after each step and prints the shortest run that breaks it. A *liveness*
+property is a hot obligation ``trigger -> eventually (goal or excuse)``: SPIN checks it as LTL
+under weak fairness, and the explorer checks it at every quiescent world (no actor can move),
+which is complete here because every action consumes a bounded resource (owner budget, fault
+budget, a queued frame, a token) so the bounded model has no infinite runs.
+Rule 2: every property names at least one negative control (``compose.BUGS``) that must break
+it, in both checkers; a property that nothing can break is vacuous and fails the check.
+
+Each property carries its Python predicate and its Promela expression side by side, over the
+same variables (``compose.FIELDS`` in Python, globals of the same names in Promela).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import compose as m
+from .compose import World
+
+__all__ = ["LIVENESS", "PROPERTIES", "SAFETY", "Property", "control_targets"]
+
+
+@dataclass(frozen=True)
+class Property:
+    name: str
+    kind: str  # "safety" | "liveness"
+    text: str  # one sentence for reviewers (docs/spec.md)
+    controls: tuple[str, ...]  # negative controls that must break it
+    promela: str  # the LTL formula (over the Promela globals)
+    holds: Callable[[World], bool] | None = None  # safety: the invariant
+    trigger: Callable[[World], bool] | None = None  # liveness: the obligation starts
+    discharged: Callable[[World], bool] | None = None  # liveness: goal or excuse reached
+
+
+def _flag(name: str) -> Callable[[World], bool]:
+    return lambda w: w[m.BAD] != name
+
+
+def _safety(name: str, text: str, controls: tuple[str, ...], promela: str,
+            holds: Callable[[World], bool]) -> Property:
+    return Property(name, "safety", text, controls, f"[] ({promela})", holds=holds)
+
+
+def _live(
+    name: str, text: str, controls: tuple[str, ...],
+    trigger: tuple[str, Callable[[World], bool]], goal: tuple[str, Callable[[World], bool]],
+) -> Property:
+    return Property(
+        name, "liveness", text, controls, f"[] (({trigger[0]}) -> <> ({goal[0]}))",
+        trigger=trigger[1], discharged=goal[1],
+    )
+
+
+_C_DEAD, _C_SHUTDOWN = m.C_DEAD, m.C_SHUTDOWN
+_SLEEPY = (m.E_PAUSED, m.E_SLEEPING)
+
+SAFETY: tuple[Property, ...] = (
+    _safety(
+        "spec_conformance",
+        "Every component only fires events its machine table allows in its current state.",
+        ("add_before_ready",),
+        "!v_spec_conformance",
+        _flag("spec_conformance"),
+    ),
+    _safety(
+        "no_output_after_finish",
+        "No output reaches a request after its finishing output (in particular after its "
+        "abort was acknowledged).",
+        ("abort_ack_before_flush",),
+        "!v_no_output_after_finish",
+        _flag("no_output_after_finish"),
+    ),
+    _safety(
+        "utility_ends_once",
+        "Every utility call ends at most once; a late reply after cancel or timeout is dropped.",
+        ("late_reply_resolves",),
+        "util_ends <= 1",
+        lambda w: w[m.UTIL_ENDS] <= 1,
+    ),
+    _safety(
+        "death_fails_calls",
+        "Once the client knows the engine is dead, no utility call is pending and no request "
+        "is live: all ended with EngineDeadError, and later calls fail at once.",
+        ("forget_pending_on_death",),
+        f"client != {_C_DEAD} || (util != {m.U_PENDING} && !creq_live)",
+        lambda w: w[m.C] != _C_DEAD or (w[m.UTIL] != m.U_PENDING and w[m.CREQ] not in m.Q_LIVE),
+    ),
+    _safety(
+        "shutdown_reclaims",
+        "shutdown() returns only after the engine process has exited and been reaped.",
+        ("shutdown_skips_join",),
+        f"client != {_C_SHUTDOWN} || proc_exited",
+        lambda w: w[m.C] != _C_SHUTDOWN or bool(w[m.PROC_EXITED]),
+    ),
+    _safety(
+        "sleep_reply_when_idle",
+        "A sleep or pause reply is sent only when the engine is paused or asleep with nothing "
+        "running.",
+        ("reply_before_drain",),
+        "!v_sleep_reply_when_idle",
+        _flag("sleep_reply_when_idle"),
+    ),
+    _safety(
+        "is_sleeping_iff",
+        "The engine's is_sleeping answer is true exactly when it is paused or any memory tag is "
+        "asleep.",
+        ("partial_wake_clears_flag",),
+        f"!engine_in_loop || (sleep_flag == (engine == {_SLEEPY[0]} || engine == {_SLEEPY[1]}"
+        " || weights_asleep || kv_asleep))",
+        lambda w: w[m.E] not in m.E_LOOP
+        or bool(w[m.SLEEP_FLAG]) == (w[m.E] in _SLEEPY or bool(w[m.WA]) or bool(w[m.KVA])),
+    ),
+    _safety(
+        "frames_in_order",
+        "The engine applies request frames (add, abort) in the order the client sent them.",
+        ("input_reorders",),
+        "!v_frames_in_order",
+        _flag("frames_in_order"),
+    ),
+)
+
+LIVENESS: tuple[Property, ...] = (
+    _live(
+        "utility_call_terminates",
+        "Every utility call eventually ends (unless the engine hangs or the owner died).",
+        ("drop_failed_reply",),
+        (f"util == {m.U_PENDING}", lambda w: w[m.UTIL] == m.U_PENDING),
+        (f"util != {m.U_PENDING} || hung || parent_dead",
+         lambda w: w[m.UTIL] != m.U_PENDING or bool(w[m.HUNG] or w[m.PARENT_DEAD])),
+    ),
+    _live(
+        "request_finishes",
+        "Every request eventually gets a finishing output (unless the owner keeps the engine "
+        "paused or asleep, the engine hangs, or the owner died).",
+        ("abort_unanswered",),
+        ("creq_live", lambda w: w[m.CREQ] in m.Q_LIVE),
+        (f"!creq_live || hung || parent_dead || engine == {_SLEEPY[0]} || engine == {_SLEEPY[1]}",
+         lambda w: w[m.CREQ] not in m.Q_LIVE or bool(w[m.HUNG] or w[m.PARENT_DEAD])
+         or w[m.E] in _SLEEPY),
+    ),
+    _live(
+        "shutdown_completes",
+        "shutdown() always completes and reclaims the engine process, even a hung one.",
+        ("shutdown_no_kill",),
+        ("closing", lambda w: bool(w[m.CLOSING])),
+        (f"(client == {_C_SHUTDOWN} && proc_exited) || parent_dead",
+         lambda w: (w[m.C] == _C_SHUTDOWN and bool(w[m.PROC_EXITED])) or bool(w[m.PARENT_DEAD])),
+    ),
+    _live(
+        "death_propagates",
+        "If the engine process exits unasked, the client eventually knows it is dead.",
+        ("no_monitor",),
+        (f"proc_exited && !closing && client != {_C_SHUTDOWN}",
+         lambda w: bool(w[m.PROC_EXITED]) and not w[m.CLOSING] and w[m.C] != _C_SHUTDOWN),
+        (f"client == {_C_DEAD} || client == {_C_SHUTDOWN} || parent_dead",
+         lambda w: w[m.C] in (_C_DEAD, _C_SHUTDOWN) or bool(w[m.PARENT_DEAD])),
+    ),
+    _live(
+        "orphan_reclaimed",
+        "If the owner process dies, the engine process eventually exits on its own.",
+        ("ignore_parent_death",),
+        ("parent_dead", lambda w: bool(w[m.PARENT_DEAD])),
+        ("proc_exited", lambda w: bool(w[m.PROC_EXITED])),
+    ),
+)
+
+PROPERTIES: tuple[Property, ...] = SAFETY + LIVENESS
+
+
+def control_targets() -> dict[str, tuple[str, ...]]:
+    """``negative control -> properties it must break``, in ``compose.BUGS`` order."""
+    out: dict[str, list[str]] = {bug: [] for bug in m.BUGS}
+    for prop in PROPERTIES:
+        for bug in prop.controls:
+            out[bug].append(prop.name)
+    return {bug: tuple(names) for bug, names in out.items()}
