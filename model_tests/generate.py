@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from enginewire.protocol.catalogue import render_protocol_page
 from enginewire.spec import MACHINES, compose, properties
 from enginewire.spec.diagrams import render_dot, render_mermaid, render_spec_page
 from enginewire.spec.machine import render_runtime_tables
@@ -54,6 +55,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
                 "OUT_CAP": compose.OUT_CAP, "TOKENS": compose.TOKENS},
         controls=properties.control_targets(),
     )
+    files[root / "docs" / "protocol.md"] = render_protocol_page()
     return files
 
 
