@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["SECTIONS", "TARGETS", "collect", "run_bench"]
 
-SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine")
+SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model")
 
 # key -> (op, bar, goal, judged on "ratio" or "value"); issue 10's target table.
 TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -141,6 +141,24 @@ def _engine_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _model_rows(quick: bool) -> list[dict[str, Any]]:
+    from .smollm2 import run_smollm2_bench
+
+    return [
+        {
+            "section": "model",
+            "name": r["name"] + " tokens/s",
+            "unit": "tok/s",
+            "ours": r["tokens_per_s"],
+            "ours_spread": [r["tokens_per_s"], r["tokens_per_s"]],
+            "floor": None,
+            "floor_spread": None,
+            "ratio": None,
+        }
+        for r in run_smollm2_bench(quick)
+    ]
+
+
 def collect(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the selected sections; return their rows, not yet judged."""
     from .floor import freeze_heap
@@ -206,6 +224,8 @@ def collect(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
             rows += bench_inproc(256, p["inproc_reps"])
         if "engine" in sel:
             rows += _engine_rows(quick)
+        if "model" in sel and not quick:  # real-model compute: minutes on a CPU, full run only
+            rows += _model_rows(quick)
     finally:
         if not was_frozen:
             gc.unfreeze()

@@ -64,6 +64,13 @@ def _engine(args: argparse.Namespace) -> int:
     )
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmarks.run import run_bench
+
+    only = [x for x in args.only.split(",") if x] if args.only else None
+    return run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="enginewire",
@@ -108,6 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diagrams.add_argument("--out", default="docs/diagrams", help="output directory")
     diagrams.set_defaults(handler=_spec_diagrams)
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure IPC cost against a raw pyzmq floor measured in the same run",
+        description="Run every measurement next to its floor in one invocation and print "
+        "medians, spreads and ratios with the target bars; exits 1 if a bar is missed.",
+    )
+    bench.add_argument("--quick", action="store_true", help="small counts (under 2 minutes)")
+    bench.add_argument("--json", metavar="PATH", help="write every row as JSON to PATH")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot of the ratios to PATH")
+    bench.add_argument(
+        "--only",
+        metavar="SECTIONS",
+        help="comma-separated subset of: echo, delivery, compute, codec, spec, inproc, engine, "
+        "model",
+    )
+    bench.set_defaults(handler=_bench)
 
     gen = sub.add_parser(
         "generate",
