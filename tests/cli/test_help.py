@@ -1,0 +1,43 @@
+"""`enginewire --help` and every subcommand's help describe every option in a sentence."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from enginewire.cli import build_parser, main
+
+
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+
+
+def test_every_option_and_subcommand_has_help() -> None:
+    seen = []
+    for path, parser in _walk(build_parser()):
+        seen.append(" ".join(path))
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    assert choice.help, f"{path} {choice.dest}: no help"
+                continue
+            assert action.help and len(action.help) > 8, f"{' '.join(path)} {action.dest}"
+    for cmd in ("spec check", "spec diagrams", "generate", "engine", "bench"):
+        assert cmd in seen
+
+
+def test_help_exits_zero_and_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ok:
+        main(["--help"])
+    assert ok.value.code == 0
+    assert "Exit codes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        main(["no-such-command"])
+    assert bad.value.code == 2
