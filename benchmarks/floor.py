@@ -235,7 +235,11 @@ class FloorPeer:
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
+        # As our clients do: a full ROUTER drops silently, and a dropped ADD or GO hangs a round.
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.RCVHWM, 0)
         self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
         self.router.bind(in_addr)
         self.pull.bind(out_addr)
         self.proc = multiprocessing.get_context("spawn").Process(

@@ -52,16 +52,31 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace) -> int:
+    from .runtime import security
     from .runtime.config import EngineConfig
     from .runtime.engine_proc import run_engine_core
 
+    try:
+        curve = security.curve_from_options(args.curve_key, args.curve_peer or [])
+    except (OSError, ValueError) as exc:  # unreadable, unsafe or malformed key material
+        print(f"enginewire engine: {exc}", file=sys.stderr)
+        return EXIT_ENV
     return run_engine_core(
         EngineConfig(model=args.model, seed=args.seed),
         input_address=args.input_address,
         output_address=args.output_address,
         engine_index=args.engine_index,
         heartbeat_interval_s=args.heartbeat_interval,
+        curve=curve,
+        allow_insecure_tcp=args.allow_insecure_tcp,
+        integrity=args.integrity,
     )
+
+
+def _faults_matrix(args: argparse.Namespace) -> int:
+    from .faults import run_fault_matrix
+
+    return run_fault_matrix(args.client or None, quick=args.quick, results_dir=args.results_dir)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -115,6 +130,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diagrams.add_argument("--out", default="docs/diagrams", help="output directory")
     diagrams.set_defaults(handler=_spec_diagrams)
+
+    faults = sub.add_parser("faults", help="the failure-injection harness")
+    faults_sub = faults.add_subparsers(dest="faults_command", metavar="ACTION", required=True)
+    matrix = faults_sub.add_parser(
+        "matrix",
+        help="inject every fault at every point and check each outcome against the spec",
+        description="Run every fault at every applicable point and lifecycle state on each "
+        "client; print fault x point -> outcome, detection latency and leaks; exits 1 if any "
+        "cell differs from the spec.",
+    )
+    matrix.add_argument(
+        "--client",
+        action="append",
+        choices=("inproc", "sync", "async"),
+        help="client to test (repeatable); default: all three",
+    )
+    matrix.add_argument(
+        "--quick", action="store_true", help="the bounded subset CI runs (a few minutes)"
+    )
+    matrix.add_argument(
+        "--results-dir", default="results", help="directory for fault_matrix.json"
+    )
+    matrix.set_defaults(handler=_faults_matrix)
 
     bench = sub.add_parser(
         "bench",
@@ -174,6 +212,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between idle heartbeats, so the front end can tell a live engine "
         "from a vanished one",
+    )
+    eng.add_argument(
+        "--curve-key",
+        metavar="FILE",
+        help="this engine's CURVE secret key file (ZeroMQ certificate format, mode 0600); "
+        "created on first use",
+    )
+    eng.add_argument(
+        "--curve-peer",
+        metavar="KEY|FILE|DIR",
+        action="append",
+        help="a front end's public key (Z85 text, key file or directory of them) allowed to "
+        "talk to this engine; repeatable",
+    )
+    eng.add_argument(
+        "--allow-insecure-tcp",
+        action="store_true",
+        help="permit plain tcp without CURVE (logged as a warning); never for untrusted networks",
+    )
+    eng.add_argument(
+        "--integrity",
+        action="store_true",
+        help="add a sequence number and CRC-32 trailer to every message (the front end must "
+        "enable frame_integrity too)",
     )
     eng.set_defaults(handler=_engine)
     return parser

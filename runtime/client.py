@@ -36,6 +36,7 @@ from ..spec.errors import (
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
 from ..spec.utility import UTILITY, UtilityEvent
+from . import _mutants
 
 __all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client"]
 
@@ -51,6 +52,12 @@ _LIVE_REQUEST = frozenset(
     {ClientRequestState.SENT, ClientRequestState.STREAMING, ClientRequestState.ABORTING}
 )
 _TERMINAL_CLIENT = frozenset({ClientState.DEAD, ClientState.SHUTDOWN})
+# States where OUTPUT leads back to the same state, read from the spec's table: there an
+# output changes nothing, so the per-token path skips the lookup (unless a trace records it).
+_OUTPUT_SELF_LOOPS = frozenset(
+    t.source for t in CLIENT_REQUEST.transitions
+    if t.event is ClientRequestEvent.OUTPUT and t.guard is None and t.target is t.source
+)
 
 
 def _check_sleep_args(level: int, mode: str) -> None:
@@ -149,7 +156,7 @@ class EngineCoreClient(abc.ABC):
             self.ensure_alive()
             rid = request.request_id
             lc = self._requests.get(rid)
-            if lc is None:
+            if lc is None or _mutants.active("duplicate_live_id_accepted"):
                 lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
             if not lc.can(ClientRequestEvent.SEND) or not self.lifecycle.can(
                 ClientEvent.ADD_REQUEST
@@ -183,12 +190,15 @@ class EngineCoreClient(abc.ABC):
         with self._state_lock:
             if self.lifecycle.state in _TERMINAL_CLIENT:
                 return
+            requests, trace = self._requests, self.trace
             for out in outputs.outputs:
-                lc = self._requests.get(out.request_id)
+                lc = requests.get(out.request_id)
                 if lc is None:
                     # Unknown id, or output after a finishing one: fire to raise.
-                    lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
+                    lc = CLIENT_REQUEST.lifecycle(trace=trace)
                 if out.finish_reason is None:
+                    if trace is None and lc.state in _OUTPUT_SELF_LOOPS:
+                        continue
                     lc.fire(ClientRequestEvent.OUTPUT)
                 else:
                     lc.fire(_FINISH_EVENTS[FinishReason(out.finish_reason)])

@@ -42,6 +42,7 @@ from ..spec.engine import ENGINE, HAS_WORK, NO_WORK, EngineEvent, EngineState
 from ..spec.errors import ClientClosedError, EngineDeadError, UtilityError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
+from . import _mutants
 from .config import EngineConfig
 from .executor import MEMORY_TAGS, UniProcExecutor
 from .kv_cache import KVCacheManager
@@ -207,6 +208,8 @@ class EngineCore:
         if isinstance(request_ids, str):  # a bare id would iterate per character
             request_ids = (request_ids,)
         outs = self.scheduler.abort(request_ids)
+        if outs and _mutants.active("abort_not_acknowledged"):
+            outs = []
         if outs:
             self._pending.extend(outs)
             self._settle()
@@ -398,6 +401,8 @@ class EngineCore:
         if lc.state is S.DRAINING:
             fut: Future[Any] = Future()
             self._deferred.append((fut, then))
+            if _mutants.active("sleep_wait_replies_before_idle"):
+                return None
             return fut
         sched.drain_only = False
         if st is S.DRAINING:  # abort/keep ended a drain: the waiters' wait is over

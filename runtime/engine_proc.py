@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import enum
+import functools
 import gc
 import logging
 import multiprocessing
@@ -40,14 +41,17 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
 
 from ..protocol.codec import (
+    DEFAULT_LIMITS,
     BufferPool,
     Encoder,
+    Limits,
     decode_input,
     peek_request_id,
     send_frames,
@@ -67,8 +71,14 @@ from ..protocol.messages import (
 from ..spec.engine import EngineEvent, EngineState
 from ..spec.errors import ProtocolError
 from ..spec.machine import TraceEntry
+from . import _mutants
+from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
+from .integrity import LinkIntegrity
+from .security import CurveConfig, TransportGuard, check_transport
 
 __all__ = ["EngineCoreProc", "EngineShutdownRequested", "run_engine_core"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +154,8 @@ class _ShutdownSignals:
 
 def _watch_parent(parent_pid: int) -> None:
     """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed."""
+    if _mutants.active("engine_ignores_parent_death"):
+        return
     if sys.platform.startswith("linux"):
         # Delivered when the parent *thread* that spawned us exits, which may happen while the
         # parent process lives on: the handler checks the real parent before acting.
@@ -205,6 +217,27 @@ def _parent_gone(how: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _reconnect(sock: zmq.Socket[Any], address: str) -> None:
+    with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
+        sock.disconnect(address)
+    sock.connect(address)
+
+
+def _send_reconnecting(
+    sock: zmq.Socket[Any], address: str, dropped: threading.Event, send: Callable[[], T]
+) -> T:
+    """``send()`` under the socket's SNDTIMEO, connecting again whenever the monitor saw the
+    connection drop (a peer with no pipe would otherwise block the send for good)."""
+    while True:
+        if dropped.is_set():
+            dropped.clear()
+            _reconnect(sock, address)
+        try:
+            return send()
+        except zmq.Again:
+            continue
+
+
 def _salvage_call_id(frame: Any) -> int | None:
     """Call id of a utility request that failed to decode, so its caller is not left hanging."""
     try:
@@ -232,7 +265,11 @@ class EngineCoreProc:
         startup_delay_s: float = 0.0,
         trace: list[TraceEntry] | None = None,
         signals: _ShutdownSignals | None = None,
-        fault: str | None = None,
+        fault: Any = None,
+        curve: CurveConfig | None = None,
+        allow_insecure_tcp: bool = False,
+        limits: Limits = DEFAULT_LIMITS,
+        integrity: bool = False,
     ) -> None:
         from .engine import EngineCore  # deferred: keeps this module importable without torch
 
@@ -242,20 +279,30 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.heartbeat_interval_s = heartbeat_interval_s
         self._signals = signals
+        check_transport((input_address, output_address), curve, allow_insecure_tcp)
+        # Bounds on input, applied by the codec and (frame size) by libzmq before allocating.
+        self.limits = limits
         self._ctx = zmq.Context()
+        self._guard = TransportGuard(self._ctx, curve, side="engine")
         self._threads: list[threading.Thread] = []
         self._deferred: set[concurrent.futures.Future[Any]] = set()
         self._replies: list[UtilityOutput] = []
         self._input_ready = threading.Event()
         self._input_error: BaseException | None = None
         self.engine: Any = None
+        # Fault points (runtime/faults.py); None: no plan, every point is a no-op.
+        self.faults: FaultInjector | None = None
+        # Optional seq/ack/CRC trailers on every message (runtime/integrity.py).
+        self._integrity = LinkIntegrity() if integrity else None
         try:
             if startup_delay_s > 0:
                 # Test hook: hold the handshake so a test can act "during start-up".
                 time.sleep(startup_delay_s)
             self.engine = EngineCore(config, inproc=False, trace=trace)
-            if fault:
-                self.engine.fault_hook = _fault_hook(fault)
+            plan = as_plan(fault)
+            if plan is not None:
+                self._arm_faults(FaultInjector(plan, device=str(self.engine.device)))
+            self._fault(FaultPoint.BEFORE_READY)
             info = self.engine.ready_info()
             ready = ReadyResponse(
                 protocol_version=PROTOCOL_VERSION,
@@ -292,18 +339,35 @@ class EngineCoreProc:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
+        # libzmq drops the connection on a larger frame before allocating it, and after such
+        # a protocol error (or a refused handshake) it does not reconnect: the monitor
+        # reports the drop, and this thread (woken by RCVTIMEO/SNDTIMEO) connects again.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        sock.setsockopt(zmq.RCVTIMEO, int(IDLE_WAKE_S * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
+        dropped = threading.Event()
+        self._guard.connect_as_client(sock, "input", on_drop=dropped.set)
         try:
             sock.connect(address)
-            sock.send_multipart(Encoder().encode(ready), copy=False)
+            frames = Encoder().encode(ready)
+            _send_reconnecting(sock, address, dropped,
+                               functools.partial(sock.send_multipart, frames, copy=False))
             self._input_ready.set()
             while True:
                 try:
                     frames = sock.recv_multipart(copy=False)
                 except zmq.ContextTerminated:
                     return
+                except zmq.Again:
+                    if dropped.is_set():
+                        dropped.clear()
+                        _reconnect(sock, address)
+                    continue
                 try:
                     self._accept(frames)
                 except Exception:
+                    if _mutants.active("input_thread_dies_on_malformed_frame"):
+                        raise
                     # The input thread must outlive any frame: log and keep serving.
                     logger.exception("engine input thread: dropped a frame it could not handle")
         except zmq.ContextTerminated:
@@ -319,12 +383,34 @@ class EngineCoreProc:
     def _accept(self, frames: list[Any]) -> None:
         if not frames:
             raise ProtocolError("empty message")
+        if self._integrity is not None:
+            try:
+                frames = self._integrity.open(frames)
+            except ProtocolError as e:
+                # The link itself is broken (lost, reordered or corrupted input): fatal.
+                self.input_queue.put((_Control.SHUTDOWN, e))
+                return
         type_byte = bytes(frames[0].buffer)
         rest = [f.buffer for f in frames[1:]]
         try:
-            kind, payload = decode_input(type_byte, rest)
+            kind, payload = decode_input(type_byte, rest, self.limits)
         except ProtocolError as e:
+            if _mutants.active("input_thread_dies_on_malformed_frame"):
+                raise
             self._reject(type_byte, rest, e)
+            return
+        if self.faults is not None:
+            try:
+                self._fault(FaultPoint.INPUT_DECODED)
+            except Exception as e:
+                # An injected raise or OOM is this thread failing, not one bad frame.
+                self.input_queue.put((_Control.SHUTDOWN, e))
+                return
+        if kind is RequestType.ABORT and _mutants.active("abort_applied_before_add"):
+            with self.input_queue.mutex:  # jumps ahead of queued ADDs
+                self.input_queue.queue.appendleft((kind, payload))
+                self.input_queue.unfinished_tasks += 1
+                self.input_queue.not_empty.notify()
             return
         self.input_queue.put((kind, payload))
 
@@ -351,8 +437,12 @@ class EngineCoreProc:
     def _output_thread(self, address: str) -> None:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
+        dropped = threading.Event()  # see _input_thread: reconnect after a protocol error
+        self._guard.connect_as_client(sock, "output", on_drop=dropped.set)
         encoder = Encoder()
         pool = BufferPool(max_free=4)
+        reuse_early = _mutants.active("output_buffer_reused_before_send")  # once, off the hot path
         try:
             sock.connect(address)
             while True:
@@ -365,12 +455,19 @@ class EngineCoreProc:
                 if item is _STOP:
                     return
                 if isinstance(item, bytes):  # the engine-dead sentinel
-                    sock.send(item)
+                    _send_reconnecting(sock, address, dropped, functools.partial(sock.send, item))
                     return
+                self._fault(FaultPoint.OUTPUT_SEND)
                 buf = pool.acquire()
                 frames = encoder.encode_into(item, buf)
+                if self._integrity is not None:
+                    frames = [*frames, self._integrity.seal(frames)]
                 # The payload's own tracker decides when ``buf`` may be reused.
-                pool.release(buf, send_frames(sock, frames, track=True))
+                tracker = _send_reconnecting(sock, address, dropped, functools.partial(
+                    send_frames, sock, frames, track=True))
+                if reuse_early:
+                    sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
+                pool.release(buf, tracker)
         except zmq.ContextTerminated:
             return
         except BaseException:
@@ -384,6 +481,7 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         self.engine.lifecycle.fire(EngineEvent.LOOP_STARTED)
+        self._fault(FaultPoint.AFTER_READY)
         if self._signals is not None:
             self._signals.arm(self.input_queue)
         idle_rounds = 0
@@ -527,6 +625,7 @@ class EngineCoreProc:
         """Shut the engine down, flush its last outputs, stop the IO threads; bounded."""
         if self.engine is not None:
             try:
+                self._fault(FaultPoint.SHUTDOWN)
                 self.engine.shutdown()
                 # Live requests end with ABORT on shutdown: let their owners know.
                 final = self.engine.take_final_outputs()
@@ -545,9 +644,26 @@ class EngineCoreProc:
         t = threading.Thread(target=ctx.term, name="EngineCtxTerm", daemon=True)
         t.start()
         t.join(2.0)
+        self._guard.close()  # its monitors exit on the context's termination
         for th in self._threads:
             th.join(1.0)
         self._threads.clear()
+
+
+    # -- fault points (runtime/faults.py) -----------------------------------------------------
+
+    def _arm_faults(self, injector: FaultInjector) -> None:
+        self.faults = injector
+        self.engine.fault_hook = injector
+        if injector.allow_arm:
+            # Testing only: the plan asked for run-time arming, so this engine (and no other)
+            # gets the utility; the class allow-list is left untouched.
+            self.engine.UTILITY_METHODS = self.engine.UTILITY_METHODS | {ARM_FAULT_UTILITY}
+            setattr(self.engine, ARM_FAULT_UTILITY, injector.arm)
+
+    def _fault(self, point: FaultPoint) -> None:
+        if self.faults is not None:
+            self.faults(point)
 
 
 def _fault_hook(spec: str) -> Any:
@@ -577,12 +693,18 @@ def run_engine_core(
     heartbeat_interval_s: float | None = None,
     startup_delay_s: float = 0.0,
     trace: list[TraceEntry] | None = None,
-    fault: str | None = None,
+    fault: Any = None,
+    curve: CurveConfig | None = None,
+    allow_insecure_tcp: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
+    integrity: bool = False,
 ) -> int:
     """Build the engine, handshake with the client at the given addresses, serve until told
     to stop. Returns the process exit status (0 clean, 1 fatal). ``parent_pid`` turns on the
     parent-death watch; engines started by ``enginewire engine`` pass None. ``fault`` is a
-    test hook (see ``_fault_hook``)."""
+    test hook: a ``FaultPlan``, ``Fault`` or spec string (``runtime/faults.py``). ``curve``
+    makes both sockets CURVE clients of the front end (plain tcp needs
+    ``allow_insecure_tcp=True``); ``limits`` bounds the input (docs/security.md)."""
     signals = _ShutdownSignals()
     signals.install()
     if parent_pid is not None:
@@ -600,6 +722,10 @@ def run_engine_core(
             trace=trace,
             signals=signals,
             fault=fault,
+            curve=curve,
+            allow_insecure_tcp=allow_insecure_tcp,
+            limits=limits,
+            integrity=integrity,
         )
         constructed = True
         # The model and its imports are built: move them out of the collector's reach so

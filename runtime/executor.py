@@ -278,14 +278,12 @@ class NullWorker(Worker):
         if self.delay:
             time.sleep(self.delay)  # stands in for device compute time, releasing the GIL
         span = self.arch.vocab_size - 3  # see model.null_token; kept in sync by a test
-        out = []
-        for req, n in zip(reqs, nums, strict=False):
-            index = req.num_computed_tokens + n
-            if index == len(req.all_token_ids):
-                out.append(3 + (req.seed * 1_000_003 + index * 7919) % span)
-            else:
-                out.append(-1)
-        return out
+        # A comprehension: this runs once per request per step, and it is the whole "model".
+        return [
+            3 + (req.seed * 1_000_003 + index * 7919) % span
+            if (index := req.num_computed_tokens + n) == len(req.all_token_ids) else -1
+            for req, n in zip(reqs, nums, strict=False)
+        ]
 
     def sleep(self, level: int) -> None:
         self.sleeping.update(MEMORY_TAGS)

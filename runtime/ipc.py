@@ -88,7 +88,9 @@ class IpcDir:
         name = f"{_PREFIX}{pid}-{_start_stamp(pid) or 0}-{secrets.token_hex(4)}"
         path = root / name
         if len(str(path)) + 16 > _MAX_SOCKET_PATH:
-            # A deep $XDG_RUNTIME_DIR would overflow sun_path; /tmp always fits.
+            # A deep $XDG_RUNTIME_DIR would overflow sun_path; /tmp always fits. Stale
+            # directories land there too, so reclaim them there as well.
+            cleanup_stale_dirs(Path(tempfile.gettempdir()))
             path = Path(tempfile.gettempdir()) / name
         os.mkdir(path, 0o700)  # mkdir's mode is masked by umask; chmod makes it exact
         os.chmod(path, 0o700)

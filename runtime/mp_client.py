@@ -50,6 +50,7 @@ import zmq
 import zmq.asyncio
 
 from ..protocol.codec import (
+    DEFAULT_LIMITS,
     Encoder,
     decode_outputs,
     decode_ready,
@@ -69,14 +70,24 @@ from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
     EngineStartupError,
+    EngineWireError,
     ProtocolError,
     UtilityError,
     UtilityTimeoutError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UtilityEvent, UtilityState
+from . import _mutants
 from .client import EngineCoreClient, SyncClientMixin, _check_sleep_args
+from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
 from .ipc import IpcDir
+from .security import (
+    CurveConfig,
+    TransportGuard,
+    check_transport,
+    local_engine_pair,
+    restrict_ipc_socket,
+)
 
 __all__ = [
     "DEFAULT_READY_TIMEOUT_S",
@@ -173,7 +184,10 @@ class _UtilityRegistry:
     def give_up(self, call_id: int, event: UtilityEvent) -> bool:
         """Timeout or cancel: remove the entry; False if an outcome already arrived."""
         with self._lock:
-            entry = self._pending.pop(call_id, None)
+            if _mutants.active("timed_out_call_left_registered"):
+                entry = self._pending.get(call_id)
+            else:
+                entry = self._pending.pop(call_id, None)
             if entry is None:
                 return False
             self._forget(call_id, entry, event)
@@ -265,6 +279,7 @@ class BackgroundResources:
     monitor_pipe: tuple[int, int] | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     shutdown_timeout: float | None = None
+    guard: TransportGuard | None = None  # ZAP handler and socket monitors (security.py)
     last_seen: list[float] = field(default_factory=lambda: [time.monotonic()])
     done: bool = False
 
@@ -274,7 +289,12 @@ class BackgroundResources:
         self.done = True
         self._stop_monitor()
         self._stop_process()
+        if _mutants.active("context_term_before_close"):
+            self._term_context()
         self._close_sockets()
+        if self.guard is not None:  # before term(): its authenticator holds a socket
+            self.guard.close()
+            self.guard = None
         self._term_context()
         if self.ipc_dir is not None:
             self.ipc_dir.remove()
@@ -428,6 +448,17 @@ def _monitor_engine(
         client._on_engine_dead(cause)
 
 
+def _check_frame_sizes(frames: list[Any], limits: Any) -> None:
+    # The engine refuses a frame over its max_frame_bytes by dropping the connection
+    # (security.py), which loses what else was in flight: refuse it here instead.
+    limit = (limits or DEFAULT_LIMITS).max_frame_bytes
+    for frame in frames:
+        size = memoryview(frame).nbytes
+        if size > limit:
+            raise ValueError(f"a message frame of {size} bytes exceeds the engine's"
+                             f" max_frame_bytes={limit} (engine_limits)")
+
+
 # --- MPClient --------------------------------------------------------------------------------
 
 
@@ -450,10 +481,22 @@ class MPClient(EngineCoreClient):
         engine_heartbeat_timeout_s: float | None = None,
         engine_heartbeat_interval_s: float | None = None,
         engine_startup_delay_s: float = 0.0,
-        engine_fault: str | None = None,
+        engine_fault: Any = None,  # str | Fault | FaultPlan (runtime/faults.py)
+        # (input, output) the launched engine connects to instead of the client's own
+        # addresses: a proxy in between (model_tests/interposer.py) binds these.
+        engine_connect: tuple[str, str] | None = None,
+        # seq/ack/CRC trailer on every message; a launched engine is told (runtime/integrity.py)
+        frame_integrity: bool = False,
         shutdown_timeout_s: float | None = None,
+        transport: str = "ipc",
+        curve: CurveConfig | None = None,
+        engine_curve: CurveConfig | None = None,
+        allow_insecure_tcp: bool = False,
+        engine_limits: Any = None,  # protocol.codec.Limits for the launched engine's input
     ) -> None:
         super().__init__(config, trace=trace)
+        # Read by _start (security.py): transport, keys, and the engine's input bounds.
+        self._security = (transport, curve, engine_curve, allow_insecure_tcp, engine_limits)
         self.resources = BackgroundResources(shutdown_timeout=shutdown_timeout_s)
         # First thing: whatever fails below, the finalizer reclaims what was created.
         self._finalizer = weakref.finalize(self, self.resources)
@@ -465,6 +508,8 @@ class MPClient(EngineCoreClient):
         self._pending_sends: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
         self.engine_pid: int | None = None
         self.ready_response: Any = None
+        self._integrity = (
+            LinkIntegrity(loss_deadline_s=DEFAULT_LOSS_DEADLINE_S) if frame_integrity else None)
         try:
             self._start(
                 ready_timeout=_ready_timeout(ready_timeout_s),
@@ -475,6 +520,7 @@ class MPClient(EngineCoreClient):
                 heartbeat_interval_s=engine_heartbeat_interval_s,
                 startup_delay_s=engine_startup_delay_s,
                 fault=engine_fault,
+                connect=engine_connect,
             )
         except BaseException:
             self._mark_closed()
@@ -491,10 +537,14 @@ class MPClient(EngineCoreClient):
         heartbeat_timeout_s: float | None,
         heartbeat_interval_s: float | None,
         startup_delay_s: float,
-        fault: str | None,
+        fault: Any,
+        connect: tuple[str, str] | None = None,
     ) -> None:
         res = self.resources
         res.ctx = zmq.Context(io_threads=1)
+        input_address, output_address, curve, engine_kwargs = self._secure_transport(
+            input_address, output_address, launch_engine)
+        res.guard = TransportGuard(res.ctx, curve, side="client")
         if input_address is None or output_address is None:
             res.ipc_dir = IpcDir()
             input_address = input_address or res.ipc_dir.address("input")
@@ -504,26 +554,39 @@ class MPClient(EngineCoreClient):
         inp.setsockopt(zmq.LINGER, 0)
         inp.setsockopt(zmq.SNDHWM, 0)  # a full ROUTER drops silently: never drop a request
         inp.setsockopt(zmq.RCVHWM, 0)
+        # An engine that reconnects (e.g. after refusing an oversized frame) keeps its
+        # identity; without handover the stale pipe would keep it unreachable.
+        inp.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        res.guard.serve(inp, "input")
         inp.bind(input_address)
         self.input_address = inp.getsockopt_string(zmq.LAST_ENDPOINT)
         out = self._make_output_socket(res.ctx)
         out.setsockopt(zmq.LINGER, 0)
         out.setsockopt(zmq.RCVHWM, 0)
+        res.guard.serve(out, "output")
         out.bind(output_address)
         self.output_address = out.getsockopt_string(zmq.LAST_ENDPOINT)
+        restrict_ipc_socket(self.input_address)
+        restrict_ipc_socket(self.output_address)
 
         if launch_engine:
             from .engine_proc import _process_main
 
+            if heartbeat_timeout_s and heartbeat_interval_s is None:
+                # A deadline without beats would declare every idle engine dead.
+                heartbeat_interval_s = heartbeat_timeout_s / 4
+
             mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
             kwargs = {
-                "input_address": self.input_address,
-                "output_address": self.output_address,
+                "input_address": connect[0] if connect else self.input_address,
+                "output_address": connect[1] if connect else self.output_address,
                 "engine_index": self.engine_index,
                 "parent_pid": os.getpid(),
                 "heartbeat_interval_s": heartbeat_interval_s,
                 "startup_delay_s": startup_delay_s,
                 "fault": fault,
+                "integrity": self._integrity is not None,
+                **engine_kwargs,
             }
             proc = mp.Process(
                 target=_process_main,
@@ -555,6 +618,30 @@ class MPClient(EngineCoreClient):
         self._start_reader()
         with self._state_lock:
             self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
+
+    def _secure_transport(
+        self, input_address: str | None, output_address: str | None, launch_engine: bool
+    ) -> tuple[str | None, str | None, CurveConfig | None, dict[str, Any]]:
+        """Addresses, this side's CURVE config and the launched engine's security kwargs.
+
+        tcp binds to loopback unless an address is given. A launched engine over tcp gets a
+        fresh key pair (the client admits only it) unless insecure tcp was asked for.
+        """
+        transport, curve, engine_curve, allow_insecure_tcp, limits = self._security
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport={transport!r}: must be 'ipc' or 'tcp'")
+        if transport == "tcp":
+            input_address = input_address or "tcp://127.0.0.1:*"
+            output_address = output_address or "tcp://127.0.0.1:*"
+        if launch_engine and engine_curve is None and (
+                curve is not None or (transport == "tcp" and not allow_insecure_tcp)):
+            curve, engine_curve = local_engine_pair(curve)
+        check_transport([a for a in (input_address, output_address) if a], curve,
+                        allow_insecure_tcp)
+        kwargs: dict[str, Any] = {"curve": engine_curve, "allow_insecure_tcp": allow_insecure_tcp}
+        if limits is not None:
+            kwargs["limits"] = limits
+        return input_address, output_address, curve, kwargs
 
     def _make_output_socket(self, ctx: zmq.Context[Any]) -> Any:
         sock = ctx.socket(zmq.PULL)
@@ -607,7 +694,8 @@ class MPClient(EngineCoreClient):
             return
         logger.warning("engine core died: %s", cause)
         err = self._dead_error()
-        self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
+        if not _mutants.active("pending_utility_not_failed_on_death"):
+            self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
         self._wake_waiters(_DEAD)
 
     def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
@@ -625,7 +713,9 @@ class MPClient(EngineCoreClient):
         """Stop the engine (SIGTERM, then SIGKILL after ``timeout`` s) and free everything."""
         if not self._mark_closed():
             return
-        err = ClientClosedError("the client was shut down")
+        err: EngineWireError = ClientClosedError("the client was shut down")
+        if _mutants.active("spurious_dead_on_clean_shutdown"):
+            err = EngineDeadError()
         self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.CLIENT_SHUTDOWN), err)
         self._wake_waiters(_CLOSED)
         if timeout is not None:
@@ -642,6 +732,9 @@ class MPClient(EngineCoreClient):
             if sock is None:
                 raise ClientClosedError("the client was shut down")
             frames = encode_input(self._encoder, kind, obj)
+            _check_frame_sizes(frames, self._security[4])
+            if self._integrity is not None:
+                frames = [*frames, self._integrity.seal(frames)]
             if len(frames) <= 2:
                 sock.send_multipart([self.identity, *frames], copy=False)
                 return
@@ -711,6 +804,8 @@ class MPClient(EngineCoreClient):
         if is_dead_sentinel(frames):
             raise EngineProcessDied(
                 "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+        if self._integrity is not None:
+            frames = self._integrity.open(frames)
         outputs = decode_outputs(frames)
         if outputs.utility_output is not None:
             hit = self._utilities.resolve(outputs.utility_output)
@@ -787,6 +882,8 @@ class SyncMPClient(SyncClientMixin, MPClient):
         res.reader_thread.start()
 
     def _wake_waiters(self, marker: object) -> None:
+        if marker is _DEAD and _mutants.active("sync_get_output_not_woken_on_kill"):
+            return
         self._outputs.put(marker)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -29,6 +29,12 @@ __all__ = ["Request", "Scheduler"]
 
 RE = EngineRequestEvent
 
+# Stop sets shared between requests: the stop check touches one hot object instead of a
+# cold one per request (measured 4-10 % of a step after a 5 ms device wait). Keyed by the
+# model's EOS id only, so the cache stays as small as the set of models served.
+_NO_STOPS: frozenset[int] = frozenset()
+_EOS_ONLY: dict[int, frozenset[int]] = {}
+
 
 class Request:
     """Engine-side state of one request; plain slots because the step loop reads them hot."""
@@ -37,8 +43,8 @@ class Request:
         "all_token_ids", "block_hashes", "block_ids", "client_index", "draining", "eos",
         "finished", "generator", "in_waiting", "lifecycle", "max_tokens", "num_cached_tokens",
         "num_computed_tokens", "num_prompt_tokens", "num_registered_blocks", "priority",
-        "request_id", "seed", "sort_key", "stop_ids", "stop_len", "temperature", "top_k",
-        "top_p",
+        "request_id", "seed", "sort_key", "stop_ids", "stop_len", "stops", "temperature",
+        "top_k", "top_p",
     )
 
     def __init__(
@@ -67,8 +73,16 @@ class Request:
         self.top_p = sp.top_p
         self.seed = default_seed if sp.seed is None else sp.seed
         self.generator: torch.Generator | None = None
-        self.stop_ids = frozenset(sp.stop_token_ids)
+        self.stop_ids = frozenset(sp.stop_token_ids) if sp.stop_token_ids else _NO_STOPS
         self.eos = -1 if sp.ignore_eos else eos_token_id  # -1 never matches a token
+        # Every token that ends the request: one set lookup per token in update().
+        if self.eos < 0:
+            self.stops = self.stop_ids
+        elif self.stop_ids:
+            self.stops = self.stop_ids | {self.eos}
+        else:
+            self.stops = _EOS_ONLY.get(self.eos) or _EOS_ONLY.setdefault(
+                self.eos, frozenset((self.eos,)))
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
         self.num_registered_blocks = 0
@@ -126,7 +140,7 @@ class Scheduler:
     def num_draining(self) -> int:
         return sum(1 for r in self.requests.values() if r.draining)
 
-    def finish(self, req: Request, event: RE, reason: FinishReason,
+    def finish(self, req: Request, event: EngineRequestEvent, reason: FinishReason,
                stop_reason: int | str | None = None, error: str | None = None,
                new_token_ids: list[int] | None = None) -> EngineCoreOutput:
         """End ``req`` (firing ``event``), free its blocks, return its finishing output."""
@@ -179,12 +193,13 @@ class Scheduler:
         add_req, add_num = reqs.append, nums.append
         # Popping entries after ``i`` while iterating is safe: the iterator's index stays right.
         for i, req in enumerate(running):
-            n = len(req.all_token_ids) - req.num_computed_tokens
+            total = len(req.all_token_ids)  # the tokens computed once this step is done
+            n = total - req.num_computed_tokens
             if n > budget:
                 if budget <= 0:
                     break
                 n = budget
-            total = req.num_computed_tokens + n
+                total = req.num_computed_tokens + n
             if total > len(req.block_ids) * bs and not kv.allocate(req, total):
                 preempted = True
                 if not self._preempt_for(req, i, total):
@@ -252,6 +267,9 @@ class Scheduler:
         add = outs.append
         finished: list[str] | None = None
         register = self.kv.register_full_blocks if self.kv.enable_prefix_caching else None
+        output = EngineCoreOutput
+        # The hot path is a decode that does not finish: one pass, one set lookup, and the
+        # output built with as few arguments as its fields allow (defaults cost nothing).
         for req, n, tok in zip(reqs, nums, tokens, strict=False):
             req.num_computed_tokens += n
             if register is not None:
@@ -260,15 +278,19 @@ class Scheduler:
                 continue
             toks = req.all_token_ids
             toks.append(tok)
+            if tok not in req.stops and len(toks) < req.stop_len:
+                cached = req.num_cached_tokens
+                if cached:
+                    add(output(req.request_id, [tok], None, None, cached))
+                else:
+                    add(output(req.request_id, [tok]))
+                continue
             if tok in req.stop_ids:
                 out = self.finish(req, RE.STOP, FinishReason.STOP, tok, None, [tok])
             elif tok == req.eos:
                 out = self.finish(req, RE.STOP, FinishReason.STOP, None, None, [tok])
-            elif len(toks) >= req.stop_len:
-                out = self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])
             else:
-                add(EngineCoreOutput(req.request_id, [tok], None, None, req.num_cached_tokens))
-                continue
+                out = self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])
             add(out)
             if finished is None:
                 finished = []

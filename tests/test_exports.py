@@ -39,7 +39,7 @@ def test_every_public_name_resolves_and_nothing_private_leaks() -> None:
         assert hasattr(enginewire, name), name
     public = {n for n in vars(enginewire) if not n.startswith("_")}
     # Subpackages appear as attributes once imported; they are namespaces, not API names.
-    namespaces = {"spec", "protocol", "runtime", "testing", "benchmarks", "cli"}
+    namespaces = {"spec", "protocol", "runtime", "testing", "benchmarks", "cli", "faults"}
     assert public - namespaces - {"annotations"} <= EXPECTED
 
 

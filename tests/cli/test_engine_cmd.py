@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from enginewire import EngineCoreRequest, SamplingParams, make_client
+from enginewire.runtime import security
 from enginewire.runtime.config import EngineConfig
 
 BOUND_S = 60.0
@@ -47,3 +49,45 @@ def test_engine_command_help_lists_every_option() -> None:
     for opt in ("--model", "--input-address", "--output-address", "--engine-index",
                 "--heartbeat-interval", "--seed"):
         assert opt in res.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_engine_command_over_curve_tcp(tmp_path: Path) -> None:
+    """Keys from files on both sides; the engine admits only the client key it was given."""
+    client_pair = security.load_or_create_keypair(tmp_path / "client.key_secret")
+    engine_pair = security.load_or_create_keypair(tmp_path / "engine.key_secret")
+    inp = f"tcp://127.0.0.1:{_free_port()}"
+    out = f"tcp://127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "enginewire.cli", "engine", "--input-address", inp,
+         "--output-address", out, "--curve-key", str(tmp_path / "engine.key_secret"),
+         "--curve-peer", client_pair.public.decode()],
+    )
+    try:
+        curve = security.CurveConfig(client_pair, frozenset({engine_pair.public}))
+        client = make_client(EngineConfig(model="tiny"), multiprocess=True, asyncio=False,
+                             launch_engine=False, input_address=inp, output_address=out,
+                             curve=curve, ready_timeout_s=BOUND_S)
+        with client:
+            assert client.call_utility("echo", "over curve", timeout=BOUND_S) == "over curve"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(BOUND_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(BOUND_S)
+
+
+def test_engine_command_refuses_half_configured_curve(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "enginewire.cli", "engine", "--input-address", "tcp://127.0.0.1:1",
+         "--output-address", "tcp://127.0.0.1:2", "--curve-key", str(tmp_path / "k")],
+        capture_output=True, text=True, timeout=BOUND_S,
+    )
+    assert res.returncode == 3
+    assert "peer key" in res.stderr

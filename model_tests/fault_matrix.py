@@ -1,0 +1,615 @@
+"""The fault matrix: every fault, at every point, in every lifecycle state where it applies.
+
+Theory of operation
+-------------------
+A *cell* is (client kind, scenario, fault). The scenario puts the engine in one lifecycle
+state (starting, generating, serving a utility, sleeping, shutting down, or carrying frames
+through the ``Interposer``) and the fault fires there. The cell then observes, with a bound on
+every wait, what the front end saw and classifies it as one ``Outcome``; ``expected_outcome``
+says what the spec requires. A cell passes when the outcome is the expected one, a death was
+detected within its latency bound, and nothing leaked (child processes, threads, fds, ipc
+directories) once the client was shut down.
+
+Expectations, in one place (the spec's failure rules, restated per fault):
+
+* a raise, OOM, ``os._exit``, SIGKILL inside the engine's loop or IO threads -> ``DEAD``
+  within ``DEATH_BOUND_S`` (sentinel or exit code), every waiter woken;
+* the same inside a utility that the engine survives (raise, OOM) -> ``UTILITY_ERROR`` and the
+  engine still serves;
+* any death before the ready handshake -> ``STARTUP_ERROR``;
+* SIGSTOP (alive, silent) -> ``DEAD`` by the heartbeat deadline (utility calls time out
+  first); before the handshake -> ``STARTUP_ERROR`` at the ready deadline;
+* a delay -> ``OK`` (right tokens, just later);
+* anything at shutdown -> ``OK``: ``shutdown()`` returns within its bound, nothing leaks;
+* frames the interposer drops, reorders, truncates or corrupts -> a detected outcome
+  (``DEAD`` with a ``ProtocolError`` cause, an ERROR finish, a failed utility), never
+  ``HANG`` and never ``SILENT_CORRUPTION`` (tokens that differ from a clean run's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
+from ..runtime.faults import Fault, FaultAction, FaultInjector, FaultPlan, FaultPoint
+from ..spec.errors import (
+    EngineDeadError,
+    EngineStartupError,
+    ProtocolError,
+    UtilityError,
+    UtilityTimeoutError,
+)
+
+__all__ = [
+    "CELL_BOUND_S",
+    "Cell",
+    "CellResult",
+    "Outcome",
+    "Scenario",
+    "expected_outcome",
+    "matrix_cells",
+    "run_cell",
+    "run_fault_matrix",
+]
+
+# Death must be seen within this bound (the issue's "detection latency <= 1 s").
+DEATH_BOUND_S = 1.0
+# Heartbeat deadline the matrix gives its clients; a SIGSTOPped engine is declared dead by it.
+HEARTBEAT_TIMEOUT_S = 1.0
+# Hang detection may take the deadline plus the monitor's period and some scheduling slack.
+HANG_BOUND_S = HEARTBEAT_TIMEOUT_S + 0.6
+UTILITY_TIMEOUT_S = 0.5
+SHUTDOWN_TIMEOUT_S = 1.0
+# What a shutdown may take at worst: SIGTERM grace, then SIGKILL and reaping.
+SHUTDOWN_BOUND_S = SHUTDOWN_TIMEOUT_S + 4.0
+# Ready deadline for cells whose engine hangs before the handshake (must exceed a build).
+STARTUP_HANG_READY_S = 25.0
+# No cell may take longer than this, whatever happens (the "never a hang" guarantee).
+CELL_BOUND_S = 60.0
+DELAY_S = 0.3
+MAX_TOKENS = 12
+PROMPT = [1, 5, 9, 13, 17, 21]
+CLIENT_KINDS = ("inproc", "sync", "async")
+
+
+class Outcome(enum.StrEnum):
+    OK = "ok"  # served correctly (maybe later)
+    DEAD = "dead"  # EngineDeadError reached the caller
+    STARTUP_ERROR = "startup_error"
+    UTILITY_ERROR = "utility_error"  # the call failed, the engine serves on
+    ERROR_OUTPUT = "error_output"  # the request finished with ERROR
+    TIMEOUT = "timeout"  # the call timed out, the engine stayed up: the caller was told
+    HANG = "hang"  # the cell's bound passed with nothing detected
+    SILENT_CORRUPTION = "silent_corruption"  # wrong tokens delivered without an error
+    HARNESS_ERROR = "harness_error"  # the cell itself raised something unexpected
+
+
+class Scenario(enum.StrEnum):
+    STARTUP = "startup"
+    GENERATE = "generate"
+    UTILITY = "utility"
+    SLEEP = "sleep"
+    SHUTDOWN = "shutdown"
+
+
+# Which points each scenario reaches, so every fault is placed where it can fire.
+SCENARIO_POINTS: dict[Scenario, tuple[FaultPoint, ...]] = {
+    Scenario.STARTUP: (FaultPoint.BEFORE_READY, FaultPoint.AFTER_READY),
+    Scenario.GENERATE: (FaultPoint.STEP, FaultPoint.FORWARD, FaultPoint.INPUT_DECODED,
+                        FaultPoint.OUTPUT_SEND),
+    Scenario.UTILITY: (FaultPoint.UTILITY,),
+    Scenario.SLEEP: (FaultPoint.SLEEP, FaultPoint.WAKE_UP),
+    Scenario.SHUTDOWN: (FaultPoint.SHUTDOWN,),
+}
+# Engine-side points an in-process engine reaches (it has no IO threads or handshake).
+INPROC_POINTS = frozenset({FaultPoint.STEP, FaultPoint.FORWARD, FaultPoint.UTILITY,
+                           FaultPoint.SLEEP, FaultPoint.WAKE_UP})
+# Actions that would stop the test process itself if the engine shares it.
+PROCESS_ACTIONS = frozenset({FaultAction.EXIT, FaultAction.SIGKILL, FaultAction.SIGSTOP})
+# Hit number per point: late enough that the engine did real work first.
+_AT = {FaultPoint.STEP: 3, FaultPoint.FORWARD: 3, FaultPoint.OUTPUT_SEND: 2}
+
+
+@dataclass(frozen=True)
+class Cell:
+    client: str
+    scenario: Scenario
+    fault: Fault
+
+    @property
+    def name(self) -> str:
+        return f"{self.client}/{self.scenario.value}/{self.fault}"
+
+
+@dataclass
+class CellResult:
+    cell: str
+    client: str
+    scenario: str
+    point: str
+    action: str
+    expected: str
+    outcome: str
+    passed: bool
+    latency_ms: float | None = None
+    wall_s: float = 0.0
+    leaks: dict[str, Any] = field(default_factory=dict)
+    detail: str = ""
+
+
+def expected_outcome(cell: Cell) -> Outcome:
+    """What the spec requires of ``cell`` (see the module docstring)."""
+    f = cell.fault
+    if f.action is FaultAction.DELAY or cell.scenario is Scenario.SHUTDOWN:
+        return Outcome.OK
+    if f.point is FaultPoint.BEFORE_READY:
+        return Outcome.STARTUP_ERROR
+    in_utility = f.point in (FaultPoint.UTILITY, FaultPoint.SLEEP, FaultPoint.WAKE_UP)
+    if in_utility and f.action in (FaultAction.RAISE, FaultAction.OOM):
+        return Outcome.UTILITY_ERROR
+    return Outcome.DEAD
+
+
+def latency_bound(cell: Cell) -> float:
+    if cell.fault.action is FaultAction.SIGSTOP:
+        if cell.fault.point is FaultPoint.BEFORE_READY:
+            return STARTUP_HANG_READY_S + 2.0
+        return HANG_BOUND_S
+    return DEATH_BOUND_S
+
+
+def _applies(client: str, scenario: Scenario, point: FaultPoint, action: FaultAction) -> bool:
+    if client == "inproc":
+        return point in INPROC_POINTS and action not in PROCESS_ACTIONS
+    return True
+
+
+def matrix_cells(clients: list[str], quick: bool) -> list[Cell]:
+    """Every applicable cell, or the quick subset CI runs."""
+    cells: list[Cell] = []
+    if quick:
+        picks: list[tuple[str, Scenario, Fault]] = []
+        sync = [
+            (Scenario.STARTUP, Fault(point=FaultPoint.BEFORE_READY)),
+            (Scenario.STARTUP, Fault(point=FaultPoint.AFTER_READY, action=FaultAction.EXIT)),
+            (Scenario.GENERATE, Fault(point=FaultPoint.FORWARD, at=3)),
+            (Scenario.GENERATE, Fault(point=FaultPoint.STEP, at=3,
+                                      action=FaultAction.SIGKILL)),
+            (Scenario.GENERATE, Fault(point=FaultPoint.OUTPUT_SEND, at=2,
+                                      action=FaultAction.SIGSTOP)),
+            (Scenario.GENERATE, Fault(point=FaultPoint.INPUT_DECODED)),
+            (Scenario.GENERATE, Fault(point=FaultPoint.FORWARD, at=3,
+                                      action=FaultAction.DELAY, arg=DELAY_S)),
+            (Scenario.UTILITY, Fault(point=FaultPoint.UTILITY, method="echo")),
+            (Scenario.UTILITY, Fault(point=FaultPoint.UTILITY, method="echo",
+                                     action=FaultAction.SIGSTOP)),
+            (Scenario.SHUTDOWN, Fault(point=FaultPoint.SHUTDOWN, action=FaultAction.SIGSTOP)),
+        ]
+        picks += [("sync", s, f) for s, f in sync]
+        picks += [
+            ("async", Scenario.GENERATE, Fault(point=FaultPoint.FORWARD, at=3,
+                                               action=FaultAction.OOM)),
+            ("async", Scenario.UTILITY, Fault(point=FaultPoint.UTILITY, method="echo",
+                                              action=FaultAction.SIGKILL)),
+            ("async", Scenario.GENERATE, Fault(point=FaultPoint.STEP, at=3,
+                                               action=FaultAction.SIGSTOP)),
+            ("inproc", Scenario.GENERATE, Fault(point=FaultPoint.FORWARD, at=3)),
+            ("inproc", Scenario.UTILITY, Fault(point=FaultPoint.UTILITY, method="echo")),
+            ("inproc", Scenario.SLEEP, Fault(point=FaultPoint.SLEEP, action=FaultAction.OOM)),
+        ]
+        return [Cell(c, s, f) for c, s, f in picks if c in clients]
+    for client in clients:
+        for scenario, points in SCENARIO_POINTS.items():
+            for point in points:
+                for action in FaultAction:
+                    if not _applies(client, scenario, point, action):
+                        continue
+                    arg = DELAY_S if action is FaultAction.DELAY else None
+                    method = "echo" if point is FaultPoint.UTILITY else None
+                    fault = Fault(point=point, action=action, at=_AT.get(point, 1), arg=arg,
+                                  method=method)
+                    cells.append(Cell(client, scenario, fault))
+    return cells
+
+
+# --- leaks ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Snapshot:
+    children: set[int]
+    threads: int
+    fds: int
+    ipc_dirs: set[str]
+
+
+def _ipc_dirs() -> set[str]:
+    from ..runtime.ipc import runtime_root
+
+    mine = f"enginewire-{os.getpid()}-"
+    with contextlib.suppress(OSError):
+        return {p.name for p in runtime_root().iterdir() if p.name.startswith(mine)}
+    return set()
+
+
+def _snapshot() -> _Snapshot:
+    me = psutil.Process()
+    kids = set()
+    for p in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            # multiprocessing's resource tracker is process-wide, not a cell's leak.
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                kids.add(p.pid)
+    return _Snapshot(kids, me.num_threads(), me.num_fds(), _ipc_dirs())
+
+
+def _leaks(before: _Snapshot, bound_s: float = 5.0) -> dict[str, Any]:
+    """What is still there ``bound_s`` after a cell ended that was not there before it."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        now = _snapshot()
+        leaks: dict[str, Any] = {}
+        if now.children - before.children:
+            leaks["processes"] = sorted(now.children - before.children)
+        if now.threads > before.threads:
+            leaks["threads"] = now.threads - before.threads
+        if now.fds > before.fds:
+            leaks["fds"] = now.fds - before.fds
+        if now.ipc_dirs - before.ipc_dirs:
+            leaks["ipc_dirs"] = sorted(now.ipc_dirs - before.ipc_dirs)
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.05)
+
+
+# --- running one cell -------------------------------------------------------------------------
+
+
+def _request(rid: str) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, list(PROMPT), SamplingParams(max_tokens=MAX_TOKENS,
+                                                               ignore_eos=True))
+
+
+_references: dict[bytes, list[int]] = {}
+
+
+def reference_tokens(config: Any) -> list[int]:
+    """The clean run's tokens for the matrix's one request (greedy, so deterministic)."""
+    import msgspec
+
+    key = msgspec.msgpack.encode(config)
+    if key not in _references:
+        from ..runtime.client import InprocClient
+
+        client = InprocClient(config)
+        try:
+            client.add_request(_request("reference"))
+            tokens: list[int] = []
+            done = False
+            while not done:
+                for out in client.get_output().outputs:
+                    tokens += out.new_token_ids
+                    done = done or out.finished
+            _references[key] = tokens
+        finally:
+            client.shutdown()
+    return _references[key]
+
+
+class _Observed(Exception):
+    """Carries a classified outcome out of a scenario."""
+
+    def __init__(self, outcome: Outcome, detail: str = "") -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+
+
+def _fired_at(record: Path) -> float | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return float(record.read_text().split()[0])
+    return None
+
+
+def _classify(exc: BaseException) -> _Observed:
+    if isinstance(exc, _Observed):
+        return exc
+    if isinstance(exc, EngineStartupError):
+        return _Observed(Outcome.STARTUP_ERROR, str(exc)[:200])
+    if isinstance(exc, EngineDeadError):
+        cause = exc.__cause__
+        detail = f"{type(cause).__name__}: {cause}" if cause else "engine dead"
+        return _Observed(Outcome.DEAD, detail[:200])
+    if isinstance(exc, UtilityTimeoutError):
+        return _Observed(Outcome.HANG, "utility timed out and nothing declared the engine dead")
+    if isinstance(exc, UtilityError):
+        return _Observed(Outcome.UTILITY_ERROR, str(exc)[:200])
+    if isinstance(exc, ProtocolError):
+        return _Observed(Outcome.DEAD, f"ProtocolError: {exc}"[:200])
+    return _Observed(Outcome.HARNESS_ERROR, f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _generate(cut: Any, deadline: float, reference: list[int]) -> Outcome:
+    cut.add_request(_request("cell"))
+    tokens: list[int] = []
+    while time.monotonic() < deadline:
+        for out in cut.get_output(timeout=0.1).outputs:
+            tokens += out.new_token_ids
+            if out.finish_reason is FinishReason.ERROR:
+                raise _Observed(Outcome.ERROR_OUTPUT, out.error or "")
+            if out.finished:
+                if tokens != reference:
+                    raise _Observed(Outcome.SILENT_CORRUPTION,
+                                    f"got {tokens}, a clean run gives {reference}")
+                return Outcome.OK
+    raise _Observed(Outcome.HANG, f"no finish within the cell bound ({len(tokens)} tokens)")
+
+
+def _await_death(cut: Any, deadline: float) -> None:
+    """After a timed-out call: a silent engine must be declared dead by the heartbeat
+    deadline; a live one that lost the call leaves a plain TIMEOUT."""
+    deadline = min(deadline, time.monotonic() + HANG_BOUND_S + 1.0)
+    while time.monotonic() < deadline:
+        cut.get_output(timeout=0.1)  # raises EngineDeadError once declared
+    raise _Observed(Outcome.TIMEOUT, "the call timed out; the engine still answers heartbeats")
+
+
+def _utility(cut: Any, deadline: float) -> Outcome:
+    try:
+        value = cut.call_utility("echo", 7, timeout=UTILITY_TIMEOUT_S * 4)
+    except UtilityTimeoutError:
+        _await_death(cut, deadline)
+        raise
+    if value != 7:
+        raise _Observed(Outcome.SILENT_CORRUPTION, f"echo(7) returned {value!r}")
+    return Outcome.OK
+
+
+def _after_utility_error(cut: Any) -> None:
+    # The call failed, not the engine: it must still answer.
+    if cut.call_utility("echo", 8, timeout=10.0) != 8:
+        raise _Observed(Outcome.SILENT_CORRUPTION, "echo after a failed utility is wrong")
+
+
+def _sleep_wake(cut: Any, deadline: float) -> Outcome:
+    try:
+        cut.call_utility("sleep", 1, "abort", timeout=UTILITY_TIMEOUT_S * 4)
+        cut.call_utility("wake_up", None, timeout=UTILITY_TIMEOUT_S * 4)
+    except UtilityTimeoutError:
+        _await_death(cut, deadline)
+        raise
+    return Outcome.OK
+
+
+def _open(cell: Cell, config: Any, plan: FaultPlan, **options: Any) -> Any:
+    from .conformance import open_client
+
+    if cell.client == "inproc":
+        cut = open_client("inproc", config)
+        cut.client.engine.fault_hook = FaultInjector(plan, device=str(cut.client.engine.device))
+        return cut
+    return open_client(cell.client, config, engine_fault=plan,
+                       engine_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                       shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, **options)
+
+
+def run_cell(cell: Cell, config: Any, workdir: str) -> CellResult:
+    """Run one cell in a bounded time; never raises for an engine-side outcome."""
+    expected = expected_outcome(cell)
+    record = Path(tempfile.mkstemp(prefix="fault-", suffix=".log", dir=workdir)[1])
+    plan = FaultPlan(faults=[cell.fault], record_path=str(record))
+    reference = reference_tokens(config)
+    before = _snapshot()
+    start = time.monotonic()
+    deadline = start + CELL_BOUND_S - 10.0
+    cut: Any = None
+    outcome, detail, seen_at = Outcome.HANG, "", None
+    ready_s = (STARTUP_HANG_READY_S if cell.fault.point is FaultPoint.BEFORE_READY
+               and cell.fault.action is FaultAction.SIGSTOP else 60.0)
+    try:
+        try:
+            cut = _open(cell, config, plan, ready_timeout_s=ready_s) if cell.client != (
+                "inproc") else _open(cell, config, plan)
+            if cell.scenario in (Scenario.GENERATE, Scenario.STARTUP):
+                outcome = _generate(cut, deadline, reference)
+            elif cell.scenario is Scenario.UTILITY:
+                outcome = _utility(cut, deadline)
+            elif cell.scenario is Scenario.SLEEP:
+                outcome = _sleep_wake(cut, deadline)
+            elif cell.scenario is Scenario.SHUTDOWN:
+                outcome = _generate(cut, deadline, reference)
+                t0 = time.monotonic()
+                cut.shutdown()
+                took = time.monotonic() - t0
+                if took > SHUTDOWN_BOUND_S:
+                    outcome, detail = Outcome.HANG, f"shutdown took {took:.1f} s"
+        except BaseException as e:
+            seen_at = time.monotonic()
+            obs = _classify(e)
+            outcome, detail = obs.outcome, obs.detail
+            if outcome is Outcome.UTILITY_ERROR and expected is Outcome.UTILITY_ERROR:
+                try:
+                    _after_utility_error(cut)
+                except BaseException as e2:
+                    obs = _classify(e2)
+                    outcome, detail = obs.outcome, f"after the utility error: {obs.detail}"
+    finally:
+        if cut is not None:
+            pid = getattr(cut.client, "engine_pid", None)
+            if pid is not None and cell.fault.action is FaultAction.SIGSTOP:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)  # the harness resumes what it stopped
+            with contextlib.suppress(Exception):
+                cut.shutdown()
+    wall = time.monotonic() - start
+    fired = _fired_at(record)
+    latency = None
+    if seen_at is not None and fired is not None and outcome in (
+            Outcome.DEAD, Outcome.STARTUP_ERROR):
+        latency = max(0.0, seen_at - fired) * 1000.0
+    with contextlib.suppress(OSError):
+        record.unlink()
+    leaks = _leaks(before)
+    passed = outcome is expected and not leaks and wall <= CELL_BOUND_S
+    if passed and latency is not None and latency > latency_bound(cell) * 1000.0:
+        passed = False
+        detail = f"detected after {latency:.0f} ms (bound {latency_bound(cell) * 1000:.0f})"
+    return CellResult(
+        cell=cell.name, client=cell.client, scenario=cell.scenario.value,
+        point=cell.fault.point.value, action=cell.fault.action.value,
+        expected=expected.value, outcome=outcome.value, passed=passed,
+        latency_ms=None if latency is None else round(latency, 1), wall_s=round(wall, 2),
+        leaks=leaks, detail=detail)
+
+
+# --- the matrix -------------------------------------------------------------------------------
+
+
+def _default_config() -> Any:
+    from ..runtime.config import EngineConfig
+
+    return EngineConfig(model="tiny", max_num_seqs=4)
+
+
+@contextlib.contextmanager
+def _engine_threads(n: str = "1") -> Iterator[None]:
+    # Engines on a shared CI machine oversubscribe cores with torch's default thread count.
+    # In-process engines step on each cell's own thread: one intra-op thread, or every new
+    # stepping thread gets an OpenMP team that outlives it and reads as a leaked thread.
+    import torch
+
+    # Injected crashes log tracebacks by design; quiet unless the caller asked for a level.
+    saved = {k: os.environ.get(k) for k in ("ENGINEWIRE_ENGINE_THREADS",
+                                            "ENGINEWIRE_ENGINE_LOG_LEVEL")}
+    old_torch = torch.get_num_threads()
+    os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", n)
+    os.environ.setdefault("ENGINEWIRE_ENGINE_LOG_LEVEL", "CRITICAL")
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_torch)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+def format_table(results: list[CellResult]) -> str:
+    head = ("cell", "expected", "outcome", "latency ms", "leaks", "pass")
+    rows = [head] + [
+        (r.cell, r.expected, r.outcome, "-" if r.latency_ms is None else f"{r.latency_ms:.0f}",
+         ",".join(sorted(r.leaks)) or "-", "yes" if r.passed else "NO")
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_fault_matrix(
+    clients: list[str] | None = None,
+    quick: bool = False,
+    results_dir: str = "results",
+    *,
+    config: Any = None,
+    cells: list[Cell] | None = None,
+    extra_cells: list[Callable[[str], CellResult]] | None = None,
+    echo: Callable[[str], None] | None = print,
+) -> int:
+    """Run the matrix; print the table; write ``<results_dir>/fault_matrix.json``.
+
+    Returns the exit status: 0 when every cell matched the spec, 1 otherwise. ``extra_cells``
+    are callables ``(workdir) -> CellResult`` (the interposer's cells register here).
+    """
+    clients = list(clients or CLIENT_KINDS)
+    bad = [c for c in clients if c not in CLIENT_KINDS]
+    if bad:
+        raise ValueError(f"unknown client kinds {bad}; choose from {CLIENT_KINDS}")
+    config = config if config is not None else _default_config()
+    todo = cells if cells is not None else matrix_cells(clients, quick)
+    if extra_cells is None:
+        from .interposer import interposer_cells
+
+        extra_cells = interposer_cells(clients, quick, config)
+    results: list[CellResult] = []
+    t0 = time.monotonic()
+    with _engine_threads(), tempfile.TemporaryDirectory(prefix="enginewire-faults-") as work:
+        _warm_up(config, todo, work)
+        for cell in todo:
+            results.append(_bounded(functools.partial(run_cell, cell, config, work),
+                                    cell.name))
+            if echo is not None:
+                r = results[-1]
+                echo(f"{'pass' if r.passed else 'FAIL'} {r.cell}: {r.outcome}"
+                     f" ({r.wall_s:.1f} s) {r.detail}")
+        for extra in extra_cells:
+            results.append(_bounded(functools.partial(extra, work),
+                                    getattr(extra, "name", "extra")))
+            if echo is not None:
+                r = results[-1]
+                echo(f"{'pass' if r.passed else 'FAIL'} {r.cell}: {r.outcome}"
+                     f" ({r.wall_s:.1f} s) {r.detail}")
+    failed = [r for r in results if not r.passed]
+    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    report = {
+        "quick": quick, "clients": clients, "cells": len(results), "failed": len(failed),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "bounds": {"death_s": DEATH_BOUND_S, "hang_s": HANG_BOUND_S, "cell_s": CELL_BOUND_S},
+        "results": [asdict(r) for r in results],
+    }
+    out = Path(results_dir) / "fault_matrix.json"
+    out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    if echo is not None:
+        echo(format_table(results))
+        echo(f"{len(results) - len(failed)}/{len(results)} cells as the spec requires;"
+             f" JSON: {out}")
+    return 1 if failed else 0
+
+
+def _warm_up(config: Any, cells: list[Cell], work: str) -> None:
+    """Create the process-wide things first use creates (multiprocessing's resource tracker
+    and its pipe, torch's per-thread state), so no cell counts them as its leak."""
+    from multiprocessing import resource_tracker
+
+    reference_tokens(config)
+    resource_tracker.ensure_running()
+    inproc = [c for c in cells if c.client == "inproc"]
+    if inproc:
+        _bounded(lambda: run_cell(inproc[0], config, work), "warm-up")
+
+
+def _bounded(fn: Callable[[], CellResult], name: str) -> CellResult:
+    """Run a cell on a helper thread so even a harness bug cannot hang the matrix."""
+    box: list[CellResult] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:
+            error.append(e)
+
+    t = threading.Thread(target=target, name=f"fault-cell {name}", daemon=True)
+    t.start()
+    t.join(CELL_BOUND_S)
+    if box:
+        return box[0]
+    outcome = Outcome.HANG if t.is_alive() else Outcome.HARNESS_ERROR
+    detail = f"{type(error[0]).__name__}: {error[0]}" if error else "cell bound exceeded"
+    return CellResult(cell=name, client="?", scenario="?", point="?", action="?",
+                      expected="?", outcome=outcome.value, passed=False, detail=detail[:300])

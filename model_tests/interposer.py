@@ -1,0 +1,401 @@
+"""The frame interposer: a ZMQ proxy between a client and its engine that misbehaves on purpose.
+
+Theory of operation
+-------------------
+The client binds its ROUTER (input) and PULL (output) as always. The interposer connects to
+both, as the engine would (a DEALER with the engine's identity, and a PUSH), and binds its
+own pair for the engine: a ROUTER at ``engine_input`` and a PULL at ``engine_output``. The
+client launches its engine with ``engine_connect=interposer.engine_addresses``, so every
+frame, the ready handshake included, crosses the proxy:
+
+    client ROUTER <-> [DEALER | interposer | ROUTER] <-> engine DEALER   (to_engine, handshake)
+    client PULL   <-  [PUSH   | interposer | PULL  ] <-  engine PUSH     (to_client)
+
+One thread owns the four sockets. Each message is matched against the ``FrameRule`` list by
+direction, kind and probability (one ``random.Random(seed)``, so a seed replays a run) and is
+then forwarded, dropped, delayed, duplicated, held back behind the next message (reorder),
+truncated or bit-flipped. ``events`` records every rule applied, for the report.
+
+ZMQ over ipc neither loses nor reorders, so the spec requires every one of these to end as a
+*detected* outcome (``ProtocolError``/dead engine, ERROR finish, failed utility), never a hang
+and never a wrong token delivered silently. Loss, reorder and bit-flips are only detectable
+with the seq/ack/CRC trailers (``frame_integrity=True``, runtime/integrity.py), so the fault
+matrix's interposer cells run with them on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import heapq
+import itertools
+import os
+import random
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from ..protocol.messages import ENGINE_DEAD_SENTINEL, RequestType
+
+__all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
+           "interposer_cells"]
+
+_POLL_MS = 5
+_ENGINE_IDENTITY = (0).to_bytes(2, "little")
+
+
+class Direction(enum.StrEnum):
+    TO_ENGINE = "to_engine"
+    TO_CLIENT = "to_client"
+
+
+class FrameKind(enum.StrEnum):
+    """What a message is, read from its type byte (to the engine) or a shallow decode."""
+
+    ADD = "add"
+    ABORT = "abort"
+    UTILITY = "utility"  # a call (to the engine) or its reply (to the client)
+    READY = "ready"  # the engine's handshake (to the client, on the input pair)
+    TOKENS = "tokens"  # outputs carrying request outputs
+    HEARTBEAT = "heartbeat"  # outputs with nothing in them
+    SENTINEL = "sentinel"
+    OTHER = "other"
+
+
+class FrameAction(enum.StrEnum):
+    DROP = "drop"
+    DELAY = "delay"
+    DUPLICATE = "duplicate"
+    REORDER = "reorder"  # hold back until the next message in the same direction has gone
+    TRUNCATE = "truncate"  # the payload frame cut in half
+    BITFLIP = "bitflip"  # one random bit of the payload frame flipped
+
+
+class FrameRule(msgspec.Struct, frozen=True, kw_only=True):
+    action: FrameAction
+    direction: Direction | None = None  # None: both
+    kind: FrameKind | None = None  # None: any
+    probability: float = 1.0
+    skip: int = 0  # let this many matching messages through first
+    count: int | None = 1  # apply at most this often (None: no limit)
+    delay_s: float = 0.2
+
+
+_TYPE_KINDS = {RequestType.ADD.value: FrameKind.ADD, RequestType.ABORT.value: FrameKind.ABORT,
+               RequestType.UTILITY.value: FrameKind.UTILITY}
+_shallow = msgspec.msgpack.Decoder()
+
+
+def _kind_to_client(frames: list[bytes], handshake: bool) -> FrameKind:
+    if handshake:
+        return FrameKind.READY
+    if len(frames) == 1 and frames[0] == ENGINE_DEAD_SENTINEL:
+        return FrameKind.SENTINEL
+    try:
+        value = _shallow.decode(frames[0])
+    except Exception:
+        return FrameKind.OTHER
+    if not isinstance(value, list):
+        return FrameKind.OTHER
+    # EngineCoreOutputs is positional: [engine_index, outputs, timestamp, finished, stats,
+    # utility_output]; trailing defaults are omitted.
+    if len(value) >= 6 and value[5] is not None:
+        return FrameKind.UTILITY
+    if len(value) >= 2 and value[1]:
+        return FrameKind.TOKENS
+    return FrameKind.HEARTBEAT
+
+
+@dataclass
+class _RuleState:
+    rule: FrameRule
+    seen: int = 0
+    applied: int = 0
+
+
+@dataclass
+class Interposer:
+    """Start with ``start()`` (or ``with``), pass ``engine_addresses`` to the client as its
+    ``engine_connect`` option after ``attach(client_input, client_output)``."""
+
+    rules: list[FrameRule] = field(default_factory=list)
+    seed: int = 0
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._states = [_RuleState(r) for r in self.rules]
+        self._dir = tempfile.mkdtemp(prefix="enginewire-ip-")
+        self.engine_addresses = (f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+        self._ctx = zmq.Context(io_threads=1)
+        self._stop = threading.Event()
+        self._client: tuple[str, str] | None = None
+        self._attached = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> Interposer:
+        self._thread = threading.Thread(target=self._run, name="Interposer", daemon=True)
+        self._thread.start()
+        return self
+
+    def attach(self, client_input: str, client_output: str) -> None:
+        """The client's bound addresses; the proxy connects there (the client binds first)."""
+        self._client = (client_input, client_output)
+        self._attached.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._attached.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        t = threading.Thread(target=self._ctx.term, daemon=True)
+        t.start()
+        t.join(5.0)
+        for name in ("in", "out"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._dir, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self._dir)
+
+    def __enter__(self) -> Interposer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the proxy --------------------------------------------------------------------------
+
+    def _match(self, direction: Direction, kind: FrameKind) -> FrameRule | None:
+        with self._lock:
+            for st in self._states:
+                r = st.rule
+                if r.direction is not None and r.direction is not direction:
+                    continue
+                if r.kind is not None and r.kind is not kind:
+                    continue
+                st.seen += 1
+                if st.seen <= r.skip or (r.count is not None and st.applied >= r.count):
+                    continue
+                if self._rng.random() >= r.probability:
+                    continue
+                st.applied += 1
+                self.events.append((direction.value, kind.value, r.action.value))
+                return r
+        return None
+
+    def _mangle(self, frames: list[bytes], index: int, action: FrameAction) -> list[bytes]:
+        if index >= len(frames):
+            return frames
+        data = bytearray(frames[index])
+        if action is FrameAction.TRUNCATE:
+            data = data[: len(data) // 2]
+        elif data:
+            bit = self._rng.randrange(len(data) * 8)
+            data[bit // 8] ^= 1 << (bit % 8)
+        return [*frames[:index], bytes(data), *frames[index + 1:]]
+
+    def _run(self) -> None:
+        ctx = self._ctx
+        eng_in = ctx.socket(zmq.ROUTER)
+        eng_out = ctx.socket(zmq.PULL)
+        cli_in = ctx.socket(zmq.DEALER)
+        cli_out = ctx.socket(zmq.PUSH)
+        socks = (eng_in, eng_out, cli_in, cli_out)
+        for s in socks:
+            s.setsockopt(zmq.LINGER, 0)
+        cli_in.setsockopt(zmq.IDENTITY, _ENGINE_IDENTITY)
+        try:
+            eng_in.bind(self.engine_addresses[0])
+            eng_out.bind(self.engine_addresses[1])
+            self._attached.wait()
+            if self._stop.is_set() or self._client is None:
+                return
+            cli_in.connect(self._client[0])
+            cli_out.connect(self._client[1])
+            poller = zmq.Poller()
+            poller.register(eng_in, zmq.POLLIN)
+            poller.register(eng_out, zmq.POLLIN)
+            poller.register(cli_in, zmq.POLLIN)
+            timed: list[tuple[float, int, Direction, list[bytes]]] = []
+            held: dict[Direction, list[bytes] | None] = {d: None for d in Direction}
+            order = itertools.count()
+            handshake_done = False
+
+            def send(direction: Direction, frames: list[bytes]) -> None:
+                if direction is Direction.TO_ENGINE:
+                    eng_in.send_multipart([_ENGINE_IDENTITY, *frames])
+                elif frames and frames[0] == b"\x00READY":
+                    cli_in.send_multipart(frames[1:])
+                else:
+                    cli_out.send_multipart(frames)
+
+            def forward(direction: Direction, frames: list[bytes], kind: FrameKind) -> None:
+                rule = self._match(direction, kind)
+                action = rule.action if rule else None
+                # The handshake travels on the input pair; tag it so send() routes it back.
+                tag = [b"\x00READY"] if kind is FrameKind.READY else []
+                payload_index = 1 if direction is Direction.TO_ENGINE else 0
+                if action is FrameAction.DROP:
+                    return
+                if action in (FrameAction.TRUNCATE, FrameAction.BITFLIP):
+                    frames = self._mangle(frames, payload_index, action)
+                out = [*tag, *frames]
+                if action is FrameAction.DELAY:
+                    assert rule is not None
+                    heapq.heappush(timed, (time.monotonic() + rule.delay_s, next(order),
+                                           direction, out))
+                    return
+                if action is FrameAction.REORDER and held[direction] is None:
+                    held[direction] = out
+                    return
+                send(direction, out)
+                if action is FrameAction.DUPLICATE:
+                    send(direction, out)
+                prior = held[direction]
+                if prior is not None and action is not FrameAction.REORDER:
+                    held[direction] = None
+                    send(direction, prior)
+
+            while not self._stop.is_set():
+                events = dict(poller.poll(_POLL_MS))
+                now = time.monotonic()
+                while timed and timed[0][0] <= now:
+                    _, _, d, frames = heapq.heappop(timed)
+                    send(d, frames)
+                if eng_in in events:
+                    _ident, *frames = eng_in.recv_multipart()
+                    kind = FrameKind.READY if not handshake_done else FrameKind.OTHER
+                    handshake_done = True
+                    forward(Direction.TO_CLIENT, frames, kind)
+                if eng_out in events:
+                    frames = eng_out.recv_multipart()
+                    forward(Direction.TO_CLIENT, frames, _kind_to_client(frames, False))
+                if cli_in in events:
+                    frames = cli_in.recv_multipart()
+                    kind = _TYPE_KINDS.get(frames[0] if frames else b"", FrameKind.OTHER)
+                    forward(Direction.TO_ENGINE, frames, kind)
+        finally:
+            for s in socks:
+                s.close(linger=0)
+
+
+# --- matrix cells -----------------------------------------------------------------------------
+
+
+def interposer_cells(clients: list[str], quick: bool, config: Any) -> list[Any]:
+    """Cells for ``run_fault_matrix``: one frame fault per (direction, kind, action)."""
+    from .fault_matrix import Outcome
+
+    kinds = [c for c in clients if c in ("sync", "async")]
+    if not kinds:
+        return []
+    detected = {Outcome.DEAD, Outcome.ERROR_OUTPUT, Outcome.UTILITY_ERROR}
+    specs: list[tuple[FrameRule, set[Outcome]]] = [
+        (FrameRule(action=FrameAction.DELAY, direction=Direction.TO_CLIENT,
+                   kind=FrameKind.TOKENS, count=None, delay_s=0.05), {Outcome.OK}),
+        (FrameRule(action=FrameAction.DELAY, direction=Direction.TO_CLIENT,
+                   kind=FrameKind.READY, delay_s=0.3), {Outcome.OK}),
+        (FrameRule(action=FrameAction.TRUNCATE, direction=Direction.TO_CLIENT,
+                   kind=FrameKind.TOKENS, skip=1), detected),
+        (FrameRule(action=FrameAction.DUPLICATE, direction=Direction.TO_ENGINE,
+                   kind=FrameKind.ADD), detected),
+        (FrameRule(action=FrameAction.TRUNCATE, direction=Direction.TO_ENGINE,
+                   kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}),
+    ]
+    # Loss, reorder and corruption are detected by the integrity trailers (seq/ack/CRC,
+    # runtime/integrity.py), which every interposer cell turns on.
+    specs += [
+        (FrameRule(action=FrameAction.BITFLIP, direction=Direction.TO_CLIENT,
+                   kind=FrameKind.TOKENS, skip=1), detected),
+        (FrameRule(action=FrameAction.DROP, direction=Direction.TO_ENGINE,
+                   kind=FrameKind.ADD), detected),
+    ]
+    if not quick:
+        specs += [
+            (FrameRule(action=FrameAction.TRUNCATE, direction=Direction.TO_ENGINE,
+                       kind=FrameKind.ADD), detected),
+            (FrameRule(action=FrameAction.BITFLIP, direction=Direction.TO_ENGINE,
+                       kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}),
+            (FrameRule(action=FrameAction.DROP, direction=Direction.TO_CLIENT,
+                       kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}),
+        ]
+        specs += [
+            (FrameRule(action=a, direction=d, kind=k, skip=1 if k is FrameKind.TOKENS else 0),
+             detected)
+            for d, k in ((Direction.TO_CLIENT, FrameKind.TOKENS),
+                         (Direction.TO_ENGINE, FrameKind.ADD))
+            for a in (FrameAction.DROP, FrameAction.REORDER, FrameAction.BITFLIP,
+                      FrameAction.DUPLICATE)
+            if not (d is Direction.TO_ENGINE and a is FrameAction.DUPLICATE)
+        ]
+    cells = []
+    for kind in kinds if not quick else kinds[:1]:
+        for rule, ok in specs:
+            cells.append(_InterposerCell(kind, rule, frozenset(ok), config))
+    return cells
+
+
+@dataclass
+class _InterposerCell:
+    client: str
+    rule: FrameRule
+    allowed: frozenset[Any]
+    config: Any
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"{self.client}/frames/{self.rule.direction}:{self.rule.kind}:"
+                f"{self.rule.action}")
+
+    def __call__(self, workdir: str) -> Any:
+        from . import fault_matrix as fm
+        from .conformance import open_client
+
+        expected = "|".join(sorted(o.value for o in self.allowed))
+        before = fm._snapshot()
+        start = time.monotonic()
+        outcome, detail = fm.Outcome.HANG, ""
+        proxy = Interposer([self.rule], seed=self.seed).start()
+        cut = None
+        try:
+            client_dir = tempfile.mkdtemp(prefix="enginewire-ipc-", dir=workdir)
+            inp, out = f"ipc://{client_dir}/in", f"ipc://{client_dir}/out"
+            proxy.attach(inp, out)
+            try:
+                cut = open_client(self.client, self.config, input_address=inp,
+                                  output_address=out, engine_connect=proxy.engine_addresses,
+                                  frame_integrity=True,
+                                  engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
+                                  shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60)
+                deadline = start + fm.CELL_BOUND_S - 15.0
+                if self.rule.kind is FrameKind.UTILITY:
+                    outcome = fm._utility(cut, deadline)
+                else:
+                    outcome = fm._generate(cut, min(deadline, time.monotonic() + 5.0),
+                                           fm.reference_tokens(self.config))
+            except BaseException as e:
+                obs = fm._classify(e)
+                outcome, detail = obs.outcome, obs.detail
+        finally:
+            if cut is not None:
+                with contextlib.suppress(Exception):
+                    cut.shutdown()
+            proxy.close()
+        leaks = fm._leaks(before)
+        wall = time.monotonic() - start
+        passed = outcome in self.allowed and not leaks
+        detail = f"{detail} events={proxy.events[:3]}"
+        return fm.CellResult(cell=self.name, client=self.client, scenario="frames",
+                             point=f"{self.rule.direction}:{self.rule.kind}",
+                             action=str(self.rule.action), expected=expected,
+                             outcome=outcome.value, passed=passed, wall_s=round(wall, 2),
+                             leaks=leaks, detail=detail[:300])

@@ -1,0 +1,80 @@
+"""The mutant bank: seeded bugs that prove the campaigns find bugs.
+
+Theory of operation
+-------------------
+Each mutant is a small ``if _mutants.active("name"):`` branch in the runtime that re-creates a
+real bug class (vLLM's engine-client history). Exactly one mutant can be on, chosen by the
+environment variable ``ENGINEWIRE_TESTING_MUTANT``, which is read ONCE, when this module is
+imported, into ``ACTIVE``. Spawned engine processes inherit the variable and so run the same
+mutant. With the variable unset ``ACTIVE`` is None and ``active()`` is one comparison: zero
+cost in production, and no user reaches a mutant by accident (an unknown name fails the import
+with a message naming the bank).
+
+``enginewire campaign --mutant NAME`` sets the variable for the processes it starts; the bank
+below says, for each mutant, which bug it models and which clients can exhibit it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ACTIVE", "BANK", "ENV_VAR", "Mutant", "active"]
+
+ENV_VAR = "ENGINEWIRE_TESTING_MUTANT"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    clients: tuple[str, ...]  # the client kinds on which the bug can show
+
+
+_MP = ("sync", "async")
+BANK: dict[str, Mutant] = {m.name: m for m in (
+    Mutant("pending_utility_not_failed_on_death",
+           "utility futures pending when the engine dies are never failed (they hang)", _MP),
+    Mutant("sync_get_output_not_woken_on_kill",
+           "a get_output blocked when the engine is SIGKILLed is never woken", ("sync",)),
+    Mutant("input_thread_dies_on_malformed_frame",
+           "the engine's input thread dies on a frame it cannot decode", _MP),
+    Mutant("output_buffer_reused_before_send",
+           "the engine reuses an output buffer before zmq finished sending it", _MP),
+    Mutant("abort_applied_before_add",
+           "an abort overtakes the ADD it follows and is lost", _MP),
+    Mutant("duplicate_live_id_accepted",
+           "a second ADD with a live request id is accepted", ("inproc", *_MP)),
+    Mutant("sleep_wait_replies_before_idle",
+           "sleep(mode='wait') replies while requests are still draining", _MP),
+    Mutant("spurious_dead_on_clean_shutdown",
+           "a clean shutdown fails pending calls with EngineDeadError", _MP),
+    Mutant("engine_ignores_parent_death",
+           "the engine process keeps running after its client process died", ("sync",)),
+    Mutant("context_term_before_close",
+           "the zmq context is terminated before the sockets are closed (shutdown hangs)", _MP),
+    Mutant("timed_out_call_left_registered",
+           "a timed-out utility call stays in the registry (a leak per timeout)", _MP),
+    Mutant("abort_not_acknowledged",
+           "aborting a live request ends it silently, without an ABORT output", ("inproc", *_MP)),
+)}
+
+
+def _read() -> str | None:
+    name = os.environ.get(ENV_VAR) or None
+    if name is not None and name not in BANK:
+        raise ValueError(
+            f"{ENV_VAR}={name!r} names no mutant; the bank has: {', '.join(sorted(BANK))}")
+    return name
+
+
+ACTIVE: str | None = _read()
+
+
+def active(name: str) -> bool:
+    """True when the mutant ``name`` is switched on (a typo in ``name`` fails loudly)."""
+    if ACTIVE is None:
+        return False
+    if name not in BANK:
+        raise ValueError(f"no mutant named {name!r}")
+    return ACTIVE == name

@@ -1,0 +1,243 @@
+"""Named fault points and fault plans: how the harness breaks an engine on purpose.
+
+Theory of operation
+-------------------
+A ``FaultPlan`` is data: a list of ``Fault(point, action, at=N, arg=..., method=...)``. It
+travels to the engine process at launch (the client option ``engine_fault``, which also still
+takes the legacy ``"forward:3"`` string) and, only when the plan says ``allow_arm=True``, more
+faults can be armed at run time through the ``arm_fault`` utility. Without that flag the
+utility does not exist: a production engine never exposes a way to kill itself.
+
+Inside the engine a ``FaultInjector`` is called at every named point (``FaultPoint``); each
+fault counts the hits of its point and fires once, on hit number ``at``. What firing does is
+the ``FaultAction``: raise, ``os._exit`` without the dead sentinel, SIGKILL, SIGSTOP (a live
+but silent engine; the harness sends SIGCONT or SIGKILL), a delay, or a simulated
+out-of-memory (``torch.cuda.OutOfMemoryError`` on a CUDA engine, a ``MemoryError`` that reads
+as KV-cache exhaustion on CPU). Points in the IO threads turn a raise into the thread's own
+failure, so an injected raise is always fatal, never swallowed as a bad frame.
+
+No I/O at import; ``fire`` is the only place that touches the process.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "ARM_FAULT_UTILITY",
+    "Fault",
+    "FaultAction",
+    "FaultInjector",
+    "FaultPlan",
+    "FaultPoint",
+    "InjectedFault",
+    "InjectedOOM",
+    "as_plan",
+]
+
+ARM_FAULT_UTILITY = "arm_fault"
+# Exit status of an injected os._exit: distinct from 1 (fatal error) so a report can tell.
+INJECTED_EXIT_CODE = 17
+DEFAULT_DELAY_S = 1.0
+
+
+class FaultPoint(enum.StrEnum):
+    """Where in the engine process a fault can fire."""
+
+    BEFORE_READY = "before_ready"  # engine built, ready handshake not yet sent
+    AFTER_READY = "after_ready"  # handshake sent, busy loop about to run
+    STEP = "step"  # start of EngineCore.step()
+    FORWARD = "forward"  # inside the step, just before the model forward
+    UTILITY = "utility"  # before a utility runs (``method`` narrows it to one name)
+    INPUT_DECODED = "input_decoded"  # input thread, a frame decoded, not yet queued
+    OUTPUT_SEND = "output_send"  # output thread, a message encoded, not yet sent
+    SLEEP = "sleep"  # inside the sleep utility
+    WAKE_UP = "wake_up"  # inside the wake_up utility
+    SHUTDOWN = "shutdown"  # the engine process begins its shutdown
+
+    @property
+    def in_io_thread(self) -> bool:
+        return self in (FaultPoint.INPUT_DECODED, FaultPoint.OUTPUT_SEND)
+
+
+class FaultAction(enum.StrEnum):
+    """What a fault does when it fires."""
+
+    RAISE = "raise"  # an exception at the point: the engine's fatal-error path
+    EXIT = "exit"  # os._exit(17): gone without the dead sentinel
+    SIGKILL = "sigkill"
+    SIGSTOP = "sigstop"  # alive, silent; the harness resumes it with SIGCONT or kills it
+    DELAY = "delay"  # sleep ``arg`` seconds (default 1), then carry on
+    OOM = "oom"  # simulated out-of-memory (CUDA OOM on a GPU, KV exhaustion on CPU)
+
+
+class InjectedFault(RuntimeError):
+    """The exception a RAISE fault throws."""
+
+
+class InjectedOOM(MemoryError):
+    """Simulated out-of-memory on a CPU engine: the KV cache cannot grow."""
+
+
+class Fault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One fault: fire ``action`` on the ``at``-th time ``point`` is reached."""
+
+    point: FaultPoint
+    action: FaultAction = FaultAction.RAISE
+    at: int = 1
+    # DELAY: seconds; EXIT: exit status; otherwise unused.
+    arg: float | None = None
+    # UTILITY point only: the utility's name (None: any utility).
+    method: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.at < 1:
+            raise ValueError(f"Fault.at={self.at}: counts hits from 1")
+        if self.method is not None and self.point is not FaultPoint.UTILITY:
+            raise ValueError("Fault.method only narrows the UTILITY point")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``point[:method][:at][:action][:arg]``, e.g. ``forward:3``, ``utility:echo:2``,
+        ``step:5:sigkill``, ``output_send:1:delay:0.5``. The legacy ``"<point>:<n>"`` test hook
+        strings parse to a RAISE."""
+        parts = text.split(":")
+        point = FaultPoint(parts.pop(0))
+        method = None
+        if point is FaultPoint.UTILITY and parts and not parts[0].isdigit():
+            method = parts.pop(0)
+        at = int(parts.pop(0)) if parts else 1
+        action = FaultAction(parts.pop(0)) if parts else FaultAction.RAISE
+        arg = float(parts.pop(0)) if parts else None
+        if parts:
+            raise ValueError(f"fault spec {text!r}: unexpected trailing {parts!r}")
+        return cls(point=point, action=action, at=at, arg=arg, method=method)
+
+    def __str__(self) -> str:
+        head = self.point.value if self.method is None else f"{self.point.value}:{self.method}"
+        tail = "" if self.arg is None else f":{self.arg:g}"
+        return f"{head}:{self.at}:{self.action.value}{tail}"
+
+
+class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Faults armed at engine start; ``allow_arm`` adds the ``arm_fault`` utility."""
+
+    faults: list[Fault] = []
+    allow_arm: bool = False
+    # A file that gets one line ``<time.monotonic()> <fault>`` as each fault fires, so a
+    # harness can measure detection latency (CLOCK_MONOTONIC is shared by all processes).
+    record_path: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        """Comma-separated ``Fault.parse`` specs."""
+        return cls(faults=[Fault.parse(p.strip()) for p in text.split(",") if p.strip()])
+
+
+def as_plan(option: str | Fault | FaultPlan | None) -> FaultPlan | None:
+    """The ``engine_fault`` client option, whatever form it came in."""
+    if option is None or isinstance(option, FaultPlan):
+        return option
+    if isinstance(option, Fault):
+        return FaultPlan(faults=[option])
+    if isinstance(option, str):
+        return FaultPlan.parse(option)
+    raise TypeError(f"engine_fault must be a FaultPlan, Fault or str, got {type(option)!r}")
+
+
+def _point_of(where: str | FaultPoint) -> tuple[FaultPoint, str | None]:
+    if isinstance(where, FaultPoint):
+        return where, None
+    # EngineCore's own hook strings: "step", "forward", "utility:<name>", "sleep", "wake_up".
+    head, _, method = where.partition(":")
+    return FaultPoint(head), (method or None)
+
+
+class FaultInjector:
+    """Callable at every fault point; fires the armed faults. Thread-safe (IO threads call it).
+
+    ``device`` decides what an OOM is ("cuda..." raises torch's CUDA OOM type).
+    """
+
+    def __init__(self, plan: FaultPlan | None = None, *, device: str = "cpu") -> None:
+        self._lock = threading.Lock()
+        self._armed: list[list[Any]] = []  # [fault, hits so far]
+        self.device = device
+        self.allow_arm = bool(plan and plan.allow_arm)
+        self.record_path = plan.record_path if plan else None
+        self.fired: list[Fault] = []
+        for f in plan.faults if plan else ():
+            self.arm(f)
+
+    def arm(self, fault: Fault | str | dict[str, Any]) -> str:
+        """Add a fault (the ``arm_fault`` utility calls this); returns its spec string."""
+        if isinstance(fault, str):
+            fault = Fault.parse(fault)
+        elif isinstance(fault, dict):
+            fault = msgspec.convert(fault, Fault)
+        with self._lock:
+            self._armed.append([fault, 0])
+        return str(fault)
+
+    def armed(self) -> list[Fault]:
+        with self._lock:
+            return [f for f, _ in self._armed]
+
+    def __call__(self, where: str | FaultPoint) -> None:
+        point, method = _point_of(where)
+        due: list[Fault] = []
+        with self._lock:
+            for entry in self._armed:
+                fault: Fault = entry[0]
+                if fault.point is not point:
+                    continue
+                if fault.method is not None and fault.method != method:
+                    continue
+                entry[1] += 1
+                if entry[1] == fault.at:
+                    due.append(fault)
+            if due:
+                gone = {id(f) for f in due}
+                self._armed = [e for e in self._armed if id(e[0]) not in gone]
+                self.fired.extend(due)
+        for fault in due:
+            self.fire(fault)
+
+    def fire(self, fault: Fault) -> None:
+        action = fault.action
+        what = f"injected fault {fault}"
+        if self.record_path:
+            line = f"{time.monotonic()!r} {fault}\n".encode()
+            fd = os.open(self.record_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        if action is FaultAction.RAISE:
+            raise InjectedFault(what)
+        if action is FaultAction.DELAY:
+            time.sleep(DEFAULT_DELAY_S if fault.arg is None else float(fault.arg))
+            return
+        if action is FaultAction.OOM:
+            if self.device.startswith("cuda"):
+                import torch
+
+                raise torch.cuda.OutOfMemoryError(f"{what}: CUDA out of memory (simulated)")
+            raise InjectedOOM(f"{what}: no free KV-cache blocks (simulated)")
+        if action is FaultAction.EXIT:
+            os._exit(INJECTED_EXIT_CODE if fault.arg is None else int(fault.arg))
+        if action is FaultAction.SIGKILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)  # the signal is asynchronous; never return into the engine
+            return
+        if action is FaultAction.SIGSTOP:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # resumed by SIGCONT: carry on as if nothing happened
+        raise ValueError(f"unknown fault action {action!r}")

@@ -1,0 +1,110 @@
+"""Optional per-message integrity: a sequence number, an acknowledgement and a CRC-32.
+
+Why: ZMQ over ipc neither loses, reorders nor corrupts, so the base protocol carries no such
+checks, and a frame mangled anyway (a proxy, a bug, the fault harness's interposer) could
+stall a request or deliver a wrong token *silently*. With integrity on, every message except
+the engine-dead sentinel and the ready handshake ends with one 24-byte trailer frame::
+
+    b"EWS1" | seq (u64 LE) | ack (u64 LE) | crc32 (u32 LE)
+
+``seq`` counts this direction's messages from 1; ``ack`` is the last ``seq`` received the
+other way; the CRC covers every frame before the trailer and the trailer's first 20 bytes.
+The receiver strips the trailer and raises ``ProtocolError`` on a missing trailer, a bad CRC
+(corruption, truncation) or a ``seq`` other than the next one (loss, duplication, reorder).
+The client also watches the engine's ``ack``: a message the engine has not acknowledged
+within ``loss_deadline_s`` while later outputs (heartbeats) arrive was lost on the way in.
+
+Compatibility: off unless both ends are told (client option ``frame_integrity=True``, which a
+launched engine inherits). A peer that does not seal is refused at its first message, loudly.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from ..spec.errors import ProtocolError
+
+__all__ = ["DEFAULT_LOSS_DEADLINE_S", "TRAILER_MAGIC", "LinkIntegrity"]
+
+# An input the engine has not acknowledged this long, while its later outputs arrive, was
+# lost. Generous: the engine's input thread acks within milliseconds even under load.
+DEFAULT_LOSS_DEADLINE_S = 2.0
+TRAILER_MAGIC = b"EWS1"
+_HEAD = struct.Struct("<4sQQ")
+_TRAILER = struct.Struct("<4sQQI")
+
+
+def _view(frame: Any) -> Any:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    return buf if buf is not None else frame
+
+
+def _crc(frames: Sequence[Any], head: bytes) -> int:
+    crc = 0
+    for f in frames:
+        crc = zlib.crc32(_view(f), crc)
+    return zlib.crc32(head, crc)
+
+
+class LinkIntegrity:
+    """One end of a link: ``seal`` what it sends, ``open`` what it receives.
+
+    ``seal`` and ``open`` may run on different threads (sender and reader), each on one.
+    """
+
+    def __init__(self, loss_deadline_s: float | None = None) -> None:
+        self._sent = 0
+        self._received = 0
+        self._loss_deadline = loss_deadline_s
+        self._lock = threading.Lock()
+        # (seq, monotonic send time) not yet acknowledged; kept only with a loss deadline.
+        self._unacked: collections.deque[tuple[int, float]] = collections.deque()
+
+    def seal(self, frames: Sequence[Any]) -> bytes:
+        """The trailer frame to append to ``frames``."""
+        with self._lock:
+            self._sent += 1
+            seq = self._sent
+            if self._loss_deadline is not None:
+                self._unacked.append((seq, time.monotonic()))
+        head = _HEAD.pack(TRAILER_MAGIC, seq, self._received)
+        return _TRAILER.pack(TRAILER_MAGIC, seq, self._received, _crc(frames, head))
+
+    def open(self, frames: Sequence[Any]) -> list[Any]:
+        """``frames`` without the trailer, or ``ProtocolError``."""
+        if len(frames) < 2:
+            raise ProtocolError("message without an integrity trailer (is the peer sealing?)")
+        raw = bytes(_view(frames[-1]))
+        if len(raw) != _TRAILER.size or raw[:4] != TRAILER_MAGIC:
+            raise ProtocolError("message without an integrity trailer (is the peer sealing?)")
+        _, seq, ack, crc = _TRAILER.unpack(raw)
+        body = list(frames[:-1])
+        if _crc(body, raw[: _HEAD.size]) != crc:
+            raise ProtocolError(f"message {seq}: checksum mismatch (corrupted or truncated)")
+        expected = self._received + 1
+        if seq != expected:
+            what = "duplicated or reordered" if seq < expected else "messages were lost"
+            raise ProtocolError(f"message {seq} arrived where {expected} was due ({what})")
+        self._received = seq
+        self._check_ack(ack)
+        return body
+
+    def _check_ack(self, ack: int) -> None:
+        if self._loss_deadline is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if ack > self._sent:
+                raise ProtocolError(f"peer acknowledged message {ack}, only {self._sent} sent")
+            while self._unacked and self._unacked[0][0] <= ack:
+                self._unacked.popleft()
+            if self._unacked and now - self._unacked[0][1] > self._loss_deadline:
+                seq, sent_at = self._unacked[0]
+                raise ProtocolError(
+                    f"message {seq} sent {now - sent_at:.1f} s ago never reached the engine")

@@ -1,0 +1,85 @@
+"""runtime/integrity.py: seq/ack/CRC trailers detect loss, duplication, reorder, corruption."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from enginewire.runtime.integrity import LinkIntegrity
+from enginewire.spec import ProtocolError
+
+
+def sealed(link: LinkIntegrity, *frames: bytes) -> list[bytes]:
+    return [*frames, link.seal(frames)]
+
+
+def test_round_trip_strips_the_trailer() -> None:
+    a, b = LinkIntegrity(), LinkIntegrity()
+    for i in range(3):
+        assert b.open(sealed(a, b"\x00", f"payload {i}".encode(), b"aux")) == [
+            b"\x00", f"payload {i}".encode(), b"aux"]
+
+
+@pytest.mark.parametrize("mangle", ["bitflip", "truncate", "trailer"])
+def test_corruption_is_a_protocol_error(mangle: str) -> None:
+    a, b = LinkIntegrity(), LinkIntegrity()
+    msg = sealed(a, b"\x00", bytes(range(40)))
+    if mangle == "bitflip":
+        msg[1] = msg[1][:7] + bytes([msg[1][7] ^ 0x04]) + msg[1][8:]
+    elif mangle == "truncate":
+        msg[1] = msg[1][:20]
+    else:
+        msg[2] = msg[2][:-1] + bytes([msg[2][-1] ^ 1])
+    with pytest.raises(ProtocolError, match="checksum"):
+        b.open(msg)
+
+
+def test_loss_duplicate_and_reorder_are_protocol_errors() -> None:
+    a = LinkIntegrity()
+    m1, m2, m3 = (sealed(a, f"m{i}".encode()) for i in range(3))
+    lossy = LinkIntegrity()
+    lossy.open(m1)
+    with pytest.raises(ProtocolError, match="lost"):
+        lossy.open(m3)
+    dup = LinkIntegrity()
+    dup.open(m1)
+    with pytest.raises(ProtocolError, match="duplicated or reordered"):
+        dup.open(m1)
+    swapped = LinkIntegrity()
+    with pytest.raises(ProtocolError, match="lost"):
+        swapped.open(m2)
+
+
+def test_an_unsealed_peer_is_refused_loudly() -> None:
+    with pytest.raises(ProtocolError, match="trailer"):
+        LinkIntegrity().open([b"\x93\x00\x90\x00"])
+    with pytest.raises(ProtocolError, match="trailer"):
+        LinkIntegrity().open([b"payload", b"not a trailer"])
+
+
+def test_an_input_the_engine_never_acknowledges_is_lost() -> None:
+    client = LinkIntegrity(loss_deadline_s=0.05)
+    engine = LinkIntegrity()
+    client.seal([b"add"])  # dropped on the way: the engine never opens it
+    client.open(sealed(engine, b"beat"))  # young: still in flight, no verdict yet
+    time.sleep(0.06)
+    with pytest.raises(ProtocolError, match="never reached the engine"):
+        client.open(sealed(engine, b"beat"))
+
+
+def test_acknowledged_inputs_are_forgotten() -> None:
+    client = LinkIntegrity(loss_deadline_s=0.01)
+    engine = LinkIntegrity()
+    engine.open(sealed(client, b"add"))
+    time.sleep(0.02)
+    client.open(sealed(engine, b"tokens"))  # acks message 1: nothing outstanding
+
+
+def test_an_ack_beyond_what_was_sent_is_refused() -> None:
+    client = LinkIntegrity(loss_deadline_s=1.0)
+    client.seal([b"add"])
+    rogue = LinkIntegrity()
+    rogue._received = 5  # claims to have seen five messages
+    with pytest.raises(ProtocolError, match="only 1 sent"):
+        client.open(sealed(rogue, b"x"))

@@ -1,0 +1,118 @@
+"""model_tests/interposer.py: the proxy alone, between hand-driven client and engine sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from enginewire.faults import Direction, FrameAction, FrameKind, FrameRule, Interposer
+from enginewire.protocol.messages import RequestType
+
+IDENT = (0).to_bytes(2, "little")
+BOUND_MS = 5000
+
+
+class Ends:
+    """A client's bound ROUTER/PULL and an engine's DEALER/PUSH connected via the proxy."""
+
+    def __init__(self, tmp: Path, proxy: Interposer) -> None:
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.pull = self.ctx.socket(zmq.PULL)
+        inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+        self.router.bind(inp)
+        self.pull.bind(out)
+        proxy.attach(inp, out)
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, IDENT)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.dealer.connect(proxy.engine_addresses[0])
+        self.push.connect(proxy.engine_addresses[1])
+        for s in (self.router, self.pull, self.dealer, self.push):
+            s.setsockopt(zmq.RCVTIMEO, BOUND_MS)
+            s.setsockopt(zmq.LINGER, 0)
+        self.dealer.send_multipart([b"ready"])  # the engine speaks first
+        assert self.router.recv_multipart() == [IDENT, b"ready"]
+
+    def to_engine(self, *payloads: bytes) -> list[list[bytes]]:
+        for p in payloads:
+            self.router.send_multipart([IDENT, RequestType.ADD.value, p])
+        return [self.dealer.recv_multipart() for _ in payloads]
+
+    def close(self) -> None:
+        for s in (self.router, self.pull, self.dealer, self.push):
+            s.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[object]:
+    made: list[tuple[Ends, Interposer]] = []
+
+    def build(*rules: FrameRule, seed: int = 0) -> tuple[Ends, Interposer]:
+        proxy = Interposer(list(rules), seed=seed).start()
+        ends = Ends(tmp_path, proxy)
+        made.append((ends, proxy))
+        return ends, proxy
+
+    yield build
+    for ends, proxy in made:
+        ends.close()
+        proxy.close()
+
+
+def test_clean_proxy_forwards_both_ways(make: object) -> None:
+    ends, proxy = make()  # type: ignore[operator]
+    assert ends.to_engine(b"a", b"b") == [[b"\x00", b"a"], [b"\x00", b"b"]]
+    ends.push.send_multipart([b"\x91\x00"])
+    assert ends.pull.recv_multipart() == [b"\x91\x00"]
+    assert proxy.events == []
+
+
+def test_drop_and_duplicate_by_kind(make: object) -> None:
+    rules = (FrameRule(action=FrameAction.DROP, direction=Direction.TO_ENGINE,
+                       kind=FrameKind.ADD),
+             FrameRule(action=FrameAction.DUPLICATE, direction=Direction.TO_ENGINE))
+    ends, proxy = make(*rules)  # type: ignore[operator]
+    ends.router.send_multipart([IDENT, RequestType.ADD.value, b"lost"])
+    ends.router.send_multipart([IDENT, RequestType.ABORT.value, b"twice"])
+    assert ends.dealer.recv_multipart() == [b"\x01", b"twice"]
+    assert ends.dealer.recv_multipart() == [b"\x01", b"twice"]
+    assert proxy.events == [("to_engine", "add", "drop"), ("to_engine", "abort", "duplicate")]
+
+
+def test_reorder_swaps_with_the_next_message(make: object) -> None:
+    rule = FrameRule(action=FrameAction.REORDER, direction=Direction.TO_ENGINE)
+    ends, _ = make(rule)  # type: ignore[operator]
+    assert [f[1] for f in ends.to_engine(b"first", b"second")] == [b"second", b"first"]
+
+
+def test_truncate_and_bitflip_are_seeded(make: object) -> None:
+    payload = bytes(range(16))
+    rule = FrameRule(action=FrameAction.BITFLIP, direction=Direction.TO_ENGINE, count=None)
+    flips = []
+    for _ in range(2):
+        ends, _ = make(rule, seed=7)  # type: ignore[operator]
+        (got,) = ends.to_engine(payload)
+        diff = [i for i in range(16) if got[1][i] != payload[i]]
+        assert len(diff) == 1 and bin(got[1][diff[0]] ^ payload[diff[0]]).count("1") == 1
+        flips.append(got[1])
+        ends.close()
+        _.close()
+    assert flips[0] == flips[1]  # same seed, same bit
+    ends, _ = make(FrameRule(action=FrameAction.TRUNCATE, kind=FrameKind.ADD))  # type: ignore[operator]
+    assert ends.to_engine(payload) == [[b"\x00", payload[:8]]]
+
+
+def test_skip_and_probability_zero(make: object) -> None:
+    rules = (FrameRule(action=FrameAction.DROP, kind=FrameKind.ADD, skip=1),
+             FrameRule(action=FrameAction.DROP, kind=FrameKind.ADD, probability=0.0,
+                       count=None))
+    ends, proxy = make(*rules)  # type: ignore[operator]
+    assert [f[1] for f in ends.to_engine(b"kept")] == [b"kept"]
+    ends.router.send_multipart([IDENT, RequestType.ADD.value, b"dropped"])
+    assert [f[1] for f in ends.to_engine(b"third")] == [b"third"]
+    assert proxy.events == [("to_engine", "add", "drop")]

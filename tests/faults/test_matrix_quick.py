@@ -1,0 +1,86 @@
+"""model_tests/fault_matrix.py: a bounded slice of the quick matrix, and its exit status.
+
+The whole quick matrix (``enginewire faults matrix --quick``, a few minutes) runs in CI as
+its own step; here a few cells prove the cell runner, the table and the JSON copy."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from enginewire.faults import (
+    Cell,
+    CellResult,
+    Fault,
+    FaultAction,
+    FaultPoint,
+    FrameAction,
+    Outcome,
+    expected_outcome,
+    matrix_cells,
+    run_fault_matrix,
+)
+from enginewire.testing.fault_matrix import HANG_BOUND_S, Scenario, _default_config
+from enginewire.testing.interposer import interposer_cells
+
+torch.set_num_threads(1)
+os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")
+
+
+def test_expectations_follow_the_spec() -> None:
+    def exp(scenario: Scenario, point: FaultPoint, action: FaultAction) -> Outcome:
+        return expected_outcome(Cell("sync", scenario, Fault(point=point, action=action)))
+
+    assert exp(Scenario.GENERATE, FaultPoint.FORWARD, FaultAction.RAISE) is Outcome.DEAD
+    assert exp(Scenario.GENERATE, FaultPoint.STEP, FaultAction.SIGSTOP) is Outcome.DEAD
+    assert exp(Scenario.GENERATE, FaultPoint.STEP, FaultAction.DELAY) is Outcome.OK
+    assert exp(Scenario.UTILITY, FaultPoint.UTILITY, FaultAction.OOM) is Outcome.UTILITY_ERROR
+    assert exp(Scenario.UTILITY, FaultPoint.UTILITY, FaultAction.EXIT) is Outcome.DEAD
+    assert exp(Scenario.STARTUP, FaultPoint.BEFORE_READY,
+               FaultAction.SIGKILL) is Outcome.STARTUP_ERROR
+    assert exp(Scenario.SHUTDOWN, FaultPoint.SHUTDOWN, FaultAction.SIGKILL) is Outcome.OK
+
+
+def test_full_matrix_covers_every_point_and_keeps_process_faults_out_of_process() -> None:
+    cells = matrix_cells(["inproc", "sync", "async"], quick=False)
+    assert {c.fault.point for c in cells if c.client == "sync"} == set(FaultPoint)
+    assert {c.fault.action for c in cells if c.client == "sync"} == set(FaultAction)
+    inproc = [c for c in cells if c.client == "inproc"]
+    assert inproc and all(c.fault.action not in (FaultAction.SIGKILL, FaultAction.SIGSTOP,
+                                                 FaultAction.EXIT) for c in inproc)
+    quick = matrix_cells(["inproc", "sync", "async"], quick=True)
+    assert {c.client for c in quick} == {"inproc", "sync", "async"} and len(quick) < 20
+
+
+def test_a_slice_of_the_quick_matrix_passes(tmp_path: Path) -> None:
+    quick = matrix_cells(["inproc", "sync"], quick=True)
+    picks = [c for c in quick if c.client == "inproc"][:1] + [
+        c for c in quick if c.client == "sync" and c.fault.action is FaultAction.SIGSTOP
+        and c.fault.point is FaultPoint.OUTPUT_SEND]
+    assert len(picks) == 2
+    # A bit flipped inside a token frame: the integrity trailer must catch it.
+    (flip,) = [c for c in interposer_cells(["sync"], True, _default_config())
+               if c.rule.action is FrameAction.BITFLIP]
+    status = run_fault_matrix(["inproc", "sync"], quick=True, results_dir=str(tmp_path),
+                              cells=picks, extra_cells=[flip], echo=None)
+    report = json.loads((tmp_path / "fault_matrix.json").read_text())
+    assert status == 0, report
+    flipped = next(r for r in report["results"] if r["action"] == "bitflip")
+    assert flipped["outcome"] == "dead" and "checksum" in flipped["detail"]
+    hung = next(r for r in report["results"] if r["action"] == "sigstop")
+    assert hung["outcome"] == "dead" and hung["leaks"] == {}
+    assert hung["latency_ms"] is not None and hung["latency_ms"] <= HANG_BOUND_S * 1000
+
+
+def test_any_cell_off_the_spec_makes_the_exit_status_non_zero(tmp_path: Path) -> None:
+    def off_spec(_work: str) -> CellResult:
+        return CellResult(cell="x", client="sync", scenario="generate", point="step",
+                          action="raise", expected="dead", outcome="hang", passed=False)
+
+    status = run_fault_matrix(["sync"], quick=True, results_dir=str(tmp_path), cells=[],
+                              extra_cells=[off_spec], echo=None)
+    assert status == 1
+    assert json.loads((tmp_path / "fault_matrix.json").read_text())["failed"] == 1

@@ -1,0 +1,79 @@
+"""Client-side request tracking (``EngineCoreClient._track_outputs``): the per-token fast path
+skips the table on an OUTPUT self-loop, and must change nothing the spec table implies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from enginewire.protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from enginewire.runtime.client import _OUTPUT_SELF_LOOPS, InprocClient
+from enginewire.runtime.config import EngineConfig
+from enginewire.spec import CLIENT_REQUEST, SpecViolation, validate_trace
+from enginewire.spec.machine import TraceEntry
+from enginewire.spec.request import ClientRequestEvent, ClientRequestState
+
+NULL = EngineConfig(model="null", device="cpu")
+CS = ClientRequestState
+
+
+def _batch(*outs: EngineCoreOutput) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=list(outs))
+
+
+@pytest.fixture(params=[False, True], ids=["no-trace", "trace"])
+def client(request: pytest.FixtureRequest) -> Iterator[InprocClient]:
+    trace: list[TraceEntry] | None = [] if request.param else None
+    c = InprocClient(NULL, trace=trace)
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def test_self_loops_come_from_the_table() -> None:
+    table = CLIENT_REQUEST.table()
+    expected = {s for s in CS if table.get((s, ClientRequestEvent.OUTPUT, None)) is s}
+    assert _OUTPUT_SELF_LOOPS == expected
+    assert CS.STREAMING in _OUTPUT_SELF_LOOPS and CS.SENT not in _OUTPUT_SELF_LOOPS
+
+
+def test_stream_then_finish_then_output_raises(client: InprocClient) -> None:
+    client._track_add(EngineCoreRequest("a", [5, 6]))
+    client._track_outputs(_batch(EngineCoreOutput("a", [7])))
+    assert client._requests["a"].state is CS.STREAMING
+    client._track_outputs(_batch(EngineCoreOutput("a", [8]), EngineCoreOutput("a", [9])))
+    assert client._requests["a"].state is CS.STREAMING
+    client._track_outputs(_batch(EngineCoreOutput("a", [10], FinishReason.LENGTH)))
+    assert "a" not in client._requests
+    with pytest.raises(SpecViolation):
+        client._track_outputs(_batch(EngineCoreOutput("a", [11])))
+    with pytest.raises(SpecViolation):
+        client._track_outputs(_batch(EngineCoreOutput("a", [11], FinishReason.STOP)))
+    if client.trace is not None:
+        validate_trace(CLIENT_REQUEST, [e for e in client.trace if e[0] == CLIENT_REQUEST.name])
+        outputs = [e for e in client.trace
+                   if e[0] == CLIENT_REQUEST.name and e[2] == ClientRequestEvent.OUTPUT.name]
+        assert len(outputs) == 3  # every token is recorded when a trace is kept
+
+
+def test_unknown_id_raises(client: InprocClient) -> None:
+    with pytest.raises(SpecViolation):
+        client._track_outputs(_batch(EngineCoreOutput("never-sent", [1])))
+
+
+def test_aborting_request_still_streams(client: InprocClient) -> None:
+    client._track_add(EngineCoreRequest("b", [5]))
+    client._track_outputs(_batch(EngineCoreOutput("b", [7])))
+    client._track_abort(["b"])
+    assert client._requests["b"].state is CS.ABORTING
+    client._track_outputs(_batch(EngineCoreOutput("b", [8])))  # tokens already in flight
+    assert client._requests["b"].state is CS.ABORTING
+    client._track_outputs(_batch(EngineCoreOutput("b", [], FinishReason.ABORT)))
+    assert client.live_requests() == []
