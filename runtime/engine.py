@@ -22,6 +22,7 @@ source). ``wake_up(tags)`` restores tags; scheduling resumes only when all are r
 
 from __future__ import annotations
 
+import collections
 import os
 import tempfile
 import time
@@ -106,6 +107,12 @@ class EngineCore:
             max_model_len=config.max_model_len,
         )
         self._pending: list[EngineCoreOutput] = []
+        # Abort ids another thread saw arrive while a step runs (the process wrapper's input
+        # thread appends; deque appends/pops are atomic). They are applied after the forward
+        # pass and before its tokens are, so an aborted request gets no token from that step.
+        # The same ids also travel in order through the input queue, so an abort that races
+        # ahead of its ADD is a no-op here and still lands after the ADD there.
+        self.mid_step_aborts: collections.deque[str] = collections.deque()
         self._final: list[EngineCoreOutput] = []
         # (future, action run when the engine has drained and paused) for deferred replies.
         self._deferred: list[tuple[Future[Any], Callable[[], None] | None]] = []
@@ -214,6 +221,18 @@ class EngineCore:
             self._pending.extend(outs)
             self._settle()
 
+    def _abort_mid_step(
+        self, reqs: list[Request], nums: list[int], tokens: list[int]
+    ) -> tuple[list[Request], list[int], list[int], list[EngineCoreOutput]]:
+        pop = self.mid_step_aborts.popleft
+        ids = [pop() for _ in range(len(self.mid_step_aborts))]
+        aborted = self.scheduler.abort(ids)
+        if not aborted:
+            return reqs, nums, tokens, []
+        keep = [i for i, r in enumerate(reqs) if not r.finished]
+        return ([reqs[i] for i in keep], [nums[i] for i in keep], [tokens[i] for i in keep],
+                aborted)
+
     # -- stepping ------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
@@ -247,6 +266,11 @@ class EngineCore:
                     if self.fault_hook is not None:
                         self.fault_hook("forward")
                     tokens = self.executor.execute_model(reqs, nums)  # type: ignore[union-attr]
+                    if self.mid_step_aborts:
+                        reqs, nums, tokens, aborted = self._abort_mid_step(reqs, nums, tokens)
+                        if aborted:
+                            outs = [*outs, *aborted]
+                            finished = [*(finished or ()), *(o.request_id for o in aborted)]
                     step_outs, step_finished = sched.update(reqs, nums, tokens)
                     if outs:
                         outs.extend(step_outs)

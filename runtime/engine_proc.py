@@ -412,6 +412,9 @@ class EngineCoreProc:
                 self.input_queue.unfinished_tasks += 1
                 self.input_queue.not_empty.notify()
             return
+        if kind is RequestType.ABORT:
+            # Seen by a step already running; the queued copy keeps the order behind ADDs.
+            self.engine.mid_step_aborts.extend(payload)
         self.input_queue.put((kind, payload))
 
     def _reject(self, type_byte: bytes, rest: list[Any], error: ProtocolError) -> None:
