@@ -29,7 +29,8 @@ def test_every_option_and_subcommand_has_help() -> None:
                     assert choice.help, f"{path} {choice.dest}: no help"
                 continue
             assert action.help and len(action.help) > 8, f"{' '.join(path)} {action.dest}"
-    for cmd in ("spec check", "spec diagrams", "generate", "engine", "bench", "faults matrix"):
+    for cmd in ("spec check", "spec diagrams", "generate", "engine", "bench", "faults matrix",
+                "campaign"):
         assert cmd in seen
 
 
