@@ -1,0 +1,482 @@
+"""The campaign runner: ``EngineClientStateMachine`` on every client, a report, the mutant table.
+
+Theory of operation
+-------------------
+``run_campaign`` runs the stateful machine (``stateful.py``) on each requested client kind,
+sharing one warm engine per kind across examples (``ClientPool``), and writes a report: a text
+table and a JSON file under ``results_dir`` with examples, steps, steps/s per client, faults
+injected per kind, spec states and transitions covered (and which were never reached, with
+the reason when it is known), and every failure with its reproducer printed as a Python
+program.
+
+Profiles: ``ci`` is small and deterministic (derandomized, no example database: every run
+replays the same examples); ``campaign`` is randomized and keeps a persistent example database
+under ``results_dir`` so a long run resumes from what earlier runs found.
+
+Mutants (``runtime/_mutants.py``) are switched on by an environment variable read at import,
+so ``run_campaign(mutant=NAME)`` re-runs itself in a child process with that variable set; the
+child's report says whether the campaign found the bug. ``mutants_all=True`` does this for the
+whole bank and prints the detection table.
+
+The CLI (``enginewire campaign``) only parses arguments and calls ``run_campaign``; the exit
+status is 0 when nothing failed (or, for ``mutants_all``, every mutant was detected) and 1
+otherwise (for a single ``mutant``: 1 means the campaign found it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CLIENTS", "PROFILES", "ClientResult", "run_campaign"]
+
+CLIENTS = ("inproc", "sync", "async")
+PROFILES = ("ci", "campaign")
+# Per-mutant bound on the child campaign (it stops at the first failure).
+MUTANT_TIMEOUT_S = 300.0
+
+# Transitions a campaign cannot reach, and why (matched by machine, then by a substring).
+_UNREACHABLE: tuple[tuple[str, str, str], ...] = (
+    ("client", "CONSTRUCTING", "start-up failures are not campaign rules"
+     " (conformance: check_kill_during_handshake, check_construction_failure_leaks_nothing)"),
+    ("engine", "-BUILT-> CONSTRUCTING", "subprocess engines trace inside their own process;"
+     " only the in-process engine's ENGINE trace reaches the campaign"),
+    ("engine", "HANDSHAKE_SENT", "handshake happens inside the engine process (not traced here)"),
+    ("engine", "LOOP_STARTED", "the busy loop runs inside the engine process (not traced here)"),
+    ("engine", "DRAINING", "only sleep/pause(wait) drains, and it is multi-process only"
+     " (in-process wait raises ValueError); engine traces stay in the engine process"),
+    ("engine", "PAUSE_WAIT", "wait mode is multi-process only; engine traces stay there"),
+    ("engine", "CONSTRUCTING -FATAL_ERROR", "in-process construction does not fail in a"
+     " campaign (conformance covers start-up failures)"),
+    ("engine", "DEAD -FATAL_ERROR", "a second fatal error is a subprocess path (sentinel and"
+     " step both report); engine traces stay in the engine process"),
+    ("engine", "SHUTDOWN -SHUTDOWN-> SHUTDOWN", "the in-process client shuts its engine down"
+     " once (the second shutdown stops at the client)"),
+    ("engine", "CONSTRUCTING -SHUTDOWN", "in-process construction does not fail in a campaign"),
+    ("engine", "READY -", "READY exists only in a subprocess engine (not traced here)"),
+    ("engine_request", "PREEMPT", "preemption needs KV exhaustion; the campaign's KV is ample"),
+    ("engine_request", "PREEMPTED", "preemption needs KV exhaustion; the campaign's KV is ample"),
+    ("engine_request", "-ERROR->", "a live request ends in ERROR only on a duplicate id, which"
+     " the client refuses before it reaches the engine"),
+    ("client_request", "FINISH_ERROR", "live requests end in ERROR only via a duplicate id,"
+     " which the client refuses first; invalid requests are rejected from SENT"),
+    # The runtime forgets a request once it finished: a reused id starts a new lifecycle in
+    # UNKNOWN, and an abort or a death that meets a finished or unknown id fires nothing (the
+    # spec's no-op loops are legal but never needed).
+    ("client_request", "FINISHED_", "the client forgets finished requests: reuse starts a new"
+     " lifecycle from UNKNOWN, and aborts/deaths of finished ids fire nothing"),
+    ("client_request", "UNKNOWN -ABORT_SENT", "an abort of an unknown id is not tracked (no-op)"),
+    ("client_request", "UNKNOWN -ENGINE_DIED", "death fires only on tracked, live requests"),
+    ("engine_request", "FINISHED_", "the scheduler forgets finished requests: reuse starts a"
+     " new lifecycle from UNKNOWN, and an abort of a finished id fires nothing"),
+    ("engine_request", "UNKNOWN -ABORT", "an abort of an unknown id fires nothing (no-op)"),
+)
+
+
+def _why_unreached(item: str) -> str:
+    machine = item.split(" ", 1)[0]
+    for m, needle, why in _UNREACHABLE:
+        if m == machine and needle in item:
+            return why
+    return "not reached in this run (rare rule mix: run longer)"
+
+
+@dataclass
+class ClientResult:
+    client: str
+    examples: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    engines_started: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+    rules: dict[str, int] = field(default_factory=dict)
+    rule_seconds: dict[str, float] = field(default_factory=dict)
+    failure: str | None = None
+    reproducer: str | None = None
+    first_failure: tuple[int, float] | None = None
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
+
+    @property
+    def steps_per_s_warm(self) -> float:
+        """Steps per second not counting engine starts and the orphan check (seconds each:
+        a spawned interpreter imports torch)."""
+        cold = sum(self.rule_seconds.get(k, 0.0)
+                   for k in ("(engine start)", "orphaned_engine"))
+        # restart includes an engine start, already counted under "(engine start)".
+        warm = self.seconds - cold
+        return self.steps / warm if warm > 0 else 0.0
+
+
+def _config(model: str) -> Any:
+    from ..runtime.config import EngineConfig
+
+    # Room for stateful.LONG_MAX_TOKENS on top of short prompts.
+    return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0)
+
+
+def _settings(profile: str, examples: int, steps: int, seed: int | None, results_dir: Path,
+              shrink: bool) -> Any:
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    phases = [Phase.explicit, Phase.reuse, Phase.generate]
+    if shrink:
+        phases.append(Phase.shrink)
+    common: dict[str, Any] = {
+        "max_examples": examples,
+        "stateful_step_count": steps,
+        "deadline": None,
+        "suppress_health_check": list(HealthCheck),
+        "phases": phases,
+        "report_multiple_bugs": False,
+        "print_blob": True,
+    }
+    if profile == "ci" and seed is None:
+        return settings(derandomize=True, database=None, **common)
+    db = None
+    if profile == "campaign":
+        db = DirectoryBasedExampleDatabase(str(results_dir / ".hypothesis-db"))
+    return settings(derandomize=False, database=db, **common)
+
+
+def _describe(e: BaseException) -> str:
+    """The error, and for a group (Hypothesis' FlakyFailure) what is inside it."""
+    text = f"{type(e).__name__}: {e}"
+    for sub in getattr(e, "exceptions", ()):
+        text += f" | {type(sub).__name__}: {sub}"
+    return text
+
+
+def _reproducer(lines: list[str], kind: str, model: str, faults: bool) -> str:
+    """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
+    runnable on its own."""
+    body = []
+    for chunk in lines:
+        for ln in str(chunk).splitlines():
+            if ln.startswith("state") or ln.startswith("@reproduce_failure"):
+                body.append(ln if ln.startswith("state") else f"# {ln}")
+    head = [
+        "# Reproducer printed by `enginewire campaign`; paste it into a test.",
+        "from enginewire.testing.campaign import _config",
+        "from enginewire.testing.stateful import EngineClientStateMachine, builtin_factory",
+        "",
+        f"factory = builtin_factory({kind!r}, _config({model!r}), faults={faults!r})",
+    ]
+    out = []
+    for ln in body:
+        if ln.startswith("state = EngineClientStateMachine("):
+            ln = (f"state = EngineClientStateMachine(factory, kind={kind!r}, faults={faults!r},"
+                  f" exact_tokens={model == 'null'!r})")
+        out.append(ln)
+    return "\n".join(head + out)
+
+
+def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, faults: bool,
+                duration: float | None, model: str, profile: str, results_dir: Path,
+                shrink: bool, progress: Any) -> tuple[ClientResult, Any]:
+    import hypothesis.core
+    from hypothesis.reporting import with_reporter
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from .stateful import CampaignStats, ClientPool, EngineClientStateMachine, builtin_factory
+
+    config = _config(model)
+    stats = CampaignStats()
+    if progress is not None:
+        stats.on_step = progress
+    factory = builtin_factory(kind, config, faults=faults)
+    pool = ClientPool(factory, stats)
+    orphan = None
+    if kind == "sync" and faults:
+        orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
+    from ..runtime.model import TINY_ARCH
+
+    def make() -> EngineClientStateMachine:
+        return EngineClientStateMachine(factory, kind=kind, faults=faults,
+                                        exact_tokens=model == "null",
+                                        vocab_size=TINY_ARCH.vocab_size, pool=pool,
+                                        stats=stats, orphan_config=orphan)
+
+    result = ClientResult(kind)
+    lines: list[str] = []
+    deadline = None if duration is None else time.monotonic() + duration
+    start = time.monotonic()
+    round_seed = seed
+    try:
+        while True:
+            sets = _settings(profile, examples, steps, round_seed, results_dir, shrink)
+            saved: Any = hypothesis.core.global_force_seed
+            if round_seed is not None:
+                hypothesis.core.global_force_seed = round_seed  # type: ignore[assignment]
+            try:
+                with with_reporter(lambda text: lines.append(str(text))):
+                    run_state_machine_as_test(make, settings=sets)  # type: ignore[no-untyped-call]
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                result.failure = _describe(e)
+                notes = [str(n) for n in getattr(e, "__notes__", [])]
+                result.reproducer = _reproducer(lines + notes, kind, model, faults)
+                break
+            finally:
+                hypothesis.core.global_force_seed = saved
+            if deadline is None or time.monotonic() >= deadline:
+                break
+            # Another round, differently seeded: a duration run keeps exploring.
+            round_seed = None if round_seed is None else round_seed + 1
+            if profile == "ci" and round_seed is None:
+                round_seed = int(time.monotonic() * 1000) % (2**31)
+    finally:
+        try:
+            pool.close()
+        except BaseException as e:  # a leak found when the last engine is shut down
+            if result.failure is None:
+                result.failure = f"{type(e).__name__} at final shutdown: {e}"
+    result.seconds = time.monotonic() - start
+    result.examples = stats.examples
+    result.steps = stats.steps
+    result.engines_started = stats.engines_started
+    result.faults = dict(sorted(stats.faults.items()))
+    result.rules = dict(sorted(stats.rules.items()))
+    result.rule_seconds = {k: round(v, 3) for k, v in
+                           sorted(stats.seconds.items(), key=lambda kv: -kv[1])}
+    result.first_failure = stats.first_failure
+    return result, stats.coverage
+
+
+def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: Any) -> None:
+    w = out.write
+    w("\nenginewire campaign\n")
+    w(f"{'client':<8} {'examples':>8} {'steps':>7} {'seconds':>8} {'steps/s':>8} "
+      f"{'warm/s':>8} {'engines':>7}  result\n")
+    for r in results:
+        verdict = "ok" if r.failure is None else "FAILED"
+        w(f"{r.client:<8} {r.examples:>8} {r.steps:>7} {r.seconds:>8.1f} {r.steps_per_s:>8.1f}"
+          f" {r.steps_per_s_warm:>8.1f} {r.engines_started:>7}  {verdict}\n")
+    faults: dict[str, int] = {}
+    for r in results:
+        for k, v in r.faults.items():
+            faults[k] = faults.get(k, 0) + v
+    w("faults injected: " + (", ".join(f"{k}={v}" for k, v in sorted(faults.items()))
+                             or "none") + "\n")
+    w(f"spec coverage: {coverage['states_reached']}/{coverage['states_declared']} states, "
+      f"{coverage['transitions_reached']}/{coverage['transitions_declared']} transitions\n")
+    for name, c in coverage["per_machine"].items():
+        w(f"  {name:<15} {c['reached']:>3}/{c['transitions']:<3} transitions\n")
+    missing = coverage["never_reached"]
+    if missing:
+        w(f"never reached ({len(missing)}):\n")
+        for item in missing:
+            w(f"  {item['transition']}  -- {item['why']}\n")
+    for r in results:
+        if r.failure is not None:
+            w(f"\nFAILURE on {r.client}: {r.failure}\n")
+            if r.reproducer:
+                w(r.reproducer + "\n")
+
+
+def _progress_bar(total_steps: int | None) -> tuple[Any, Any]:
+    """A rich progress bar with live steps/s, only on a terminal."""
+    if not sys.stdout.isatty():
+        return None, None
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        return None, None
+    prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                    TextColumn("{task.completed} steps"), TextColumn("{task.fields[rate]}"),
+                    TimeElapsedColumn())
+    return prog, total_steps
+
+
+def run_campaign(
+    client: str = "all",
+    examples: int = 10,
+    steps: int = 25,
+    seed: int | None = None,
+    faults: bool = True,
+    duration: float | None = None,
+    model: str = "null",
+    mutant: str | None = None,
+    mutants_all: bool = False,
+    results_dir: str = "results",
+    profile: str = "ci",
+) -> int:
+    """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
+    ``mutants_all``, when a mutant went undetected). See the module docstring."""
+    from ..runtime import _mutants
+
+    if client != "all" and client not in CLIENTS:
+        raise ValueError(f"client must be 'all' or one of {CLIENTS}, got {client!r}")
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    if model not in ("null", "tiny"):
+        raise ValueError(f"model must be 'null' or 'tiny', got {model!r}")
+    out_dir = Path(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kinds = list(CLIENTS) if client == "all" else [client]
+    if mutants_all:
+        return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
+                                 results_dir=out_dir)
+    if mutant is not None and _mutants.ACTIVE != mutant:
+        if mutant not in _mutants.BANK:
+            raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
+        row = _run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
+                          model=model, results_dir=out_dir)
+        print(f"mutant {mutant}: {'DETECTED' if row['detected'] else 'not detected'}"
+              f" ({row['detail']})")
+        return 1 if row["detected"] else 0
+    if _mutants.ACTIVE is not None:
+        # Running inside a mutant child: only the clients that can show this bug.
+        wanted = _mutants.BANK[_mutants.ACTIVE].clients
+        kinds = [k for k in kinds if k in wanted] or kinds
+
+    os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    from .oracle import Coverage
+
+    stop_at_first = _mutants.ACTIVE is not None
+    prog, _ = _progress_bar(None)
+    results: list[ClientResult] = []
+    coverage = Coverage()
+    started = time.monotonic()
+    per_client = None if duration is None else duration / len(kinds)
+    if prog is not None:
+        prog.start()
+    try:
+        for kind in kinds:
+            tick = None
+            if prog is not None:
+                task = prog.add_task(kind, total=None if per_client else examples * steps,
+                                     rate="")
+                t0 = time.monotonic()
+                count = [0]
+
+                def tick(task: Any = task, t0: float = t0, count: list[int] = count) -> None:
+                    count[0] += 1
+                    if count[0] % 5 == 0:
+                        rate = count[0] / max(1e-9, time.monotonic() - t0)
+                        prog.update(task, completed=count[0], rate=f"{rate:.1f} steps/s")
+
+            res, cov = _run_client(kind, examples=examples, steps=steps, seed=seed,
+                                   faults=faults, duration=per_client, model=model,
+                                   profile=profile, results_dir=out_dir,
+                                   shrink=not stop_at_first, progress=tick)
+            results.append(res)
+            coverage.merge(cov)
+            if stop_at_first and res.failure is not None:
+                break
+    finally:
+        if prog is not None:
+            prog.stop()
+    cov = coverage.report()
+    never = [{"transition": t, "why": _why_unreached(t)}
+             for t in cov.pop("never_reached_transitions")]
+    cov["never_reached"] = never
+    _print_report(results, cov, sys.stdout)
+    report = {
+        "clients": [dict(r.__dict__, steps_per_s=round(r.steps_per_s, 2),
+                         steps_per_s_warm=round(r.steps_per_s_warm, 2)) for r in results],
+        "coverage": cov,
+        "settings": {"client": client, "examples": examples, "steps": steps, "seed": seed,
+                     "faults": faults, "duration": duration, "model": model,
+                     "profile": profile, "mutant": _mutants.ACTIVE},
+        "seconds": round(time.monotonic() - started, 2),
+        "failed": any(r.failure is not None for r in results),
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"campaign-{stamp}.json" if _mutants.ACTIVE is None else (
+        f"mutant-{_mutants.ACTIVE}-{stamp}.json")
+    path = out_dir / name
+    path.write_text(json.dumps(report, indent=2, default=str))
+    report_to = os.environ.get("_ENGINEWIRE_CAMPAIGN_REPORT")
+    if report_to:
+        Path(report_to).write_text(json.dumps(report, default=str))
+    print(f"report: {path}")
+    return 1 if report["failed"] else 0
+
+
+# --- mutants ---------------------------------------------------------------------------------
+
+
+def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: int | None,
+                model: str, results_dir: Path) -> dict[str, Any]:
+    """One campaign in a child process with the mutant switched on."""
+    from ..runtime import _mutants
+
+    wanted = [k for k in kinds if k in _mutants.BANK[name].clients]
+    if not wanted:
+        return {"mutant": name, "detected": False, "examples": None, "seconds": None,
+                "detail": f"no requested client can show it (needs {_mutants.BANK[name].clients})"}
+    report_path = results_dir / f".mutant-{name}.json"
+    report_path.unlink(missing_ok=True)
+    env = dict(os.environ, **{_mutants.ENV_VAR: name,
+                              "_ENGINEWIRE_CAMPAIGN_REPORT": str(report_path)})
+    args = {"client": wanted[0] if len(wanted) == 1 else "all", "examples": examples,
+            "steps": steps, "seed": seed, "faults": True, "model": model,
+            "results_dir": str(results_dir), "profile": "ci"}
+    code = ("import json, sys\n"
+            "from enginewire.testing.campaign import run_campaign\n"
+            f"sys.exit(run_campaign(**json.loads({json.dumps(json.dumps(args))})))\n")
+    log = results_dir / f"mutant-{name}.log"
+    start = time.monotonic()
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=fh,
+                                  stderr=subprocess.STDOUT, timeout=MUTANT_TIMEOUT_S)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = time.monotonic() - start
+    report: dict[str, Any] = {}
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        report_path.unlink()
+    failing = [c for c in report.get("clients", []) if c.get("failure")]
+    detected = rc == 1 and bool(failing)
+    if detected:
+        first = failing[0]
+        ff = first.get("first_failure") or [first["examples"], seconds]
+        detail = f"{first['client']}: {first['failure'][:160]}"
+        return {"mutant": name, "detected": True, "examples": ff[0],
+                "seconds": round(float(ff[1]), 1), "client": first["client"],
+                "detail": detail, "log": str(log)}
+    why = "timed out" if rc is None else f"exit status {rc}"
+    return {"mutant": name, "detected": False, "examples": None, "seconds": round(seconds, 1),
+            "detail": f"{why}; see {log}", "log": str(log)}
+
+
+def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int | None,
+                      model: str, results_dir: Path) -> int:
+    from ..runtime import _mutants
+
+    rows = []
+    for name in _mutants.BANK:
+        row = _run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
+                          results_dir=results_dir)
+        rows.append(row)
+        print(f"  {name:<40} {'yes' if row['detected'] else 'NO'}", flush=True)
+    print(f"\n{'mutant':<40} {'detected':<8} {'examples':>8} {'seconds':>8}  client")
+    for r in rows:
+        print(f"{r['mutant']:<40} {'yes' if r['detected'] else 'NO':<8} "
+              f"{'' if r['examples'] is None else r['examples']:>8} "
+              f"{'' if r['seconds'] is None else r['seconds']:>8}  {r.get('client', '')}")
+    path = results_dir / f"mutants-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(rows, indent=2))
+    undetected = [r["mutant"] for r in rows if not r["detected"]]
+    print(f"{len(rows) - len(undetected)}/{len(rows)} mutants detected; table: {path}")
+    return 1 if undetected else 0

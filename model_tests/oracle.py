@@ -1,0 +1,376 @@
+"""The campaign's oracle: a request-level model of what a client may show, plus the spec.
+
+Theory of operation
+-------------------
+Rule 1: the oracle never looks at the system under test to decide what is *allowed*; it is
+told what the test did (``add``, ``abort``, ``sleep``...) and judges what was *observed*
+(``observe`` a batch of outputs). A violation raises ``OracleViolation`` naming the request
+and the rule that was broken.
+Rule 2: where the protocol allows a race (an abort against a natural finish, outputs already in
+flight when a pause lands) the oracle keeps the *set* of allowed endings per request and only
+narrows it when an observation picks one.
+
+Per request it checks: tokens arrive in order and (null model) equal ``null_token(seed, i)``;
+a LENGTH finish has exactly ``max_tokens`` tokens, a STOP finish ends on the first stop token;
+ABORT only after an abort was sent (or a pause/sleep in abort mode), ERROR only for requests
+built to be invalid; nothing arrives after a finish; an id is reused only once it finished.
+The spec machines are the second oracle: ``check_traces`` replays a client's recorded trace
+through every machine, and ``Coverage`` counts which declared transitions a campaign reached.
+``check_released`` is the teardown liveness check (process reaped, no leaked threads, fds or
+ipc files).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from ..protocol.messages import EngineCoreOutputs, FinishReason
+from ..runtime.executor import MEMORY_TAGS
+from ..spec import MACHINES, ClientState, TraceEntry, validate_trace
+
+__all__ = [
+    "Coverage",
+    "Oracle",
+    "OracleViolation",
+    "Phase",
+    "RequestModel",
+    "ResourceSnapshot",
+    "check_released",
+    "check_traces",
+    "null_tokens",
+]
+
+# The null model's token formula (runtime/model.py null_token; kept equal by its own test).
+_NULL_FIRST = 3
+
+
+def null_tokens(seed: int, prompt_len: int, n: int, vocab_size: int) -> list[int]:
+    span = vocab_size - _NULL_FIRST
+    return [_NULL_FIRST + (seed * 1_000_003 + (prompt_len + i) * 7919) % span for i in range(n)]
+
+
+class OracleViolation(AssertionError):
+    """What the system did is outside what the model allows."""
+
+
+class Phase(enum.Enum):
+    ALIVE = "alive"
+    DEAD = "dead"
+    CLOSED = "closed"
+
+
+@dataclass
+class RequestModel:
+    rid: str
+    max_tokens: int
+    # Null model: the exact tokens and the index of the first stop token (None: runs to length).
+    expected: list[int] | None
+    stop_index: int | None
+    tokens: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    abort_ok: bool = False  # an abort (or a pause/sleep in abort mode) may end it
+    error_ok: bool = False  # built invalid: it must end with ERROR
+    parked: bool = False  # paused/asleep in keep mode (or added while paused): will not finish
+    ended_by_death: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None or self.ended_by_death
+
+    @property
+    def must_finish(self) -> bool:
+        """A drain may wait for it: it finishes without further action from the test."""
+        return not self.finished and (not self.parked or self.abort_ok or self.error_ok)
+
+
+class Oracle:
+    """The model of one client's life (one engine incarnation)."""
+
+    def __init__(self, *, exact_tokens: bool) -> None:
+        self.exact_tokens = exact_tokens
+        self.phase = Phase.ALIVE
+        self.requests: dict[str, RequestModel] = {}
+        self.finished_ids: list[str] = []  # in finish order: candidates for id reuse
+        self.paused = False  # scheduling stopped (pause, or any sleep)
+        self.asleep_tags: frozenset[str] = frozenset()  # memory tags released and not woken
+        self.max_in_flight = 0
+        # Ids known finished at a deterministic sync point (a completed drain). Preconditions
+        # read ``open_ids`` (not ``live_ids``, which moves with every observed output), so the
+        # rule choice never depends on timing and Hypothesis can replay it.
+        self.settled: set[str] = set()
+
+    # -- what the test did -----------------------------------------------------------------
+
+    def live_ids(self) -> list[str]:
+        return sorted(r for r, m in self.requests.items() if not m.finished)
+
+    def open_ids(self) -> list[str]:
+        """Requests not yet settled: the timing-free count preconditions may read."""
+        return sorted(r for r, m in self.requests.items()
+                      if r not in self.settled and not m.ended_by_death)
+
+    def settle(self, ids: list[str]) -> None:
+        """A drain that waited for ``ids`` completed: they are finished, deterministically."""
+        self.settled.update(r for r in ids if self.requests[r].finished)
+
+    def must_finish_ids(self) -> list[str]:
+        return sorted(r for r, m in self.requests.items() if m.must_finish)
+
+    def add(self, rid: str, max_tokens: int, expected: list[int] | None,
+            stop_index: int | None, *, invalid: bool = False) -> None:
+        old = self.requests.get(rid)
+        if old is not None and not old.finished:
+            raise OracleViolation(f"model error: {rid!r} is live; the test must not re-add it")
+        self.requests[rid] = RequestModel(rid, max_tokens, expected, stop_index,
+                                          error_ok=invalid, parked=self.paused and not invalid)
+        if rid in self.finished_ids:
+            self.finished_ids.remove(rid)
+        self.settled.discard(rid)
+        self.max_in_flight = max(self.max_in_flight, len(self.live_ids()))
+
+    def abort(self, ids: Iterable[str]) -> None:
+        for rid in ids:
+            m = self.requests.get(rid)
+            if m is not None and not m.finished:
+                m.abort_ok = True
+
+    def pause(self, mode: str, level: int | None = None) -> list[str]:
+        """A pause or sleep was acknowledged; returns the ids a ``wait`` must have finished."""
+        drained: list[str] = []
+        for m in self.requests.values():
+            if m.finished:
+                continue
+            if mode == "abort":
+                m.abort_ok = True
+            elif mode == "wait" and not (self.paused or m.parked or m.abort_ok or m.error_ok):
+                # abort/error endings are queued outputs that a wait does not wait for
+                drained.append(m.rid)
+            else:
+                m.parked = True
+        self.paused = True
+        if level is not None and level >= 1:
+            self.asleep_tags = frozenset(MEMORY_TAGS)
+        return sorted(drained)
+
+    def expect_wake(self, tags: list[str] | None) -> bool:
+        """What ``wake_up(tags)`` must return."""
+        left = frozenset() if tags is None else self.asleep_tags - set(tags)
+        return not left
+
+    def wake(self, tags: list[str] | None) -> bool:
+        full = self.expect_wake(tags)
+        self.asleep_tags = frozenset() if tags is None else self.asleep_tags - set(tags)
+        if full:
+            self._resume()
+        return full
+
+    def resume_allowed(self) -> bool:
+        """resume_scheduler is a SpecViolation (UtilityError) while memory is released."""
+        return not self.asleep_tags
+
+    def resume(self) -> None:
+        self._resume()
+
+    def _resume(self) -> None:
+        self.paused = False
+        for m in self.requests.values():
+            m.parked = False
+
+    def died(self) -> None:
+        self.phase = Phase.DEAD
+        for m in self.requests.values():
+            if not m.finished:
+                m.ended_by_death = True
+
+    def closed(self) -> None:
+        if self.phase is not Phase.CLOSED:
+            self.phase = Phase.CLOSED
+            for m in self.requests.values():
+                if not m.finished:
+                    m.ended_by_death = True
+
+    # -- what was observed -------------------------------------------------------------------
+
+    def expected_client_states(self) -> frozenset[ClientState]:
+        if self.phase is Phase.DEAD:
+            return frozenset({ClientState.DEAD})
+        if self.phase is Phase.CLOSED:
+            return frozenset({ClientState.SHUTDOWN})
+        if self.paused:
+            return frozenset({ClientState.SLEEPING})
+        return frozenset({ClientState.READY, ClientState.RUNNING})
+
+    def observe(self, batch: EngineCoreOutputs) -> list[str]:
+        """Judge one batch; returns the ids it finished."""
+        done: list[str] = []
+        for out in batch.outputs:
+            rid = out.request_id
+            m = self.requests.get(rid)
+            if m is None:
+                raise OracleViolation(f"output for {rid!r}, which was never sent")
+            if m.finish is not None:
+                raise OracleViolation(
+                    f"output for {rid!r} after it finished with {m.finish.name}")
+            if m.ended_by_death:
+                continue  # delivered after the death was seen: queued before it; not judged
+            self._tokens(m, list(out.new_token_ids))
+            if out.finish_reason is not None:
+                self._finish(m, FinishReason(out.finish_reason), out.error)
+                done.append(rid)
+        return done
+
+    def _tokens(self, m: RequestModel, new: list[int]) -> None:
+        if m.error_ok and new:
+            raise OracleViolation(f"{m.rid!r} was invalid yet produced tokens {new}")
+        start = len(m.tokens)
+        m.tokens.extend(new)
+        limit = m.max_tokens if m.stop_index is None else min(m.max_tokens, m.stop_index + 1)
+        if len(m.tokens) > limit:
+            raise OracleViolation(f"{m.rid!r} got {len(m.tokens)} tokens, more than {limit}")
+        if self.exact_tokens and m.expected is not None:
+            want = m.expected[start:len(m.tokens)]
+            if new != want:
+                raise OracleViolation(
+                    f"{m.rid!r}: tokens {start}.. are {new}, the null model says {want}")
+
+    def _finish(self, m: RequestModel, reason: FinishReason, error: str | None) -> None:
+        n = len(m.tokens)
+        if reason is FinishReason.ERROR:
+            if not m.error_ok:
+                raise OracleViolation(f"{m.rid!r} ended with ERROR ({error!r}) unexpectedly")
+            if not error:
+                raise OracleViolation(f"{m.rid!r}: an ERROR finish must say why")
+        elif m.error_ok:
+            raise OracleViolation(f"{m.rid!r} was invalid yet ended with {reason.name}")
+        elif reason is FinishReason.ABORT:
+            if not m.abort_ok:
+                raise OracleViolation(f"{m.rid!r} ended with ABORT but no abort was sent")
+        elif reason is FinishReason.LENGTH:
+            if n != m.max_tokens:
+                raise OracleViolation(
+                    f"{m.rid!r} ended LENGTH after {n} tokens; max_tokens={m.max_tokens}")
+            if self.exact_tokens and m.stop_index is not None and m.stop_index < m.max_tokens:
+                raise OracleViolation(f"{m.rid!r} ran past its stop token (index {m.stop_index})")
+        elif reason is FinishReason.STOP:
+            if self.exact_tokens and (m.stop_index is None or n != m.stop_index + 1):
+                raise OracleViolation(
+                    f"{m.rid!r} ended STOP after {n} tokens; stop token at {m.stop_index}")
+        m.finish = reason
+        self.finished_ids.append(m.rid)
+
+
+# --- spec as oracle --------------------------------------------------------------------------
+
+
+def check_traces(trace: Iterable[TraceEntry]) -> None:
+    """Replay a recorded trace through every spec machine (SpecViolation on a bad step)."""
+    entries = list(trace)
+    for machine in MACHINES:
+        validate_trace(machine, entries)
+
+
+class Coverage:
+    """Which declared (machine, source, event, target) steps the campaign reached."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str, str, str], int] = {}
+
+    def add(self, trace: Iterable[TraceEntry]) -> None:
+        seen = self.seen
+        for name, before, event, after, _ in trace:
+            key = (name, before, event, after)
+            seen[key] = seen.get(key, 0) + 1
+
+    def merge(self, other: Coverage) -> None:
+        for k, v in other.seen.items():
+            self.seen[k] = self.seen.get(k, 0) + v
+
+    def declared(self) -> list[tuple[str, str, str, str]]:
+        keys = {(m.name, t.source.name, t.event.name, t.target.name)
+                for m in MACHINES for t in m.transitions}
+        return sorted(keys)
+
+    def report(self) -> dict[str, Any]:
+        declared = self.declared()
+        states = sorted({(m.name, s.name) for m in MACHINES for s in m.states})
+        seen_states = {(k[0], k[1]) for k in self.seen} | {(k[0], k[3]) for k in self.seen}
+        seen_states |= {(m.name, m.initial.name) for m in MACHINES}
+        missing = [k for k in declared if k not in self.seen]
+        per_machine = {}
+        for m in MACHINES:
+            total = sum(1 for k in declared if k[0] == m.name)
+            hit = sum(1 for k in declared if k[0] == m.name and k in self.seen)
+            per_machine[m.name] = {"transitions": total, "reached": hit}
+        return {
+            "transitions_declared": len(declared),
+            "transitions_reached": len(declared) - len(missing),
+            "states_declared": len(states),
+            "states_reached": sum(1 for s in states if s in seen_states),
+            "per_machine": per_machine,
+            "never_reached_transitions": ["{} {} -{}-> {}".format(*k) for k in missing],
+            "never_reached_states": [f"{m} {s}" for m, s in states if (m, s) not in seen_states],
+        }
+
+
+# --- liveness at teardown --------------------------------------------------------------------
+
+
+@dataclass
+class ResourceSnapshot:
+    """This process's threads, fds and child processes before a client was built."""
+
+    threads: int
+    fds: int
+    children: frozenset[int]
+
+    @classmethod
+    def take(cls) -> ResourceSnapshot:
+        me = psutil.Process()
+        return cls(threading.active_count(), me.num_fds(),
+                   frozenset(p.pid for p in me.children(recursive=True)))
+
+
+def _wait(predicate: Any, bound: float) -> bool:
+    deadline = time.monotonic() + bound
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _reaped(pid: int) -> bool:
+    # A zombie is not reaped: only a pid that is gone counts.
+    try:
+        psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return True
+    return False
+
+
+def check_released(before: ResourceSnapshot, *, engine_pid: int | None,
+                   ipc_path: str | None, bound: float = 5.0, threads_fds: bool = True) -> None:
+    """After shutdown: the engine process is reaped, and no thread, fd or ipc file is left."""
+    problems: list[str] = []
+    if engine_pid is not None and not _wait(lambda: _reaped(engine_pid), bound):
+        problems.append(f"engine process {engine_pid} was not reaped")
+    if ipc_path is not None and not _wait(lambda: not os.path.exists(ipc_path), bound):
+        problems.append(f"ipc directory {ipc_path} was left behind")
+    if not threads_fds:
+        pass
+    elif not _wait(lambda: threading.active_count() <= before.threads, bound):
+        names = sorted(t.name for t in threading.enumerate())
+        problems.append(f"threads leaked: {threading.active_count()} > {before.threads}: {names}")
+    me = psutil.Process()
+    if threads_fds and not _wait(lambda: me.num_fds() <= before.fds, bound):
+        problems.append(f"fds leaked: {me.num_fds()} > {before.fds}")
+    if problems:
+        raise OracleViolation("; ".join(problems))

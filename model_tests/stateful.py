@@ -1,0 +1,933 @@
+"""``EngineClientStateMachine``: a Hypothesis stateful test of an EngineCoreClient and its engine.
+
+Theory of operation
+-------------------
+Rule 1: preconditions and strategies read only the model (``Oracle``), never the live system,
+so Hypothesis can replay and shrink. Where the live system may legitimately differ (an abort
+racing a natural finish), the oracle holds the set of allowed observations.
+Rule 2: every rule ends at a bounded synchronization point: a call returned, a future resolved,
+outputs drained, a death seen. A bound that passes is a failure with a diagnostic, never a
+retry.
+
+The machine is parametrized by a client factory (like ``zarr.testing.stateful``), so it runs
+against the built-in clients or your own engine::
+
+    from hypothesis.stateful import run_state_machine_as_test
+    from enginewire.testing.stateful import EngineClientStateMachine, builtin_factory
+
+    factory = builtin_factory("sync", my_config)
+    run_state_machine_as_test(lambda: EngineClientStateMachine(factory, kind="sync"))
+
+Engines are expensive to start, so a ``ClientPool`` hands one healthy engine from example to
+example: teardown aborts what is left, drains, wakes the engine and checks the liveness
+obligations (every request ended, no utility call pending, the trace legal); only a crash or a
+shutdown rule costs a new engine, and then teardown also checks that the engine process was
+reaped and no thread, fd or ipc file leaked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, RequestType, SamplingParams
+from ..runtime.engine import WAKE_TAGS
+from ..spec.errors import (
+    ClientClosedError,
+    EngineDeadError,
+    SpecViolation,
+    UtilityError,
+    UtilityTimeoutError,
+)
+from . import conformance as cf
+from .oracle import (
+    Coverage,
+    Oracle,
+    OracleViolation,
+    Phase,
+    ResourceSnapshot,
+    check_released,
+    check_traces,
+    null_tokens,
+)
+
+__all__ = [
+    "CampaignStats",
+    "ClientPool",
+    "EngineClientStateMachine",
+    "builtin_factory",
+]
+
+# A death must be seen within this bound (the runtime promises 1 s; slack for loaded CI).
+DEATH_BOUND_S = 2.0
+# Ordinary waits: a drain, a utility reply (null-model drains take milliseconds).
+WAIT_S = 10.0
+# A clean shutdown, SIGTERM to reaped, on a loaded machine.
+SHUTDOWN_BOUND_S = 4.0
+# Long enough that an abort sent right after its ADD lands first (null steps take tens of
+# microseconds: thousands of tokens take far longer than the abort's trip). The engine config
+# must allow it (campaign._config: max_model_len 2048, the tiny and null models' limit).
+LONG_MAX_TOKENS = 2000
+# The strict "abort right after ADD ends ABORT" check holds only when the client really sent
+# the abort right after: a client descheduled longer than this between the two sends (a
+# loaded CI machine) widens the allowed set to include a natural finish.
+ABORT_GAP_S = 0.005
+MAX_LIVE = 8
+# The orphan check starts two interpreters (seconds): at most once per example, and only on an
+# engine that has lived this many steps, so short or crash-heavy examples skip it.
+ORPHAN_MIN_LIFE = 12
+# The request a wait-mode pause drains: long enough to be running when the pause lands.
+WAIT_MODE_TOKENS = 1000
+
+FaultCounter = Counter  # fault kind -> times injected
+
+
+@dataclass
+class CampaignStats:
+    """Counters shared by every machine of a campaign (one process, one thread)."""
+
+    steps: int = 0
+    examples: int = 0
+    engines_started: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    rules: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # rule -> s
+    coverage: Coverage = field(default_factory=Coverage)
+    max_in_flight: int = 0
+    on_step: Callable[[], None] | None = None
+    started: float = field(default_factory=time.monotonic)
+    # (examples run, seconds since start) when the first failure was seen.
+    first_failure: tuple[int, float] | None = None
+
+    def record_failure(self) -> None:
+        if self.first_failure is None:
+            self.first_failure = (self.examples, time.monotonic() - self.started)
+
+    def step(self, name: str) -> None:
+        self.steps += 1
+        self.rules[name] += 1
+        if self.on_step is not None:
+            self.on_step()
+
+
+ClientFactory = Callable[..., cf.ClientUnderTest]
+
+
+def builtin_factory(kind: str, config: Any, *, faults: bool = True) -> ClientFactory:
+    """A factory for a built-in client with run-time fault arming when ``faults``."""
+    from ..runtime.faults import FaultInjector, FaultPlan
+
+    def factory(**options: Any) -> cf.ClientUnderTest:
+        if faults and kind != "inproc":
+            options.setdefault("engine_fault", FaultPlan(allow_arm=True))
+        cut = cf.open_client(kind, config, **options)
+        if faults and kind == "inproc":
+            cut.client.engine.fault_hook = FaultInjector(FaultPlan(allow_arm=True))
+        return cut
+
+    return factory
+
+
+@dataclass
+class _Live:
+    """One client incarnation and what its teardown must check."""
+
+    cut: cf.ClientUnderTest
+    before: ResourceSnapshot
+    engine_pid: int | None
+    ipc_path: str | None
+
+
+class ClientPool:
+    """Keeps one healthy client between examples; builds a new one when none is left."""
+
+    def __init__(self, factory: ClientFactory, stats: CampaignStats) -> None:
+        self.factory = factory
+        self.stats = stats
+        self._idle: _Live | None = None
+
+    def acquire(self) -> _Live:
+        if self._idle is not None:
+            live, self._idle = self._idle, None
+            return live
+        if self.factory is not None:
+            with contextlib.suppress(Exception):
+                from multiprocessing import resource_tracker
+
+                resource_tracker.ensure_running()  # process-wide, once: not a leak
+        before = ResourceSnapshot.take()
+        start = time.monotonic()
+        cut = self.factory()
+        self.stats.engines_started += 1
+        self.stats.seconds["(engine start)"] += time.monotonic() - start
+        res = getattr(cut.client, "resources", None)
+        ipc = getattr(getattr(res, "ipc_dir", None), "path", None)
+        return _Live(cut, before, cut.engine_pid, None if ipc is None else str(ipc))
+
+    def release(self, live: _Live) -> None:
+        if self._idle is not None:
+            close_and_check(self._idle)
+        self._idle = live
+
+    def close(self) -> None:
+        if self._idle is not None:
+            live, self._idle = self._idle, None
+            close_and_check(live)
+
+
+def close_and_check(live: _Live, *, check: bool = True) -> float:
+    """Shut the client down; check that everything was released. Returns the seconds taken."""
+    start = time.monotonic()
+    live.cut.shutdown()
+    took = time.monotonic() - start
+    if check and took > SHUTDOWN_BOUND_S:
+        raise OracleViolation(f"shutdown took {took:.1f} s (bound {SHUTDOWN_BOUND_S} s)")
+    if check:
+        check_released(live.before, engine_pid=live.engine_pid, ipc_path=live.ipc_path)
+    return took
+
+
+def _check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
+    """SIGKILL a client process; its engine must exit by itself within ORPHAN_BOUND_S. An
+    engine that does not is killed here, so a failing check leaks nothing."""
+    import subprocess
+    import sys
+
+    script = cf._ORPHAN_SCRIPT.format(config=config_kwargs, is_async=False)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    engine_pid = None
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.strip().isdigit():
+            raise OracleViolation(f"orphan check: the client script failed: {line!r}")
+        engine_pid = int(line)
+        proc.kill()
+        proc.wait(WAIT_S)
+        deadline = time.monotonic() + cf.ORPHAN_BOUND_S
+        while not cf._process_gone(engine_pid):
+            if time.monotonic() > deadline:
+                raise OracleViolation(
+                    f"orphaned engine {engine_pid} still running {cf.ORPHAN_BOUND_S} s after"
+                    " its client process was killed")
+            time.sleep(0.02)
+        engine_pid = None
+    finally:
+        if engine_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine_pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=6,
+)
+_WAKE_TAG_SETS = st.one_of(st.none(), st.lists(st.sampled_from(WAKE_TAGS), unique=True,
+                                                max_size=len(WAKE_TAGS)))
+_MALFORMED = (
+    [b"\x07", b"\x90"],  # unknown request type
+    [RequestType.ADD.value, b"\xc1"],  # not msgpack
+    [RequestType.ABORT.value, b"\x91\x07"],  # ids must be strings
+    [RequestType.ADD.value],  # no payload
+    [b"", b"", b""],
+    [RequestType.UTILITY.value, b"\x93\x00"],  # truncated
+)
+
+
+class EngineClientStateMachine(RuleBasedStateMachine):
+    """Random add/abort/utility/sleep/pause/crash/shutdown sequences, judged by the oracle."""
+
+    def __init__(
+        self,
+        factory: ClientFactory,
+        *,
+        kind: str = "sync",
+        faults: bool = True,
+        exact_tokens: bool = True,
+        vocab_size: int = 512,
+        pool: ClientPool | None = None,
+        stats: CampaignStats | None = None,
+        orphan_config: dict[str, Any] | None = None,
+        min_life: int = 3,
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        self.faults = faults
+        self.vocab_size = vocab_size
+        self.exact_tokens = exact_tokens
+        self.stats = stats if stats is not None else CampaignStats()
+        self.pool = pool if pool is not None else ClientPool(factory, self.stats)
+        self._own_pool = pool is None
+        self.orphan_config = orphan_config
+        self.multiprocess = kind != "inproc"
+        self.live = self.pool.acquire()
+        self.oracle = Oracle(exact_tokens=exact_tokens)
+        self._ids = 0
+        self._busy: str | None = None
+        self._orphans = 0
+        # Steps this engine incarnation has lived: crash and shutdown wait for ``min_life``
+        # so that most steps run on a live engine (an engine start costs seconds).
+        self._life = 0
+        self.min_life = min_life
+        self.stats.examples += 1
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def cut(self) -> cf.ClientUnderTest:
+        return self.live.cut
+
+    @contextlib.contextmanager
+    def _rule(self, name: str) -> Iterator[None]:
+        self._busy = name
+        self._life += 1
+        self.stats.step(name)
+        start = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            self.stats.record_failure()
+            raise
+        self.stats.seconds[name] += time.monotonic() - start
+        self._busy = None
+
+    def _fresh_id(self) -> str:
+        self._ids += 1
+        return f"r{self._ids}"
+
+    def _refusal(self) -> type[BaseException]:
+        """What every call owes the caller once the engine died or the client was shut."""
+        refusal: type[BaseException] = ClientClosedError
+        if self.oracle.phase is Phase.DEAD:
+            refusal = EngineDeadError
+        return refusal
+
+    def _expect_raises(self, kinds: type[BaseException] | tuple[type[BaseException], ...],
+                       fn: Callable[[], Any], what: str) -> BaseException:
+        try:
+            fn()
+        except kinds as e:
+            return e
+        except BaseException as e:
+            raise OracleViolation(
+                f"{what}: raised {type(e).__name__}: {e}; expected {kinds}") from e
+        raise OracleViolation(f"{what}: returned; expected {kinds}")
+
+    def _observe(self, batch: EngineCoreOutputs) -> None:
+        if batch.outputs:
+            self.oracle.observe(batch)
+
+    def _poll(self, timeout: float) -> EngineCoreOutputs:
+        batch = self.cut.get_output(timeout=timeout)
+        self._observe(batch)
+        return batch
+
+    def _drain(self, ids: list[str] | None = None, bound: float = WAIT_S) -> None:
+        """Read outputs until every request that must finish did (or the death is seen)."""
+        deadline = time.monotonic() + bound
+        if ids is None:
+            ids = self.oracle.must_finish_ids()
+        while True:
+            left = [r for r in ids if not self.oracle.requests[r].finished]
+            if not left:
+                self.oracle.settle(ids)
+                return
+            if time.monotonic() > deadline:
+                raise OracleViolation(
+                    f"drain: {left} did not finish within {bound} s (engine paused="
+                    f"{self.oracle.paused}, client {self.cut.client.state.name})")
+            try:
+                self._poll(0.2)
+            except EngineDeadError:
+                if self.oracle.phase is Phase.ALIVE:
+                    raise OracleViolation(
+                        "the engine died without a fault being injected") from None
+                self.oracle.died()
+                return
+
+    def _quiesce(self) -> None:
+        """End every live request (abort, drain): no output can then reach a blocked read."""
+        live = self.oracle.open_ids()
+        if live:
+            self.cut.abort_requests(live)
+            self.oracle.abort(live)
+            self._drain(live)
+
+    def _arm(self, spec: str) -> None:
+        if self.multiprocess:
+            self.cut.call_utility("arm_fault", spec)
+        else:
+            self.cut.client.engine.fault_hook.arm(spec)
+
+    def _await_death(self, futs: list[concurrent.futures.Future[Any]], start: float,
+                     what: str) -> None:
+        """Each of ``futs`` (blocked calls) must fail with EngineDeadError within the bound."""
+        for fut in futs:
+            try:
+                fut.result(timeout=DEATH_BOUND_S + 3)
+            except EngineDeadError:
+                pass
+            except concurrent.futures.TimeoutError:
+                raise OracleViolation(
+                    f"{what}: a blocked call was not woken by the engine's death") from None
+            else:
+                raise OracleViolation(f"{what}: returned instead of raising EngineDeadError")
+        deadline = start + DEATH_BOUND_S
+        while not self.cut.client.is_dead:
+            if time.monotonic() > deadline:
+                raise OracleViolation(f"{what}: death not seen within {DEATH_BOUND_S} s")
+            time.sleep(0.002)
+        self.oracle.died()
+
+    def _pending_calls(self) -> int:
+        fn = getattr(self.cut.client, "pending_utility_calls", None)
+        return 0 if fn is None else int(fn())
+
+    def _wait_pending(self, n: int) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while self._pending_calls() != n:
+            if time.monotonic() > deadline:
+                raise OracleViolation(f"{self._pending_calls()} utility calls pending, not {n}")
+            time.sleep(0.001)
+
+    @property
+    def alive(self) -> bool:
+        return self.oracle.phase is Phase.ALIVE
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _request(self, rid: str, prompt: list[int], max_tokens: int, seed: int,
+                 stop_at: int | None, ignore_eos: bool, temperature: float,
+                 top_p: float) -> tuple[EngineCoreRequest, list[int] | None, int | None]:
+        expected = None
+        stop_ids: list[int] = []
+        stop_index = None
+        if self.exact_tokens:
+            expected = null_tokens(seed, len(prompt), max_tokens, self.vocab_size)
+            if stop_at is not None and stop_at < max_tokens:
+                stop_ids = [expected[stop_at]]
+                stop_index = expected.index(expected[stop_at])  # the first hit stops it
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+        return EngineCoreRequest(rid, prompt, sp), expected, stop_index
+
+    @precondition(lambda self: self.alive and len(self.oracle.open_ids()) < MAX_LIVE)
+    @rule(prompt=st.lists(st.integers(3, 511), min_size=1, max_size=8),
+          max_tokens=st.integers(1, 24), seed=st.integers(0, 2**31 - 1),
+          stop_at=st.none() | st.integers(0, 23), ignore_eos=st.booleans(),
+          temperature=st.sampled_from([0.0, 0.7, 1.0]), top_p=st.sampled_from([1.0, 0.9]),
+          reuse=st.integers(0, 7))
+    def add(self, prompt: list[int], max_tokens: int, seed: int, stop_at: int | None,
+            ignore_eos: bool, temperature: float, top_p: float, reuse: int) -> None:
+        with self._rule("add"):
+            done = self.oracle.finished_ids
+            # Reuse a finished id now and then: allowed once its request finished.
+            rid = done[-1 - reuse % len(done)] if reuse < 2 and done else self._fresh_id()
+            req, expected, stop_index = self._request(rid, prompt, max_tokens, seed, stop_at,
+                                                      ignore_eos, temperature, top_p)
+            self.cut.add_request(req)
+            self.oracle.add(rid, max_tokens, expected, stop_index)
+
+    @precondition(lambda self: self.alive)
+    @rule(how=st.sampled_from(["empty_prompt", "zero_max_tokens", "token_out_of_vocab"]))
+    def add_invalid(self, how: str) -> None:
+        with self._rule("add_invalid"):
+            rid = self._fresh_id()
+            prompt = [] if how == "empty_prompt" else [1, 2]
+            if how == "token_out_of_vocab":
+                prompt = [1, self.vocab_size + 5]
+            sp = SamplingParams(max_tokens=0 if how == "zero_max_tokens" else 4)
+            self.cut.add_request(EngineCoreRequest(rid, prompt, sp))
+            self.oracle.add(rid, 4, None, None, invalid=True)
+
+    @precondition(lambda self: self.alive and bool(self.oracle.open_ids()))
+    @rule(pick=st.integers(0, MAX_LIVE - 1))
+    def add_duplicate(self, pick: int) -> None:
+        with self._rule("add_duplicate"):
+            # Live as the client sees it: not yet observed finished.
+            live = self.oracle.live_ids()
+            if not live:  # all finished already (timing): nothing live to duplicate
+                note("add_duplicate: every open request had already finished")
+                return
+            rid = live[pick % len(live)]
+            req = EngineCoreRequest(rid, [5, 6], SamplingParams(max_tokens=2))
+            self._expect_raises(SpecViolation, lambda: self.cut.add_request(req),
+                                f"re-adding live id {rid!r}")
+
+    @precondition(lambda self: self.oracle.phase is not Phase.CLOSED)
+    @rule(which=st.sampled_from(["live", "finished", "unknown", "mixed"]),
+          pick=st.integers(0, MAX_LIVE - 1))
+    def abort(self, which: str, pick: int) -> None:
+        with self._rule("abort"):
+            live, done = self.oracle.live_ids(), self.oracle.finished_ids
+            ids: list[str] = []
+            if which in ("live", "mixed") and live:
+                ids.append(live[pick % len(live)])
+            if which in ("finished", "mixed") and done:
+                ids.append(done[pick % len(done)])
+            if which in ("unknown", "mixed"):
+                ids.append(f"never-sent-{pick}")
+            if not ids:
+                ids = [f"never-sent-{pick}"]
+            self.cut.abort_requests(ids)  # silent on a dead engine
+            self.oracle.abort(ids)
+
+    @precondition(lambda self: self.alive and len(self.oracle.open_ids()) <= MAX_LIVE - 4)
+    @rule(k=st.integers(1, 4))
+    def add_then_abort(self, k: int) -> None:
+        """ADDs followed at once by their abort: each must end ABORT (never lost, never run)."""
+        with self._rule("add_then_abort"):
+            ids = [self._fresh_id() for _ in range(k)]
+            first_add = time.monotonic()
+            for rid in ids:
+                self.cut.add_request(EngineCoreRequest(
+                    rid, [7, 8, 9], SamplingParams(max_tokens=LONG_MAX_TOKENS, seed=1,
+                                                   ignore_eos=True)))
+                self.oracle.add(rid, LONG_MAX_TOKENS, null_tokens(1, 3, LONG_MAX_TOKENS,
+                                                                  self.vocab_size)
+                                if self.exact_tokens else None, None)
+            gap = time.monotonic() - first_add
+            self.cut.abort_requests(ids)
+            self.oracle.abort(ids)
+            self._drain(ids)
+            if gap > ABORT_GAP_S:
+                note(f"add_then_abort: {gap * 1000:.1f} ms between the sends; not judged")
+                return
+            for rid in ids:
+                m = self.oracle.requests[rid]
+                if m.finish is not None and m.finish.name != "ABORT":
+                    raise OracleViolation(
+                        f"{rid!r} was aborted right after its ADD yet ended {m.finish.name}"
+                        f" after {len(m.tokens)} tokens: the abort overtook its ADD")
+
+    @rule()
+    def drain(self) -> None:
+        with self._rule("drain"):
+            if self.oracle.phase is Phase.CLOSED:
+                self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
+                                    "get_output after shutdown")
+                return
+            self._drain()
+
+    @rule()
+    def poll(self) -> None:
+        """Always enabled: one short read, judged (or the refusal a dead/closed client owes)."""
+        with self._rule("poll"):
+            if self.oracle.phase is Phase.CLOSED:
+                self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
+                                    "get_output after shutdown")
+                return
+            try:
+                self._poll(0.005)
+            except EngineDeadError:
+                if self.alive:
+                    raise OracleViolation(
+                        "the engine died without a fault being injected") from None
+
+    # -- utilities --------------------------------------------------------------------------
+
+    @rule(value=_JSONISH)
+    def echo(self, value: Any) -> None:
+        with self._rule("echo"):
+            if not self.alive:
+                self._expect_raises(self._refusal(), lambda: self.cut.call_utility("echo", value),
+                                    "echo on a dead/closed client")
+                return
+            got = self.cut.call_utility("echo", value)
+            if got != value:
+                raise OracleViolation(f"echo({value!r}) returned {got!r}")
+
+    @rule(how=st.sampled_from(["raising", "unknown_method"]))
+    def failing_utility(self, how: str) -> None:
+        with self._rule("failing_utility"):
+            if how == "raising":
+                call = lambda: self.cut.call_utility("profile", "not-an-action")  # noqa: E731
+            else:
+                call = lambda: self.cut.call_utility("_no_such_method")  # noqa: E731
+            kind = UtilityError if self.alive else self._refusal()
+            self._expect_raises(kind, call, f"{how} utility")
+
+    @precondition(lambda self: self.alive and self.faults)
+    @rule(delay=st.sampled_from([0.01, 0.05]))
+    def slow_utility(self, delay: float) -> None:
+        with self._rule("slow_utility"):
+            self._arm(f"utility:echo:1:delay:{delay}")
+            self.stats.faults["utility_delay"] += 1
+            start = time.monotonic()
+            assert self.cut.call_utility("echo", "slow") == "slow"
+            if time.monotonic() - start < delay * 0.9:
+                raise OracleViolation("a delayed utility replied before its delay")
+
+    @precondition(lambda self: self.alive and self.faults and self.multiprocess)
+    @rule(failing=st.booleans())
+    def timed_out_utility(self, failing: bool) -> None:
+        """A call that outlives its timeout raises UtilityTimeoutError and leaves no entry;
+        its late reply (a result, or with ``failing`` an error) is dropped."""
+        with self._rule("timed_out_utility"):
+            method, args = ("profile", ("not-an-action",)) if failing else ("echo", ("late",))
+            self._arm(f"utility:{method}:1:delay:0.15")
+            self.stats.faults["utility_delay"] += 1
+            self._expect_raises(UtilityTimeoutError,
+                                lambda: self.cut.call_utility(method, *args, timeout=0.02),
+                                "a call past its timeout")
+            if self._pending_calls() != 0:
+                raise OracleViolation(f"{self._pending_calls()} call(s) left registered after"
+                                      " a timeout")
+            assert self.cut.call_utility("echo", "after") == "after"  # the late reply dropped
+
+    @precondition(lambda self: self.alive and self.faults and self.kind == "async")
+    @rule(failing=st.booleans())
+    def cancelled_utility(self, failing: bool) -> None:
+        with self._rule("cancelled_utility"):
+            method, args = ("profile", ("not-an-action",)) if failing else ("echo", ("x",))
+            self._arm(f"utility:{method}:1:delay:0.1")
+            self.stats.faults["utility_delay"] += 1
+            fut = self.cut.submit("call_utility", method, *args)
+            self._wait_pending(1)
+            fut.cancel()
+            self._wait_pending(0)
+            assert self.cut.call_utility("echo", "after") == "after"
+
+    # -- sleep, wake, pause -----------------------------------------------------------------
+
+    def _work_in_flight(self, mode: str) -> None:
+        """A wait-mode pause is only interesting with requests to drain: add a long one (it
+        cannot finish before the pause arrives, so the pause must really wait for it)."""
+        if mode != "wait" or self.oracle.paused or len(self.oracle.open_ids()) >= MAX_LIVE:
+            return
+        rid = self._fresh_id()
+        n = WAIT_MODE_TOKENS
+        req, expected, _ = self._request(rid, [5, 6, 7], n, 11, None, True, 0.0, 1.0)
+        self.cut.add_request(req)
+        self.oracle.add(rid, n, expected, None)
+
+    def _after_pause(self, mode: str, level: int | None) -> None:
+        drained = self.oracle.pause(mode, level)
+        if mode == "wait" and drained:
+            # The reply means "idle": the outputs it waited for arrived before it, so they are
+            # already queued. Read exactly those (reading on would let a late drain catch up).
+            qsize = getattr(getattr(self.cut.client, "_outputs", None), "qsize", None)
+            queued = qsize() if qsize is not None else None
+            with contextlib.suppress(EngineDeadError):
+                if queued is None:  # a user's client: read what comes within a short window
+                    while self._poll(0.01).outputs:
+                        pass
+                for _ in range(queued or 0):
+                    self._poll(WAIT_S)
+            early = [r for r in drained if not self.oracle.requests[r].finished]
+            if early:
+                raise OracleViolation(f"sleep/pause(wait) replied before {early} finished")
+
+    @rule(level=st.sampled_from([0, 1, 2]), mode=st.sampled_from(["abort", "wait", "keep"]))
+    def sleep(self, level: int, mode: str) -> None:
+        with self._rule("sleep"):
+            if mode == "wait" and not self.multiprocess:
+                self._expect_raises(ValueError, lambda: self.cut.sleep(level, mode),
+                                    "in-process sleep(wait)")
+                return
+            if not self.alive:
+                self._expect_raises(self._refusal(), lambda: self.cut.sleep(level, mode),
+                                    "sleep on a dead/closed client")
+                return
+            self._work_in_flight(mode)
+            self.cut.sleep(level, mode)
+            self._after_pause(mode, level)
+            if not self.cut.is_sleeping():
+                raise OracleViolation("is_sleeping() is False right after sleep()")
+
+    @precondition(lambda self: self.alive and self.multiprocess and not self.oracle.paused)
+    @rule(level=st.sampled_from([None, 0, 1, 2]))
+    def wait_mode(self, level: int | None) -> None:
+        """sleep(level, 'wait') (or pause(wait) when ``level`` is None) with requests running:
+        the reply means every one of them finished; then a full wake-up."""
+        with self._rule("wait_mode"):
+            self._work_in_flight("wait")
+            if level is None:
+                self.cut._call("pause_scheduler", "wait")
+            else:
+                self.cut.sleep(level, "wait")
+            self._after_pause("wait", level)
+            if self.cut.wake_up(None) is not True:
+                raise OracleViolation("wake_up(None) after a wait-mode sleep was not full")
+            self.oracle.wake(None)
+
+    @precondition(lambda self: self.alive)
+    @rule(mode=st.sampled_from(["abort", "wait", "keep"]))
+    def pause(self, mode: str) -> None:
+        with self._rule("pause"):
+            if mode == "wait" and not self.multiprocess:
+                self._expect_raises(ValueError, lambda: self.cut.client.pause_scheduler(mode),
+                                    "in-process pause(wait)")
+                return
+            self._work_in_flight(mode)
+            self.cut._call("pause_scheduler", mode)
+            self._after_pause(mode, None)
+
+    @rule(tags=_WAKE_TAG_SETS)
+    def wake_up(self, tags: list[str] | None) -> None:
+        with self._rule("wake_up"):
+            if not self.alive:
+                self._expect_raises(self._refusal(), lambda: self.cut.wake_up(tags),
+                                    "wake_up on a dead/closed client")
+                return
+            want = self.oracle.expect_wake(tags)
+            got = self.cut.wake_up(tags)
+            if got is not want:
+                raise OracleViolation(f"wake_up({tags}) returned {got}; the model says {want}"
+                                      f" (asleep: {sorted(self.oracle.asleep_tags)})")
+            self.oracle.wake(tags)
+
+    @precondition(lambda self: self.alive)
+    @rule()
+    def resume(self) -> None:
+        with self._rule("resume"):
+            if self.oracle.resume_allowed():
+                self.cut._call("resume_scheduler")
+                self.oracle.resume()
+            else:
+                # Scheduling cannot resume while memory is released: the engine says so.
+                self._expect_raises(UtilityError, lambda: self.cut._call("resume_scheduler"),
+                                    "resume_scheduler while asleep")
+
+    # -- faults -----------------------------------------------------------------------------
+
+    @precondition(lambda self: self.alive and self.faults and self._life >= self.min_life)
+    @rule(how=st.sampled_from(["sigkill", "step_raise", "step_exit"]),
+          observers=st.booleans())
+    def crash(self, how: str, observers: bool) -> None:
+        """The engine dies. With ``observers``, a get_output is blocked and (for SIGKILL) a
+        utility call is pending when it does: both must fail with EngineDeadError at once."""
+        with self._rule("crash"):
+            if not self.multiprocess:
+                how = "step_raise"  # no process to kill in-process
+            elif how.startswith("step") and self.oracle.paused:
+                how = "sigkill"  # a paused subprocess engine does not step
+            self.stats.faults[how] += 1
+            blocked: list[concurrent.futures.Future[Any]] = []
+            observers = observers or how == "sigkill"  # a SIGKILL always has witnesses
+            if observers and self.multiprocess:
+                self._quiesce()  # no output may satisfy the blocked read
+                blocked.append(self.cut.submit("get_output"))
+                # The read is waiting once a round trip issued after it has completed.
+                self.cut.call_utility("echo", 0)
+            if how.startswith("step"):
+                self._crash_in_step(how, blocked)
+                return
+            pid = self.cut.engine_pid
+            assert pid is not None
+            if observers:
+                os.kill(pid, signal.SIGSTOP)  # the call below stays pending
+                try:
+                    blocked.append(self.cut.submit("call_utility", "echo", "pending"))
+                    self._wait_pending(1)
+                except BaseException:
+                    os.kill(pid, signal.SIGKILL)
+                    raise
+            os.kill(pid, signal.SIGKILL)
+            self._await_death(blocked, time.monotonic(), how)
+
+    def _crash_in_step(self, how: str, blocked: list[concurrent.futures.Future[Any]]) -> None:
+        action = "raise" if how == "step_raise" else "exit"
+        # In-process, get_output steps the engine in any state; a subprocess engine steps only
+        # when awake (the rule falls back to SIGKILL while paused).
+        self._arm(f"step:1:{action}")
+        if self.multiprocess:  # a subprocess engine steps only with work to do
+            rid = self._fresh_id()
+            self.cut.add_request(EngineCoreRequest(rid, [3, 4], SamplingParams(max_tokens=4)))
+            self.oracle.add(rid, 4, None, None)
+        start = time.monotonic()
+        deadline = start + DEATH_BOUND_S + 3
+        while True:
+            try:
+                self._poll(0.2)
+            except EngineDeadError:
+                break
+            if time.monotonic() > deadline:
+                raise OracleViolation(f"{how}: the engine did not die")
+        self.oracle.died()
+        if self.multiprocess:
+            self._await_death(blocked, start, how)
+
+    @precondition(lambda self: self.alive and self.faults and self.multiprocess)
+    @rule(frames=st.sampled_from(_MALFORMED) | st.lists(st.binary(max_size=6), min_size=1,
+                                                         max_size=3).map(lambda f: [b"\x09", *f]))
+    def malformed_frame(self, frames: list[bytes]) -> None:
+        """Garbage on the wire is rejected; the engine keeps serving."""
+        with self._rule("malformed_frame"):
+            self.stats.faults["malformed_frame"] += 1
+            self.cut.client.send_raw_frames(list(frames))
+            try:
+                ok = self.cut.call_utility("echo", "still serving", timeout=WAIT_S)
+            except EngineDeadError:
+                raise OracleViolation(f"the engine died on malformed frames {frames!r}") from None
+            assert ok == "still serving"
+
+    @precondition(lambda self: self.faults and self.orphan_config is not None
+                  and self._orphans == 0 and self._life >= ORPHAN_MIN_LIFE)
+    @rule()
+    def orphaned_engine(self) -> None:
+        """A client process SIGKILLed: its engine exits by itself (one per example: slow)."""
+        with self._rule("orphaned_engine"):
+            self._orphans += 1
+            self.stats.faults["client_sigkill"] += 1
+            assert self.orphan_config is not None
+            _check_orphan_exits(self.orphan_config)
+
+    # -- shutdown and restart ---------------------------------------------------------------
+
+    @precondition(lambda self: self.oracle.phase is not Phase.CLOSED
+                  and self._life >= 2 * self.min_life)
+    @rule(with_pending=st.booleans())
+    def shutdown(self, with_pending: bool) -> None:
+        """Shutdown is clean: blocked calls fail with ClientClosedError, never EngineDeadError;
+        it is bounded and releases everything."""
+        with self._rule("shutdown"):
+            pending: list[concurrent.futures.Future[Any]] = []
+            pid = self.cut.engine_pid
+            stopped = False
+            if with_pending and self.alive and self.multiprocess:
+                self._quiesce()
+                pending.append(self.cut.submit("get_output"))
+                self.cut.call_utility("echo", 0)
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)  # keeps the next call pending
+                stopped = True
+                self.stats.faults["sigstop"] += 1
+                pending.append(self.cut.submit("call_utility", "echo", "pending"))
+                self._wait_pending(1)
+            try:
+                start = time.monotonic()
+                self.cut.client.shutdown(timeout=0.5 if stopped else None)
+                took = time.monotonic() - start
+            finally:
+                if stopped and pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+            for fut in pending:
+                try:
+                    fut.result(timeout=DEATH_BOUND_S + 3)
+                except ClientClosedError:
+                    continue
+                except concurrent.futures.TimeoutError:
+                    raise OracleViolation("a call blocked at shutdown was never woken") from None
+                except BaseException as e:
+                    raise OracleViolation(
+                        f"a call blocked at shutdown raised {type(e).__name__}, not"
+                        " ClientClosedError") from None
+                raise OracleViolation("a call blocked at shutdown returned a value")
+            if took > SHUTDOWN_BOUND_S:
+                raise OracleViolation(f"shutdown took {took:.1f} s (bound {SHUTDOWN_BOUND_S} s)")
+            self.oracle.closed()
+            self.cut.client.shutdown()  # idempotent
+            # Threads and fds are checked once the driver's loop is closed too (teardown or
+            # restart); the process and the ipc files must be gone now.
+            check_released(self.live.before, engine_pid=self.live.engine_pid,
+                           ipc_path=self.live.ipc_path, threads_fds=False)
+
+    @precondition(lambda self: self.oracle.phase is not Phase.ALIVE)
+    @rule()
+    def restart(self) -> None:
+        with self._rule("restart"):
+            self._finish_client(check=True)
+            self.live = self.pool.acquire()
+            self.oracle = Oracle(exact_tokens=self.exact_tokens)
+            self._life = 0
+
+    # -- invariants and teardown ------------------------------------------------------------
+
+    @invariant()
+    def client_state_matches_model(self) -> None:
+        if self._busy is not None:
+            return
+        state = self.cut.client.state
+        allowed = self.oracle.expected_client_states()
+        if state not in allowed:
+            raise OracleViolation(
+                f"client is {state.name}; the model allows {sorted(s.name for s in allowed)}")
+
+    def _record_trace(self) -> None:
+        trace = self.cut.trace
+        if trace is None:
+            return
+        self.stats.coverage.add(trace)
+        try:
+            check_traces(trace)
+        finally:
+            del trace[:]
+
+    def _finish_client(self, *, check: bool) -> None:
+        """Shut this incarnation down (teardown liveness checks when ``check``)."""
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self.oracle.max_in_flight)
+        live = self.live
+        if live.cut.closed and not check:
+            return
+        try:
+            if not live.cut.closed:
+                close_and_check(live, check=check)
+            elif check:
+                check_released(live.before, engine_pid=live.engine_pid, ipc_path=live.ipc_path)
+        finally:
+            # After the close, so that shutdown's own transitions are judged and counted.
+            self._record_trace()
+
+    def teardown(self) -> None:
+        try:
+            self._teardown()
+        except BaseException:
+            self.stats.record_failure()
+            raise
+
+    def _teardown(self) -> None:
+        try:
+            if self._busy is not None:
+                note(f"rule {self._busy} did not finish; discarding its client")
+                self._finish_client(check=False)
+                return
+            if self.oracle.phase is not Phase.ALIVE:
+                self._finish_client(check=True)
+                return
+            # Hot obligations: every request that can end does; no call is left pending.
+            self._drain()
+            if self._pending_calls():
+                raise OracleViolation(f"{self._pending_calls()} utility call(s) still pending")
+            # Reset for the next example: end what is left, wake, drain.
+            live = self.oracle.live_ids()
+            if live:
+                self.cut.abort_requests(live)
+                self.oracle.abort(live)
+            if self.oracle.paused:
+                assert self.cut.wake_up(None) is True
+                self.oracle.wake(None)
+            self._drain(self.oracle.live_ids())
+            if self.oracle.phase is not Phase.ALIVE:
+                raise OracleViolation("the engine died during teardown")
+            self._record_trace()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._finish_client(check=False)
+            raise
+        if self._own_pool:
+            self._finish_client(check=True)
+        else:
+            self.pool.release(self.live)

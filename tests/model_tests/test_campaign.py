@@ -1,0 +1,157 @@
+"""The campaign (enginewire.testing.campaign): bounded runs on every client, the mutant table,
+and the oracle's own judgements (so a campaign that passes cannot be a campaign that checks
+nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from enginewire.runtime import _mutants
+from enginewire.runtime.model import TINY_ARCH, null_token
+from enginewire.spec import ClientState
+from enginewire.testing.campaign import run_campaign
+from enginewire.testing.oracle import Coverage, Oracle, OracleViolation, null_tokens
+
+os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it
+
+# Small enough for CI on 2 cores: a few examples per client, short programs, the null model.
+CI_EXAMPLES = 2
+CI_STEPS = 20
+
+
+def _report(results: Path, pattern: str) -> dict:
+    (path,) = sorted(results.glob(pattern))
+    return json.loads(path.read_text())
+
+
+# --- the oracle judges (no engine) --------------------------------------------------------------
+
+
+def _out(rid: str, tokens: list[int], finish: FinishReason | None = None,
+         error: str | None = None) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=[EngineCoreOutput(rid, tokens, finish, None, 0, error)])
+
+
+def test_null_tokens_match_the_null_model() -> None:
+    got = null_tokens(42, 3, 5, TINY_ARCH.vocab_size)
+    assert got == [null_token(42, 3 + i) for i in range(5)]
+
+
+def test_oracle_accepts_a_correct_stream() -> None:
+    o = Oracle(exact_tokens=True)
+    want = null_tokens(7, 2, 3, TINY_ARCH.vocab_size)
+    o.add("a", 3, want, None)
+    assert o.observe(_out("a", want[:2])) == []
+    assert o.observe(_out("a", want[2:], FinishReason.LENGTH)) == ["a"]
+    assert o.finished_ids == ["a"] and o.live_ids() == []
+
+
+@pytest.mark.parametrize("case", ["short_length", "wrong_token", "abort_unasked",
+                                  "after_finish", "never_sent", "error_unasked", "past_stop"])
+def test_oracle_rejects(case: str) -> None:
+    o = Oracle(exact_tokens=True)
+    want = null_tokens(1, 2, 4, TINY_ARCH.vocab_size)
+    o.add("a", 4, want, 1 if case == "past_stop" else None)
+    batches = {
+        "short_length": [_out("a", want[:3], FinishReason.LENGTH)],
+        "wrong_token": [_out("a", [want[0] + 1])],
+        "abort_unasked": [_out("a", want[:1], FinishReason.ABORT)],
+        "after_finish": [_out("a", want, FinishReason.LENGTH), _out("a", [])],
+        "never_sent": [_out("b", [1])],
+        "error_unasked": [_out("a", [], FinishReason.ERROR, "boom")],
+        "past_stop": [_out("a", want[:3])],
+    }[case]
+    with pytest.raises(OracleViolation):
+        for b in batches:
+            o.observe(b)
+
+
+def test_oracle_models_races_as_sets() -> None:
+    """An aborted request may still end naturally; a parked one need not finish."""
+    o = Oracle(exact_tokens=True)
+    want = null_tokens(3, 1, 2, TINY_ARCH.vocab_size)
+    o.add("a", 2, want, None)
+    o.add("b", 2, null_tokens(4, 1, 2, TINY_ARCH.vocab_size), None)
+    o.abort(["a"])
+    o.observe(_out("a", want, FinishReason.LENGTH))  # the finish won the race: allowed
+    drained = o.pause("keep")
+    assert drained == [] and o.must_finish_ids() == []
+    assert o.expected_client_states() == frozenset({ClientState.SLEEPING})
+    assert o.wake(None) is True and o.must_finish_ids() == ["b"]
+
+
+def test_oracle_wake_tags() -> None:
+    o = Oracle(exact_tokens=False)
+    o.pause("abort", level=1)
+    assert o.expect_wake(["weights"]) is False and not o.resume_allowed()
+    assert o.wake(["weights"]) is False
+    assert o.wake(["kv_cache", "scheduling"]) is True and o.resume_allowed()
+
+
+def test_coverage_lists_what_was_never_reached() -> None:
+    cov = Coverage()
+    cov.add([("client", "CONSTRUCTING", "HANDSHAKE_OK", "READY", 0.0)])
+    rep = cov.report()
+    assert rep["transitions_reached"] == 1
+    assert "client CONSTRUCTING -HANDSHAKE_OK-> READY" not in rep["never_reached_transitions"]
+    assert "client READY -ADD_REQUEST-> RUNNING" in rep["never_reached_transitions"]
+
+
+# --- the mutant switch -------------------------------------------------------------------------
+
+
+def test_mutants_are_off_and_every_branch_names_a_mutant() -> None:
+    assert _mutants.ACTIVE is None
+    assert not _mutants.active("duplicate_live_id_accepted")
+    assert len(_mutants.BANK) >= 10
+    # active() is one comparison when off, so names are checked here, statically: every
+    # branch in the runtime names a mutant of the bank, and every mutant has a branch.
+    import re
+
+    runtime = Path(_mutants.__file__).parent
+    used = set()
+    for src in runtime.glob("*.py"):
+        if src.name == "_mutants.py":
+            continue
+        used |= set(re.findall(r'_mutants\.active\("([a-z_]+)"\)', src.read_text()))
+    assert used == set(_mutants.BANK), used ^ set(_mutants.BANK)
+
+
+def test_unknown_mutant_in_env_fails_the_import(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{_mutants.ENV_VAR: "bogus"})
+    proc = subprocess.run([sys.executable, "-c", "import enginewire.runtime._mutants"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "names no mutant" in proc.stderr
+
+
+# --- bounded campaigns on the real engine ------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", ["inproc", "sync", "async"])
+def test_bounded_campaign(client: str, tmp_path: Path) -> None:
+    assert run_campaign(client=client, examples=CI_EXAMPLES, steps=CI_STEPS,
+                        results_dir=str(tmp_path)) == 0
+    report = _report(tmp_path, "campaign-*.json")
+    (res,) = report["clients"]
+    assert res["client"] == client and res["failure"] is None
+    assert res["examples"] >= CI_EXAMPLES and res["steps"] >= CI_EXAMPLES * 5
+    assert res["steps_per_s"] > 0
+    assert report["coverage"]["transitions_reached"] > 10
+
+
+@pytest.mark.parametrize("name", sorted(_mutants.BANK))
+def test_mutant_is_detected(name: str, tmp_path: Path) -> None:
+    """The mutant table, one row per test: the campaign must find every seeded bug."""
+    assert run_campaign(mutant=name, examples=8, steps=25, results_dir=str(tmp_path)) == 1, (
+        (tmp_path / f"mutant-{name}.log").read_text()[-3000:])
+    report = _report(tmp_path, f"mutant-{name}-*.json")
+    failing = [c for c in report["clients"] if c["failure"]]
+    assert failing and "state = EngineClientStateMachine(factory" in failing[0]["reproducer"]
