@@ -126,13 +126,19 @@ def generate(
         asyncio.run(run_async())
         return result
 
-    with make_client(config, multiprocess=client == "sync", asyncio=False) as c:
+    sync_client: Any = make_client(config, multiprocess=client == "sync", asyncio=False)
+    with sync_client as c:
         start = time.perf_counter()
         c.add_request(request)
         while not consume(c.get_output(timeout=300.0), start):
             pass
         result.total_s = time.perf_counter() - start
     return result
+
+
+def _print_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def run_generate(
@@ -162,7 +168,7 @@ def run_generate(
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
-            on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+            on_text=_print_now,
         )
     except FileNotFoundError as exc:
         print(f"\n{exc}", file=sys.stderr)

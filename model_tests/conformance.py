@@ -47,6 +47,7 @@ from ..spec import (
     ClientState,
     EngineDeadError,
     EngineStartupError,
+    Machine,
     SpecViolation,
     TraceEntry,
     UtilityError,
@@ -269,7 +270,8 @@ def collect(cut: ClientUnderTest, ids: list[str], timeout: float = WAIT_S) -> di
 def check_trace(cut: ClientUnderTest) -> None:
     """Every recorded step of the client, request and utility machines is in the spec."""
     assert cut.trace is not None, "open the client with a trace list"
-    for machine in (CLIENT, CLIENT_REQUEST, UTILITY):
+    machines: tuple[Machine[Any, Any], ...] = (CLIENT, CLIENT_REQUEST, UTILITY)
+    for machine in machines:
         validate_trace(machine, cut.trace)
 
 

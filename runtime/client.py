@@ -22,7 +22,7 @@ import collections
 import concurrent.futures
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import utility_output
 from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -229,7 +229,7 @@ class EngineCoreClient(abc.ABC):
 
     # -- context manager ----------------------------------------------------------------------
 
-    def __enter__(self) -> EngineCoreClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -349,9 +349,9 @@ class EngineCoreProc:
         self._guard.connect_as_client(sock, "input", on_drop=dropped.set)
         try:
             sock.connect(address)
-            frames = Encoder().encode(ready)
+            ready_frames = Encoder().encode(ready)
             _send_reconnecting(sock, address, dropped,
-                               functools.partial(sock.send_multipart, frames, copy=False))
+                               functools.partial(sock.send_multipart, ready_frames, copy=False))
             self._input_ready.set()
             while True:
                 try:

@@ -390,7 +390,7 @@ class TransportGuard:
         # asyncio socket, unusable from this thread).
         address = f"inproc://enginewire-monitor-{id(self):x}-{next(_monitor_ids)}"
         sock.monitor(address, events)
-        mon = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+        mon: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
         mon.connect(address)
         t = threading.Thread(target=self._monitor, args=(mon, name, on_drop),
                              name=f"EngineWireMonitor-{name}", daemon=True)

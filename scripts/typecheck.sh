@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # mypy cannot follow setuptools' editable-install finder for our package-dir mapping, so we
-# lay the package out as it installs (symlinks) and check it there: strict for spec/protocol.
+# lay the package out as it installs (symlinks) and check it there: the whole package, strict
+# for spec/ and protocol/ (pyproject overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -13,4 +14,4 @@ ln -s "$root/runtime" "$stage/enginewire/runtime"
 ln -s "$root/model_tests" "$stage/enginewire/testing"
 ln -s "$root/benchmarks" "$stage/enginewire/benchmarks"
 cd "$stage"
-"${MYPY:-$root/.venv/bin/mypy}" --config-file "$root/pyproject.toml" -p enginewire.spec -p enginewire.protocol
+"${MYPY:-$root/.venv/bin/mypy}" --config-file "$root/pyproject.toml" -p enginewire
