@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import utility_output
 from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
-from ..spec.client import CLIENT, ClientEvent, ClientState
+from ..spec.client import CLIENT, FULLY_AWAKE, PARTIALLY_AWAKE, ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -220,7 +220,7 @@ class EngineCoreClient(abc.ABC):
                 self.lifecycle.fire(ClientEvent.SLEEP_ACKED)
 
     def _after_wake(self, fully_awake: bool) -> None:
-        guard = "fully_awake" if fully_awake else "partially_awake"
+        guard = FULLY_AWAKE if fully_awake else PARTIALLY_AWAKE
         with self._state_lock:
             if self.lifecycle.can(ClientEvent.WAKE_ACKED, guard):
                 self.lifecycle.fire(ClientEvent.WAKE_ACKED, guard)

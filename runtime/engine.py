@@ -39,7 +39,16 @@ from ..protocol.messages import (
     FinishReason,
     SchedulerStats,
 )
-from ..spec.engine import ENGINE, HAS_WORK, NO_WORK, EngineEvent, EngineState
+from ..spec.engine import (
+    ENGINE,
+    HAS_WORK,
+    INPROC,
+    NO_WORK,
+    PARTIAL,
+    SUBPROCESS,
+    EngineEvent,
+    EngineState,
+)
 from ..spec.errors import ClientClosedError, EngineDeadError, UtilityError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
@@ -121,7 +130,7 @@ class EngineCore:
         self._profiler: Any = None
         self._profile_dir: str | None = None
         self._profile_count = 0
-        self.lifecycle.fire(E.BUILT, guard="inproc" if inproc else "subprocess")
+        self.lifecycle.fire(E.BUILT, guard=INPROC if inproc else SUBPROCESS)
 
     # -- introspection -------------------------------------------------------------------------
 
@@ -476,7 +485,7 @@ class EngineCore:
         if st is S.SLEEPING:
             executor.wake_up([t for t in wanted if t in MEMORY_TAGS])
             if executor.sleeping:
-                lc.fire(E.WAKE_UP, "partial")
+                lc.fire(E.WAKE_UP, PARTIAL)
                 return False
         if st is S.SLEEPING or st is S.PAUSED:
             lc.fire(E.WAKE_UP, HAS_WORK if self.scheduler.requests else NO_WORK)

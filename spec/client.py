@@ -23,7 +23,7 @@ from enum import Enum
 
 from .machine import Machine, Transition
 
-__all__ = ["CLIENT", "ClientEvent", "ClientState"]
+__all__ = ["CLIENT", "FULLY_AWAKE", "PARTIALLY_AWAKE", "ClientEvent", "ClientState"]
 
 
 class ClientState(Enum):
@@ -46,6 +46,8 @@ class ClientEvent(Enum):
 
 
 S, E = ClientState, ClientEvent
+# Guards on WAKE_ACKED: whether every memory tag is resident again.
+FULLY_AWAKE, PARTIALLY_AWAKE = "fully_awake", "partially_awake"
 _LIVE = (S.READY, S.RUNNING, S.SLEEPING)
 
 CLIENT: Machine[ClientState, ClientEvent] = Machine(
@@ -65,11 +67,11 @@ CLIENT: Machine[ClientState, ClientEvent] = Machine(
         Transition(S.READY, E.SLEEP_ACKED, S.SLEEPING),
         Transition(S.RUNNING, E.SLEEP_ACKED, S.SLEEPING),
         Transition(S.SLEEPING, E.SLEEP_ACKED, S.SLEEPING, note="deeper level or repeated sleep"),
-        Transition(S.SLEEPING, E.WAKE_ACKED, S.RUNNING, guard="fully_awake"),
-        Transition(S.SLEEPING, E.WAKE_ACKED, S.SLEEPING, guard="partially_awake"),
+        Transition(S.SLEEPING, E.WAKE_ACKED, S.RUNNING, guard=FULLY_AWAKE),
+        Transition(S.SLEEPING, E.WAKE_ACKED, S.SLEEPING, guard=PARTIALLY_AWAKE),
         # Waking an engine that is not asleep is a no-op on the engine; the client stays put.
-        Transition(S.READY, E.WAKE_ACKED, S.READY, guard="fully_awake"),
-        Transition(S.RUNNING, E.WAKE_ACKED, S.RUNNING, guard="fully_awake"),
+        Transition(S.READY, E.WAKE_ACKED, S.READY, guard=FULLY_AWAKE),
+        Transition(S.RUNNING, E.WAKE_ACKED, S.RUNNING, guard=FULLY_AWAKE),
         *(Transition(s, E.ENGINE_DIED, S.DEAD) for s in (S.CONSTRUCTING, *_LIVE)),
         Transition(S.DEAD, E.ENGINE_DIED, S.DEAD, note="second notice (monitor and sentinel)"),
         Transition(S.SHUTDOWN, E.ENGINE_DIED, S.SHUTDOWN, note="exit after shutdown is expected"),

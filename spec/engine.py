@@ -26,7 +26,16 @@ from enum import Enum
 
 from .machine import Machine, Transition
 
-__all__ = ["ENGINE", "EngineEvent", "EngineState"]
+__all__ = [
+    "ENGINE",
+    "HAS_WORK",
+    "INPROC",
+    "NO_WORK",
+    "PARTIAL",
+    "SUBPROCESS",
+    "EngineEvent",
+    "EngineState",
+]
 
 
 class EngineState(Enum):
@@ -62,6 +71,8 @@ S, E = EngineState, EngineEvent
 _LIVE = (S.READY, S.IDLE, S.RUNNING, S.DRAINING, S.PAUSED, S.SLEEPING)
 # Guards on resuming: where the loop lands depends on whether parked requests remain.
 HAS_WORK, NO_WORK = "has_work", "no_work"
+# Guards on BUILT (which loop the engine runs in) and on a wake-up that leaves tags asleep.
+INPROC, SUBPROCESS, PARTIAL = "inproc", "subprocess", "partial"
 
 ENGINE: Machine[EngineState, EngineEvent] = Machine(
     name="engine",
@@ -72,8 +83,8 @@ ENGINE: Machine[EngineState, EngineEvent] = Machine(
     doc=__doc__ or "",
     transitions=(
         # In-process engines skip the handshake: BUILT goes straight to IDLE.
-        Transition(S.CONSTRUCTING, E.BUILT, S.IDLE, guard="inproc"),
-        Transition(S.CONSTRUCTING, E.BUILT, S.CONSTRUCTING, guard="subprocess"),
+        Transition(S.CONSTRUCTING, E.BUILT, S.IDLE, guard=INPROC),
+        Transition(S.CONSTRUCTING, E.BUILT, S.CONSTRUCTING, guard=SUBPROCESS),
         Transition(S.CONSTRUCTING, E.HANDSHAKE_SENT, S.READY),
         Transition(S.READY, E.LOOP_STARTED, S.IDLE),
         Transition(S.IDLE, E.WORK_ARRIVED, S.RUNNING),
@@ -103,7 +114,7 @@ ENGINE: Machine[EngineState, EngineEvent] = Machine(
         # Memory: only a paused engine releases memory (sleep always pauses first).
         Transition(S.PAUSED, E.RELEASE_MEMORY, S.SLEEPING),
         Transition(S.SLEEPING, E.RELEASE_MEMORY, S.SLEEPING, note="deeper level"),
-        Transition(S.SLEEPING, E.WAKE_UP, S.SLEEPING, guard="partial"),
+        Transition(S.SLEEPING, E.WAKE_UP, S.SLEEPING, guard=PARTIAL),
         Transition(S.SLEEPING, E.WAKE_UP, S.RUNNING, guard=HAS_WORK),
         Transition(S.SLEEPING, E.WAKE_UP, S.IDLE, guard=NO_WORK),
         # wake_up of a level-0 sleep (paused, nothing released) resumes scheduling.
