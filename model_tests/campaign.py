@@ -215,11 +215,14 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         while True:
             sets = _settings(profile, examples, steps, round_seed, results_dir, shrink)
             saved: Any = hypothesis.core.global_force_seed
+            # Untyped on purpose: Hypothesis' annotations of these two differ between releases.
+            core: Any = hypothesis.core
+            runner: Any = run_state_machine_as_test
             if round_seed is not None:
-                hypothesis.core.global_force_seed = round_seed  # type: ignore[assignment]
+                core.global_force_seed = round_seed
             try:
                 with with_reporter(lambda text: lines.append(str(text))):
-                    run_state_machine_as_test(make, settings=sets)  # type: ignore[no-untyped-call]
+                    runner(make, settings=sets)
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
