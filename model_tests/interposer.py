@@ -41,6 +41,7 @@ import msgspec
 import zmq
 
 from ..protocol.messages import ENGINE_DEAD_SENTINEL, RequestType
+from ..runtime.integrity import DEFAULT_LOSS_DEADLINE_S
 
 __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
            "interposer_cells"]
@@ -103,10 +104,11 @@ def _kind_to_client(frames: list[bytes], handshake: bool) -> FrameKind:
     if not isinstance(value, list):
         return FrameKind.OTHER
     # EngineCoreOutputs is positional: [engine_index, outputs, timestamp, finished, stats,
-    # utility_output]; trailing defaults are omitted.
+    # utility_output, stream_ids, stream_tokens]; trailing defaults are omitted. Tokens come
+    # as output structs, as the columnar stream lists, or both.
     if len(value) >= 6 and value[5] is not None:
         return FrameKind.UTILITY
-    if len(value) >= 2 and value[1]:
+    if (len(value) >= 2 and value[1]) or (len(value) >= 7 and value[6]):
         return FrameKind.TOKENS
     return FrameKind.HEARTBEAT
 
@@ -126,6 +128,8 @@ class Interposer:
     rules: list[FrameRule] = field(default_factory=list)
     seed: int = 0
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    # time.monotonic() of each entry in ``events``: detection latency starts there.
+    applied_at: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -188,6 +192,7 @@ class Interposer:
                     continue
                 st.applied += 1
                 self.events.append((direction.value, kind.value, r.action.value))
+                self.applied_at.append(time.monotonic())
                 return r
         return None
 
@@ -352,6 +357,17 @@ class _InterposerCell:
     seed: int = 0
 
     @property
+    def latency_bound_s(self) -> float:
+        from . import fault_matrix as fm
+
+        if self.rule.direction is Direction.TO_ENGINE and self.rule.action in (
+                FrameAction.DROP, FrameAction.REORDER):
+            # A lost input (or one held back behind a next input that never comes) shows only
+            # as a missing ack: the integrity link's loss deadline.
+            return DEFAULT_LOSS_DEADLINE_S + fm.DEATH_BOUND_S
+        return fm.DEATH_BOUND_S
+
+    @property
     def name(self) -> str:
         return (f"{self.client}/frames/{self.rule.direction}:{self.rule.kind}:"
                 f"{self.rule.action}")
@@ -363,7 +379,7 @@ class _InterposerCell:
         expected = "|".join(sorted(o.value for o in self.allowed))
         before = fm._snapshot()
         start = time.monotonic()
-        outcome, detail = fm.Outcome.HANG, ""
+        outcome, detail, seen_at = fm.Outcome.HANG, "", None
         proxy = Interposer([self.rule], seed=self.seed).start()
         cut = None
         try:
@@ -375,6 +391,7 @@ class _InterposerCell:
                                   output_address=out, engine_connect=proxy.engine_addresses,
                                   frame_integrity=True,
                                   engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
+                                  engine_heartbeat_interval_s=fm.HEARTBEAT_INTERVAL_S,
                                   shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60)
                 deadline = start + fm.CELL_BOUND_S - 15.0
                 if self.rule.kind is FrameKind.UTILITY:
@@ -383,6 +400,7 @@ class _InterposerCell:
                     outcome = fm._generate(cut, min(deadline, time.monotonic() + 5.0),
                                            fm.reference_tokens(self.config))
             except BaseException as e:
+                seen_at = time.monotonic()
                 obs = fm._classify(e)
                 outcome, detail = obs.outcome, obs.detail
         finally:
@@ -393,9 +411,17 @@ class _InterposerCell:
         leaks = fm._leaks(before)
         wall = time.monotonic() - start
         passed = outcome in self.allowed and not leaks
+        latency = None
+        if seen_at is not None and proxy.applied_at and outcome is fm.Outcome.DEAD:
+            latency = max(0.0, seen_at - proxy.applied_at[0]) * 1000.0
+            if latency > self.latency_bound_s * 1000.0:
+                passed = False
+                detail = (f"detected after {latency:.0f} ms"
+                          f" (bound {self.latency_bound_s * 1000:.0f}); {detail}")
         detail = f"{detail} events={proxy.events[:3]}"
         return fm.CellResult(cell=self.name, client=self.client, scenario="frames",
                              point=f"{self.rule.direction}:{self.rule.kind}",
                              action=str(self.rule.action), expected=expected,
                              outcome=outcome.value, passed=passed, wall_s=round(wall, 2),
+                             latency_ms=None if latency is None else round(latency, 1),
                              leaks=leaks, detail=detail[:300])

@@ -70,6 +70,7 @@ __all__ = [
     "encode_input",
     "is_dead_sentinel",
     "peek_request_id",
+    "recv_frames",
     "register_result_type",
     "send_frames",
     "utility_output",
@@ -304,9 +305,16 @@ def _check_request(obj: EngineCoreRequest, limits: Limits) -> None:
 
 
 def _check_outputs(obj: EngineCoreOutputs, limits: Limits) -> None:
-    if len(obj.outputs) > limits.max_batch:
+    n_stream = len(obj.stream_ids)
+    if n_stream != len(obj.stream_tokens):
         raise ProtocolError(
-            f"expected at most {limits.max_batch} outputs in a batch, got {len(obj.outputs)}"
+            f"expected as many stream tokens as stream ids, got {len(obj.stream_tokens)}"
+            f" tokens for {n_stream} ids"
+        )
+    if len(obj.outputs) + n_stream > limits.max_batch:
+        raise ProtocolError(
+            f"expected at most {limits.max_batch} outputs in a batch,"
+            f" got {len(obj.outputs) + n_stream}"
         )
     if obj.finished_requests is not None and len(obj.finished_requests) > limits.max_batch:
         raise ProtocolError(
@@ -760,18 +768,36 @@ def send_frames(
 ) -> zmq.MessageTracker | None:
     """Send ``[*prefix, payload, aux...]``; with ``track``, return the *payload's* tracker.
 
-    Aux frames go zero-copy (pyzmq keeps the array alive until libzmq is done with it).
+    Frames below the socket's ``copy_threshold`` are copied (a plain ``send`` costs a fraction
+    of a tracked zero-copy one, and the buffer is free again at once: the tracker is then
+    None). Larger frames go zero-copy (pyzmq keeps an aux array alive until libzmq is done).
     """
     import zmq
 
-    last = len(frames) - 1
+    more = zmq.SNDMORE
+    send = sock.send
     for p in prefix:
-        sock.send(p, zmq.SNDMORE)
+        send(p, more)
+    threshold = sock.copy_threshold
+    last = len(frames) - 1
     tracker: zmq.MessageTracker | None = None
     for i, frame in enumerate(frames):
-        flags = zmq.SNDMORE if i < last else 0
-        if i == 0 and track:
-            tracker = sock.send(frame, flags, copy=False, track=True)
+        flags = more if i < last else 0
+        if _nbytes(frame) < threshold:
+            send(frame, flags)
+        elif i == 0 and track:
+            tracker = send(frame, flags, copy=False, track=True)
         else:
-            sock.send(frame, flags, copy=False)
+            send(frame, flags, copy=False)
     return tracker
+
+
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[Any]:
+    """One multipart message: the first frame as ``bytes`` (cheaper than a ``zmq.Frame`` for
+    the small payloads that dominate), aux frames zero-copy. A manual loop: pyzmq's
+    ``recv_multipart`` costs several microseconds per frame in Python."""
+    frames: list[Any] = [sock.recv(flags)]
+    recv = sock.recv
+    while sock.rcvmore:
+        frames.append(recv(0, copy=False))
+    return frames

@@ -122,10 +122,27 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     finished_requests: list[str] | None = None
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
+    # Columnar form of the commonest output (one new token, not finished, no cached-token
+    # count): request ``stream_ids[i]`` got token ``stream_tokens[i]``. Two flat lists cost a
+    # fraction of one struct per request to build, encode and decode; a client hands callers
+    # ``expanded()`` batches, so ``outputs`` is all they ever read.
+    stream_ids: list[str] = []
+    stream_tokens: list[int] = []
 
     @staticmethod
     def now() -> float:
         return time.monotonic()
+
+    def expanded(self) -> EngineCoreOutputs:
+        """This batch with the stream columns turned into ``outputs`` (itself if none)."""
+        ids = self.stream_ids
+        if not ids:
+            return self
+        out = EngineCoreOutput
+        outputs = [out(rid, [tok]) for rid, tok in zip(ids, self.stream_tokens, strict=True)]
+        if self.outputs:
+            outputs += self.outputs
+        return msgspec.structs.replace(self, outputs=outputs, stream_ids=[], stream_tokens=[])
 
 
 class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -20,8 +20,11 @@ from __future__ import annotations
 import abc
 import collections
 import concurrent.futures
+import itertools
+import operator
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import utility_output
@@ -58,6 +61,14 @@ _OUTPUT_SELF_LOOPS = frozenset(
     t.source for t in CLIENT_REQUEST.transitions
     if t.event is ClientRequestEvent.OUTPUT and t.guard is None and t.target is t.source
 )
+# The per-output path looks these up by int: an Enum member hashes in Python (~0.5 us each,
+# once per output per step), an int in C.
+CLIENT_REQUEST.compiled()  # gives every state its table index ``_ix``
+_OUTPUT_SELF_LOOP_IX = frozenset(s._ix for s in _OUTPUT_SELF_LOOPS)  # type: ignore[attr-defined]
+_FINISH_EVENT_BY_VALUE = {int(r): ev for r, ev in _FINISH_EVENTS.items()}
+_NO_FINISH = frozenset({None})
+_request_id = operator.attrgetter("request_id")
+_finish_reason = operator.attrgetter("finish_reason")
 
 
 def _check_sleep_args(level: int, mode: str) -> None:
@@ -77,6 +88,9 @@ class EngineCoreClient(abc.ABC):
         self._state_lock = threading.RLock()
         self.lifecycle: Lifecycle[ClientState, ClientEvent] = CLIENT.lifecycle(trace=trace)
         self._requests: dict[str, Lifecycle[ClientRequestState, ClientRequestEvent]] = {}
+        # Ids whose lifecycle is in a state where OUTPUT loops (see _OUTPUT_SELF_LOOPS): a
+        # batch made only of those needs no per-output work beyond a C-level subset check.
+        self._streaming: set[str] = set()
         self._dead_cause: BaseException | None = None
         self.num_gpu_blocks: int | None = None
 
@@ -132,6 +146,7 @@ class EngineCoreClient(abc.ABC):
             for lc in self._requests.values():
                 lc.fire(ClientRequestEvent.ENGINE_DIED)
             self._requests.clear()
+            self._streaming.clear()
             return True
 
     def _mark_closed(self) -> bool:
@@ -144,6 +159,7 @@ class EngineCoreClient(abc.ABC):
                 self.lifecycle.fire(ClientEvent.SHUTDOWN)
             if first:
                 self._requests.clear()
+                self._streaming.clear()
             return first
 
     # -- request bookkeeping ------------------------------------------------------------------
@@ -168,11 +184,19 @@ class EngineCoreClient(abc.ABC):
             lc.fire(ClientRequestEvent.SEND)
             self.lifecycle.fire(ClientEvent.ADD_REQUEST)
             self._requests[rid] = lc
+            self._note(rid, lc)
+
+    def _note(self, rid: str, lc: Lifecycle[ClientRequestState, ClientRequestEvent]) -> None:
+        if lc.state._ix in _OUTPUT_SELF_LOOP_IX:  # type: ignore[attr-defined]
+            self._streaming.add(rid)
+        else:
+            self._streaming.discard(rid)
 
     def _untrack_add(self, request_id: str) -> None:
         # The send failed: the request never left, so forget it (it may be re-sent).
         with self._state_lock:
             self._requests.pop(request_id, None)
+            self._streaming.discard(request_id)
 
     def _track_abort(self, request_ids: list[str]) -> list[str]:
         """Ids whose abort is worth sending; fires ABORT_SENT on the live ones."""
@@ -181,28 +205,51 @@ class EngineCoreClient(abc.ABC):
                 lc = self._requests.get(rid)
                 if lc is not None:
                     lc.fire(ClientRequestEvent.ABORT_SENT)
+                    self._note(rid, lc)
         return list(request_ids)
 
     def _track_outputs(self, outputs: EngineCoreOutputs) -> None:
-        """Advance each request's lifecycle; an output the spec forbids raises SpecViolation."""
-        if not outputs.outputs:
+        """Advance each request's lifecycle; an output the spec forbids raises SpecViolation.
+
+        Reads the stream columns too (``EngineCoreOutputs.stream_ids``); a batch whose every
+        output loops in its request's state costs two C-level subset checks.
+        """
+        outs = outputs.outputs
+        sids = outputs.stream_ids
+        if not outs and not sids:
             return
         with self._state_lock:
             if self.lifecycle.state in _TERMINAL_CLIENT:
                 return
-            requests, trace = self._requests, self.trace
-            for out in outputs.outputs:
-                lc = requests.get(out.request_id)
-                if lc is None:
-                    # Unknown id, or output after a finishing one: fire to raise.
-                    lc = CLIENT_REQUEST.lifecycle(trace=trace)
-                if out.finish_reason is None:
-                    if trace is None and lc.state in _OUTPUT_SELF_LOOPS:
-                        continue
-                    lc.fire(ClientRequestEvent.OUTPUT)
-                else:
-                    lc.fire(_FINISH_EVENTS[FinishReason(out.finish_reason)])
-                    self._requests.pop(out.request_id, None)
+            streaming, trace = self._streaming, self.trace
+            if sids and (trace is not None or not streaming.issuperset(sids)):
+                self._advance(zip(sids, itertools.repeat(None)))
+            if outs and (trace is not None or not streaming.issuperset(map(_request_id, outs))
+                         or not _NO_FINISH.issuperset(map(_finish_reason, outs))):
+                self._advance(zip(map(_request_id, outs), map(_finish_reason, outs), strict=True))
+
+    def _advance(self, pairs: Iterable[tuple[str, Any]]) -> None:
+        """Fire each ``(request id, finish reason or None)``; holds ``_state_lock``."""
+        requests, trace, streaming = self._requests, self.trace, self._streaming
+        skip = _OUTPUT_SELF_LOOP_IX if trace is None else frozenset()
+        for rid, reason in pairs:
+            lc = requests.get(rid)
+            if lc is None:
+                # Unknown id, or output after a finishing one: fire to raise.
+                lc = CLIENT_REQUEST.lifecycle(trace=trace)
+            if reason is None:
+                if lc.state._ix in skip:  # type: ignore[attr-defined]
+                    continue
+                lc.fire(ClientRequestEvent.OUTPUT)
+                if lc.state._ix in _OUTPUT_SELF_LOOP_IX:  # type: ignore[attr-defined]
+                    streaming.add(rid)
+            else:
+                event = _FINISH_EVENT_BY_VALUE.get(int(reason))
+                if event is None:  # not a FinishReason: raise the usual ValueError
+                    event = _FINISH_EVENTS[FinishReason(reason)]
+                lc.fire(event)
+                requests.pop(rid, None)
+                streaming.discard(rid)
 
     def live_requests(self) -> list[str]:
         """Ids of requests sent and not yet seen finished (sorted)."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["DTYPES", "EngineConfig"]
+__all__ = ["DTYPES", "SCHEDULING_POLICIES", "EngineConfig"]
 
 DTYPES = ("float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("priority", "fcfs")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,6 +32,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Upper bound on a profiled CUDA pool: a 64 KiB-per-block tiny model on a 141 GB GPU
     # would otherwise ask for millions of blocks and a free list to match.
     max_num_gpu_blocks: int = 1 << 17
+    # "priority" (vLLM's priority policy): waiting and running requests are ordered by
+    # (priority, arrival_time), and a waiting request with a strictly lower priority value
+    # preempts the worst running one when slots or KV blocks are exhausted. "fcfs": arrival
+    # order only, and a request with a non-zero priority finishes with ERROR (as vLLM refuses
+    # it). The default is "priority", the behaviour this engine always had for admission.
+    scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -60,11 +67,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise bad("null_step_delay_s", "must be >= 0")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise bad("num_gpu_blocks_override", "must be a positive integer or None")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise bad("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}")
 
     def resolved_device(self) -> str:
-        """The concrete device: ``auto`` picks CUDA when one is visible."""
+        """The concrete device: ``auto`` picks CUDA when one is visible (the null model, which
+        places no tensors, stays on the CPU without probing CUDA, i.e. without loading torch)."""
         if self.device != "auto":
             return self.device
+        if self.model == "null":
+            return "cpu"
         import torch  # deferred: the config is also read by processes that never touch torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,14 +23,13 @@ source). ``wake_up(tags)`` restores tags; scheduling resumes only when all are r
 from __future__ import annotations
 
 import collections
+import math
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
-
-import torch
 
 from ..protocol.messages import (
     EngineCoreOutput,
@@ -71,7 +70,20 @@ _PAUSED = frozenset({S.PAUSED, S.DRAINING, S.SLEEPING})
 _WORK_QUEUES = frozenset({S.IDLE, S.PAUSED, S.SLEEPING, S.DRAINING})
 
 
+def _describe_tensor(value: object) -> str:
+    """``float32[4, 64]`` for an array or tensor, the type name for anything else."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
 class EngineCore:
+    # Names of ``EngineCoreRequest.tensors`` entries the engine consumes. None yet: every model
+    # here reads token ids only, and a request whose tensors would be dropped finishes with an
+    # ERROR that names them rather than silently generating from the token ids alone.
+    ACCEPTED_TENSORS: frozenset[str] = frozenset()
+
     UTILITY_METHODS: frozenset[str] = frozenset({
         "echo", "collective_rpc", "save_sharded_state", "profile", "reset_prefix_cache",
         "get_stats", "pause_scheduler", "resume_scheduler", "sleep", "wake_up", "is_sleeping",
@@ -83,9 +95,14 @@ class EngineCore:
         *,
         inproc: bool = True,
         trace: list[TraceEntry] | None = None,
+        stream_outputs: bool = False,
     ) -> None:
         self.config = config
         self.trace = trace
+        # Plain decode outputs as the wire's columns (EngineCoreOutputs.stream_ids/_tokens)
+        # instead of one struct each: the process wrapper asks for it, in-process callers
+        # keep reading ``outputs``.
+        self.stream_outputs = stream_outputs
         self.lifecycle: Lifecycle[EngineState, EngineEvent] = ENGINE.lifecycle(trace=trace)
         self.fault_hook: Callable[[str], None] | None = None
         self.fatal_error: BaseException | None = None
@@ -114,6 +131,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
+            policy=config.scheduling_policy,
         )
         self._pending: list[EngineCoreOutput] = []
         # Abort ids another thread saw arrive while a step runs (the process wrapper's input
@@ -186,7 +204,25 @@ class EngineCore:
             return f"top_p={sp.top_p} must be in (0, 1]"
         if sp.top_k < 0:
             return f"top_k={sp.top_k} must be >= 0 (0 = off)"
+        if req.priority and self.scheduler.policy == "fcfs":
+            return (f"priority={req.priority} needs EngineConfig.scheduling_policy='priority' "
+                    f"(this engine runs 'fcfs')")
+        if not math.isfinite(req.arrival_time):  # NaN would corrupt the waiting heap's order
+            return f"arrival_time={req.arrival_time} must be a finite number"
+        if req.tensors:
+            return self._tensors_error(req.tensors)
         return None
+
+    def _tensors_error(self, tensors: object) -> str | None:
+        if not isinstance(tensors, dict):
+            return f"tensors must map names to arrays, got {type(tensors).__name__}"
+        bad = [f"{name!r} ({_describe_tensor(v)})" for name, v in sorted(
+            tensors.items(), key=lambda kv: str(kv[0])) if name not in self.ACCEPTED_TENSORS]
+        if not bad:
+            return None
+        accepted = sorted(self.ACCEPTED_TENSORS) or "none"
+        return (f"model {self.config.model!r} does not accept request tensors {', '.join(bad)}; "
+                f"accepted tensors: {accepted}")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue ``req``; an invalid one finishes with an ERROR output on the next ``step()``."""
@@ -260,8 +296,13 @@ class EngineCore:
             except Exception as exc:
                 self._die(exc)
                 raise
+        # Every id here also sits in the input queue, applied in order before this step, so
+        # what is left from before the step started is stale: kept, it would abort a later
+        # request that reuses the id (found by the campaign: a reused id ended ABORT).
+        self.mid_step_aborts.clear()
         outs = self._pending
         finished: list[str] | None = None
+        stream: tuple[list[str], list[int]] | None = ([], []) if self.stream_outputs else None
         if outs:
             self._pending = []
             finished = [o.request_id for o in outs]
@@ -280,7 +321,7 @@ class EngineCore:
                         if aborted:
                             outs = [*outs, *aborted]
                             finished = [*(finished or ()), *(o.request_id for o in aborted)]
-                    step_outs, step_finished = sched.update(reqs, nums, tokens)
+                    step_outs, step_finished = sched.update(reqs, nums, tokens, stream)
                     if outs:
                         outs.extend(step_outs)
                     else:
@@ -297,6 +338,8 @@ class EngineCore:
             self._settle()
         stats = SchedulerStats(len(sched.running), sched.num_waiting, self.kv.usage(),
                                sched.num_preemptions, self.step_counter)
+        if stream is not None and stream[0]:
+            return EngineCoreOutputs(0, outs, time.monotonic(), finished, stats, None, *stream)
         return EngineCoreOutputs(0, outs, time.monotonic(), finished, stats)
 
     def _settle(self) -> None:
@@ -368,6 +411,8 @@ class EngineCore:
         if action == "start":
             if self._profiler is not None:
                 raise RuntimeError("profiler already running")
+            import torch  # here, not at the top: a null-model engine never loads torch
+
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.startswith("cuda"):
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -401,6 +446,8 @@ class EngineCore:
             "num_waiting": sched.num_waiting,
             "num_live": len(sched.requests),
             "num_preemptions": sched.num_preemptions,
+            "num_priority_preemptions": sched.num_priority_preemptions,
+            "scheduling_policy": sched.policy,
             "step_counter": self.step_counter,
             "num_gpu_blocks": kv.num_blocks,
             "num_free_blocks": kv.num_free_blocks,

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import zmq
@@ -54,6 +54,7 @@ from ..protocol.codec import (
     Limits,
     decode_input,
     peek_request_id,
+    recv_frames,
     send_frames,
     utility_output,
 )
@@ -90,6 +91,9 @@ OUTPUT_FLUSH_S = 4.0
 IDLE_WAKE_S = 0.5
 # Bound on the input thread connecting and sending the ready handshake.
 HANDSHAKE_SEND_S = 30.0
+# Batches up to this size are sent by the thread that built them when nothing is queued
+# ahead (no hand-off); larger ones are encoded by the output thread while the next step runs.
+DIRECT_SEND_MAX_OUTPUTS = 64
 
 
 class EngineShutdownRequested(SystemExit):
@@ -103,6 +107,7 @@ class _Control(enum.Enum):
     # Items of the input queue that do not come from the wire.
     SHUTDOWN = "shutdown"
     OUTPUTS = "outputs"  # an output built by the input thread (a rejection)
+    WAKE = "wake"  # the input thread served a call that left the loop work to do
 
 
 _STOP = object()  # output-queue item: flush and exit
@@ -294,11 +299,24 @@ class EngineCoreProc:
         self.faults: FaultInjector | None = None
         # Optional seq/ack/CRC trailers on every message (runtime/integrity.py).
         self._integrity = LinkIntegrity() if integrity else None
+        # The PUSH side: the output thread owns the socket; any thread may send on it while
+        # holding ``_out_lock`` and only when no queued item is ahead (``_out_pending``).
+        self._out_lock = threading.Lock()
+        self._out: tuple[zmq.Socket[Any], str, threading.Event] | None = None
+        self._out_pending = 0
+        self._out_encoder = Encoder()
+        self._out_pool = BufferPool(max_free=4)
+        self._reuse_early = _mutants.active("output_buffer_reused_before_send")
+        self._last_send = 0.0
+        # Held by the busy loop except while it idles on the input queue: the input thread
+        # may then serve a utility call itself (one thread hop less per round trip).
+        self._engine_lock = threading.Lock()
+        self._engine_lock.acquire()
         try:
             if startup_delay_s > 0:
                 # Test hook: hold the handshake so a test can act "during start-up".
                 time.sleep(startup_delay_s)
-            self.engine = EngineCore(config, inproc=False, trace=trace)
+            self.engine = EngineCore(config, inproc=False, trace=trace, stream_outputs=True)
             plan = as_plan(fault)
             if plan is not None:
                 self._arm_faults(FaultInjector(plan, device=str(self.engine.device)))
@@ -355,7 +373,7 @@ class EngineCoreProc:
             self._input_ready.set()
             while True:
                 try:
-                    frames = sock.recv_multipart(copy=False)
+                    frames = recv_frames(sock)
                 except zmq.ContextTerminated:
                     return
                 except zmq.Again:
@@ -390,8 +408,9 @@ class EngineCoreProc:
                 # The link itself is broken (lost, reordered or corrupted input): fatal.
                 self.input_queue.put((_Control.SHUTDOWN, e))
                 return
-        type_byte = bytes(frames[0].buffer)
-        rest = [f.buffer for f in frames[1:]]
+        first = frames[0]
+        type_byte = first if type(first) is bytes else bytes(first.buffer)
+        rest = [f if type(f) is bytes else f.buffer for f in frames[1:]]
         try:
             kind, payload = decode_input(type_byte, rest, self.limits)
         except ProtocolError as e:
@@ -415,7 +434,27 @@ class EngineCoreProc:
         if kind is RequestType.ABORT:
             # Seen by a step already running; the queued copy keeps the order behind ADDs.
             self.engine.mid_step_aborts.extend(payload)
+        elif kind is RequestType.UTILITY and self._serve_idle_call(
+                cast(UtilityRequest, payload)):
+            return
         self.input_queue.put((kind, payload))
+
+    def _serve_idle_call(self, call: UtilityRequest) -> bool:
+        """Run a utility call on the input thread when the busy loop is parked idle with an
+        empty queue (so nothing is reordered); False when the loop must take it."""
+        lock = self._engine_lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.input_queue.empty():
+                return False
+            self._call_utility(call)
+            self._flush_replies()
+            if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
+                self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
+            return True
+        finally:
+            lock.release()
 
     def _reject(self, type_byte: bytes, rest: list[Any], error: ProtocolError) -> None:
         request_id = peek_request_id(rest) if rest else None
@@ -443,34 +482,32 @@ class EngineCoreProc:
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
         dropped = threading.Event()  # see _input_thread: reconnect after a protocol error
         self._guard.connect_as_client(sock, "output", on_drop=dropped.set)
-        encoder = Encoder()
-        pool = BufferPool(max_free=4)
-        reuse_early = _mutants.active("output_buffer_reused_before_send")  # once, off the hot path
+        hb = self.heartbeat_interval_s
         try:
             sock.connect(address)
+            with self._out_lock:
+                self._out = (sock, address, dropped)
             while True:
+                wait = None if hb is None else max(0.0, hb - (time.monotonic() - self._last_send))
                 try:
-                    item = self.output_queue.get(timeout=self.heartbeat_interval_s)
+                    item = self.output_queue.get(timeout=wait)
                 except queue.Empty:
-                    # Idle heartbeat: lets an attached client tell "idle" from "gone".
-                    item = EngineCoreOutputs(engine_index=self.engine_index,
-                                             timestamp=EngineCoreOutputs.now())
+                    # Idle heartbeat: lets an attached client tell "idle" from "gone". Direct
+                    # sends count as traffic, so a busy link carries no extra heartbeats.
+                    with self._out_lock:
+                        if self._out_pending == 0 and (
+                            hb is None or time.monotonic() - self._last_send >= hb
+                        ):
+                            self._send_locked(EngineCoreOutputs(
+                                engine_index=self.engine_index, timestamp=EngineCoreOutputs.now()))
+                    continue
                 if item is _STOP:
                     return
-                if isinstance(item, bytes):  # the engine-dead sentinel
-                    _send_reconnecting(sock, address, dropped, functools.partial(sock.send, item))
+                with self._out_lock:
+                    self._out_pending -= 1
+                    self._send_locked(item)
+                if isinstance(item, bytes):  # the engine-dead sentinel: nothing follows it
                     return
-                self._fault(FaultPoint.OUTPUT_SEND)
-                buf = pool.acquire()
-                frames = encoder.encode_into(item, buf)
-                if self._integrity is not None:
-                    frames = [*frames, self._integrity.seal(frames)]
-                # The payload's own tracker decides when ``buf`` may be reused.
-                tracker = _send_reconnecting(sock, address, dropped, functools.partial(
-                    send_frames, sock, frames, track=True))
-                if reuse_early:
-                    sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
-                pool.release(buf, tracker)
         except zmq.ContextTerminated:
             return
         except BaseException:
@@ -478,7 +515,54 @@ class EngineCoreProc:
             # Nothing can reach the client any more; make the engine stop.
             self.input_queue.put((_Control.SHUTDOWN, RuntimeError("output thread failed")))
         finally:
+            with self._out_lock:
+                self._out = None
             sock.close()
+
+    def _send_locked(self, item: Any) -> None:
+        """Encode and send one item on the PUSH socket; the caller holds ``_out_lock``."""
+        out = self._out
+        if out is None:
+            return
+        sock, address, dropped = out
+        if isinstance(item, bytes):  # the engine-dead sentinel
+            _send_reconnecting(sock, address, dropped, functools.partial(sock.send, item))
+            return
+        self._fault(FaultPoint.OUTPUT_SEND)
+        pool = self._out_pool
+        buf = pool.acquire()
+        frames = self._out_encoder.encode_into(item, buf)
+        if self._integrity is not None:
+            frames = [*frames, self._integrity.seal(frames)]
+        # The payload's own tracker decides when ``buf`` may be reused.
+        tracker = _send_reconnecting(sock, address, dropped, functools.partial(
+            send_frames, sock, frames, track=True))
+        if self._reuse_early:
+            sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
+        pool.release(buf, tracker)
+        self._last_send = time.monotonic()
+
+    def _put_output(self, item: Any, *, direct: bool) -> None:
+        """Hand ``item`` to the client, in order with everything handed over before it.
+
+        ``direct`` sends on the calling thread when nothing is queued ahead of it: a reply
+        that does not wait for the output thread saves a thread wake-up per round trip. Big
+        batches during a busy step go through the queue, so encoding overlaps the next step.
+        """
+        lock = self._out_lock
+        with lock:
+            if direct and self._out_pending == 0 and self._out is not None:
+                try:
+                    self._send_locked(item)
+                except zmq.ContextTerminated:
+                    pass
+                except BaseException as e:
+                    logger.exception("engine: sending outputs failed")
+                    self.input_queue.put((_Control.SHUTDOWN, RuntimeError(
+                        f"output send failed: {e!r}")))
+                return
+            self._out_pending += 1
+            self.output_queue.put(item)
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -537,10 +621,14 @@ class EngineCoreProc:
         # Idle: block on the queue. The wait is sliced because CPython runs signal handlers
         # only on the main thread, and a signal the kernel hands to another thread (zmq's,
         # torch's) does not interrupt this wait: every IDLE_WAKE_S the main thread looks.
+        lock = self._engine_lock
+        lock.release()  # the input thread may serve calls while we wait
         try:
             return self.input_queue.get(timeout=IDLE_WAKE_S)
         except queue.Empty:
             return None
+        finally:
+            lock.acquire()
 
     def _stop_requested(self) -> bool:
         return self._signals is not None and self._signals.requested.is_set()
@@ -550,7 +638,9 @@ class EngineCoreProc:
             if isinstance(payload, BaseException):
                 raise RuntimeError("engine IO thread failed") from payload
             return False
-        if kind is _Control.OUTPUTS:
+        if kind is _Control.WAKE:
+            pass
+        elif kind is _Control.OUTPUTS:
             self._emit(payload)
         elif kind is RequestType.ADD:
             try:
@@ -596,19 +686,22 @@ class EngineCoreProc:
             self._emit_utility(utility_output(call.call_id, call.method, result=result))
 
     def _emit_utility(self, out: UtilityOutput) -> None:
-        self.output_queue.put(
+        self._put_output(
             EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
-                              timestamp=EngineCoreOutputs.now())
+                              timestamp=EngineCoreOutputs.now()),
+            direct=True,
         )
 
     def _emit(self, outputs: EngineCoreOutputs | None) -> bool:
         if outputs is None:
             return False
-        if not (outputs.outputs or outputs.finished_requests or outputs.utility_output):
+        if not (outputs.outputs or outputs.stream_ids or outputs.finished_requests
+                or outputs.utility_output):
             return False
         if outputs.engine_index != self.engine_index:
             outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
-        self.output_queue.put(outputs)
+        size = len(outputs.outputs) + len(outputs.stream_ids)
+        self._put_output(outputs, direct=size <= DIRECT_SEND_MAX_OUTPUTS)
         return True
 
     # -- teardown -----------------------------------------------------------------------------
@@ -617,7 +710,7 @@ class EngineCoreProc:
         """Queue the sentinel and give the output thread a bounded time to flush it."""
         if self.engine is not None and self.engine.lifecycle.can(EngineEvent.FATAL_ERROR):
             self.engine.lifecycle.fire(EngineEvent.FATAL_ERROR)
-        self.output_queue.put(ENGINE_DEAD_SENTINEL)
+        self._put_output(ENGINE_DEAD_SENTINEL, direct=False)
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
                 t.join(OUTPUT_FLUSH_S)

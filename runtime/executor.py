@@ -15,9 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .config import EngineConfig
 from .kv_cache import blocks_from_budget, check_fits
@@ -33,11 +31,21 @@ from .model import (
 from .sampling import sample
 from .scheduler import Request
 
+# torch is imported where tensors are made: a null-model engine (NullWorker) never loads it,
+# which keeps its start, and every restart in a campaign, well under a second.
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["MEMORY_TAGS", "NullWorker", "TorchWorker", "UniProcExecutor", "Worker", "make_worker"]
 
 MEMORY_TAGS = ("weights", "kv_cache")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name)  # EngineConfig.DTYPES are torch attribute names
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -60,9 +68,12 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = config.resolved_device()
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"EngineConfig.device={config.device!r}: no CUDA device is visible")
-        self.dtype = _DTYPES[config.dtype]
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"EngineConfig.device={config.device!r}: no CUDA device is visible")
         self.arch: LlamaArch = TINY_ARCH
         self.num_blocks = 0
         self.profiled_num_blocks: int | None = None
@@ -86,7 +97,7 @@ class Worker:
     def shutdown(self) -> None: ...
 
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.arch, self.config.block_size, self.dtype)
+        return kv_bytes_per_block(self.arch, self.config.block_size, self.config.dtype)
 
     def determine_num_blocks(self) -> int:
         """Size the block pool from the budget; refuse a pool that cannot hold one sequence."""
@@ -124,6 +135,8 @@ class Worker:
             "sleeping": sorted(self.sleeping),
         }
         if self.device.startswith("cuda"):
+            import torch
+
             out["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return out
 
@@ -138,6 +151,7 @@ class TorchWorker(Worker):
 
     def __init__(self, config: EngineConfig, source: WeightSource, rank: int = 0) -> None:
         super().__init__(config, rank)
+        self.dtype = _torch_dtype(config.dtype)
         self.source = source
         self.model: LlamaModel | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -152,6 +166,8 @@ class TorchWorker(Worker):
         self.model = LlamaModel(arch, self._materialize(params), self.device)
 
     def _alloc_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        import torch
+
         a, slots = self.arch, num_blocks * self.config.block_size
         return [torch.zeros(2, slots, a.num_kv_heads, a.head_dim, dtype=self.dtype,
                             device=self.device) for _ in range(a.num_layers)]
@@ -161,6 +177,8 @@ class TorchWorker(Worker):
         self.kv_caches = self._alloc_kv(num_blocks)
 
     def profile_free_bytes(self) -> float:
+        import torch
+
         assert self.model is not None
         cfg, dev = self.config, self.device
         torch.cuda.synchronize(dev)
@@ -183,6 +201,8 @@ class TorchWorker(Worker):
         return total * cfg.gpu_memory_utilization - (total - free) - peak_extra
 
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
+        import torch
+
         assert self.model is not None and self.kv_caches, "execute_model while asleep"
         ids: list[int] = []
         ranges: list[range] = []
@@ -240,6 +260,8 @@ class TorchWorker(Worker):
             self._host_weights = {}  # deeper sleep: drop the host copy too
         self.sleep_level = max(self.sleep_level, level)
         if self.device.startswith("cuda"):
+            import torch
+
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: Sequence[str]) -> None:
@@ -264,6 +286,8 @@ class TorchWorker(Worker):
         self.model = None
         self._host_weights = {}
         if self.device.startswith("cuda"):
+            import torch
+
             torch.cuda.empty_cache()  # hand the pool back to the driver, not just the allocator
 
 
@@ -281,7 +305,7 @@ class NullWorker(Worker):
         # A comprehension: this runs once per request per step, and it is the whole "model".
         return [
             3 + (req.seed * 1_000_003 + index * 7919) % span
-            if (index := req.num_computed_tokens + n) == len(req.all_token_ids) else -1
+            if (index := req.num_computed_tokens + n) == req.num_tokens else -1
             for req, n in zip(reqs, nums, strict=False)
         ]
 

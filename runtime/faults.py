@@ -238,6 +238,9 @@ class FaultInjector:
             time.sleep(10)  # the signal is asynchronous; never return into the engine
             return
         if action is FaultAction.SIGSTOP:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # Aimed at this thread, not the process: a process-directed stop may be taken by
+            # another thread, and until it is this one runs on (an echo reply got out after
+            # its SIGSTOP fault had fired). A stop signal still stops every thread.
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             return  # resumed by SIGCONT: carry on as if nothing happened
         raise ValueError(f"unknown fault action {action!r}")

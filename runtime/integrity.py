@@ -16,6 +16,7 @@ within ``loss_deadline_s`` while later outputs (heartbeats) arrive was lost on t
 
 Compatibility: off unless both ends are told (client option ``frame_integrity=True``, which a
 launched engine inherits). A peer that does not seal is refused at its first message, loudly.
+Off by default: docs/faults.md has the cost measured against what it detects.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..spec.errors import ProtocolError
@@ -56,9 +57,16 @@ class LinkIntegrity:
     """One end of a link: ``seal`` what it sends, ``open`` what it receives.
 
     ``seal`` and ``open`` may run on different threads (sender and reader), each on one.
+    ``clock`` (seconds, monotonic) times the loss deadline; tests pass a fake one.
     """
 
-    def __init__(self, loss_deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        loss_deadline_s: float | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self._sent = 0
         self._received = 0
         self._loss_deadline = loss_deadline_s
@@ -72,7 +80,7 @@ class LinkIntegrity:
             self._sent += 1
             seq = self._sent
             if self._loss_deadline is not None:
-                self._unacked.append((seq, time.monotonic()))
+                self._unacked.append((seq, self._clock()))
         head = _HEAD.pack(TRAILER_MAGIC, seq, self._received)
         return _TRAILER.pack(TRAILER_MAGIC, seq, self._received, _crc(frames, head))
 
@@ -98,7 +106,7 @@ class LinkIntegrity:
     def _check_ack(self, ack: int) -> None:
         if self._loss_deadline is None:
             return
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if ack > self._sent:
                 raise ProtocolError(f"peer acknowledged message {ack}, only {self._sent} sent")

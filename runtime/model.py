@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-import torch.nn.functional as F
+# torch is imported inside the functions that compute: the null model, which needs only the
+# arch and the token formula here, must start an engine without loading torch (seconds).
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "NULL_FIRST_TOKEN",
@@ -65,8 +67,12 @@ class LlamaArch:
 TINY_ARCH = LlamaArch()
 
 
-def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+# Bytes per element by EngineConfig.dtype name, for callers that hold no torch dtype.
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_block(arch: LlamaArch, block_size: int, dtype: torch.dtype | str) -> int:
+    itemsize = _ITEMSIZE[dtype] if isinstance(dtype, str) else dtype.itemsize
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * itemsize
 
 
@@ -107,6 +113,8 @@ class TinyRandomSource:
         self.name = name
 
     def load(self) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
+        import torch
+
         gen = torch.Generator().manual_seed(self.seed)
         params: dict[str, torch.Tensor] = {}
         for name, shape in param_shapes(self.arch).items():
@@ -166,12 +174,16 @@ def resolve_weight_source(model: str, seed: int) -> WeightSource:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    import torch
+
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
 
 
 def rope_tables(arch: LlamaArch, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     d = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     freqs = torch.outer(torch.arange(arch.max_position, dtype=torch.float32), inv_freq)
@@ -181,12 +193,16 @@ def rope_tables(arch: LlamaArch, device: torch.device | str) -> tuple[torch.Tens
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF Llama's rotate-half RoPE; ``x`` is [T, heads, d], ``cos``/``sin`` are [T, d]."""
+    import torch
+
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
 
 
 def _mlp(p: dict[str, torch.Tensor], pre: str, x: torch.Tensor) -> torch.Tensor:
+    from torch.nn import functional as F
+
     gate = F.linear(x, p[pre + "mlp.gate_proj.weight"])
     up = F.linear(x, p[pre + "mlp.up_proj.weight"])
     return F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
@@ -216,6 +232,8 @@ def build_attention_metadata(
     device: torch.device | str,
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens sit at ``positions_per_seq`` (contiguous runs)."""
+    import torch
+
     pos_flat: list[int] = []
     slots: list[int] = []
     qmax = max(len(r) for r in positions_per_seq)
@@ -256,6 +274,9 @@ def paged_attention(
     block_size: int,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context; returns [T, H, d]."""
+    import torch
+    from torch.nn import functional as F
+
     num_heads, num_kv = q.shape[1], cache.shape[2]
     length = meta.max_context_len
     j = torch.arange(length, device=q.device)
@@ -292,6 +313,8 @@ class LlamaModel:
         block_size: int,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
+        from torch.nn import functional as F
+
         a, p = self.arch, self.params
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         x = p["model.embed_tokens.weight"][input_ids]
@@ -313,6 +336,8 @@ class LlamaModel:
         return rms_norm(x, p["model.norm.weight"], a.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        from torch.nn import functional as F
+
         return F.linear(hidden, _lm_head(self.arch, self.params)).float()
 
 
@@ -324,6 +349,9 @@ def dense_forward(
     arch: LlamaArch, params: dict[str, torch.Tensor], input_ids: list[int]
 ) -> torch.Tensor:
     """Logits [S, vocab] for one sequence, full causal attention, no KV cache."""
+    import torch
+    from torch.nn import functional as F
+
     p = params
     device = p["model.norm.weight"].device
     ids = torch.tensor(input_ids, dtype=torch.long, device=device)

@@ -42,12 +42,12 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from ..protocol.codec import (
     DEFAULT_LIMITS,
@@ -57,6 +57,7 @@ from ..protocol.codec import (
     decode_utility_result,
     encode_input,
     is_dead_sentinel,
+    recv_frames,
 )
 from ..protocol.messages import (
     EngineCoreOutputs,
@@ -270,11 +271,11 @@ class BackgroundResources:
     input_socket: zmq.Socket[Any] | None = None
     # Owned by the reader once it runs (then None here).
     output_socket: zmq.Socket[Any] | None = None
-    shutdown_address: str | None = None
-    reader_thread: threading.Thread | None = None
-    reader_task: asyncio.Task[Any] | None = None
+    sync_reader: _SyncReader | None = None
     reader_loop: asyncio.AbstractEventLoop | None = None
-    async_output_socket: zmq.asyncio.Socket | None = None
+    # The async client's PULL socket, read by a loop callback (add_reader on its FD).
+    async_output_socket: zmq.Socket[Any] | None = None
+    reader_fd: int | None = None
     monitor_thread: threading.Thread | None = None
     monitor_pipe: tuple[int, int] | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -346,32 +347,21 @@ class BackgroundResources:
         if self.output_socket is not None:  # never handed to a reader
             self.output_socket.close(linger=0)
             self.output_socket = None
-        if self.reader_thread is not None and self.ctx is not None:
-            # Ask the reader to close the PULL socket in its own thread (sockets are not
-            # thread-safe); NOBLOCK because a reader that already exited is not listening.
-            sig = self.ctx.socket(zmq.PAIR)
-            try:
-                sig.connect(self.shutdown_address or "")
-                sig.send(b"", flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            finally:
-                sig.close(linger=0)
-            if self.reader_thread is not threading.current_thread():
-                self.reader_thread.join(5.0)
-                if self.reader_thread.is_alive():
-                    logger.warning("output reader thread did not exit")
+        if self.sync_reader is not None:
+            reader, self.sync_reader = self.sync_reader, None
+            reader.close()
         if self.async_output_socket is not None:
             self._close_async()
 
     def _close_async(self) -> None:
-        sock, task, loop = self.async_output_socket, self.reader_task, self.reader_loop
+        sock, fd, loop = self.async_output_socket, self.reader_fd, self.reader_loop
         self.async_output_socket = None
+        self.reader_fd = None
         assert sock is not None
 
         def close() -> None:
-            if task is not None:
-                task.cancel()
+            if fd is not None and loop is not None and not loop.is_closed():
+                loop.remove_reader(fd)
             sock.close(linger=0)
 
         on_loop = False
@@ -424,9 +414,14 @@ def _monitor_engine(
     waitables: list[Any] = [stop_fd]
     if proc is not None:
         waitables.append(proc.sentinel)
-    period = heartbeat_timeout_s / 4 if heartbeat_timeout_s else None
     while True:
-        ready = multiprocessing.connection.wait(waitables, timeout=period)
+        # Wake at the deadline itself rather than on a polling grid: a silent engine is then
+        # declared dead at its last message + heartbeat_timeout_s (plus scheduling), not up to
+        # a poll period later (timeout/4 polling measured 0.8-1.25 s with a 1 s deadline).
+        wait_s = None
+        if heartbeat_timeout_s:
+            wait_s = max(0.0, last_seen[0] + heartbeat_timeout_s - time.monotonic())
+        ready = multiprocessing.connection.wait(waitables, timeout=wait_s)
         if stop_fd in ready:
             return
         if proc is not None and proc.sentinel in ready:
@@ -437,7 +432,7 @@ def _monitor_engine(
                 continue
             cause: BaseException = EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
             break
-        if heartbeat_timeout_s and time.monotonic() - last_seen[0] > heartbeat_timeout_s:
+        if heartbeat_timeout_s and time.monotonic() - last_seen[0] >= heartbeat_timeout_s:
             cause = EngineProcessDied(
                 f"no message from the engine for {heartbeat_timeout_s:g} s"
                 " (engine_heartbeat_timeout_s)"
@@ -736,7 +731,11 @@ class MPClient(EngineCoreClient):
             if self._integrity is not None:
                 frames = [*frames, self._integrity.seal(frames)]
             if len(frames) <= 2:
-                sock.send_multipart([self.identity, *frames], copy=False)
+                # Plain copying sends: cheaper than send_multipart for these small frames.
+                sock.send(self.identity, zmq.SNDMORE)
+                if len(frames) == 2:
+                    sock.send(frames[0], zmq.SNDMORE)
+                sock.send(frames[-1])
                 return
             # Aux frames are zero-copy views of the caller's arrays: keep them (and their
             # trackers) until libzmq is done, so the memory outlives the send.
@@ -812,7 +811,8 @@ class MPClient(EngineCoreClient):
             if hit is not None:
                 _set_future(*hit)
             return None
-        if outputs.outputs or outputs.finished_requests or outputs.scheduler_stats:
+        if (outputs.outputs or outputs.stream_ids or outputs.finished_requests
+                or outputs.scheduler_stats):
             return outputs
         return None  # heartbeat
 
@@ -823,40 +823,220 @@ class MPClient(EngineCoreClient):
 # --- sync ------------------------------------------------------------------------------------
 
 
-def _read_outputs_thread(
-    client_ref: weakref.ReferenceType[SyncMPClient],
-    out: zmq.Socket[Any],
-    stop: zmq.Socket[Any],
-    outputs: queue.Queue[Any],
-) -> None:
-    """Owns ``out`` and ``stop``: polls both, routes outputs, closes both on exit."""
-    poller = zmq.Poller()
-    poller.register(out, zmq.POLLIN)
-    poller.register(stop, zmq.POLLIN)
-    try:
-        while True:
-            events = dict(poller.poll())
-            if stop in events:
-                return  # shutdown wins even when output is ready too
-            frames = out.recv_multipart(copy=False)
-            client = client_ref()
-            if client is None:
-                return
-            try:
-                batch = client._on_frames(frames)
-            except Exception as e:  # sentinel or undecodable frame: the engine is unusable
-                client._on_engine_dead(e)
-                return
-            if batch is not None:
-                outputs.put(batch)
-            del client
-    except Exception as e:
+def _drain(
+    sock: zmq.Socket[Any], client_ref: weakref.ReferenceType[Any], put: Callable[[Any], None]
+) -> bool:
+    """Route every message ``sock`` holds now (utility replies resolved, batches ``put``);
+    False once nothing more should be read (engine death seen, client gone). ``EVENTS`` is
+    read after each message: cheaper than a failing NOBLOCK recv, and it re-arms the FD."""
+    pollin = zmq.POLLIN
+    events = zmq.EVENTS
+    while cast(int, sock.get(events)) & pollin:
+        frames = recv_frames(sock, zmq.NOBLOCK)
         client = client_ref()
-        if client is not None:
+        if client is None:
+            return False
+        try:
+            batch = client._on_frames(frames)
+        except Exception as e:  # sentinel or undecodable frame: the engine is unusable
             client._on_engine_dead(e)
-    finally:
-        stop.close(linger=0)
-        out.close(linger=0)
+            return False
+        if batch is not None:
+            put(batch)
+    return True
+
+
+class _SyncReader:
+    """Reads the output socket of a ``SyncMPClient``; whoever is waiting does the reading.
+
+    A caller blocked in ``get_output`` or ``call_utility`` polls the PULL socket itself, so a
+    reply reaches the thread that wants it without a hand-off through another thread (one
+    wake-up less per round trip). Replies for other waiters are routed on the way (utility
+    futures resolved, batches queued) and the waiters woken. When no caller has read for
+    ``IDLE_TAKEOVER_S``, the background thread takes the socket so heartbeats, the dead
+    sentinel and unread batches are still consumed; a caller that arrives kicks it off
+    through the wake pipe, which also interrupts any poll on death or close. The socket
+    changes hands only under ``cv`` (zmq needs a full memory barrier between users).
+    """
+
+    IDLE_TAKEOVER_S = 0.05
+
+    def __init__(self, client: SyncMPClient, out: zmq.Socket[Any]) -> None:
+        self._client_ref = weakref.ref(client)
+        self._outputs = client._outputs
+        self._out = out
+        self.cv = threading.Condition()
+        # The background thread waits on its own condition (same lock): callers coming and
+        # going must not wake it on every call; it re-checks on its idle timer instead.
+        self._bg_cv = threading.Condition(self.cv._lock)  # type: ignore[attr-defined]
+        self._reading = False  # someone holds the socket (guarded by cv)
+        self._holder = 0  # that thread's ident
+        self._bg_reading = False
+        self._kicked = False
+        self._callers = 0
+        self._last_caller_read = 0.0
+        self._closing = False
+        self._stopped = False  # death seen on the wire: nothing more is read
+        self._local = threading.local()  # one Poller per reading thread
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.thread = threading.Thread(target=self._background, name="EngineCoreOutputReader",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # -- waking -------------------------------------------------------------------------------
+
+    def _kick_locked(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: a wake-up is already pending
+
+    def wake(self) -> None:
+        """Interrupt a poll and wake every waiter (death, close, new marker)."""
+        with self.cv:
+            self._kick_locked()
+            self.cv.notify_all()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        return poller
+
+    def _pump(self, poller: zmq.Poller, timeout_ms: int | None) -> None:
+        """Wait up to ``timeout_ms`` and route everything readable. The caller holds the
+        socket (``_reading``), not ``cv``."""
+        events = dict(poller.poll(timeout_ms))
+        if self._wake_r in events:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if self._out in events and not _drain(self._out, self._client_ref, self._outputs.put):
+            self._stopped = True
+
+    def _release(self, *, caller: bool) -> None:
+        with self.cv:
+            self._reading = False
+            self._bg_reading = False
+            if caller:
+                self._last_caller_read = time.monotonic()
+            self.cv.notify_all()
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Read (or wait for whoever reads) until ``ready()`` or ``timeout``; ``ready()``.
+
+        Even with no time left, a caller reads once if the socket is free, so polling with
+        ``timeout=0`` sees what has already arrived.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cv = self.cv
+        pumped = False
+        with cv:
+            self._callers += 1
+        try:
+            while True:
+                with cv:
+                    if ready():
+                        return True
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    expired = remaining is not None and remaining <= 0
+                    if expired and (pumped or self._reading or self._closing or self._stopped):
+                        return False
+                    if self._closing or self._stopped:
+                        # Nothing more is read; the death/close path resolves and notifies.
+                        cv.wait(0.1 if remaining is None else min(remaining, 0.1))
+                        continue
+                    if self._reading:
+                        if self._bg_reading and not self._kicked:
+                            self._kicked = True
+                            self._kick_locked()
+                        cv.wait(remaining)
+                        continue
+                    self._reading = True
+                    self._holder = threading.get_ident()
+                try:
+                    if remaining is None:
+                        timeout_ms: int | None = None
+                    else:
+                        timeout_ms = 0 if expired else max(1, int(remaining * 1000 + 0.999))
+                    self._pump(self._thread_poller(), timeout_ms)
+                    pumped = True
+                finally:
+                    self._release(caller=True)
+        finally:
+            with cv:
+                self._callers -= 1
+                cv.notify_all()
+
+    def _thread_poller(self) -> zmq.Poller:
+        poller: zmq.Poller | None = getattr(self._local, "poller", None)
+        if poller is None:
+            poller = self._local.poller = self._poller()
+        return poller
+
+    def _background(self) -> None:
+        cv = self.cv
+        poller = self._poller()
+        try:
+            while True:
+                with cv:
+                    while True:
+                        if self._closing or self._stopped:
+                            return
+                        if not self._reading and not self._callers:
+                            idle = time.monotonic() - self._last_caller_read
+                            if idle >= self.IDLE_TAKEOVER_S:
+                                break
+                            self._bg_cv.wait(self.IDLE_TAKEOVER_S - idle)
+                        else:
+                            self._bg_cv.wait(self.IDLE_TAKEOVER_S)
+                    self._reading = self._bg_reading = True
+                    self._holder = threading.get_ident()
+                    self._kicked = False
+                try:
+                    self._pump(poller, None)
+                finally:
+                    self._release(caller=False)
+        except Exception as e:
+            self._stopped = True
+            client = self._client_ref()
+            if client is not None:
+                client._on_engine_dead(e)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop reading, wait (bounded) for the socket to be free, close it and the pipe."""
+        with self.cv:
+            self._closing = True
+            self._kick_locked()
+            self.cv.notify_all()
+            self._bg_cv.notify_all()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                logger.warning("output reader thread did not exit")
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            me = threading.get_ident()
+            while self._reading and self._holder != me and time.monotonic() < deadline:
+                self._kick_locked()
+                self.cv.wait(0.05)
+            if self._reading and self._holder != me:
+                logger.warning("a caller still reads the output socket; closing it anyway")
+            self._out.close(linger=0)
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
 
 
 class SyncMPClient(SyncClientMixin, MPClient):
@@ -864,27 +1044,24 @@ class SyncMPClient(SyncClientMixin, MPClient):
 
     def __init__(self, config: Any, **options: Any) -> None:
         self._outputs: queue.Queue[Any] = queue.Queue()
+        self._reader: _SyncReader | None = None
         super().__init__(config, **options)
 
     def _start_reader(self) -> None:
         res = self.resources
         assert res.ctx is not None and res.output_socket is not None
-        res.shutdown_address = f"inproc://enginewire-reader-stop-{id(self):x}"
-        stop = res.ctx.socket(zmq.PAIR)
-        stop.bind(res.shutdown_address)
         out, res.output_socket = res.output_socket, None  # ownership moves to the reader
-        res.reader_thread = threading.Thread(
-            target=_read_outputs_thread,
-            args=(weakref.ref(self), out, stop, self._outputs),
-            name="EngineCoreOutputReader",
-            daemon=True,
-        )
-        res.reader_thread.start()
+        reader = _SyncReader(self, out)
+        res.sync_reader = self._reader = reader
+        reader.start()
 
     def _wake_waiters(self, marker: object) -> None:
         if marker is _DEAD and _mutants.active("sync_get_output_not_woken_on_kill"):
             return
         self._outputs.put(marker)
+        reader = self._reader
+        if reader is not None:
+            reader.wake()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send_add(request)
@@ -897,11 +1074,15 @@ class SyncMPClient(SyncClientMixin, MPClient):
         death are still delivered, then ``EngineDeadError``."""
         if self.is_closed:
             raise ClientClosedError("the client was shut down")
+        outputs = self._outputs
         try:
-            if self.is_dead:
-                item = self._outputs.get_nowait()
+            if self.is_dead or self._reader is None:
+                item = outputs.get_nowait()
+            elif not outputs.empty():
+                item = outputs.get_nowait()
             else:
-                item = self._outputs.get(timeout=timeout)
+                self._reader.wait_for(lambda: not outputs.empty(), timeout)
+                item = outputs.get_nowait()
         except queue.Empty:
             if self.is_dead:
                 raise self._dead_error() from None
@@ -912,14 +1093,17 @@ class SyncMPClient(SyncClientMixin, MPClient):
                 raise ClientClosedError("the client was shut down")
             raise self._dead_error()
         self._track_outputs(item)
-        out: EngineCoreOutputs = item
+        out: EngineCoreOutputs = item.expanded()
         return out
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call_id = self._register_call(fut, method, args)
+        reader = self._reader
+        if reader is not None:
+            reader.wait_for(fut.done, timeout)
         try:
-            return fut.result(timeout)
+            return fut.result(0 if reader is not None else timeout)
         except concurrent.futures.TimeoutError:
             if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
                 assert timeout is not None
@@ -928,33 +1112,6 @@ class SyncMPClient(SyncClientMixin, MPClient):
 
 
 # --- async -----------------------------------------------------------------------------------
-
-
-async def _read_outputs_task(
-    client_ref: weakref.ReferenceType[AsyncMPClient], out: zmq.asyncio.Socket
-) -> None:
-    try:
-        while True:
-            frames = await out.recv_multipart(copy=False)
-            client = client_ref()
-            if client is None:
-                return
-            try:
-                batch = client._on_frames(frames)
-            except Exception as e:  # sentinel or undecodable frame: the engine is unusable
-                client._on_engine_dead(e)
-                return
-            if batch is not None and client._outputs is not None:
-                client._outputs.put_nowait(batch)
-            del client
-    except asyncio.CancelledError:
-        pass
-    except Exception as e:
-        client = client_ref()
-        if client is not None:
-            client._on_engine_dead(e)
-    finally:
-        out.close(linger=0)
 
 
 class AsyncMPClient(MPClient):
@@ -969,8 +1126,9 @@ class AsyncMPClient(MPClient):
         super().__init__(config, **options)
 
     def _make_output_socket(self, ctx: zmq.Context[Any]) -> Any:
-        actx = zmq.asyncio.Context.shadow(ctx.underlying)
-        sock = actx.socket(zmq.PULL)
+        # A plain socket read from a loop callback on its FD: no zmq.asyncio futures and no
+        # reader task between a reply and the coroutine awaiting it.
+        sock = ctx.socket(zmq.PULL)
         self.resources.async_output_socket = sock
         return sock
 
@@ -990,10 +1148,26 @@ class AsyncMPClient(MPClient):
             if res.async_output_socket is None:
                 raise ClientClosedError("the client was shut down")
             res.reader_loop = loop
-            res.reader_task = loop.create_task(
-                _read_outputs_task(weakref.ref(self), res.async_output_socket),
-                name="EngineCoreOutputReader",
-            )
+            sock = res.async_output_socket
+            fd = res.reader_fd = cast(int, sock.get(zmq.FD))
+            ref, put = weakref.ref(self), self._outputs.put_nowait
+
+            def on_readable() -> None:
+                if res.async_output_socket is not sock:
+                    return  # closed
+                try:
+                    more = _drain(sock, ref, put)
+                except Exception as e:  # the socket itself failed: the link is unusable
+                    client = ref()
+                    if client is not None:
+                        client._on_engine_dead(e)
+                    more = False
+                if not more:
+                    loop.remove_reader(fd)
+
+            # The FD is edge-triggered: drain what arrived before the reader existed.
+            loop.add_reader(fd, on_readable)
+            on_readable()
             if self.is_dead:
                 self._outputs.put_nowait(_DEAD)
         elif self._loop is not loop:
@@ -1055,7 +1229,7 @@ class AsyncMPClient(MPClient):
                 raise ClientClosedError("the client was shut down")
             raise self._dead_error()
         self._track_outputs(item)
-        out: EngineCoreOutputs = item
+        out: EngineCoreOutputs = item.expanded()
         return out
 
     async def call_utility_async(

@@ -9,9 +9,10 @@ batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # imported where used: only the torch models sample (runtime/model.py)
+    import torch
 
 __all__ = ["SamplingState", "sample"]
 
@@ -26,6 +27,8 @@ class SamplingState(Protocol):
 
 def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int,
                     top_p: float) -> torch.Tensor:
+    import torch
+
     row = row.float() / temperature
     if 0 < top_k < row.shape[-1]:
         kth = torch.topk(row, top_k).values[-1]
@@ -42,6 +45,8 @@ def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int,
 
 def sample(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> list[int]:
     """One token per row of ``logits`` [N, vocab], row i sampled with ``reqs[i]``'s params."""
+    import torch
+
     out = logits.argmax(dim=-1).tolist()
     cpu_logits: torch.Tensor | None = None
     for i, r in enumerate(reqs):

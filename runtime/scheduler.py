@@ -1,13 +1,25 @@
-"""Continuous-batching scheduler: chunked prefill, FCFS by priority, preemption by recompute.
+"""Continuous-batching scheduler: chunked prefill, priority order, preemption by recompute.
+
+Order. Every request has a rank ``(priority, arrival_time, seq)``: a lower priority value goes
+first (as in vLLM), then the earlier ``arrival_time`` the front end stamped, then the order the
+engine received it (``seq``), so requests that carry no arrival time are first come, first
+served. A preempted request keeps its rank, so it goes back ahead of later arrivals.
 
 Each step has a token budget (``max_num_batched_tokens``). Running requests go first, in
 order: a decode takes one token, an unfinished prefill takes the next chunk that fits. When
-a running request needs a block and none is free, the lowest-priority request not yet
-scheduled this step (latest arrival among equals; possibly the request itself) is preempted:
-its blocks are freed and it goes back to the waiting queue to recompute from scratch (vLLM
-v1's recompute policy). Only in a step without preemption are waiting requests admitted, in
-(priority, arrival) order (a lower priority value goes first, as in vLLM), while the budget,
-``max_num_seqs`` and the pool allow. A waiting request never preempts a running one.
+a running request needs a block and none is free, the worst-ranked request not yet scheduled
+this step (possibly the request itself) is preempted: its blocks are freed and it goes back
+to the waiting queue to recompute from scratch (vLLM v1's recompute policy). Only in a step
+without such preemption are waiting requests admitted, best rank first, while the budget,
+``max_num_seqs`` and the pool allow.
+
+Priority preemption (policy ``priority``, vLLM's priority policy). When the best waiting
+request cannot be admitted because every slot (``max_num_seqs``) or every free block is taken,
+and some running request has a strictly worse (higher) priority value, the worst-ranked
+running request is preempted by recompute to make room, and again until the waiting one fits
+or no running request ranks below it. A victim already picked for this step leaves the batch
+and gives its tokens back to the budget. Equal priorities never preempt each other, so
+requests of one priority cannot thrash. Under ``fcfs`` a waiting request never preempts.
 
 Every request state change fires an ``ENGINE_REQUEST`` event; a request's lifecycle is the
 only record of its state.
@@ -17,13 +29,15 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent, EngineRequestState
 from .kv_cache import KVCacheManager
+
+if TYPE_CHECKING:  # annotations only: a null-model engine never loads torch
+    import torch
 
 __all__ = ["Request", "Scheduler"]
 
@@ -40,11 +54,11 @@ class Request:
     """Engine-side state of one request; plain slots because the step loop reads them hot."""
 
     __slots__ = (
-        "all_token_ids", "block_hashes", "block_ids", "client_index", "draining", "eos",
-        "finished", "generator", "in_waiting", "lifecycle", "max_tokens", "num_cached_tokens",
-        "num_computed_tokens", "num_prompt_tokens", "num_registered_blocks", "priority",
-        "request_id", "seed", "sort_key", "stop_ids", "stop_len", "stops", "temperature",
-        "top_k", "top_p",
+        "all_token_ids", "arrival_time", "block_hashes", "block_ids", "client_index", "draining",
+        "eos", "finished", "generator", "in_waiting", "lifecycle", "max_tokens",
+        "num_cached_tokens", "num_computed_tokens", "num_prompt_tokens", "num_registered_blocks",
+        "num_tokens", "priority", "request_id", "seed", "sort_key", "stop_ids", "stop_len",
+        "stops", "temperature", "top_k", "top_p",
     )
 
     def __init__(
@@ -60,9 +74,14 @@ class Request:
         self.request_id = req.request_id
         self.client_index = req.client_index
         self.priority = req.priority
-        self.sort_key = (req.priority, seq)
+        self.arrival_time = req.arrival_time
+        # The rank (module docstring). ``seq`` is unique, so a heap never compares Requests.
+        self.sort_key = (req.priority, req.arrival_time, seq)
         self.all_token_ids = list(req.prompt_token_ids)
-        self.num_prompt_tokens = len(self.all_token_ids)
+        # len(all_token_ids), kept beside the hot fields: the scheduler and the model read the
+        # length of every running request each step without touching the (cold) list.
+        self.num_tokens = len(self.all_token_ids)
+        self.num_prompt_tokens = self.num_tokens
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.max_tokens = sp.max_tokens
@@ -110,17 +129,21 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        policy: str = "priority",
     ) -> None:
         self.kv = kv
+        self.policy = policy
+        self.priority_preemption = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # live requests only
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self._waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by rank
         self.num_waiting = 0
         self.drain_only = False  # while draining for a pause: admit only requests marked draining
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of which made room for a better waiting request
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -193,7 +216,7 @@ class Scheduler:
         add_req, add_num = reqs.append, nums.append
         # Popping entries after ``i`` while iterating is safe: the iterator's index stays right.
         for i, req in enumerate(running):
-            total = len(req.all_token_ids)  # the tokens computed once this step is done
+            total = req.num_tokens  # the tokens computed once this step is done
             n = total - req.num_computed_tokens
             if n > budget:
                 if budget <= 0:
@@ -225,16 +248,44 @@ class Scheduler:
             if self.kv.allocate(req, total):
                 return True
 
+    def _evict_for(self, req: Request, reqs: list[Request], nums: list[int]) -> int | None:
+        """Preempt the worst-ranked running request if its priority is strictly worse than
+        ``req``'s; return the tokens it gives back to this step's budget, None if none ranks
+        below ``req`` (or the policy is not ``priority``)."""
+        running = self.running
+        if not self.priority_preemption or not running:
+            return None
+        j = max(range(len(running)), key=lambda k: running[k].sort_key)
+        victim = running[j]
+        if victim.priority <= req.priority:
+            return None
+        running.pop(j)
+        freed = 0
+        for k, r in enumerate(reqs):  # scheduled earlier in this step: leave the batch
+            if r is victim:
+                del reqs[k]
+                freed = nums.pop(k)
+                break
+        self._preempt(victim)
+        self.num_priority_preemptions += 1
+        return freed
+
     def _admit(self, reqs: list[Request], nums: list[int], budget: int) -> None:
         kv, waiting, running = self.kv, self._waiting, self.running
-        skipped: list[tuple[tuple[int, int], Request]] = []
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+        skipped: list[tuple[tuple[int, float, int], Request]] = []
+        while waiting and budget > 0:
             req = waiting[0][1]
             if req.finished or not req.in_waiting:
                 heapq.heappop(waiting)
                 continue
             if self.drain_only and not req.draining:
                 skipped.append(heapq.heappop(waiting))
+                continue
+            if len(running) >= self.max_num_seqs:
+                freed = self._evict_for(req, reqs, nums)
+                if freed is None:
+                    break
+                budget += freed
                 continue
             if req.num_computed_tokens == 0 and kv.enable_prefix_caching:
                 cached = kv.claim_cached_prefix(req)
@@ -245,6 +296,10 @@ class Scheduler:
             if n > budget:
                 n = budget
             if not kv.allocate(req, req.num_computed_tokens + n):
+                freed = self._evict_for(req, reqs, nums)
+                if freed is not None:  # retry with the victim's blocks (and tokens) free
+                    budget += freed
+                    continue
                 if req.num_computed_tokens:  # give back claimed prefix blocks while it waits
                     kv.free(req)
                     req.num_computed_tokens = 0
@@ -260,14 +315,48 @@ class Scheduler:
         for item in skipped:
             heapq.heappush(waiting, item)
 
-    def update(self, reqs: list[Request], nums: list[int], tokens: list[int]) -> tuple[
-            list[EngineCoreOutput], list[str] | None]:
-        """Apply one step's results; return the outputs and the ids finished (None if none)."""
+    def update(
+        self,
+        reqs: list[Request],
+        nums: list[int],
+        tokens: list[int],
+        stream: tuple[list[str], list[int]] | None = None,
+    ) -> tuple[list[EngineCoreOutput], list[str] | None]:
+        """Apply one step's results; return the outputs and the ids finished (None if none).
+
+        With ``stream``, a decode that neither finishes nor carries a cached-token count is
+        appended to its two lists (ids, tokens) instead of becoming an output struct: the
+        columnar form ``EngineCoreOutputs.stream_ids``/``stream_tokens`` of the wire.
+        """
         outs: list[EngineCoreOutput] = []
         add = outs.append
         finished: list[str] | None = None
         register = self.kv.register_full_blocks if self.kv.enable_prefix_caching else None
         output = EngineCoreOutput
+        if stream is not None:
+            add_id, add_tok = stream[0].append, stream[1].append
+            for req, n, tok in zip(reqs, nums, tokens, strict=False):
+                req.num_computed_tokens += n
+                if register is not None:
+                    register(req)
+                if tok < 0:
+                    continue
+                req.all_token_ids.append(tok)
+                req.num_tokens = ntok = req.num_tokens + 1
+                if tok not in req.stops and ntok < req.stop_len:
+                    if req.num_cached_tokens:
+                        add(output(req.request_id, [tok], None, None, req.num_cached_tokens))
+                    else:
+                        add_id(req.request_id)
+                        add_tok(tok)
+                    continue
+                add(self._finish_on(req, tok))
+                if finished is None:
+                    finished = []
+                finished.append(req.request_id)
+            if finished is not None:
+                self.running = [r for r in self.running if not r.finished]
+            return outs, finished
         # The hot path is a decode that does not finish: one pass, one set lookup, and the
         # output built with as few arguments as its fields allow (defaults cost nothing).
         for req, n, tok in zip(reqs, nums, tokens, strict=False):
@@ -276,25 +365,27 @@ class Scheduler:
                 register(req)
             if tok < 0:  # a prefill chunk that does not reach the end: nothing sampled
                 continue
-            toks = req.all_token_ids
-            toks.append(tok)
-            if tok not in req.stops and len(toks) < req.stop_len:
+            req.all_token_ids.append(tok)
+            req.num_tokens = ntok = req.num_tokens + 1
+            if tok not in req.stops and ntok < req.stop_len:
                 cached = req.num_cached_tokens
                 if cached:
                     add(output(req.request_id, [tok], None, None, cached))
                 else:
                     add(output(req.request_id, [tok]))
                 continue
-            if tok in req.stop_ids:
-                out = self.finish(req, RE.STOP, FinishReason.STOP, tok, None, [tok])
-            elif tok == req.eos:
-                out = self.finish(req, RE.STOP, FinishReason.STOP, None, None, [tok])
-            else:
-                out = self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])
-            add(out)
+            add(self._finish_on(req, tok))
             if finished is None:
                 finished = []
             finished.append(req.request_id)
         if finished is not None:
             self.running = [r for r in self.running if not r.finished]
         return outs, finished
+
+    def _finish_on(self, req: Request, tok: int) -> EngineCoreOutput:
+        """``tok`` ended ``req`` (a stop id, EOS or the length limit): finish it."""
+        if tok in req.stop_ids:
+            return self.finish(req, RE.STOP, FinishReason.STOP, tok, None, [tok])
+        if tok == req.eos:
+            return self.finish(req, RE.STOP, FinishReason.STOP, None, None, [tok])
+        return self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])

@@ -77,6 +77,14 @@ def test_oom_reads_as_kv_exhaustion_on_cpu_and_delay_returns() -> None:
         inj("forward")
 
 
+def test_oom_on_a_cuda_engine_raises_torchs_cuda_oom_type() -> None:
+    # Only the type is chosen here (no CUDA needed); tests/faults/test_cuda_oom.py fires it
+    # inside real CUDA engines.
+    inj = FaultInjector(FaultPlan.parse("forward:1:oom"), device="cuda:0")
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="CUDA out of memory"):
+        inj("forward")
+
+
 def test_record_path_gets_the_fire_time(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "log")
     inj = FaultInjector(FaultPlan(faults=[Fault.parse("step:1:delay:0")], record_path=path))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from enginewire.runtime.integrity import LinkIntegrity
 from enginewire.spec import ProtocolError
+
+
+class FakeClock:
+    """A monotonic clock the test advances by hand: no real waiting for deadlines."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def sealed(link: LinkIntegrity, *frames: bytes) -> list[bytes]:
@@ -59,21 +67,26 @@ def test_an_unsealed_peer_is_refused_loudly() -> None:
 
 
 def test_an_input_the_engine_never_acknowledges_is_lost() -> None:
-    client = LinkIntegrity(loss_deadline_s=0.05)
+    clock = FakeClock()
+    client = LinkIntegrity(loss_deadline_s=2.0, clock=clock)
     engine = LinkIntegrity()
     client.seal([b"add"])  # dropped on the way: the engine never opens it
+    clock.now += 1.9
     client.open(sealed(engine, b"beat"))  # young: still in flight, no verdict yet
-    time.sleep(0.06)
+    clock.now += 0.2
     with pytest.raises(ProtocolError, match="never reached the engine"):
         client.open(sealed(engine, b"beat"))
 
 
 def test_acknowledged_inputs_are_forgotten() -> None:
-    client = LinkIntegrity(loss_deadline_s=0.01)
+    clock = FakeClock()
+    client = LinkIntegrity(loss_deadline_s=2.0, clock=clock)
     engine = LinkIntegrity()
     engine.open(sealed(client, b"add"))
-    time.sleep(0.02)
+    clock.now += 5.0
     client.open(sealed(engine, b"tokens"))  # acks message 1: nothing outstanding
+    clock.now += 5.0
+    client.open(sealed(engine, b"beat"))  # and it is never reported as lost later
 
 
 def test_an_ack_beyond_what_was_sent_is_refused() -> None:

@@ -116,3 +116,22 @@ def test_skip_and_probability_zero(make: object) -> None:
     ends.router.send_multipart([IDENT, RequestType.ADD.value, b"dropped"])
     assert [f[1] for f in ends.to_engine(b"third")] == [b"third"]
     assert proxy.events == [("to_engine", "add", "drop")]
+
+
+def test_output_kinds_are_read_from_the_encoded_batch() -> None:
+    # Tokens travel as output structs or as the columnar stream lists; both are TOKENS.
+    from enginewire.protocol.codec import Encoder
+    from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, UtilityOutput
+    from enginewire.testing.interposer import _kind_to_client
+
+    def kind(batch: EngineCoreOutputs) -> FrameKind:
+        return _kind_to_client([bytes(f) for f in Encoder().encode_into(batch, bytearray())],
+                               False)
+
+    assert kind(EngineCoreOutputs(engine_index=0)) is FrameKind.HEARTBEAT
+    assert kind(EngineCoreOutputs(engine_index=0, outputs=[EngineCoreOutput("a", [1])])) is (
+        FrameKind.TOKENS)
+    assert kind(EngineCoreOutputs(engine_index=0, stream_ids=["a"], stream_tokens=[1])) is (
+        FrameKind.TOKENS)
+    assert kind(EngineCoreOutputs(engine_index=0, utility_output=UtilityOutput(call_id=1))) is (
+        FrameKind.UTILITY)

@@ -23,7 +23,7 @@ from enginewire.faults import (
     matrix_cells,
     run_fault_matrix,
 )
-from enginewire.testing.fault_matrix import HANG_BOUND_S, Scenario, _default_config
+from enginewire.testing.fault_matrix import DEATH_BOUND_S, Scenario, _default_config
 from enginewire.testing.interposer import interposer_cells
 
 torch.set_num_threads(1)
@@ -72,7 +72,7 @@ def test_a_slice_of_the_quick_matrix_passes(tmp_path: Path) -> None:
     assert flipped["outcome"] == "dead" and "checksum" in flipped["detail"]
     hung = next(r for r in report["results"] if r["action"] == "sigstop")
     assert hung["outcome"] == "dead" and hung["leaks"] == {}
-    assert hung["latency_ms"] is not None and hung["latency_ms"] <= HANG_BOUND_S * 1000
+    assert hung["latency_ms"] is not None and hung["latency_ms"] <= DEATH_BOUND_S * 1000
 
 
 def test_any_cell_off_the_spec_makes_the_exit_status_non_zero(tmp_path: Path) -> None:

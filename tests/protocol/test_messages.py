@@ -26,6 +26,7 @@ from enginewire.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    Limits,
     ProtocolError,
     ReadyResponse,
     RequestType,
@@ -62,7 +63,7 @@ LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     ),
     EngineCoreOutputs: (
         "engine_index", "outputs", "timestamp", "finished_requests", "scheduler_stats",
-        "utility_output",
+        "utility_output", "stream_ids", "stream_tokens",
     ),
     ReadyResponse: (
         "protocol_version", "engine_index", "num_gpu_blocks", "block_size", "max_model_len",
@@ -381,3 +382,39 @@ def test_fuzz_mutated_real_frames_seeded() -> None:
         if len(frames) > 1 and rng.random() < 0.3:  # damage an aux frame instead
             frames[1] = frames[1][: rng.randrange(len(frames[1]) + 1)]
         _check_decode(rng.choice(TARGETS), frames)
+
+
+# --- stream columns ----------------------------------------------------------------------
+
+
+def test_stream_columns_round_trip_and_expand_in_order() -> None:
+    batch = EngineCoreOutputs(
+        2, [EngineCoreOutput("z", [], FinishReason.ABORT)], 1.5, ["z"],
+        stream_ids=["a", "b"], stream_tokens=[7, 8],
+    )
+    got = decode_outputs(Encoder().encode(batch))
+    assert got == batch
+    assert got.expanded() == EngineCoreOutputs(
+        2, [EngineCoreOutput("a", [7]), EngineCoreOutput("b", [8]),
+            EngineCoreOutput("z", [], FinishReason.ABORT)], 1.5, ["z"])
+    plain = EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])])
+    assert plain.expanded() is plain
+
+
+@pytest.mark.parametrize(("ids", "tokens"), [(["a", "b"], [1]), (["a"], [1, 2]), ([], [3])])
+def test_stream_columns_of_different_lengths_are_a_protocol_error(
+    ids: list[str], tokens: list[int]
+) -> None:
+    frames = Encoder().encode(EngineCoreOutputs(stream_ids=ids, stream_tokens=tokens))
+    with pytest.raises(ProtocolError, match="as many stream tokens as stream ids"):
+        decode_outputs(frames)
+
+
+def test_stream_columns_count_toward_the_batch_limit() -> None:
+    limits = Limits(max_batch=3)
+    ok = EngineCoreOutputs(stream_ids=["a", "b", "c"], stream_tokens=[1, 2, 3])
+    assert decode_outputs(Encoder().encode(ok), limits) == ok
+    over = EngineCoreOutputs(0, [EngineCoreOutput("d", [4])], stream_ids=["a", "b", "c"],
+                             stream_tokens=[1, 2, 3])
+    with pytest.raises(ProtocolError, match="at most 3 outputs"):
+        decode_outputs(Encoder().encode(over), limits)

@@ -77,3 +77,28 @@ def test_aborting_request_still_streams(client: InprocClient) -> None:
     assert client._requests["b"].state is CS.ABORTING
     client._track_outputs(_batch(EngineCoreOutput("b", [], FinishReason.ABORT)))
     assert client.live_requests() == []
+
+
+def _stream(*pairs: tuple[str, int], outs: tuple[EngineCoreOutput, ...] = ()) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=list(outs), stream_ids=[p[0] for p in pairs],
+                             stream_tokens=[p[1] for p in pairs])
+
+
+def test_stream_columns_advance_like_outputs(client: InprocClient) -> None:
+    client._track_add(EngineCoreRequest("a", [5]))
+    client._track_add(EngineCoreRequest("b", [5]))
+    client._track_outputs(_stream(("a", 7)))  # first token: SENT -> STREAMING
+    assert client._requests["a"].state is CS.STREAMING
+    assert client._requests["b"].state is CS.SENT
+    client._track_outputs(_stream(("a", 8), ("b", 1)))
+    assert client._requests["b"].state is CS.STREAMING
+    client._track_outputs(_stream(("a", 9), outs=(EngineCoreOutput("b", [2], FinishReason.STOP),)))
+    assert "b" not in client._requests and client._requests["a"].state is CS.STREAMING
+    with pytest.raises(SpecViolation):  # a stream token after its request finished
+        client._track_outputs(_stream(("b", 3)))
+    with pytest.raises(SpecViolation):
+        client._track_outputs(_stream(("never-sent", 3)))
+    if client.trace is not None:
+        outputs = [e for e in client.trace
+                   if e[0] == CLIENT_REQUEST.name and e[2] == ClientRequestEvent.OUTPUT.name]
+        assert len(outputs) == 4  # a: 7, 8, 9 and b: 1; refused outputs record nothing

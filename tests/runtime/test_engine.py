@@ -13,6 +13,7 @@ import torch
 
 from enginewire.protocol.messages import (
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SamplingParams,
@@ -459,3 +460,104 @@ def test_a_fault_at_step_is_fatal_and_fails_deferred_replies() -> None:
         fut.result(timeout=0)
     with pytest.raises(EngineDeadError):
         eng.add_request(req("b", [5]))
+
+
+# -- request tensors -------------------------------------------------------------------------
+
+
+def test_request_tensors_the_model_does_not_accept_finish_with_an_error_naming_them() -> None:
+    trace: list = []  # type: ignore[type-arg]
+    eng = EngineCore(NULL, trace=trace)
+    embeds = torch.zeros(4, 64, dtype=torch.bfloat16)
+    eng.add_request(EngineCoreRequest("emb", [5, 6, 7, 8], SamplingParams(max_tokens=2),
+                                      tensors={"prompt_embeds": embeds, "extra": [1, 2]}))
+    eng.add_request(EngineCoreRequest("empty-map", [5], SamplingParams(max_tokens=2),
+                                      tensors={}))  # nothing to drop: served as usual
+    eng.add_request(req("plain", [5], max_tokens=2))
+    toks, fin = drain(eng)
+    err = fin["emb"].error or ""
+    assert fin["emb"].finish_reason is FinishReason.ERROR and toks.get("emb", []) == []
+    assert "'prompt_embeds' (bfloat16[4, 64])" in err and "'extra' (list)" in err
+    assert "model 'null'" in err and "accepted tensors: none" in err
+    for rid in ("empty-map", "plain"):
+        assert fin[rid].finish_reason is FinishReason.LENGTH and len(toks[rid]) == 2
+    check_trace(trace)
+
+
+def test_request_tensors_decoded_from_the_wire_are_refused_through_inproc_client() -> None:
+    import numpy as np
+
+    from enginewire.protocol.codec import Encoder, decode_input, encode_input
+    from enginewire.protocol.messages import RequestType
+    from enginewire.runtime.client import make_client
+
+    sent = EngineCoreRequest("wire", [5, 6], SamplingParams(max_tokens=2),
+                             tensors={"prompt_embeds": np.ones((2, 64), dtype=np.float32)})
+    frames = encode_input(Encoder(), RequestType.ADD, sent)
+    kind, decoded = decode_input(frames[0], frames[1:])
+    assert kind is RequestType.ADD and isinstance(decoded, EngineCoreRequest)
+    with make_client(NULL, multiprocess=False, asyncio=False) as client:
+        client.add_request(decoded)
+        fin = None
+        for _ in range(10):
+            outs = [o for o in client.get_output().outputs if o.request_id == "wire"]
+            if outs:
+                fin = outs[0]
+                break
+    assert fin is not None and fin.finish_reason is FinishReason.ERROR
+    assert "'prompt_embeds' (float32[2, 64])" in (fin.error or "")
+
+
+# -- columnar outputs (the process wrapper's wire form) ----------------------------------------
+
+
+def _run_batches(stream: bool, cfg: EngineConfig) -> list[EngineCoreOutputs]:
+    eng = EngineCore(cfg, stream_outputs=stream)
+    eng.add_request(req("len", [5, 6, 7], max_tokens=6, ignore_eos=True))
+    eng.add_request(req("stop", [9, 10], max_tokens=40, ignore_eos=True, seed=0,
+                        stop_token_ids=[null_token(0, 4)]))  # its third token
+    eng.add_request(req("bad", []))  # ERROR output, not a stream entry
+    batches = []
+    for _ in range(200):
+        if not (eng.has_unfinished_requests() or eng.has_pending_outputs()):
+            break
+        batches.append(eng.step())
+        if len(batches) == 2:
+            eng.abort_requests(["len"])  # ABORT output mid-stream
+    eng.shutdown()
+    return batches
+
+
+def test_stream_columns_expand_to_exactly_the_struct_outputs() -> None:
+    plain = _run_batches(False, NULL)
+    streamed = _run_batches(True, NULL)
+    assert len(plain) == len(streamed)
+    assert any(b.stream_ids for b in streamed)
+    reasons = {o.request_id: o.finish_reason for b in plain for o in b.outputs if o.finished}
+    assert reasons == {"len": FinishReason.ABORT, "stop": FinishReason.STOP,
+                       "bad": FinishReason.ERROR}
+    for p, s in zip(plain, streamed, strict=True):
+        assert not p.stream_ids and not p.stream_tokens
+        assert len(s.stream_ids) == len(s.stream_tokens)
+        # Columns hold only plain decodes: no finish, one token.
+        assert all(o.finished or not o.new_token_ids or o.num_cached_tokens
+                   for o in s.outputs)
+        key = lambda o: o.request_id  # noqa: E731
+        assert sorted(s.expanded().outputs, key=key) == sorted(p.outputs, key=key)
+        assert s.expanded().finished_requests == p.finished_requests
+
+
+def test_cached_token_counts_stay_in_structs() -> None:
+    cfg = EngineConfig(model="null", device="cpu", block_size=4, enable_prefix_caching=True)
+    eng = EngineCore(cfg, stream_outputs=True)
+    prompt = list(range(20, 42))
+    for rid in ("first", "second"):
+        eng.add_request(req(rid, prompt, max_tokens=4, ignore_eos=True))
+        seen: list[EngineCoreOutput] = []
+        while eng.has_unfinished_requests():
+            b = eng.step()
+            if rid == "second":
+                assert rid not in b.stream_ids  # its outputs carry num_cached_tokens
+            seen += b.expanded().outputs
+        assert sum(len(o.new_token_ids) for o in seen) == 4
+    eng.shutdown()

@@ -74,7 +74,7 @@ class Peer:
     def recv(self, timeout: float = BOUND_S) -> EngineCoreOutputs:
         if not self.pull.poll(int(timeout * 1000)):
             raise AssertionError(f"no output within {timeout} s")
-        return decode_outputs(self.pull.recv_multipart())
+        return decode_outputs(self.pull.recv_multipart()).expanded()
 
     def until(self, pred: Any, timeout: float = BOUND_S) -> list[EngineCoreOutputs]:
         got: list[EngineCoreOutputs] = []

@@ -122,6 +122,7 @@ def test_null_token_matches_null_worker_and_avoids_eos() -> None:
     class R:
         def __init__(self, seed: int, toks: list[int], computed: int) -> None:
             self.seed, self.all_token_ids, self.num_computed_tokens = seed, toks, computed
+            self.num_tokens = len(toks)
 
     w = NullWorker(EngineConfig(model="null"))
     reqs = [R(5, [1] * 10, 9), R(6, [1] * 4, 0), R(7, [1] * 30, 0)]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
 import torch
 
-from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
+from enginewire.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore
 from enginewire.runtime.model import TinyRandomSource, dense_greedy
@@ -152,3 +153,185 @@ def test_prefix_caching_under_preemption_and_eviction_keeps_greedy_exact() -> No
     for rid, p in prompts.items():
         assert toks[rid] == dense_greedy(arch, params, p, len(toks[rid])), rid
     assert eng.kv.num_free_blocks == 10
+
+
+# -- priority policy: a waiting request with a better priority preempts a running one -------------
+
+
+def state_of(eng: EngineCore, rid: str) -> EngineRequestState:
+    return eng.scheduler.requests[rid].lifecycle.state
+
+
+def test_a_better_waiting_request_takes_the_only_slot_by_preemption() -> None:
+    trace: list = []  # type: ignore[type-arg]
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=1), trace=trace)
+    eng.add_request(req("low", [5, 6], priority=5, max_tokens=6, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert state_of(eng, "low") is EngineRequestState.RUNNING
+    eng.add_request(req("high", [7], priority=-1, max_tokens=3, ignore_eos=True))
+    # The victim was picked for this step first: it leaves the batch, the winner takes it.
+    reqs, nums = eng.scheduler.schedule()
+    assert [r.request_id for r in reqs] == ["high"] and nums == [1]
+    assert state_of(eng, "low") is EngineRequestState.PREEMPTED
+    tokens = eng.executor.execute_model(reqs, nums)  # type: ignore[union-attr]
+    eng.scheduler.update(reqs, nums, tokens)
+    toks, order = run(eng)
+    assert order == ["high", "low"]
+    stats = eng.get_stats()
+    assert stats["num_priority_preemptions"] == 1 and stats["num_preemptions"] == 1
+    assert stats["scheduling_policy"] == "priority"
+    assert len(toks["low"]) == 4  # 2 before, 4 after: recompute resumes, nothing is lost
+    validate_trace(ENGINE_REQUEST, trace)
+
+
+def test_a_better_waiting_request_takes_kv_blocks_by_preemption_and_greedy_stays_exact() -> None:
+    trace: list = []  # type: ignore[type-arg]
+    # 6 blocks of 4 tokens; "low" grows to 6 blocks on its own, so "high" finds none free.
+    cfg = EngineConfig(model="tiny", device="cpu", max_model_len=24, block_size=4,
+                       num_gpu_blocks_override=6, max_num_batched_tokens=32)
+    eng = EngineCore(cfg, trace=trace)
+    low_p, high_p = [(7 * j) % 400 + 3 for j in range(10)], [11, 12, 13, 14, 15]
+    eng.add_request(req("low", low_p, priority=1, max_tokens=13, ignore_eos=True))
+    before: dict[str, list[int]] = defaultdict(list)
+    for _ in range(8):
+        for o in eng.step().outputs:
+            before[o.request_id] += o.new_token_ids
+    assert eng.kv.num_free_blocks <= 1 and state_of(eng, "low") is EngineRequestState.RUNNING
+    eng.add_request(req("high", high_p, priority=0, max_tokens=4, ignore_eos=True))
+    for o in eng.step().outputs:
+        before[o.request_id] += o.new_token_ids
+    assert state_of(eng, "low") is EngineRequestState.PREEMPTED
+    assert state_of(eng, "high") is EngineRequestState.RUNNING
+    toks, order = run(eng)
+    toks = {rid: before[rid] + toks.get(rid, []) for rid in ("low", "high")}
+    assert order == ["high", "low"]
+    arch, params = TinyRandomSource(seed=0).load()
+    assert toks["high"] == dense_greedy(arch, params, high_p, 4)
+    assert toks["low"] == dense_greedy(arch, params, low_p, 13)
+    assert eng.scheduler.num_priority_preemptions == 1 and eng.kv.num_free_blocks == 6
+    validate_trace(ENGINE_REQUEST, trace)
+
+
+def test_the_victim_is_the_worst_priority_then_the_latest_arrival() -> None:
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=3))
+    eng.add_request(EngineCoreRequest("p1", [5], SamplingParams(max_tokens=50),
+                                      arrival_time=9.0, priority=1))
+    eng.add_request(EngineCoreRequest("p2-late", [5], SamplingParams(max_tokens=50),
+                                      arrival_time=5.0, priority=2))
+    eng.add_request(EngineCoreRequest("p2-early", [5], SamplingParams(max_tokens=50),
+                                      arrival_time=1.0, priority=2))
+    eng.step()
+    eng.add_request(req("vip", [5], priority=0, max_tokens=50))
+    eng.step()
+    assert state_of(eng, "p2-late") is EngineRequestState.PREEMPTED
+    assert {r.request_id for r in eng.scheduler.running} == {"p1", "p2-early", "vip"}
+    assert eng.scheduler.num_priority_preemptions == 1
+
+
+def test_equal_priorities_never_preempt_and_a_worse_one_waits() -> None:
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=1))
+    eng.add_request(EngineCoreRequest("a", [5], SamplingParams(max_tokens=4),
+                                      arrival_time=50.0, priority=2))
+    eng.step()
+    # An earlier arrival time ranks better among equals but does not preempt.
+    eng.add_request(EngineCoreRequest("b", [5], SamplingParams(max_tokens=4),
+                                      arrival_time=1.0, priority=2))
+    eng.add_request(req("c", [5], priority=7, max_tokens=4))
+    _, order = run(eng)
+    assert order == ["a", "b", "c"] and eng.scheduler.num_preemptions == 0
+
+
+def test_arrival_time_orders_equal_priorities_then_the_order_received() -> None:
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=1))
+    for rid, at in [("t3", 3.0), ("t1", 1.0), ("t2-first", 2.0), ("t2-second", 2.0)]:
+        eng.add_request(EngineCoreRequest(rid, [5], SamplingParams(max_tokens=2),
+                                          arrival_time=at))
+    eng.add_request(EngineCoreRequest("urgent", [5], SamplingParams(max_tokens=2),
+                                      arrival_time=9.0, priority=-1))
+    _, order = run(eng)
+    assert order == ["urgent", "t1", "t2-first", "t2-second", "t3"]
+
+
+def test_a_preempted_request_keeps_its_rank_over_later_equal_arrivals() -> None:
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=1))
+    eng.add_request(req("first", [5], priority=1, max_tokens=5))
+    eng.step()
+    eng.add_request(req("vip", [5], priority=0, max_tokens=2))
+    eng.add_request(req("later", [5], priority=1, max_tokens=2))
+    _, order = run(eng)
+    assert order == ["vip", "first", "later"]
+
+
+def test_no_priority_preemption_while_draining_for_a_pause() -> None:
+    trace: list = []  # type: ignore[type-arg]
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=1), trace=trace)
+    eng.add_request(req("old", [5], priority=3, max_tokens=5))
+    eng.step()
+    fut = eng.pause_scheduler("wait")
+    assert fut is not None
+    eng.add_request(req("new", [5], priority=-3, max_tokens=2))  # queues behind the drain
+    _, order = run(eng)
+    assert fut.done() and order == ["old"] and eng.scheduler.num_preemptions == 0
+    eng.resume_scheduler()
+    _, order = run(eng)
+    assert order == ["new"]
+    validate_trace(ENGINE_REQUEST, trace)
+
+
+def test_fcfs_policy_never_preempts_for_waiting_and_refuses_priorities() -> None:
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=1,
+                                  scheduling_policy="fcfs"))
+    eng.add_request(req("a", [5], max_tokens=4))
+    eng.add_request(req("b", [5], max_tokens=4))
+    eng.add_request(req("vip", [5], priority=-1, max_tokens=4))
+    out = {o.request_id: o for o in eng.step().outputs}
+    assert out["vip"].finish_reason is FinishReason.ERROR
+    assert "scheduling_policy" in (out["vip"].error or "")
+    _, order = run(eng)
+    assert order == ["a", "b"] and eng.scheduler.num_preemptions == 0
+    assert eng.get_stats()["scheduling_policy"] == "fcfs"
+
+
+def test_scheduling_policy_is_validated_by_name() -> None:
+    with pytest.raises(ValueError, match=r"EngineConfig\.scheduling_policy='lifo'"):
+        EngineConfig(scheduling_policy="lifo")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_arrival_time_is_an_error_output(bad: float) -> None:
+    eng = EngineCore(EngineConfig(model="null", device="cpu"))
+    eng.add_request(EngineCoreRequest("x", [5], arrival_time=bad))
+    eng.add_request(req("ok", [5], max_tokens=2))
+    toks, _ = run(eng)
+    assert toks == {"x": [], "ok": toks["ok"]} and len(toks["ok"]) == 2
+
+
+def test_random_priorities_under_pressure_finish_every_request_exactly() -> None:
+    """Random priorities and arrivals, few slots and blocks: every request finishes with
+    exactly its tokens, no block leaks, and every request trace obeys the spec."""
+    import random
+
+    rng = random.Random(3)
+    trace: list = []  # type: ignore[type-arg]
+    cfg = EngineConfig(model="null", device="cpu", max_model_len=32, block_size=4,
+                       num_gpu_blocks_override=12, max_num_seqs=3, max_num_batched_tokens=16)
+    eng = EngineCore(cfg, trace=trace)
+    want: dict[str, int] = {}
+    got: dict[str, int] = defaultdict(int)
+    order: list[str] = []
+    for i in range(40):
+        if rng.random() < 0.6:
+            rid, n = f"r{i}", rng.randrange(1, 12)
+            want[rid] = n
+            eng.add_request(req(rid, [5] * rng.randrange(1, 12), priority=rng.randrange(-2, 3),
+                                max_tokens=n, ignore_eos=True))
+        for o in eng.step().outputs:
+            got[o.request_id] += len(o.new_token_ids)
+            order += [o.request_id] if o.finished else []
+    toks, rest = run(eng)
+    for rid, t in toks.items():
+        got[rid] += len(t)
+    assert sorted(order + rest) == sorted(want) and dict(got) == want
+    assert eng.scheduler.num_priority_preemptions > 0 and eng.kv.num_free_blocks == 12
+    validate_trace(ENGINE_REQUEST, trace)

@@ -1,0 +1,109 @@
+"""SyncMPClient's reader: whichever thread waits reads the output socket (no hand-off), other
+waiters get what it routes for them, and the background thread takes the socket only when no
+caller has read for a while. Every wait here is bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
+from enginewire.runtime.config import EngineConfig
+from enginewire.runtime.mp_client import SyncMPClient
+
+NULL = EngineConfig(model="null", device="cpu")
+BOUND_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[SyncMPClient]:
+    c = SyncMPClient(NULL)
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def _request(rid: str, n: int) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, [5, 6, 7], SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def _until_finished(client: SyncMPClient, rid: str) -> list[int]:
+    tokens: list[int] = []
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        for o in client.get_output(timeout=1.0).outputs:
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                if o.finished:
+                    return tokens
+    raise AssertionError(f"{rid} did not finish within {BOUND_S} s")
+
+
+def test_a_reader_routes_replies_for_another_thread(client: SyncMPClient) -> None:
+    # One thread sits in get_output (holding the socket) while another makes utility calls:
+    # their replies are read by the first thread and must still reach the caller.
+    got: list[list[int]] = []
+    errors: list[BaseException] = []
+    waiting = threading.Event()
+
+    def consume() -> None:
+        try:
+            waiting.set()
+            got.append(_until_finished(client, "r1"))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert waiting.wait(BOUND_S)
+    for i in range(50):
+        assert client.call_utility("echo", i, timeout=BOUND_S) == i
+    client.add_request(_request("r1", 7))
+    t.join(BOUND_S)
+    assert not t.is_alive() and not errors
+    assert len(got[0]) == 7
+
+
+def test_call_while_the_background_thread_holds_the_socket(client: SyncMPClient) -> None:
+    reader = client._reader
+    assert reader is not None
+    deadline = time.monotonic() + BOUND_S
+    with reader.cv:  # idle: the background thread takes over after IDLE_TAKEOVER_S
+        while not reader._bg_reading and time.monotonic() < deadline:
+            reader.cv.wait(0.05)
+        assert reader._bg_reading
+    assert client.call_utility("echo", "kicked", timeout=BOUND_S) == "kicked"
+
+
+def test_timeout_zero_polling_sees_outputs(client: SyncMPClient) -> None:
+    client.add_request(_request("r0", 3))
+    tokens = 0
+    deadline = time.monotonic() + BOUND_S
+    while tokens < 3 and time.monotonic() < deadline:
+        tokens += sum(len(o.new_token_ids) for o in client.get_output(timeout=0).outputs
+                      if o.request_id == "r0")
+    assert tokens == 3
+
+
+def test_many_threads_calling_at_once(client: SyncMPClient) -> None:
+    results: dict[int, list[object]] = {}
+    errors: list[BaseException] = []
+
+    def caller(k: int) -> None:
+        try:
+            results[k] = [client.call_utility("echo", (k, i), timeout=BOUND_S)
+                          for i in range(30)]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+    assert not errors and all(not t.is_alive() for t in threads)
+    assert results == {k: [[k, i] for i in range(30)] for k in range(4)}
