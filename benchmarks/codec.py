@@ -66,6 +66,8 @@ class _BaseOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     finished_requests: list[str] | None = None
     scheduler_stats: Any = None
     utility_output: Any = None
+    stream_ids: list[str] = []
+    stream_tokens: list[int] = []
 
 
 class _BaseBlob(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -132,3 +132,18 @@ def test_run_bench_writes_json_and_plot(tmp_path: Path) -> None:
 def test_unknown_section_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown benchmark sections"):
         run.collect(quick=True, only=["nope"])
+
+
+def test_codec_baselines_encode_to_the_same_bytes_as_ours() -> None:
+    # The codec section compares like with like only while each hand-written baseline has
+    # exactly our fields: a field appended to a wire Struct must be appended there too.
+    import random
+
+    from enginewire.benchmarks import codec
+    from enginewire.protocol.codec import Encoder
+
+    rng = random.Random(1)
+    enc, base = Encoder(), codec.msgspec.msgpack.Encoder()
+    pairs = [codec._outputs(n, rng) for n in (1, 32)] + [codec._add(rng)]
+    for ours, theirs in pairs:
+        assert enc.encode(ours)[0] == base.encode(theirs)
