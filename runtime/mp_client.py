@@ -11,8 +11,10 @@ dies while starting fails construction at once instead of at the deadline.
 Everything outside Python objects (process, sockets, context, ipc directory, monitor thread)
 is held by ``BackgroundResources``, attached with ``weakref.finalize`` *before* anything is
 created: a failure anywhere during construction, a dropped client and ``shutdown()`` all run
-the same idempotent teardown. The output socket belongs to its reader (thread or task) and is
-closed only there; the others are closed with linger 0 before the context terminates.
+the same idempotent teardown. The output socket belongs to its reader and is closed by it: in
+the sync client, whichever thread is waiting reads it (``_SyncReader``; a background thread
+only when nobody has read for a while), in the async client a loop callback on its FD. The
+others are closed with linger 0 before the context terminates.
 
 Engine death is seen on every path, within a second:
 
