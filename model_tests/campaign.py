@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,57 +35,62 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLIENTS", "PROFILES", "ClientResult", "run_campaign"]
+__all__ = ["CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "run_campaign"]
 
 CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")
 # Per-mutant bound on the child campaign (it stops at the first failure).
 MUTANT_TIMEOUT_S = 300.0
+_THREADS_ENV = "ENGINEWIRE_ENGINE_THREADS"
 
-# Transitions a campaign cannot reach, and why (matched by machine, then by a substring).
-_UNREACHABLE: tuple[tuple[str, str, str], ...] = (
-    ("client", "CONSTRUCTING", "start-up failures are not campaign rules"
-     " (conformance: check_kill_during_handshake, check_construction_failure_leaks_nothing)"),
-    ("engine", "-BUILT-> CONSTRUCTING", "subprocess engines trace inside their own process;"
-     " only the in-process engine's ENGINE trace reaches the campaign"),
-    ("engine", "HANDSHAKE_SENT", "handshake happens inside the engine process (not traced here)"),
-    ("engine", "LOOP_STARTED", "the busy loop runs inside the engine process (not traced here)"),
-    ("engine", "DRAINING", "only sleep/pause(wait) drains, and it is multi-process only"
-     " (in-process wait raises ValueError); engine traces stay in the engine process"),
-    ("engine", "PAUSE_WAIT", "wait mode is multi-process only; engine traces stay there"),
-    ("engine", "CONSTRUCTING -FATAL_ERROR", "in-process construction does not fail in a"
-     " campaign (conformance covers start-up failures)"),
-    ("engine", "DEAD -FATAL_ERROR", "a second fatal error is a subprocess path (sentinel and"
-     " step both report); engine traces stay in the engine process"),
-    ("engine", "SHUTDOWN -SHUTDOWN-> SHUTDOWN", "the in-process client shuts its engine down"
-     " once (the second shutdown stops at the client)"),
-    ("engine", "CONSTRUCTING -SHUTDOWN", "in-process construction does not fail in a campaign"),
-    ("engine", "READY -", "READY exists only in a subprocess engine (not traced here)"),
-    ("engine_request", "PREEMPT", "preemption needs KV exhaustion; the campaign's KV is ample"),
-    ("engine_request", "PREEMPTED", "preemption needs KV exhaustion; the campaign's KV is ample"),
-    ("engine_request", "-ERROR->", "a live request ends in ERROR only on a duplicate id, which"
-     " the client refuses before it reaches the engine"),
-    ("client_request", "FINISH_ERROR", "live requests end in ERROR only via a duplicate id,"
-     " which the client refuses first; invalid requests are rejected from SENT"),
-    # The runtime forgets a request once it finished: a reused id starts a new lifecycle in
-    # UNKNOWN, and an abort or a death that meets a finished or unknown id fires nothing (the
-    # spec's no-op loops are legal but never needed).
-    ("client_request", "FINISHED_", "the client forgets finished requests: reuse starts a new"
-     " lifecycle from UNKNOWN, and aborts/deaths of finished ids fire nothing"),
-    ("client_request", "UNKNOWN -ABORT_SENT", "an abort of an unknown id is not tracked (no-op)"),
-    ("client_request", "UNKNOWN -ENGINE_DIED", "death fires only on tracked, live requests"),
-    ("engine_request", "FINISHED_", "the scheduler forgets finished requests: reuse starts a"
-     " new lifecycle from UNKNOWN, and an abort of a finished id fires nothing"),
-    ("engine_request", "UNKNOWN -ABORT", "an abort of an unknown id fires nothing (no-op)"),
-)
+# Every spec transition a campaign never reaches, and why: exact (machine, source, event,
+# target) keys, checked against the spec machines by tests/model_tests/test_campaign.py. A
+# transition missing from a report and from this table is a gap: a rule should reach it.
+_FORGOTTEN_CLIENT = ("unreachable by this runtime: the client forgets a request once it"
+                     " finished (a reused id starts a new lifecycle in UNKNOWN) and never tracks"
+                     " an unknown id, so sends, aborts and deaths fire only on live requests")
+_FORGOTTEN_ENGINE = ("unreachable by this runtime: the scheduler forgets a request once it"
+                     " finished (a reused id starts a new lifecycle in UNKNOWN), so an ADD, a"
+                     " rejection or an abort of a finished or unknown id fires nothing")
+_IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and the ENGINE trace"
+                      " of a subprocess engine stays in that process (no utility returns it)")
+_FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH", "FINISHED_ABORTED", "FINISHED_ERROR")
+UNREACHED: dict[tuple[str, str, str, str], str] = {
+    ("client", "CONSTRUCTING", "ENGINE_DIED", "DEAD"):
+        "covered by conformance, not by campaign rules (which start from a ready client): the"
+        " engine process dies during the handshake (check_kill_during_handshake)",
+    ("client", "SHUTDOWN", "ENGINE_DIED", "SHUTDOWN"):
+        "a race no rule forces (reached in some 10-minute runs, not all): a death notice"
+        " landing after shutdown() marked the client SHUTDOWN and before its monitor stopped"
+        " (the client absorbs it)",
+    **{("client_request", f, e, f): _FORGOTTEN_CLIENT
+       for f in _FINISHED for e in ("ABORT_SENT", "ENGINE_DIED")},
+    **{("client_request", f, "SEND", "SENT"): _FORGOTTEN_CLIENT for f in _FINISHED},
+    ("client_request", "UNKNOWN", "ABORT_SENT", "UNKNOWN"): _FORGOTTEN_CLIENT,
+    ("client_request", "UNKNOWN", "ENGINE_DIED", "UNKNOWN"): _FORGOTTEN_CLIENT,
+    ("engine", "CONSTRUCTING", "BUILT", "CONSTRUCTING"): _IN_ENGINE_PROCESS,
+    ("engine", "CONSTRUCTING", "HANDSHAKE_SENT", "READY"): _IN_ENGINE_PROCESS,
+    ("engine", "READY", "LOOP_STARTED", "IDLE"): _IN_ENGINE_PROCESS,
+    ("engine", "READY", "FATAL_ERROR", "DEAD"): _IN_ENGINE_PROCESS,
+    ("engine", "READY", "SHUTDOWN", "SHUTDOWN"): _IN_ENGINE_PROCESS,
+    ("engine", "DEAD", "FATAL_ERROR", "DEAD"):
+        _IN_ENGINE_PROCESS + "; in-process, a dead engine refuses every call before a second"
+        " fatal error could happen",
+    ("engine", "CONSTRUCTING", "SHUTDOWN", "SHUTDOWN"):
+        _IN_ENGINE_PROCESS + " (a stop request during start-up); in-process, EngineCore"
+        " cannot be shut down before its constructor returned",
+    ("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN"):
+        "unreachable by this runtime: EngineCore.shutdown() returns early once shut down",
+    **{("engine_request", f, e, t): _FORGOTTEN_ENGINE for f in _FINISHED
+       for e, t in (("ADD", "WAITING"), ("REJECT", "FINISHED_ERROR"), ("ABORT", f))},
+    ("engine_request", "UNKNOWN", "ABORT", "UNKNOWN"): _FORGOTTEN_ENGINE,
+}
 
 
 def _why_unreached(item: str) -> str:
-    machine = item.split(" ", 1)[0]
-    for m, needle, why in _UNREACHABLE:
-        if m == machine and needle in item:
-            return why
-    return "not reached in this run (rare rule mix: run longer)"
+    m = re.fullmatch(r"(\S+) (\S+) -(\S+)-> (\S+)", item)
+    why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
+    return why or "NOT REACHED in this run: no reason declared (a gap; run longer or add a rule)"
 
 
 @dataclass
@@ -98,6 +104,8 @@ class ClientResult:
     rules: dict[str, int] = field(default_factory=dict)
     rule_seconds: dict[str, float] = field(default_factory=dict)
     failure: str | None = None
+    # Errors rules raised before the failure (Hypothesis may report a flaky replay instead).
+    errors: list[str] = field(default_factory=list)
     reproducer: str | None = None
     first_failure: tuple[int, float] | None = None
 
@@ -187,7 +195,13 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
 
-    from .stateful import CampaignStats, ClientPool, EngineClientStateMachine, builtin_factory
+    from .stateful import (
+        ORPHAN_MIN_LIFE,
+        CampaignStats,
+        ClientPool,
+        EngineClientStateMachine,
+        builtin_factory,
+    )
 
     config = _config(model)
     stats = CampaignStats()
@@ -200,11 +214,18 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
     from ..runtime.model import TINY_ARCH
 
+    # Longer programs let each engine live longer before a crash or shutdown may end it (an
+    # engine start, about 0.7 s, is most of what a campaign spends), and space out the orphan
+    # check (two interpreter starts). CI and mutant runs (steps <= 25) keep the defaults.
+    min_life = 3 if steps <= 25 else steps // 4
+    orphan_min_life = ORPHAN_MIN_LIFE if steps <= 25 else steps * 3 // 4
+
     def make() -> EngineClientStateMachine:
         return EngineClientStateMachine(factory, kind=kind, faults=faults,
                                         exact_tokens=model == "null",
                                         vocab_size=TINY_ARCH.vocab_size, pool=pool,
-                                        stats=stats, orphan_config=orphan)
+                                        stats=stats, orphan_config=orphan, min_life=min_life,
+                                        orphan_min_life=orphan_min_life)
 
     result = ClientResult(kind)
     lines: list[str] = []
@@ -253,6 +274,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     result.rule_seconds = {k: round(v, 3) for k, v in
                            sorted(stats.seconds.items(), key=lambda kv: -kv[1])}
     result.first_failure = stats.first_failure
+    if result.failure is not None:
+        result.errors = list(stats.errors)
     return result, stats.coverage
 
 
@@ -283,6 +306,8 @@ def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: An
     for r in results:
         if r.failure is not None:
             w(f"\nFAILURE on {r.client}: {r.failure}\n")
+            for err in r.errors:
+                w(f"  raised in {err}\n")
             if r.reproducer:
                 w(r.reproducer + "\n")
 
@@ -343,13 +368,27 @@ def run_campaign(
         wanted = _mutants.BANK[_mutants.ACTIVE].clients
         kinds = [k for k in kinds if k in wanted] or kinds
 
-    os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")
-    try:
+    # Spawned engines inherit the environment: one torch thread each on a shared machine (a
+    # null engine ignores the setting and never loads torch).
+    saved_threads = os.environ.get(_THREADS_ENV)
+    os.environ[_THREADS_ENV] = saved_threads or "1"
+    if model != "null":
         import torch
 
         torch.set_num_threads(1)
-    except ImportError:
-        pass
+    try:
+        return _run_kinds(kinds, client=client, examples=examples, steps=steps, seed=seed,
+                          faults=faults, duration=duration, model=model, profile=profile,
+                          out_dir=out_dir)
+    finally:
+        if saved_threads is None:
+            os.environ.pop(_THREADS_ENV, None)
+
+
+def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
+               faults: bool, duration: float | None, model: str, profile: str,
+               out_dir: Path) -> int:
+    from ..runtime import _mutants
     from .oracle import Coverage
 
     stop_at_first = _mutants.ACTIVE is not None

@@ -80,6 +80,9 @@ class RequestModel:
     error_ok: bool = False  # built invalid: it must end with ERROR
     parked: bool = False  # paused/asleep in keep mode (or added while paused): will not finish
     ended_by_death: bool = False
+    # Its id reached the engine again while live (in-process only, past the client's own
+    # refusal): the engine ends it with ERROR at once, whatever tokens it already had.
+    duplicated: bool = False
 
     @property
     def finished(self) -> bool:
@@ -88,7 +91,8 @@ class RequestModel:
     @property
     def must_finish(self) -> bool:
         """A drain may wait for it: it finishes without further action from the test."""
-        return not self.finished and (not self.parked or self.abort_ok or self.error_ok)
+        return not self.finished and (not self.parked or self.abort_ok or self.error_ok
+                                      or self.duplicated)
 
 
 class Oracle:
@@ -141,6 +145,10 @@ class Oracle:
             m = self.requests.get(rid)
             if m is not None and not m.finished:
                 m.abort_ok = True
+
+    def duplicate(self, rid: str) -> None:
+        """``rid`` was sent to the engine again while the engine still ran it."""
+        self.requests[rid].duplicated = True
 
     def pause(self, mode: str, level: int | None = None) -> list[str]:
         """A pause or sleep was acknowledged; returns the ids a ``wait`` must have finished."""
@@ -243,8 +251,11 @@ class Oracle:
 
     def _finish(self, m: RequestModel, reason: FinishReason, error: str | None) -> None:
         n = len(m.tokens)
+        if m.duplicated and reason is not FinishReason.ERROR:
+            raise OracleViolation(f"{m.rid!r} was sent again while live yet ended {reason.name}"
+                                  " (the engine must end it with ERROR)")
         if reason is FinishReason.ERROR:
-            if not m.error_ok:
+            if not (m.error_ok or m.duplicated):
                 raise OracleViolation(f"{m.rid!r} ended with ERROR ({error!r}) unexpectedly")
             if not error:
                 raise OracleViolation(f"{m.rid!r}: an ERROR finish must say why")

@@ -41,11 +41,18 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, RequestType, SamplingParams
+from ..protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    RequestType,
+    SamplingParams,
+)
 from ..runtime.engine import WAKE_TAGS
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
+    EngineStartupError,
     SpecViolation,
     UtilityError,
     UtilityTimeoutError,
@@ -84,11 +91,18 @@ LONG_MAX_TOKENS = 2000
 # loaded CI machine) widens the allowed set to include a natural finish.
 ABORT_GAP_S = 0.005
 MAX_LIVE = 8
-# The orphan check starts two interpreters (seconds): at most once per example, and only on an
-# engine that has lived this many steps, so short or crash-heavy examples skip it.
+# The orphan check starts two interpreters (about a second): at most once per example, and
+# only on an engine that has lived this many steps (the default of ``orphan_min_life``), so
+# short or crash-heavy examples skip it.
 ORPHAN_MIN_LIFE = 12
-# The request a wait-mode pause drains: long enough to be running when the pause lands.
-WAIT_MODE_TOKENS = 1000
+# The request a wait-mode pause drains: long enough to be running when the pause lands (null
+# steps take tens of microseconds; the pause follows the ADD at once).
+WAIT_MODE_TOKENS = 500
+# timed_out_utility: the call's timeout, and the engine-side delay of its reply. The margin
+# between them is what a descheduled client thread may lose before the reply could beat the
+# timeout (a false failure); the delay is also what the rule costs.
+TIMEOUT_CALL_S = 0.01
+TIMEOUT_REPLY_DELAY_S = 0.08
 
 FaultCounter = Counter  # fault kind -> times injected
 
@@ -109,10 +123,16 @@ class CampaignStats:
     started: float = field(default_factory=time.monotonic)
     # (examples run, seconds since start) when the first failure was seen.
     first_failure: tuple[int, float] | None = None
+    # The last few errors a rule or teardown raised, as "rule: Type: message". Hypothesis may
+    # report a flaky replay (FlakyStrategyDefinition) instead of the error that ended it; the
+    # campaign report shows these so the real failure is not lost.
+    errors: list[str] = field(default_factory=list)
 
-    def record_failure(self) -> None:
+    def record_failure(self, where: str = "", error: BaseException | None = None) -> None:
         if self.first_failure is None:
             self.first_failure = (self.examples, time.monotonic() - self.started)
+        if error is not None:
+            self.errors = [*self.errors[-4:], f"{where}: {type(error).__name__}: {error}"]
 
     def step(self, name: str) -> None:
         self.steps += 1
@@ -198,6 +218,20 @@ def close_and_check(live: _Live, *, check: bool = True) -> float:
     return took
 
 
+def _stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel reports it stopped: a call sent after this
+    returns cannot be answered until SIGCONT or SIGKILL."""
+    import psutil
+
+    os.kill(pid, signal.SIGSTOP)
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + WAIT_S
+    while (status := proc.status()) != psutil.STATUS_STOPPED:
+        if time.monotonic() > deadline:
+            raise OracleViolation(f"engine {pid} is {status} {WAIT_S} s after SIGSTOP")
+        time.sleep(0.001)
+
+
 def _check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
     """SIGKILL a client process; its engine must exit by itself within ORPHAN_BOUND_S. An
     engine that does not is killed here, so a failing check leaks nothing."""
@@ -270,6 +304,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         stats: CampaignStats | None = None,
         orphan_config: dict[str, Any] | None = None,
         min_life: int = 3,
+        orphan_min_life: int = ORPHAN_MIN_LIFE,
     ) -> None:
         super().__init__()
         self.kind = kind
@@ -290,6 +325,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         # so that most steps run on a live engine (an engine start costs seconds).
         self._life = 0
         self.min_life = min_life
+        self.orphan_min_life = orphan_min_life
         self.stats.examples += 1
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -306,8 +342,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         start = time.monotonic()
         try:
             yield
-        except BaseException:
-            self.stats.record_failure()
+        except BaseException as e:
+            self.stats.record_failure(name, e)
             raise
         self.stats.seconds[name] += time.monotonic() - start
         self._busy = None
@@ -404,11 +440,18 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         fn = getattr(self.cut.client, "pending_utility_calls", None)
         return 0 if fn is None else int(fn())
 
-    def _wait_pending(self, n: int) -> None:
+    def _wait_pending(self, n: int, call: concurrent.futures.Future[Any] | None = None) -> None:
         deadline = time.monotonic() + WAIT_S
         while self._pending_calls() != n:
-            if time.monotonic() > deadline:
-                raise OracleViolation(f"{self._pending_calls()} utility calls pending, not {n}")
+            if time.monotonic() > deadline or (n and call is not None and call.done()):
+                why = ""
+                if call is not None and call.done():  # it ended instead of staying pending
+                    err = call.exception()
+                    why = (f"; the call ended: {type(err).__name__}: {err}" if err is not None
+                           else f"; the call returned {call.result()!r}")
+                raise OracleViolation(
+                    f"{self._pending_calls()} utility calls pending, not {n} (client"
+                    f" {self.cut.client.state.name}){why}")
             time.sleep(0.001)
 
     @property
@@ -586,10 +629,11 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         its late reply (a result, or with ``failing`` an error) is dropped."""
         with self._rule("timed_out_utility"):
             method, args = ("profile", ("not-an-action",)) if failing else ("echo", ("late",))
-            self._arm(f"utility:{method}:1:delay:0.15")
+            self._arm(f"utility:{method}:1:delay:{TIMEOUT_REPLY_DELAY_S}")
             self.stats.faults["utility_delay"] += 1
             self._expect_raises(UtilityTimeoutError,
-                                lambda: self.cut.call_utility(method, *args, timeout=0.02),
+                                lambda: self.cut.call_utility(method, *args,
+                                                              timeout=TIMEOUT_CALL_S),
                                 "a call past its timeout")
             if self._pending_calls() != 0:
                 raise OracleViolation(f"{self._pending_calls()} call(s) left registered after"
@@ -710,6 +754,148 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                 self._expect_raises(UtilityError, lambda: self.cut._call("resume_scheduler"),
                                     "resume_scheduler while asleep")
 
+    # -- the in-process EngineCore, past its client ---------------------------------------
+    # The in-process client refuses what would block its only thread (wait mode) and what the
+    # protocol forbids (a duplicate live id). The engine must still handle both, so these rules
+    # drive the EngineCore itself and leave it as the client last saw it.
+
+    @precondition(lambda self: self.alive and self.kind == "inproc")
+    @rule(then=st.sampled_from(["drained", "idle", "add", "wake", "wait", "abort", "keep",
+                                "crash", "shutdown"]))
+    def engine_wait_mode(self, then: str) -> None:
+        """The engine's pause(wait) with requests running: it drains them (DRAINING), meets
+        ``then`` while draining, completes its deferred reply, and is resumed."""
+        with self._rule("engine_wait_mode"):
+            engine = self.cut.client.engine
+            if self.oracle.paused:  # PAUSED/SLEEPING: nothing to drain, the reply is immediate
+                if engine.pause_scheduler("wait") is not None:
+                    raise OracleViolation("pause(wait) of a paused engine deferred its reply")
+                return
+            if then == "idle":
+                self._quiesce()  # IDLE -PAUSE_WAIT-> PAUSED at once
+            else:
+                self._work_in_flight("wait")
+            fut = engine.pause_scheduler("wait")
+            drained = self.oracle.pause("wait")
+            running = [r for r in drained if r in engine.scheduler.requests]
+            if fut is None and running:
+                raise OracleViolation(f"pause(wait) replied at once with {running} running")
+            waiters = [] if fut is None else [fut]
+            if fut is not None:
+                if then == "add":  # DRAINING -WORK_ARRIVED: queued, not drained
+                    self._add_fixed(8)
+                elif then == "wake":  # nothing is released: the drain goes on
+                    engine.wake_up(None)
+                elif then == "wait":
+                    again = engine.pause_scheduler("wait")
+                    if again is None:
+                        raise OracleViolation("a second pause(wait) while draining replied at once")
+                    waiters.append(again)
+                elif then in ("abort", "keep"):  # DRAINING -> PAUSED: the drain is over
+                    engine.pause_scheduler(then)
+                    self.oracle.pause(then)
+                    if not fut.done():
+                        raise OracleViolation(f"pause({then}) left pause(wait)'s reply pending")
+                elif then == "crash":
+                    self.stats.faults["step_raise"] += 1
+                    self._crash_in_step("step_raise", [])
+                    self._expect_failed(waiters, EngineDeadError, "pause(wait) at engine death")
+                    return
+                elif then == "shutdown":
+                    self.cut.client.shutdown()
+                    self.oracle.closed()
+                    self._expect_failed(waiters, UtilityError, "pause(wait) at shutdown")
+                    return
+            deadline = time.monotonic() + WAIT_S
+            while not all(w.done() for w in waiters):
+                if time.monotonic() > deadline:
+                    raise OracleViolation(f"pause(wait) did not complete within {WAIT_S} s")
+                self._poll(0)
+            for w in waiters:
+                w.result()  # a failed drain raises here
+            if then not in ("abort", "keep"):
+                early = [r for r in drained if not self.oracle.requests[r].finished]
+                if early:
+                    raise OracleViolation(f"pause(wait) completed before {early} finished")
+            engine.resume_scheduler()
+            self.oracle.resume()
+
+    def _expect_failed(self, futs: list[concurrent.futures.Future[Any]],
+                       kind: type[BaseException], what: str) -> None:
+        for fut in futs:
+            if not fut.done():
+                raise OracleViolation(f"{what}: the deferred reply is still pending")
+            if not isinstance(fut.exception(), kind):
+                raise OracleViolation(f"{what}: the deferred reply ended with"
+                                      f" {fut.exception()!r}, not {kind.__name__}")
+
+    def _add_fixed(self, n: int) -> str:
+        rid = self._fresh_id()
+        req, expected, _ = self._request(rid, [5, 6, 7], n, 13, None, True, 0.0, 1.0)
+        self.cut.add_request(req)
+        self.oracle.add(rid, n, expected, None)
+        return rid
+
+    @precondition(lambda self: self.alive and self.kind == "inproc")
+    @rule(which=st.sampled_from(["waiting", "live", "preempted"]),
+          pick=st.integers(0, MAX_LIVE - 1))
+    def engine_duplicate(self, which: str, pick: int) -> None:
+        """A live id sent to the engine again ends the live request with ERROR and the copy
+        is dropped. ``which``: a request added and not yet scheduled (WAITING), any live one,
+        or (when awake) one a level-1 sleep in keep mode preempted, woken afterwards."""
+        with self._rule("engine_duplicate"):
+            engine = self.cut.client.engine
+            slept = False
+            if which != "live" and len(self.oracle.open_ids()) < MAX_LIVE:
+                live = [self._add_fixed(8)]
+                if which == "preempted" and not self.oracle.paused:
+                    self._poll(0)  # scheduled: RUNNING, so the sleep preempts it
+                    self.cut.sleep(1, "keep")
+                    self.oracle.pause("keep", 1)
+                    slept = True
+            else:
+                # Live in the engine too: a finish it made but the test has not read yet
+                # would turn the copy into a new request the client does not know.
+                live = [r for r in self.oracle.live_ids() if r in engine.scheduler.requests]
+            live = [r for r in live if r in engine.scheduler.requests]
+            if live:
+                rid = live[pick % len(live)]
+                engine.add_request(EngineCoreRequest(rid, [5, 6], SamplingParams(max_tokens=2)))
+                self.oracle.duplicate(rid)
+                self._drain([rid])
+                if self.oracle.requests[rid].finish is not FinishReason.ERROR:
+                    raise OracleViolation(f"{rid!r} sent again while live did not end ERROR")
+            else:
+                note("engine_duplicate: nothing live in the engine")
+            if slept:
+                if self.cut.wake_up(None) is not True:
+                    raise OracleViolation("wake_up(None) after sleep(1, keep) was not full")
+                self.oracle.wake(None)
+
+    @precondition(lambda self: self.kind == "inproc")
+    @rule(fails=st.booleans())
+    def short_lived_client(self, fails: bool) -> None:
+        """A second in-process client that never serves: with ``fails``, its engine cannot
+        start (its KV cache cannot hold one sequence) and it raises EngineStartupError;
+        otherwise it is shut down while still READY. Its trace is judged and counted."""
+        with self._rule("short_lived_client"):
+            import msgspec
+
+            from ..runtime.client import make_client
+
+            config = self.cut.client.config
+            trace: list[Any] = []
+            if fails:
+                bad = msgspec.structs.replace(config, num_gpu_blocks_override=1)
+                self._expect_raises(EngineStartupError,
+                                    lambda: make_client(bad, multiprocess=False, asyncio=False,
+                                                        trace=trace),
+                                    "a client whose KV cache cannot hold one sequence")
+            else:
+                make_client(config, multiprocess=False, asyncio=False, trace=trace).shutdown()
+            self.stats.coverage.add(trace)
+            check_traces(trace)
+
     # -- faults -----------------------------------------------------------------------------
 
     @precondition(lambda self: self.alive and self.faults and self._life >= self.min_life)
@@ -737,10 +923,10 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             pid = self.cut.engine_pid
             assert pid is not None
             if observers:
-                os.kill(pid, signal.SIGSTOP)  # the call below stays pending
+                _stop_process(pid)  # the call below stays pending
                 try:
                     blocked.append(self.cut.submit("call_utility", "echo", "pending"))
-                    self._wait_pending(1)
+                    self._wait_pending(1, blocked[-1])
                 except BaseException:
                     os.kill(pid, signal.SIGKILL)
                     raise
@@ -751,12 +937,21 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         action = "raise" if how == "step_raise" else "exit"
         # In-process, get_output steps the engine in any state; a subprocess engine steps only
         # when awake (the rule falls back to SIGKILL while paused).
-        self._arm(f"step:1:{action}")
-        if self.multiprocess:  # a subprocess engine steps only with work to do
-            rid = self._fresh_id()
-            self.cut.add_request(EngineCoreRequest(rid, [3, 4], SamplingParams(max_tokens=4)))
-            self.oracle.add(rid, 4, None, None)
         start = time.monotonic()
+        try:
+            self._arm(f"step:1:{action}")
+            if self.multiprocess:  # a subprocess engine steps only with work to do
+                rid = self._fresh_id()
+                self.oracle.add(rid, 4, None, None)
+                self.cut.add_request(EngineCoreRequest(rid, [3, 4],
+                                                       SamplingParams(max_tokens=4)))
+        except EngineDeadError:
+            # With requests running, the armed step may fire before the arm's reply (or the
+            # ADD) got through: an exit does not flush the engine's output. The death is what
+            # this rule asked for; the loop below sees it at once.
+            if not self.multiprocess:
+                raise
+
         deadline = start + DEATH_BOUND_S + 3
         while True:
             try:
@@ -784,7 +979,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             assert ok == "still serving"
 
     @precondition(lambda self: self.faults and self.orphan_config is not None
-                  and self._orphans == 0 and self._life >= ORPHAN_MIN_LIFE)
+                  and self._orphans == 0 and self._life >= self.orphan_min_life)
     @rule()
     def orphaned_engine(self) -> None:
         """A client process SIGKILLed: its engine exits by itself (one per example: slow)."""
@@ -811,11 +1006,11 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                 pending.append(self.cut.submit("get_output"))
                 self.cut.call_utility("echo", 0)
                 assert pid is not None
-                os.kill(pid, signal.SIGSTOP)  # keeps the next call pending
+                _stop_process(pid)  # keeps the next call pending
                 stopped = True
                 self.stats.faults["sigstop"] += 1
                 pending.append(self.cut.submit("call_utility", "echo", "pending"))
-                self._wait_pending(1)
+                self._wait_pending(1, pending[-1])
             try:
                 start = time.monotonic()
                 self.cut.client.shutdown(timeout=0.5 if stopped else None)
@@ -894,8 +1089,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             self._teardown()
-        except BaseException:
-            self.stats.record_failure()
+        except BaseException as e:
+            self.stats.record_failure("teardown", e)
             raise
 
     def _teardown(self) -> None:

@@ -853,13 +853,14 @@ def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]
         level=os.environ.get("ENGINEWIRE_ENGINE_LOG_LEVEL", "WARNING"),
         format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s",
     )
+    config: Any = msgspec.msgpack.decode(config_bytes, type=config_type)
     threads = os.environ.get("ENGINEWIRE_ENGINE_THREADS")
-    if threads:
-        # CPU engines on a shared machine (CI) oversubscribe cores with torch's default.
+    if threads and getattr(config, "model", None) != "null":
+        # CPU engines on a shared machine (CI) oversubscribe cores with torch's default; a
+        # null-model engine never loads torch, so it is not imported for this either.
         import torch
 
         torch.set_num_threads(int(threads))
-    config: Any = msgspec.msgpack.decode(config_bytes, type=config_type)
     code = run_engine_core(config, **kwargs)
     sys.stdout.flush()
     sys.stderr.flush()
