@@ -545,22 +545,29 @@ class EngineCoreProc:
     def _put_output(self, item: Any, *, direct: bool) -> None:
         """Hand ``item`` to the client, in order with everything handed over before it.
 
-        ``direct`` sends on the calling thread when nothing is queued ahead of it: a reply
-        that does not wait for the output thread saves a thread wake-up per round trip. Big
-        batches during a busy step go through the queue, so encoding overlaps the next step.
+        ``direct`` sends on the calling thread when nothing is queued ahead of it and the
+        socket is writable: a reply that does not wait for the output thread saves a thread
+        wake-up per round trip. Big batches during a busy step go through the queue, so
+        encoding overlaps the next step.
         """
         lock = self._out_lock
         with lock:
-            if direct and self._out_pending == 0 and self._out is not None:
+            out = self._out
+            # Only when the socket can take a message now: a direct sender never blocks (a
+            # gone or slow client fills the queue; then only the output thread waits on it,
+            # and the busy loop still sees a shutdown).
+            if direct and self._out_pending == 0 and out is not None:
                 try:
-                    self._send_locked(item)
+                    if cast(int, out[0].get(zmq.EVENTS)) & zmq.POLLOUT:
+                        self._send_locked(item)
+                        return
                 except zmq.ContextTerminated:
-                    pass
+                    return
                 except BaseException as e:
                     logger.exception("engine: sending outputs failed")
                     self.input_queue.put((_Control.SHUTDOWN, RuntimeError(
                         f"output send failed: {e!r}")))
-                return
+                    return
             self._out_pending += 1
             self.output_queue.put(item)
 
