@@ -1058,8 +1058,11 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         state = self.cut.client.state
         allowed = self.oracle.expected_client_states()
         if state not in allowed:
-            raise OracleViolation(
+            err = OracleViolation(
                 f"client is {state.name}; the model allows {sorted(s.name for s in allowed)}")
+            # Recorded like a rule's failure: Hypothesis may replace it by a Flaky report.
+            self.stats.record_failure("invariant client_state_matches_model", err)
+            raise err
 
     def _record_trace(self) -> None:
         trace = self.cut.trace
