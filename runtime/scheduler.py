@@ -333,32 +333,12 @@ class Scheduler:
         finished: list[str] | None = None
         register = self.kv.register_full_blocks if self.kv.enable_prefix_caching else None
         output = EngineCoreOutput
+        add_id = add_tok = None
         if stream is not None:
             add_id, add_tok = stream[0].append, stream[1].append
-            for req, n, tok in zip(reqs, nums, tokens, strict=False):
-                req.num_computed_tokens += n
-                if register is not None:
-                    register(req)
-                if tok < 0:
-                    continue
-                req.all_token_ids.append(tok)
-                req.num_tokens = ntok = req.num_tokens + 1
-                if tok not in req.stops and ntok < req.stop_len:
-                    if req.num_cached_tokens:
-                        add(output(req.request_id, [tok], None, None, req.num_cached_tokens))
-                    else:
-                        add_id(req.request_id)
-                        add_tok(tok)
-                    continue
-                add(self._finish_on(req, tok))
-                if finished is None:
-                    finished = []
-                finished.append(req.request_id)
-            if finished is not None:
-                self.running = [r for r in self.running if not r.finished]
-            return outs, finished
         # The hot path is a decode that does not finish: one pass, one set lookup, and the
-        # output built with as few arguments as its fields allow (defaults cost nothing).
+        # output appended to the stream columns, or built with as few arguments as its fields
+        # allow (defaults cost nothing).
         for req, n, tok in zip(reqs, nums, tokens, strict=False):
             req.num_computed_tokens += n
             if register is not None:
@@ -371,6 +351,9 @@ class Scheduler:
                 cached = req.num_cached_tokens
                 if cached:
                     add(output(req.request_id, [tok], None, None, cached))
+                elif add_id is not None:
+                    add_id(req.request_id)
+                    add_tok(tok)  # type: ignore[misc]
                 else:
                     add(output(req.request_id, [tok]))
                 continue
