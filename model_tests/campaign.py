@@ -157,10 +157,17 @@ def _settings(profile: str, examples: int, steps: int, seed: int | None, results
 
 
 def _describe(e: BaseException) -> str:
-    """The error, and for a group (Hypothesis' FlakyFailure) what is inside it."""
+    """The error, what is inside a group (Hypothesis' FlakyFailure), and what it was raised
+    while handling: a flaky-replay report raised as a test's error ended names that error."""
     text = f"{type(e).__name__}: {e}"
     for sub in getattr(e, "exceptions", ()):
         text += f" | {type(sub).__name__}: {sub}"
+    seen = {id(e)}
+    cause = e.__cause__ or e.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        text += f"\n  while handling {type(cause).__name__}: {cause}"
+        cause = cause.__cause__ or cause.__context__
     return text
 
 

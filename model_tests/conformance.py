@@ -284,6 +284,30 @@ def _wait_for(predicate: Callable[[], bool], bound: float, what: str) -> float:
     return time.monotonic() - start
 
 
+def stop_process(pid: int, bound: float = WAIT_S) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped.
+
+    ``kill`` only queues a process-directed stop: until the thread the kernel picked to take
+    it runs, the others run on, so a call sent right after could still be answered (seen
+    under load). Once this returns, nothing is answered until SIGCONT or SIGKILL.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + bound
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    # The state follows the parenthesised command name, which may hold spaces.
+                    states.append(f.read().rpartition(")")[2].split()[0])
+        if states and all(st in ("T", "t", "Z", "X") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped {bound} s after SIGSTOP"
+                                 f" (thread states {states})")
+        time.sleep(0.001)
+
+
 def _process_gone(pid: int) -> bool:
     try:
         return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
@@ -516,10 +540,18 @@ def check_kill_during_utility(factory: ClientFactory) -> None:
         pid = cut.engine_pid
         assert pid is not None
         cut.call_utility("echo", 0)
-        os.kill(pid, signal.SIGSTOP)  # frozen: the calls below stay pending
+        stop_process(pid)  # frozen: the calls below stay pending
         try:
             futs = [cut.submit("call_utility", "echo", i) for i in range(3)]
-            _wait_for(lambda: cut.client.pending_utility_calls() == 3, WAIT_S, "3 pending calls")
+            try:
+                _wait_for(lambda: cut.client.pending_utility_calls() == 3, WAIT_S,
+                          "3 pending calls")
+            except AssertionError as e:
+                # Say what became of the calls: a flaky run must explain itself.
+                states = [repr(f.exception(0)) if f.done() else "running" for f in futs]
+                raise AssertionError(
+                    f"{e}: {cut.client.pending_utility_calls()} pending, calls: {states},"
+                    f" client {cut.client.state.name}") from None
         finally:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()

@@ -106,24 +106,11 @@ class Oracle:
         self.paused = False  # scheduling stopped (pause, or any sleep)
         self.asleep_tags: frozenset[str] = frozenset()  # memory tags released and not woken
         self.max_in_flight = 0
-        # Ids known finished at a deterministic sync point (a completed drain). Preconditions
-        # read ``open_ids`` (not ``live_ids``, which moves with every observed output), so the
-        # rule choice never depends on timing and Hypothesis can replay it.
-        self.settled: set[str] = set()
 
     # -- what the test did -----------------------------------------------------------------
 
     def live_ids(self) -> list[str]:
         return sorted(r for r, m in self.requests.items() if not m.finished)
-
-    def open_ids(self) -> list[str]:
-        """Requests not yet settled: the timing-free count preconditions may read."""
-        return sorted(r for r, m in self.requests.items()
-                      if r not in self.settled and not m.ended_by_death)
-
-    def settle(self, ids: list[str]) -> None:
-        """A drain that waited for ``ids`` completed: they are finished, deterministically."""
-        self.settled.update(r for r in ids if self.requests[r].finished)
 
     def must_finish_ids(self) -> list[str]:
         return sorted(r for r, m in self.requests.items() if m.must_finish)
@@ -137,7 +124,6 @@ class Oracle:
                                           error_ok=invalid, parked=self.paused and not invalid)
         if rid in self.finished_ids:
             self.finished_ids.remove(rid)
-        self.settled.discard(rid)
         self.max_in_flight = max(self.max_in_flight, len(self.live_ids()))
 
     def abort(self, ids: Iterable[str]) -> None:
