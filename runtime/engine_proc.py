@@ -81,6 +81,10 @@ __all__ = ["EngineCoreProc", "EngineShutdownRequested", "run_engine_core"]
 
 T = TypeVar("T")
 
+# pyzmq's constants are enums (a flag test on one builds a new member): plain ints per send.
+_EVENTS = int(zmq.EVENTS)
+_POLLOUT = int(zmq.POLLOUT)
+
 logger = logging.getLogger(__name__)
 
 # Seconds the whole process may take to go once its parent is gone (brief: within 5 s).
@@ -558,7 +562,7 @@ class EngineCoreProc:
             # and the busy loop still sees a shutdown).
             if direct and self._out_pending == 0 and out is not None:
                 try:
-                    if cast(int, out[0].get(zmq.EVENTS)) & zmq.POLLOUT:
+                    if cast(int, out[0].get(_EVENTS)) & _POLLOUT:
                         self._send_locked(item)
                         return
                 except zmq.ContextTerminated:

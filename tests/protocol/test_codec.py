@@ -526,6 +526,13 @@ def test_load_check_catches_buffers_reused_before_zmq_is_done() -> None:
     assert any("corrupted" in e or "undecodable" in e for e in errors)
 
 
+def test_more_flags_are_zmqs() -> None:
+    from enginewire.protocol import codec
+
+    assert codec._SNDMORE == zmq.SNDMORE
+    assert codec._RCVMORE == zmq.RCVMORE
+
+
 def test_send_frames_prefix_and_tracker_covers_the_payload() -> None:
     ctx = zmq.Context()
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
