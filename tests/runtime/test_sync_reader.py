@@ -107,3 +107,40 @@ def test_many_threads_calling_at_once(client: SyncMPClient) -> None:
         t.join(BOUND_S)
     assert not errors and all(not t.is_alive() for t in threads)
     assert results == {k: [[k, i] for i in range(30)] for k in range(4)}
+
+
+def test_sync_call_outcome_is_set_once() -> None:
+    """The lock-free outcome slot of a sync utility call: one outcome, read after it is set."""
+    import concurrent.futures
+
+    from enginewire.runtime.mp_client import _SyncCall
+
+    call = _SyncCall()
+    assert not call.done()
+    with pytest.raises(RuntimeError, match="before it was set"):
+        call.result()
+    call.set_result({"ok": 1})
+    assert call.done() and call.result() == {"ok": 1}
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        call.set_exception(ValueError("late"))
+    assert call.result() == {"ok": 1}  # unchanged by the refused second outcome
+
+    failed = _SyncCall()
+    failed.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        failed.result()
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        failed.set_result(1)
+
+
+def test_utility_timeout_then_next_call(client: SyncMPClient) -> None:
+    """A call that times out leaves no entry, and the next call gets its own reply."""
+    from enginewire.spec import UtilityTimeoutError
+
+    client.add_request(_request("slow-wait", 250))  # sleep(wait) waits for it to finish
+    with pytest.raises(UtilityTimeoutError):
+        client.call_utility("sleep", 0, "wait", timeout=0.001)
+    assert client.pending_utility_calls() == 0
+    assert len(_until_finished(client, "slow-wait")) == 250
+    assert client.wake_up(None) is True
+    assert client.call_utility("echo", "after") == "after"
