@@ -49,6 +49,8 @@ import zmq
 
 from ..protocol.codec import (
     DEFAULT_LIMITS,
+    ZMQ_EVENTS,
+    ZMQ_POLLOUT,
     BufferPool,
     Encoder,
     Limits,
@@ -80,10 +82,6 @@ from .security import CurveConfig, TransportGuard, check_transport
 __all__ = ["EngineCoreProc", "EngineShutdownRequested", "run_engine_core"]
 
 T = TypeVar("T")
-
-# pyzmq's constants are enums (a flag test on one builds a new member): plain ints per send.
-_EVENTS = int(zmq.EVENTS)
-_POLLOUT = int(zmq.POLLOUT)
 
 logger = logging.getLogger(__name__)
 
@@ -562,7 +560,7 @@ class EngineCoreProc:
             # and the busy loop still sees a shutdown).
             if direct and self._out_pending == 0 and out is not None:
                 try:
-                    if cast(int, out[0].get(_EVENTS)) & _POLLOUT:
+                    if cast(int, out[0].get(ZMQ_EVENTS)) & ZMQ_POLLOUT:
                         self._send_locked(item)
                         return
                 except zmq.ContextTerminated:

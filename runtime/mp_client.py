@@ -53,6 +53,10 @@ import zmq
 
 from ..protocol.codec import (
     DEFAULT_LIMITS,
+    ZMQ_EVENTS,
+    ZMQ_NOBLOCK,
+    ZMQ_POLLIN,
+    ZMQ_SNDMORE,
     Encoder,
     decode_outputs,
     decode_ready,
@@ -101,13 +105,6 @@ __all__ = [
     "SyncMPClient",
 ]
 
-
-# pyzmq's constants are enums: a flag test on one builds a new member (about 1 µs). The
-# per-message paths below use these plain ints instead.
-_POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
 
 logger = logging.getLogger(__name__)
 
@@ -740,9 +737,9 @@ class MPClient(EngineCoreClient):
                 frames = [*frames, self._integrity.seal(frames)]
             if len(frames) <= 2:
                 # Plain copying sends: cheaper than send_multipart for these small frames.
-                sock.send(self.identity, _SNDMORE)
+                sock.send(self.identity, ZMQ_SNDMORE)
                 if len(frames) == 2:
-                    sock.send(frames[0], _SNDMORE)
+                    sock.send(frames[0], ZMQ_SNDMORE)
                 sock.send(frames[-1])
                 return
             # Aux frames are zero-copy views of the caller's arrays: keep them (and their
@@ -838,8 +835,8 @@ def _drain(
     False once nothing more should be read (engine death seen, client gone). ``EVENTS`` is
     read after each message: cheaper than a failing NOBLOCK recv, and it re-arms the FD."""
     get = sock.get
-    while cast(int, get(_EVENTS)) & _POLLIN:
-        frames = recv_frames(sock, _NOBLOCK)
+    while cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
+        frames = recv_frames(sock, ZMQ_NOBLOCK)
         client = client_ref()
         if client is None:
             return False
@@ -955,7 +952,7 @@ class _SyncReader:
         # zmq_poll itself, not a zmq.Poller: the Poller's Python bookkeeping costs about a
         # microsecond per wait, on every round trip.
         out, wake_r = self._out, self._wake_r
-        ready = zmq.zmq_poll([(out, _POLLIN), (wake_r, _POLLIN)],
+        ready = zmq.zmq_poll([(out, ZMQ_POLLIN), (wake_r, ZMQ_POLLIN)],
                              -1 if timeout_ms is None else timeout_ms)
         for item, _ in cast(list[tuple[Any, int]], ready):
             if item is out:

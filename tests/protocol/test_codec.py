@@ -529,8 +529,8 @@ def test_load_check_catches_buffers_reused_before_zmq_is_done() -> None:
 def test_more_flags_are_zmqs() -> None:
     from enginewire.protocol import codec
 
-    assert codec._SNDMORE == zmq.SNDMORE
-    assert codec._RCVMORE == zmq.RCVMORE
+    for name in ("NOBLOCK", "SNDMORE", "POLLIN", "POLLOUT", "RCVMORE", "EVENTS"):
+        assert getattr(codec, f"ZMQ_{name}") == getattr(zmq, name), name
 
 
 def test_send_frames_prefix_and_tracker_covers_the_payload() -> None:
