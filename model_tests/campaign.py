@@ -171,14 +171,20 @@ def _describe(e: BaseException) -> str:
     return text
 
 
-def _reproducer(lines: list[str], kind: str, model: str, faults: bool) -> str:
+def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
+                recorded: list[str] | None = None) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
-    runnable on its own."""
+    runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
+    timing-dependent failure can make it), the program the machine recorded of the last
+    failing example, not shrunk."""
     body = []
     for chunk in lines:
         for ln in str(chunk).splitlines():
             if ln.startswith("state") or ln.startswith("@reproduce_failure"):
                 body.append(ln if ln.startswith("state") else f"# {ln}")
+    if not any(ln.startswith("state") for ln in body) and recorded:
+        body = ["# Not shrunk: Hypothesis reported its replay as flaky (the failure depends on",
+                "# timing); this is the last failing example as it ran.", *recorded]
     head = [
         "# Reproducer printed by `enginewire campaign`; paste it into a test.",
         "from enginewire.testing.campaign import _config",
@@ -256,7 +262,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                     raise
                 result.failure = _describe(e)
                 notes = [str(n) for n in getattr(e, "__notes__", [])]
-                result.reproducer = _reproducer(lines + notes, kind, model, faults)
+                result.reproducer = _reproducer(lines + notes, kind, model, faults,
+                                                stats.failed_program)
                 break
             finally:
                 hypothesis.core.global_force_seed = saved

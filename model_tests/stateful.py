@@ -127,12 +127,18 @@ class CampaignStats:
     # report a flaky replay (FlakyStrategyDefinition) instead of the error that ended it; the
     # campaign report shows these so the real failure is not lost.
     errors: list[str] = field(default_factory=list)
+    # The program of the last example that failed, one ``state.rule(...)`` line per step: the
+    # reproducer when Hypothesis reports a flaky replay instead of printing a shrunk one.
+    failed_program: list[str] = field(default_factory=list)
 
-    def record_failure(self, where: str = "", error: BaseException | None = None) -> None:
+    def record_failure(self, where: str = "", error: BaseException | None = None,
+                       program: list[str] | None = None) -> None:
         if self.first_failure is None:
             self.first_failure = (self.examples, time.monotonic() - self.started)
         if error is not None:
             self.errors = [*self.errors[-4:], f"{where}: {type(error).__name__}: {error}"]
+        if program is not None:
+            self.failed_program = list(program)
 
     def step(self, name: str) -> None:
         self.steps += 1
@@ -302,10 +308,13 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         self._own_pool = pool is None
         self.orphan_config = orphan_config
         self.multiprocess = kind != "inproc"
+        # This example as a program (Hypothesis' own printout of it is lost when it reports
+        # the replay as flaky, as a timing-dependent failure can make it).
+        self._program = [f"state = {type(self).__name__}()"]
         try:
             self.live = self.pool.acquire()
         except BaseException as e:  # before any draw: Hypothesis may call the run flaky
-            self.stats.record_failure("engine start", e)
+            self.stats.record_failure("engine start", e, self._program)
             raise
         self.oracle = Oracle(exact_tokens=exact_tokens)
         self._ids = 0
@@ -325,15 +334,19 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         return self.live.cut
 
     @contextlib.contextmanager
-    def _rule(self, name: str) -> Iterator[None]:
+    def _rule(self, name: str, args: dict[str, Any]) -> Iterator[None]:
+        """Run rule ``name`` called with ``args`` (its ``locals()`` on entry): counted, timed,
+        and written to this example's program, which a failure keeps as its reproducer."""
         self._busy = name
         self._life += 1
         self.stats.step(name)
+        shown = ", ".join(f"{k}={v!r}" for k, v in args.items() if k != "self")
+        self._program.append(f"state.{name}({shown})")
         start = time.monotonic()
         try:
             yield
         except BaseException as e:
-            self.stats.record_failure(name, e)
+            self.stats.record_failure(name, e, self._program)
             raise
         self.stats.seconds[name] += time.monotonic() - start
         self._busy = None
@@ -481,7 +494,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
           reuse=st.integers(0, 7))
     def add(self, prompt: list[int], max_tokens: int, seed: int, stop_at: int | None,
             ignore_eos: bool, temperature: float, top_p: float, reuse: int) -> None:
-        with self._rule("add"):
+        with self._rule("add", locals()):
             if self._full("add"):
                 return
             done = self.oracle.finished_ids
@@ -495,7 +508,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive)
     @rule(how=st.sampled_from(["empty_prompt", "zero_max_tokens", "token_out_of_vocab"]))
     def add_invalid(self, how: str) -> None:
-        with self._rule("add_invalid"):
+        with self._rule("add_invalid", locals()):
             rid = self._fresh_id()
             prompt = [] if how == "empty_prompt" else [1, 2]
             if how == "token_out_of_vocab":
@@ -507,7 +520,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive)
     @rule(pick=st.integers(0, MAX_LIVE - 1))
     def add_duplicate(self, pick: int) -> None:
-        with self._rule("add_duplicate"):
+        with self._rule("add_duplicate", locals()):
             # Live as the client sees it: not yet observed finished.
             live = self.oracle.live_ids()
             if not live:  # all finished already (timing): nothing live to duplicate
@@ -522,7 +535,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @rule(which=st.sampled_from(["live", "finished", "unknown", "mixed"]),
           pick=st.integers(0, MAX_LIVE - 1))
     def abort(self, which: str, pick: int) -> None:
-        with self._rule("abort"):
+        with self._rule("abort", locals()):
             live, done = self.oracle.live_ids(), self.oracle.finished_ids
             ids: list[str] = []
             if which in ("live", "mixed") and live:
@@ -540,7 +553,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @rule(k=st.integers(1, 4))
     def add_then_abort(self, k: int) -> None:
         """ADDs followed at once by their abort: each must end ABORT (never lost, never run)."""
-        with self._rule("add_then_abort"):
+        with self._rule("add_then_abort", locals()):
             if self._full("add_then_abort", k):
                 return
             ids = [self._fresh_id() for _ in range(k)]
@@ -568,7 +581,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     @rule()
     def drain(self) -> None:
-        with self._rule("drain"):
+        with self._rule("drain", locals()):
             if self.oracle.phase is Phase.CLOSED:
                 self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
                                     "get_output after shutdown")
@@ -578,7 +591,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @rule()
     def poll(self) -> None:
         """Always enabled: one short read, judged (or the refusal a dead/closed client owes)."""
-        with self._rule("poll"):
+        with self._rule("poll", locals()):
             if self.oracle.phase is Phase.CLOSED:
                 self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
                                     "get_output after shutdown")
@@ -594,7 +607,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     @rule(value=_JSONISH)
     def echo(self, value: Any) -> None:
-        with self._rule("echo"):
+        with self._rule("echo", locals()):
             if not self.alive:
                 self._expect_raises(self._refusal(), lambda: self.cut.call_utility("echo", value),
                                     "echo on a dead/closed client")
@@ -605,7 +618,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     @rule(how=st.sampled_from(["raising", "unknown_method"]))
     def failing_utility(self, how: str) -> None:
-        with self._rule("failing_utility"):
+        with self._rule("failing_utility", locals()):
             if how == "raising":
                 call = lambda: self.cut.call_utility("profile", "not-an-action")  # noqa: E731
             else:
@@ -616,7 +629,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive and self.faults)
     @rule(delay=st.sampled_from([0.01, 0.05]))
     def slow_utility(self, delay: float) -> None:
-        with self._rule("slow_utility"):
+        with self._rule("slow_utility", locals()):
             self._arm(f"utility:echo:1:delay:{delay}")
             self.stats.faults["utility_delay"] += 1
             start = time.monotonic()
@@ -629,7 +642,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def timed_out_utility(self, failing: bool) -> None:
         """A call that outlives its timeout raises UtilityTimeoutError and leaves no entry;
         its late reply (a result, or with ``failing`` an error) is dropped."""
-        with self._rule("timed_out_utility"):
+        with self._rule("timed_out_utility", locals()):
             method, args = ("profile", ("not-an-action",)) if failing else ("echo", ("late",))
             self._arm(f"utility:{method}:1:delay:{TIMEOUT_REPLY_DELAY_S}")
             self.stats.faults["utility_delay"] += 1
@@ -645,7 +658,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive and self.faults and self.kind == "async")
     @rule(failing=st.booleans())
     def cancelled_utility(self, failing: bool) -> None:
-        with self._rule("cancelled_utility"):
+        with self._rule("cancelled_utility", locals()):
             method, args = ("profile", ("not-an-action",)) if failing else ("echo", ("x",))
             self._arm(f"utility:{method}:1:delay:0.1")
             self.stats.faults["utility_delay"] += 1
@@ -687,7 +700,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     @rule(level=st.sampled_from([0, 1, 2]), mode=st.sampled_from(["abort", "wait", "keep"]))
     def sleep(self, level: int, mode: str) -> None:
-        with self._rule("sleep"):
+        with self._rule("sleep", locals()):
             if mode == "wait" and not self.multiprocess:
                 self._expect_raises(ValueError, lambda: self.cut.sleep(level, mode),
                                     "in-process sleep(wait)")
@@ -707,7 +720,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def wait_mode(self, level: int | None) -> None:
         """sleep(level, 'wait') (or pause(wait) when ``level`` is None) with requests running:
         the reply means every one of them finished; then a full wake-up."""
-        with self._rule("wait_mode"):
+        with self._rule("wait_mode", locals()):
             self._work_in_flight("wait")
             if level is None:
                 self.cut._call("pause_scheduler", "wait")
@@ -721,7 +734,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive)
     @rule(mode=st.sampled_from(["abort", "wait", "keep"]))
     def pause(self, mode: str) -> None:
-        with self._rule("pause"):
+        with self._rule("pause", locals()):
             if mode == "wait" and not self.multiprocess:
                 self._expect_raises(ValueError, lambda: self.cut.client.pause_scheduler(mode),
                                     "in-process pause(wait)")
@@ -732,7 +745,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     @rule(tags=_WAKE_TAG_SETS)
     def wake_up(self, tags: list[str] | None) -> None:
-        with self._rule("wake_up"):
+        with self._rule("wake_up", locals()):
             if not self.alive:
                 self._expect_raises(self._refusal(), lambda: self.cut.wake_up(tags),
                                     "wake_up on a dead/closed client")
@@ -747,7 +760,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive)
     @rule()
     def resume(self) -> None:
-        with self._rule("resume"):
+        with self._rule("resume", locals()):
             if self.oracle.resume_allowed():
                 self.cut._call("resume_scheduler")
                 self.oracle.resume()
@@ -767,7 +780,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def engine_wait_mode(self, then: str) -> None:
         """The engine's pause(wait) with requests running: it drains them (DRAINING), meets
         ``then`` while draining, completes its deferred reply, and is resumed."""
-        with self._rule("engine_wait_mode"):
+        with self._rule("engine_wait_mode", locals()):
             engine = self.cut.client.engine
             if self.oracle.paused:  # PAUSED/SLEEPING: nothing to drain, the reply is immediate
                 if engine.pause_scheduler("wait") is not None:
@@ -845,7 +858,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         """A live id sent to the engine again ends the live request with ERROR and the copy
         is dropped. ``which``: a request added and not yet scheduled (WAITING), any live one,
         or (when awake) one a level-1 sleep in keep mode preempted, woken afterwards."""
-        with self._rule("engine_duplicate"):
+        with self._rule("engine_duplicate", locals()):
             engine = self.cut.client.engine
             slept = False
             if which != "live" and len(self.oracle.live_ids()) < MAX_LIVE:
@@ -880,7 +893,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         """A second in-process client that never serves: with ``fails``, its engine cannot
         start (its KV cache cannot hold one sequence) and it raises EngineStartupError;
         otherwise it is shut down while still READY. Its trace is judged and counted."""
-        with self._rule("short_lived_client"):
+        with self._rule("short_lived_client", locals()):
             import msgspec
 
             from ..runtime.client import make_client
@@ -910,7 +923,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def crash(self, how: str, observers: bool) -> None:
         """The engine dies. With ``observers``, a get_output is blocked and (for SIGKILL) a
         utility call is pending when it does: both must fail with EngineDeadError at once."""
-        with self._rule("crash"):
+        with self._rule("crash", locals()):
             if not self.multiprocess:
                 how = "step_raise"  # no process to kill in-process
             elif how.startswith("step") and self.oracle.paused:
@@ -975,7 +988,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                                                          max_size=3).map(lambda f: [b"\x09", *f]))
     def malformed_frame(self, frames: list[bytes]) -> None:
         """Garbage on the wire is rejected; the engine keeps serving."""
-        with self._rule("malformed_frame"):
+        with self._rule("malformed_frame", locals()):
             self.stats.faults["malformed_frame"] += 1
             self.cut.client.send_raw_frames(list(frames))
             try:
@@ -989,7 +1002,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @rule()
     def orphaned_engine(self) -> None:
         """A client process SIGKILLed: its engine exits by itself (one per example: slow)."""
-        with self._rule("orphaned_engine"):
+        with self._rule("orphaned_engine", locals()):
             self._orphans += 1
             self.stats.faults["client_sigkill"] += 1
             assert self.orphan_config is not None
@@ -1003,7 +1016,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def shutdown(self, with_pending: bool) -> None:
         """Shutdown is clean: blocked calls fail with ClientClosedError, never EngineDeadError;
         it is bounded and releases everything."""
-        with self._rule("shutdown"):
+        with self._rule("shutdown", locals()):
             pending: list[concurrent.futures.Future[Any]] = []
             pid = self.cut.engine_pid
             stopped = False
@@ -1049,7 +1062,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.oracle.phase is not Phase.ALIVE)
     @rule()
     def restart(self) -> None:
-        with self._rule("restart"):
+        with self._rule("restart", locals()):
             self._finish_client(check=True)
             self.live = self.pool.acquire()
             self.oracle = Oracle(exact_tokens=self.exact_tokens)
@@ -1067,7 +1080,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             err = OracleViolation(
                 f"client is {state.name}; the model allows {sorted(s.name for s in allowed)}")
             # Recorded like a rule's failure: Hypothesis may replace it by a Flaky report.
-            self.stats.record_failure("invariant client_state_matches_model", err)
+            self.stats.record_failure("invariant client_state_matches_model", err,
+                                      self._program)
             raise err
 
     def _record_trace(self) -> None:
@@ -1096,10 +1110,11 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             self._record_trace()
 
     def teardown(self) -> None:
+        self._program.append("state.teardown()")
         try:
             self._teardown()
         except BaseException as e:
-            self.stats.record_failure("teardown", e)
+            self.stats.record_failure("teardown", e, self._program)
             raise
 
     def _teardown(self) -> None:

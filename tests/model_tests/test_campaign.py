@@ -14,7 +14,7 @@ from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, Fi
 from enginewire.runtime import _mutants
 from enginewire.runtime.model import TINY_ARCH, null_token
 from enginewire.spec import ClientState
-from enginewire.testing.campaign import UNREACHED, _why_unreached, run_campaign
+from enginewire.testing.campaign import UNREACHED, _reproducer, _why_unreached, run_campaign
 from enginewire.testing.oracle import Coverage, Oracle, OracleViolation, null_tokens
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it
@@ -150,6 +150,23 @@ def test_unknown_mutant_in_env_fails_the_import(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", "import enginewire.runtime._mutants"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "names no mutant" in proc.stderr
+
+
+def test_reproducer_falls_back_to_the_recorded_program() -> None:
+    """A flaky report prints no program; the machine's own record of the failing example is
+    the reproducer then, made runnable like a shrunk one."""
+    recorded = ["state = EngineClientStateMachine()", "state.echo(value=[1, 'a'])",
+                "state.crash(how='sigkill', observers=True)"]
+    text = _reproducer(["Traceback ...", "FlakyStrategyDefinition: ..."], "sync", "null", True,
+                       recorded)
+    assert "Not shrunk" in text
+    assert "state = EngineClientStateMachine(factory, kind='sync'" in text
+    assert text.splitlines()[-2:] == recorded[1:]
+    # A program Hypothesis printed (shrunk) wins over the record.
+    shrunk = _reproducer(["state = EngineClientStateMachine()", "state.poll()"], "sync",
+                         "null", True, recorded)
+    assert "Not shrunk" not in shrunk and shrunk.splitlines()[-1] == "state.poll()"
+    compile(text, "<reproducer>", "exec")  # valid Python as printed
 
 
 # --- bounded campaigns on the real engine ------------------------------------------------------
