@@ -1133,16 +1133,9 @@ class SyncMPClient(SyncClientMixin, MPClient):
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         reader = self._reader
-        if reader is None:  # before the reader exists (construction): a plain future
-            fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            call_id = self._register_call(fut, method, args)
-            try:
-                return fut.result(timeout)
-            except concurrent.futures.TimeoutError:
-                if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
-                    assert timeout is not None
-                    raise UtilityTimeoutError(method, timeout) from None
-                return fut.result()  # the outcome won the race
+        if reader is None:  # construction has not reached the reader: nothing would answer
+            raise ClientClosedError("the client is not running (its construction did not"
+                                    " complete)")
         call = _SyncCall()
         call_id = self._register_call(call, method, args)
         if not reader.wait_for(call.done, timeout):
