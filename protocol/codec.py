@@ -512,14 +512,16 @@ _local = threading.local()
 
 def _decoder(type_: Any, limits: Limits) -> Decoder[Any]:
     try:
-        cache: dict[Any, Decoder[Any]] = _local.decoders
+        cache: dict[tuple[Any, int], tuple[Limits, Decoder[Any]]] = _local.decoders
     except AttributeError:
         cache = _local.decoders = {}
-    key = type_ if limits is DEFAULT_LIMITS else (type_, limits)
-    dec = cache.get(key)
-    if dec is None:
-        dec = cache[key] = Decoder(type_, limits)
-    return dec
+    # Keyed by the limits' identity: hashing the Struct on every message costs more than the
+    # decode of a small one. The entry keeps its limits alive, so the id cannot be reused.
+    key = (type_, id(limits))
+    entry = cache.get(key)
+    if entry is None or entry[0] is not limits:
+        entry = cache[key] = (limits, Decoder(type_, limits))
+    return entry[1]
 
 
 _INPUT_TYPES: dict[bytes, tuple[RequestType, Any]] = {
@@ -540,7 +542,10 @@ def decode_input(
 ) -> tuple[RequestType, EngineCoreRequest | list[str] | UtilityRequest]:
     """Engine side: the type byte and ``[payload, aux...]`` after it, or ``ProtocolError``."""
     try:
-        key = _frame_bytes(type_byte) if _nbytes(type_byte) == 1 else None
+        if type(type_byte) is bytes:  # what recv_frames hands over
+            key = type_byte if len(type_byte) == 1 else None
+        else:
+            key = _frame_bytes(type_byte) if _nbytes(type_byte) == 1 else None
     except Exception as e:
         raise ProtocolError(f"expected a one-byte request type, got {type(type_byte)!r}") from e
     entry = _INPUT_TYPES.get(key) if key is not None else None
@@ -578,6 +583,8 @@ def is_dead_sentinel(frames: Sequence[Frame] | bytes) -> bool:
     if len(frames) != 1:
         return False
     frame = frames[0]
+    if type(frame) is bytes:  # what recv_frames hands over
+        return frame == ENGINE_DEAD_SENTINEL
     try:
         return _nbytes(frame) == len(ENGINE_DEAD_SENTINEL) and (
             _frame_bytes(frame) == ENGINE_DEAD_SENTINEL
@@ -659,6 +666,11 @@ class _ProbeEncoder(Encoder):
         return None
 
 
+# Results of these types always encode (an int may not: msgpack stops at 64 bits; a str
+# may not: a lone surrogate has no UTF-8 form).
+_ALWAYS_ENCODABLE = frozenset({type(None), bool, float, bytes})
+
+
 def _probe() -> _ProbeEncoder:
     probe: _ProbeEncoder | None = getattr(_local, "probe", None)
     if probe is None:
@@ -678,6 +690,8 @@ def utility_output(
         if error is not None:
             message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
             return UtilityOutput(call_id, failure_message=message)
+        if type(result) in _ALWAYS_ENCODABLE:  # echo, flags, paths: no trial encode
+            return UtilityOutput(call_id, result=result)
         wrapped = _wrap_typed(result) if _result_names else result
         _probe().encode(wrapped)
         return UtilityOutput(call_id, result=wrapped)
@@ -788,8 +802,11 @@ def send_frames(
     *,
     prefix: Sequence[bytes] = (),
     track: bool = False,
+    flags: int = 0,
 ) -> zmq.MessageTracker | None:
     """Send ``[*prefix, payload, aux...]``; with ``track``, return the *payload's* tracker.
+    ``flags`` (e.g. ``ZMQ_NOBLOCK``) apply to the first frame sent, which decides for the
+    whole message.
 
     Frames below the socket's ``copy_threshold`` are copied (a plain ``send`` costs a fraction
     of a tracked zero-copy one, and the buffer is free again at once: the tracker is then
@@ -797,19 +814,22 @@ def send_frames(
     """
     more = ZMQ_SNDMORE
     send = sock.send
+    first = flags
     for p in prefix:
-        send(p, more)
+        send(p, more | first)
+        first = 0
     threshold = sock.copy_threshold
     last = len(frames) - 1
     tracker: zmq.MessageTracker | None = None
     for i, frame in enumerate(frames):
-        flags = more if i < last else 0
+        f = (more if i < last else 0) | first
+        first = 0
         if _nbytes(frame) < threshold:
-            send(frame, flags)
+            send(frame, f)
         elif i == 0 and track:
-            tracker = send(frame, flags, copy=False, track=True)
+            tracker = send(frame, f, copy=False, track=True)
         else:
-            send(frame, flags, copy=False)
+            send(frame, f, copy=False)
     return tracker
 
 

@@ -49,8 +49,7 @@ import zmq
 
 from ..protocol.codec import (
     DEFAULT_LIMITS,
-    ZMQ_EVENTS,
-    ZMQ_POLLOUT,
+    ZMQ_NOBLOCK,
     BufferPool,
     Encoder,
     Limits,
@@ -113,6 +112,15 @@ class _Control(enum.Enum):
 
 
 _STOP = object()  # output-queue item: flush and exit
+
+
+class _Encoded:
+    """Output-queue item: a message already encoded (and fault-checked) by a direct sender."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
 
 
 class _ShutdownSignals:
@@ -530,6 +538,11 @@ class EngineCoreProc:
         if isinstance(item, bytes):  # the engine-dead sentinel
             _send_reconnecting(sock, address, dropped, functools.partial(sock.send, item))
             return
+        if type(item) is _Encoded:  # a direct send that found the pipe full
+            _send_reconnecting(sock, address, dropped, functools.partial(
+                send_frames, sock, item.frames))
+            self._last_send = time.monotonic()
+            return
         self._fault(FaultPoint.OUTPUT_SEND)
         pool = self._out_pool
         buf = pool.acquire()
@@ -547,22 +560,15 @@ class EngineCoreProc:
     def _put_output(self, item: Any, *, direct: bool) -> None:
         """Hand ``item`` to the client, in order with everything handed over before it.
 
-        ``direct`` sends on the calling thread when nothing is queued ahead of it and the
-        socket is writable: a reply that does not wait for the output thread saves a thread
-        wake-up per round trip. Big batches during a busy step go through the queue, so
-        encoding overlaps the next step.
+        ``direct`` sends on the calling thread when nothing is queued ahead of it: a reply
+        that does not wait for the output thread saves a thread wake-up per round trip. Big
+        batches during a busy step go through the queue, so encoding overlaps the next step.
         """
-        lock = self._out_lock
-        with lock:
+        with self._out_lock:
             out = self._out
-            # Only when the socket can take a message now: a direct sender never blocks (a
-            # gone or slow client fills the queue; then only the output thread waits on it,
-            # and the busy loop still sees a shutdown).
             if direct and self._out_pending == 0 and out is not None:
                 try:
-                    if cast(int, out[0].get(ZMQ_EVENTS)) & ZMQ_POLLOUT:
-                        self._send_locked(item)
-                        return
+                    item = self._send_direct(out[0], item)
                 except zmq.ContextTerminated:
                     return
                 except BaseException as e:
@@ -570,8 +576,29 @@ class EngineCoreProc:
                     self.input_queue.put((_Control.SHUTDOWN, RuntimeError(
                         f"output send failed: {e!r}")))
                     return
+                if item is None:
+                    return
             self._out_pending += 1
             self.output_queue.put(item)
+
+    def _send_direct(self, sock: zmq.Socket[Any], item: Any) -> _Encoded | None:
+        """Send ``item`` now if the socket takes it without blocking (None), else return it
+        encoded for the output thread. A direct sender must never block: a gone or slow
+        client fills the pipe, and then only the output thread waits on it while the busy
+        loop still sees a shutdown. Caller holds ``_out_lock``."""
+        self._fault(FaultPoint.OUTPUT_SEND)
+        # Small batches only: a plain bytes payload (copied by the send) needs no pool.
+        frames = self._out_encoder.encode(item)
+        if self._integrity is not None:
+            frames = [*frames, self._integrity.seal(frames)]
+        try:
+            # NOBLOCK on the first frame decides for the whole message: once libzmq has
+            # taken the first part of a multipart message, it takes the rest.
+            send_frames(sock, frames, flags=ZMQ_NOBLOCK)
+        except zmq.Again:
+            return _Encoded(frames)
+        self._last_send = time.monotonic()
+        return None
 
     # -- main loop ----------------------------------------------------------------------------
 

@@ -829,13 +829,19 @@ class MPClient(EngineCoreClient):
 
 
 def _drain(
-    sock: zmq.Socket[Any], client_ref: weakref.ReferenceType[Any], put: Callable[[Any], None]
+    sock: zmq.Socket[Any],
+    client_ref: weakref.ReferenceType[Any],
+    put: Callable[[Any], None],
+    readable: bool = False,
 ) -> bool:
     """Route every message ``sock`` holds now (utility replies resolved, batches ``put``);
-    False once nothing more should be read (engine death seen, client gone). ``EVENTS`` is
-    read after each message: cheaper than a failing NOBLOCK recv, and it re-arms the FD."""
+    False once nothing more should be read (engine death seen, client gone). ``readable``:
+    a poll just reported a message, so the first receive needs no check. ``EVENTS`` is read
+    after each message: cheaper than a failing NOBLOCK recv, and it re-arms the FD."""
     get = sock.get
-    while cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
+    if not readable and not cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
+        return True
+    while True:
         frames = recv_frames(sock, ZMQ_NOBLOCK)
         client = client_ref()
         if client is None:
@@ -847,7 +853,9 @@ def _drain(
             return False
         if batch is not None:
             put(batch)
-    return True
+        del client
+        if not cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
+            return True
 
 
 class _SyncCall:
@@ -956,7 +964,7 @@ class _SyncReader:
                              -1 if timeout_ms is None else timeout_ms)
         for item, _ in cast(list[tuple[Any, int]], ready):
             if item is out:
-                if not _drain(out, self._client_ref, self._outputs.put):
+                if not _drain(out, self._client_ref, self._outputs.put, True):
                     self._stopped = True
             else:
                 try:
@@ -964,59 +972,68 @@ class _SyncReader:
                 except BlockingIOError:
                     pass
 
-    def _release(self, *, caller: bool) -> None:
-        with self.cv:
-            self._reading = False
-            self._bg_reading = False
-            if caller:
-                self._last_caller_read = time.monotonic()
-            self.cv.notify_all()
-
     def wait_for(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         """Read (or wait for whoever reads) until ``ready()`` or ``timeout``; ``ready()``.
 
         Even with no time left, a caller reads once if the socket is free, so polling with
-        ``timeout=0`` sees what has already arrived.
+        ``timeout=0`` sees what has already arrived. ``cv`` is held except while polling:
+        giving the socket back and checking ``ready()`` is one acquisition, not three.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         cv = self.cv
-        pumped = False
-        with cv:
-            self._callers += 1
+        pumped = holding = False
+        cv.acquire()
+        self._callers += 1
         try:
             while True:
-                with cv:
-                    if ready():
-                        return True
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    expired = remaining is not None and remaining <= 0
-                    if expired and (pumped or self._reading or self._closing or self._stopped):
-                        return False
-                    if self._closing or self._stopped:
-                        # Nothing more is read; the death/close path resolves and notifies.
-                        cv.wait(0.1 if remaining is None else min(remaining, 0.1))
-                        continue
-                    if self._reading:
-                        if self._bg_reading and not self._kicked:
-                            self._kicked = True
-                            self._kick_locked()
-                        cv.wait(remaining)
-                        continue
-                    self._reading = True
-                    self._holder = threading.get_ident()
+                if holding:
+                    holding = False
+                    self._give_back(caller=True)
+                if ready():
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                expired = remaining is not None and remaining <= 0
+                if expired and (pumped or self._reading or self._closing or self._stopped):
+                    return False
+                if self._closing or self._stopped:
+                    # Nothing more is read; the death/close path resolves and notifies.
+                    cv.wait(0.1 if remaining is None else min(remaining, 0.1))
+                    continue
+                if self._reading:
+                    if self._bg_reading and not self._kicked:
+                        self._kicked = True
+                        self._kick_locked()
+                    cv.wait(remaining)
+                    continue
+                self._reading = holding = True
+                self._holder = threading.get_ident()
+                if remaining is None:
+                    timeout_ms: int | None = None
+                else:
+                    timeout_ms = 0 if expired else max(1, int(remaining * 1000 + 0.999))
+                cv.release()
                 try:
-                    if remaining is None:
-                        timeout_ms: int | None = None
-                    else:
-                        timeout_ms = 0 if expired else max(1, int(remaining * 1000 + 0.999))
                     self._pump(timeout_ms)
                     pumped = True
                 finally:
-                    self._release(caller=True)
+                    cv.acquire()
         finally:
-            with cv:
-                self._callers -= 1
+            if holding:
+                self._give_back(caller=True)
+            self._callers -= 1
+            if cv._waiters:  # type: ignore[attr-defined]
                 cv.notify_all()
+            cv.release()
+
+    def _give_back(self, *, caller: bool) -> None:
+        """The reader is done with the socket; wake whoever waits (their outcome may have
+        been routed). Caller holds ``cv``."""
+        self._reading = False
+        self._bg_reading = False
+        if caller:
+            self._last_caller_read = time.monotonic()
+        if self.cv._waiters:  # type: ignore[attr-defined]
+            self.cv.notify_all()
 
     def _background(self) -> None:
         cv = self.cv
@@ -1039,7 +1056,8 @@ class _SyncReader:
                 try:
                     self._pump(None)
                 finally:
-                    self._release(caller=False)
+                    with cv:
+                        self._give_back(caller=False)
         except Exception as e:
             self._stopped = True
             client = self._client_ref()
