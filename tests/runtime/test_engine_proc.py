@@ -57,6 +57,7 @@ class Peer:
     def __init__(self, tmp: Path) -> None:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # as the clients: a full ROUTER drops silently
         self.router.bind(f"ipc://{tmp}/in")
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(f"ipc://{tmp}/out")
@@ -181,6 +182,37 @@ def test_utility_failure_is_a_reply_not_a_crash(served: Any) -> None:
     peer.send(RequestType.UTILITY, UtilityRequest(0, 2, "echo", [[1, 2]]))
     reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
     assert reply.result == [1, 2]
+
+
+def test_replies_to_a_client_that_stops_reading_arrive_in_order(served: Any) -> None:
+    """Direct sends never block: once the pipe to a client that stopped reading is full, the
+    idle-call path hands encoded replies to the output thread, and the client still gets
+    every reply, once, in order, when it reads again."""
+    peer, proc, _trace = served
+    handed_over: list[str] = []
+    put = proc.output_queue.put
+
+    def spy(item: Any, *args: Any, **kwargs: Any) -> None:
+        handed_over.append(type(item).__name__)
+        put(item, *args, **kwargs)
+
+    proc.output_queue.put = spy  # type: ignore[method-assign]
+    payload = b"p" * 1024
+    n = 4000  # 4 MiB of replies: more than zmq's 1000-message queues and the socket buffers
+    for call_id in range(1, n + 1):
+        peer.send(RequestType.UTILITY, UtilityRequest(0, call_id, "echo", [payload]))
+    deadline = time.monotonic() + BOUND_S
+    while "_Encoded" not in handed_over and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "_Encoded" in handed_over, "the pipe never filled: the test did not test the fallback"
+    ids = []
+    while len(ids) < n:
+        reply = peer.recv().utility_output
+        if reply is not None:
+            assert reply.result == payload
+            ids.append(reply.call_id)
+    assert ids == list(range(1, n + 1))
+    assert all(t.is_alive() for t in proc._threads)
 
 
 def _spawn_engine(tmp: Path, **kwargs: Any) -> Any:
