@@ -93,7 +93,10 @@ IDLE_WAKE_S = 0.5
 # Bound on the input thread connecting and sending the ready handshake.
 HANDSHAKE_SEND_S = 30.0
 # Batches up to this size are sent by the thread that built them when nothing is queued
-# ahead (no hand-off); larger ones are encoded by the output thread while the next step runs.
+# ahead (no hand-off); larger ones are encoded by the output thread while the next step runs,
+# if the step leaves it time: a model whose forward never releases the GIL (the null model
+# without a delay) has the busy loop send every batch itself, as the output thread could
+# only take the GIL from it (measured: 0.47 -> 0.70 of the floor's tokens/s at K=1024).
 DIRECT_SEND_MAX_OUTPUTS = 64
 
 
@@ -305,6 +308,7 @@ class EngineCoreProc:
         self._input_ready = threading.Event()
         self._input_error: BaseException | None = None
         self.engine: Any = None
+        self._overlap = True  # the output thread can encode while a step runs
         # Fault points (runtime/faults.py); None: no plan, every point is a no-op.
         self.faults: FaultInjector | None = None
         # Optional seq/ack/CRC trailers on every message (runtime/integrity.py).
@@ -327,6 +331,7 @@ class EngineCoreProc:
                 # Test hook: hold the handshake so a test can act "during start-up".
                 time.sleep(startup_delay_s)
             self.engine = EngineCore(config, inproc=False, trace=trace, stream_outputs=True)
+            self._overlap = bool(getattr(self.engine.executor, "forward_releases_gil", True))
             plan = as_plan(fault)
             if plan is not None:
                 self._arm_faults(FaultInjector(plan, device=str(self.engine.device)))
@@ -737,7 +742,7 @@ class EngineCoreProc:
         if outputs.engine_index != self.engine_index:
             outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
         size = len(outputs.outputs) + len(outputs.stream_ids)
-        self._put_output(outputs, direct=size <= DIRECT_SEND_MAX_OUTPUTS)
+        self._put_output(outputs, direct=size <= DIRECT_SEND_MAX_OUTPUTS or not self._overlap)
         return True
 
     # -- teardown -----------------------------------------------------------------------------

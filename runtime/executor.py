@@ -63,6 +63,9 @@ class Worker:
     """What every worker provides; ``RPC_METHODS`` is what ``collective_rpc`` may call."""
 
     RPC_METHODS = frozenset({"ping", "report_memory", "describe"})
+    # Whether a forward lets other threads run (torch kernels, device waits release the GIL):
+    # only then does encoding outputs on another thread overlap the next step.
+    forward_releases_gil = True
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -297,6 +300,7 @@ class NullWorker(Worker):
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         super().__init__(config, rank)
         self.delay = config.null_step_delay_s
+        self.forward_releases_gil = self.delay > 0  # the sleep is its only GIL-free time
 
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
         if self.delay:
@@ -345,6 +349,10 @@ class UniProcExecutor:
     @property
     def arch(self) -> LlamaArch:
         return self.driver.arch
+
+    @property
+    def forward_releases_gil(self) -> bool:
+        return all(w.forward_releases_gil for w in self.workers)
 
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
         return self.driver.execute_model(reqs, nums)

@@ -215,6 +215,50 @@ def test_replies_to_a_client_that_stops_reading_arrive_in_order(served: Any) -> 
     assert all(t.is_alive() for t in proc._threads)
 
 
+@pytest.mark.parametrize(("delay_s", "via_thread"), [(0.0, False), (0.002, True)])
+def test_big_batches_use_the_output_thread_only_when_a_step_leaves_it_time(
+        tmp_path: Path, delay_s: float, via_thread: bool) -> None:
+    """The output thread exists to encode while the next step computes. A forward that never
+    releases the GIL (null model, no delay) leaves it nothing to overlap, so the busy loop
+    sends every batch itself; with a delay (standing in for device time) big batches go
+    through the thread. Small ones are always sent by the thread that built them."""
+    config = EngineConfig(model="null", max_num_seqs=256, max_num_batched_tokens=2048,
+                          null_step_delay_s=delay_s)
+    peer = Peer(tmp_path)
+    proc = EngineCoreProc(config, input_address=peer.input_address,
+                          output_address=peer.output_address)
+    peer.router.recv_multipart()
+    queued: list[int] = []
+    put = proc.output_queue.put
+
+    def spy(item: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(item, EngineCoreOutputs):
+            queued.append(len(item.outputs) + len(item.stream_ids))
+        put(item, *args, **kwargs)
+
+    proc.output_queue.put = spy  # type: ignore[method-assign]
+    loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    loop.start()
+    try:
+        assert proc._overlap is via_thread
+        for i in range(200):
+            peer.send(RequestType.ADD, request(f"r{i}", 6))
+        finished: set[str] = set()
+        deadline = time.monotonic() + BOUND_S
+        while len(finished) < 200 and time.monotonic() < deadline:
+            finished.update(o.request_id for o in peer.recv().outputs if o.finished)
+        assert len(finished) == 200
+        if via_thread:
+            assert any(n > 64 for n in queued), queued
+        else:
+            assert queued == [], "batches went through the output thread"
+    finally:
+        proc.input_queue.put((_Control.SHUTDOWN, None))
+        loop.join(BOUND_S)
+        proc.close()
+        peer.close()
+
+
 def _spawn_engine(tmp: Path, **kwargs: Any) -> Any:
     mp = multiprocessing.get_context("spawn")
     base = {"input_address": f"ipc://{tmp}/in", "output_address": f"ipc://{tmp}/out"}
