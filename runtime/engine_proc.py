@@ -591,8 +591,12 @@ class EngineCoreProc:
         encoded for the output thread. A direct sender must never block: a gone or slow
         client fills the pipe, and then only the output thread waits on it while the busy
         loop still sees a shutdown. Caller holds ``_out_lock``."""
+        if self._reuse_early:  # the mutant reuses pooled buffers on every path
+            self._send_locked(item)
+            return None
         self._fault(FaultPoint.OUTPUT_SEND)
-        # Small batches only: a plain bytes payload (copied by the send) needs no pool.
+        # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps
+        # a reference to it until libzmq is done (above), and nothing else writes to it.
         frames = self._out_encoder.encode(item)
         if self._integrity is not None:
             frames = [*frames, self._integrity.seal(frames)]

@@ -144,6 +144,14 @@ class Scheduler:
         self.drain_only = False  # while draining for a pause: admit only requests marked draining
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of which made room for a better waiting request
+        # Steady decode fast path. ``update`` sets this to ``running`` when it proved that
+        # every request there was scheduled by the step that just ran, sampled a token (so the
+        # next step computes exactly one token for it), and has KV blocks for that token; the
+        # next ``schedule`` then takes the whole list without a per-request pass. Anything that
+        # changes the running set or frees blocks resets it (and replaces ``running``, which
+        # the identity check catches too).
+        self._decode_ready: list[Request] | None = None
+        self._all_scheduled = False
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -167,6 +175,7 @@ class Scheduler:
                stop_reason: int | str | None = None, error: str | None = None,
                new_token_ids: list[int] | None = None) -> EngineCoreOutput:
         """End ``req`` (firing ``event``), free its blocks, return its finishing output."""
+        self._decode_ready = None
         req.lifecycle.fire(event)
         req.finished = True
         if req.in_waiting:  # its heap entry is skipped lazily
@@ -191,6 +200,7 @@ class Scheduler:
         return self.abort(list(self.requests))
 
     def _preempt(self, req: Request) -> None:
+        self._decode_ready = None
         req.lifecycle.fire(RE.PREEMPT)
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -209,9 +219,17 @@ class Scheduler:
         """Pick this step's requests and how many new tokens each computes."""
         kv, bs = self.kv, self.kv.block_size
         budget = self.max_num_batched_tokens
-        reqs: list[Request] = []
-        nums: list[int] = []
         running = self.running
+        ready, self._decode_ready = self._decode_ready, None
+        if ready is running and len(running) <= budget:
+            # Steady decode (see __init__): one token each, blocks already there.
+            reqs = running.copy()
+            nums = [1] * len(reqs)
+            self._admit(reqs, nums, budget - len(reqs))
+            self._all_scheduled = len(reqs) == len(self.running)
+            return reqs, nums
+        reqs = []
+        nums = []
         preempted = False
         add_req, add_num = reqs.append, nums.append
         # Popping entries after ``i`` while iterating is safe: the iterator's index stays right.
@@ -232,6 +250,8 @@ class Scheduler:
             budget -= n
         if not preempted:
             self._admit(reqs, nums, budget)
+        # reqs is a subset of running (admitted requests join both): equal sizes, equal sets.
+        self._all_scheduled = len(reqs) == len(self.running)
         return reqs, nums
 
     def _preempt_for(self, req: Request, i: int, total: int) -> bool:
@@ -333,6 +353,9 @@ class Scheduler:
         finished: list[str] | None = None
         register = self.kv.register_full_blocks if self.kv.enable_prefix_caching else None
         output = EngineCoreOutput
+        bs = self.kv.block_size
+        # Stays True while every request that goes on decodes next step with blocks in hand.
+        ready = self._all_scheduled
         add_id = add_tok = None
         if stream is not None:
             add_id, add_tok = stream[0].append, stream[1].append
@@ -344,10 +367,15 @@ class Scheduler:
             if register is not None:
                 register(req)
             if tok < 0:  # a prefill chunk that does not reach the end: nothing sampled
+                ready = False
                 continue
             req.all_token_ids.append(tok)
             req.num_tokens = ntok = req.num_tokens + 1
             if tok not in req.stops and ntok < req.stop_len:
+                # Its blocks cover the ntok - 1 computed tokens; token ntok fits unless
+                # ntok - 1 fills its last block exactly (then the slow path allocates).
+                if ready and (ntok - 1) % bs == 0:
+                    ready = False
                 cached = req.num_cached_tokens
                 if cached:
                     add(output(req.request_id, [tok], None, None, cached))
@@ -363,6 +391,8 @@ class Scheduler:
             finished.append(req.request_id)
         if finished is not None:
             self.running = [r for r in self.running if not r.finished]
+        if ready:
+            self._decode_ready = self.running
         return outs, finished
 
     def _finish_on(self, req: Request, tok: int) -> EngineCoreOutput:
