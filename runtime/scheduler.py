@@ -363,14 +363,21 @@ class Scheduler:
         # output appended to the stream columns, or built with as few arguments as its fields
         # allow (defaults cost nothing).
         for req, n, tok in zip(reqs, nums, tokens, strict=False):
-            req.num_computed_tokens += n
-            if register is not None:
-                register(req)
             if tok < 0:  # a prefill chunk that does not reach the end: nothing sampled
+                req.num_computed_tokens += n
+                if register is not None:
+                    register(req)
                 ready = False
                 continue
+            # A worker samples only for a chunk that reaches the request's last token, so
+            # every token it had is computed now (a store, not a read-modify-write).
+            ntok = req.num_tokens
+            req.num_computed_tokens = ntok
+            if register is not None:
+                register(req)
             req.all_token_ids.append(tok)
-            req.num_tokens = ntok = req.num_tokens + 1
+            ntok += 1
+            req.num_tokens = ntok
             if tok not in req.stops and ntok < req.stop_len:
                 # Its blocks cover the ntok - 1 computed tokens; token ntok fits unless
                 # ntok - 1 fills its last block exactly (then the slow path allocates).
