@@ -7,9 +7,13 @@ Every function here returns rows (plain dicts) that ``run.py`` turns into the ra
   echo. Contenders alternate in blocks, so a noisy neighbour hits both alike.
 * ``delivery``: K requests (512-token prompts) x 64 tokens with the ``null`` model, gated the
   way perf-floor §3.1 gates the floor: the engine is paused (``keep``) while the K adds land,
-  then resumed. Tokens/s is taken at the caller of ``get_output`` from the first batch to the
-  last, i.e. 63 steps at batch K, which leaves admission and the prefill step out on both
-  sides.
+  then resumed. Tokens/s counts the 63 decode steps at batch K after the prefill step, which
+  leaves admission out on both sides. The window opens at the engine's stamp on the first
+  (prefill) batch and closes when the caller has the last one (both ``time.monotonic``, one
+  clock across processes), as perf-floor §3.1 times from an engine-side event: a window
+  opened by the caller's receipt of the first batch shrinks whenever the caller is late to
+  it (batches pile up, then drain at once), which once gave the floor 3.7 M tok/s, more
+  than its engine can build.
 * ``compute``: the same with a fixed 5 ms step; the non-compute share is
   ``1 - 63 * sleep / window`` with ``sleep`` the median of ``time.sleep(0.005)`` measured here,
   the same formula for the floor.
@@ -285,13 +289,14 @@ class _Round:
         self.done = 0
         self.steps = 0
 
-    def take(self, outputs: list[Any]) -> None:
+    def take(self, outputs: list[Any], stamp: float) -> None:
+        """One batch at the caller; ``stamp`` is the engine's ``time.monotonic()`` on it."""
         # The same per-request walk on both sides, as any real caller does per batch.
         if not outputs:
             return
-        now = time.perf_counter()
+        now = time.monotonic()
         if not self.steps:
-            self.first = now
+            self.first = stamp
         else:
             n = 0
             for o in outputs:
@@ -321,7 +326,8 @@ def floor_round(
     peer.go(delay_s)
     r = _Round()
     while r.done < k:
-        r.take(peer.get_output().outputs)
+        batch = peer.get_output()
+        r.take(batch.outputs, batch.timestamp)
     return r.result()
 
 
@@ -342,7 +348,8 @@ def ours_round(client: Any, k: int, prompts: list[list[int]], tag: str) -> dict[
     r = _Round()
     deadline = time.monotonic() + _TIMEOUT_S
     while r.done < k:
-        r.take(client.get_output(timeout=1.0).outputs)
+        batch = client.get_output(timeout=1.0)
+        r.take(batch.outputs, batch.timestamp)
         if time.monotonic() > deadline:
             raise TimeoutError(f"delivery round {tag}: {r.done}/{k} finished")
     return r.result()
@@ -358,7 +365,8 @@ async def ours_round_async(
     r = _Round()
     deadline = time.monotonic() + _TIMEOUT_S
     while r.done < k:
-        r.take((await client.get_output_async(timeout=1.0)).outputs)
+        batch = await client.get_output_async(timeout=1.0)
+        r.take(batch.outputs, batch.timestamp)
         if time.monotonic() > deadline:
             raise TimeoutError(f"async delivery round {tag}: {r.done}/{k} finished")
     return r.result()
