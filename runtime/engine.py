@@ -132,6 +132,8 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             policy=config.scheduling_policy,
+            # Column-wise decode needs stream columns out and a worker that reads the batch.
+            decode_batch=stream_outputs and self.executor.supports_decode_batch,
         )
         self._pending: list[EngineCoreOutput] = []
         # Abort ids another thread saw arrive while a step runs (the process wrapper's input
@@ -315,13 +317,31 @@ class EngineCore:
                 if reqs:
                     if self.fault_hook is not None:
                         self.fault_hook("forward")
-                    tokens = self.executor.execute_model(reqs, nums)  # type: ignore[union-attr]
-                    if self.mid_step_aborts:
-                        reqs, nums, tokens, aborted = self._abort_mid_step(reqs, nums, tokens)
-                        if aborted:
-                            outs = [*outs, *aborted]
-                            finished = [*(finished or ()), *(o.request_id for o in aborted)]
-                    step_outs, step_finished = sched.update(reqs, nums, tokens, stream)
+                    executor = self.executor
+                    assert executor is not None
+                    batch = sched.step_batch
+                    if batch is not None:
+                        toks = executor.execute_decode(batch)
+                        if self.mid_step_aborts:  # an abort lands mid-step: per request
+                            sched.release_batch()
+                            tokens = toks.tolist()
+                            batch = None
+                    else:
+                        tokens = executor.execute_model(reqs, nums)
+                    if batch is not None:
+                        # decode_batch implies stream_outputs: the columns come back whole.
+                        step_outs, step_finished, sids, stoks = sched.update_decode(
+                            batch, toks)
+                        stream = (sids, stoks)
+                    else:
+                        if self.mid_step_aborts:
+                            reqs, nums, tokens, aborted = self._abort_mid_step(
+                                reqs, nums, tokens)
+                            if aborted:
+                                outs = [*outs, *aborted]
+                                finished = [*(finished or ()),
+                                            *(o.request_id for o in aborted)]
+                        step_outs, step_finished = sched.update(reqs, nums, tokens, stream)
                     if outs:
                         outs.extend(step_outs)
                     else:

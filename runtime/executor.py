@@ -29,7 +29,7 @@ from .model import (
     resolve_weight_source,
 )
 from .sampling import sample
-from .scheduler import Request
+from .scheduler import DecodeBatch, Request
 
 # torch is imported where tensors are made: a null-model engine (NullWorker) never loads it,
 # which keeps its start, and every restart in a campaign, well under a second.
@@ -66,6 +66,8 @@ class Worker:
     # Whether a forward lets other threads run (torch kernels, device waits release the GIL):
     # only then does encoding outputs on another thread overlap the next step.
     forward_releases_gil = True
+    # Whether ``execute_decode`` can run a steady decode step from a ``DecodeBatch``.
+    supports_decode_batch = False
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -88,6 +90,10 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
+        raise NotImplementedError
+    def execute_decode(self, batch: DecodeBatch) -> Any:
+        """One token for every row of ``batch`` (an int64 array): each row's input is its
+        last token, at position ``ntok - 1``."""
         raise NotImplementedError
     def device_tensors(self) -> list[torch.Tensor]:
         return []
@@ -204,9 +210,6 @@ class TorchWorker(Worker):
         return total * cfg.gpu_memory_utilization - (total - free) - peak_extra
 
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
-        import torch
-
-        assert self.model is not None and self.kv_caches, "execute_model while asleep"
         ids: list[int] = []
         ranges: list[range] = []
         tables: list[list[int]] = []
@@ -220,6 +223,24 @@ class TorchWorker(Worker):
             if start + n == len(req.all_token_ids):
                 last.append(len(ids) - 1)
                 samplers.append(k)
+        return self._run(reqs, ids, ranges, tables, last, samplers)
+
+    supports_decode_batch = True
+
+    def execute_decode(self, batch: DecodeBatch) -> Any:
+        # Each row computes its last token at position ntok - 1 and samples the next.
+        n = len(batch)
+        every = list(range(n))
+        tokens = self._run(batch.reqs, batch.last.tolist(),
+                           [range(t - 1, t) for t in batch.ntok.tolist()],
+                           [r.block_ids for r in batch.reqs], every, every)
+        return batch.np.array(tokens, dtype=batch.np.int64)
+
+    def _run(self, reqs: list[Request], ids: list[int], ranges: list[range],
+             tables: list[list[int]], last: list[int], samplers: list[int]) -> list[int]:
+        import torch
+
+        assert self.model is not None and self.kv_caches, "execute_model while asleep"
         bs = self.config.block_size
         meta = build_attention_metadata(ranges, tables, bs, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -313,6 +334,19 @@ class NullWorker(Worker):
             for req, n in zip(reqs, nums, strict=False)
         ]
 
+    supports_decode_batch = True
+
+    def execute_decode(self, batch: DecodeBatch) -> Any:
+        if self.delay:
+            time.sleep(self.delay)
+        span = self.arch.vocab_size - 3
+        base = batch.cols.get("null_base")
+        if base is None:  # once per batch: the seed's share of the formula above, mod span
+            base = batch.cols["null_base"] = batch.np.fromiter(
+                ((r.seed * 1_000_003) % span for r in batch.reqs), batch.np.int64, len(batch))
+        # The row's index is ntok: the same token as execute_model's formula, mod span.
+        return 3 + (base + batch.ntok * 7919) % span
+
     def sleep(self, level: int) -> None:
         self.sleeping.update(MEMORY_TAGS)
         self.sleep_level = max(self.sleep_level, level)
@@ -356,6 +390,13 @@ class UniProcExecutor:
 
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
         return self.driver.execute_model(reqs, nums)
+
+    @property
+    def supports_decode_batch(self) -> bool:
+        return all(w.supports_decode_batch for w in self.workers)
+
+    def execute_decode(self, batch: DecodeBatch) -> Any:
+        return self.driver.execute_decode(batch)
 
     def collective_rpc(self, method: str, args: Sequence[Any] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

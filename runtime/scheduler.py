@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ..spec.machine import Lifecycle, TraceEntry
@@ -121,6 +121,126 @@ class Request:
                 f"computed={self.num_computed_tokens}/{len(self.all_token_ids)}>")
 
 
+# Token columns a decode batch holds before it writes them back to the requests' lists. Each
+# write-back touches every request (the cost the batch exists to avoid), so it should be rare;
+# the buffer is column-major, so a step writes one contiguous column.
+_BATCH_COLUMNS = 128
+
+
+class DecodeBatch:
+    """The running requests of a steady decode phase, column-wise (vLLM's persistent batch).
+
+    Built from ``Scheduler.running`` when the steady-decode fast path starts; row ``i`` is
+    ``reqs[i]``. While a request is a row, three of its fields live here instead: its
+    ``num_tokens`` is ``ntok[i]``, its ``num_computed_tokens`` is ``ntok[i] - 1`` (every token
+    but the last sampled one), and the tokens sampled since its row was last written back sit
+    in ``buf[:ntok[i] - base[i], i]`` rather than in ``all_token_ids``. A step then updates a
+    few arrays instead of touching every request's objects, which after a device wait means a
+    cache miss per object (docs/benchmarks.md, fourth round). ``flush`` and ``flush_rows``
+    write the fields back; the scheduler calls them before anything reads a request.
+    """
+
+    __slots__ = ("base", "buf", "cached_rows", "col", "cols", "eos", "has_eos", "ids", "last",
+                 "np", "ntok", "reqs", "rows", "stop_len", "stop_rows", "stream_ids",
+                 "stream_mask")
+
+    def __init__(self, reqs: list[Request]) -> None:
+        import numpy as np  # here: an engine that never batches never loads numpy
+
+        self.np = np
+        n = len(reqs)
+        self.reqs = reqs
+        # One pass over the requests (each one is a few cache misses after a device wait).
+        ids: list[str] = []
+        nums: list[tuple[int, int, int, int]] = []
+        stop_rows: list[int] = []
+        cached_rows: list[int] = []
+        for i, r in enumerate(reqs):
+            ids.append(r.request_id)
+            nums.append((r.num_tokens, r.stop_len, r.eos, r.all_token_ids[-1]))
+            if r.stop_ids:
+                stop_rows.append(i)
+            if r.num_cached_tokens:
+                cached_rows.append(i)
+        table = np.array(nums, np.int64).reshape(n, 4)
+        self.ids = ids
+        self.ntok = table[:, 0].copy()
+        self.base = self.ntok.copy()
+        self.stop_len = table[:, 1].copy()
+        self.eos = table[:, 2].copy()
+        self.last = table[:, 3].copy()
+        self.has_eos = bool((self.eos >= 0).any())
+        self.buf = np.empty((_BATCH_COLUMNS, n), np.int64)
+        self.rows = np.arange(n)
+        self.col = 0  # columns used by the row written back longest ago (an upper bound)
+        # Worker-owned columns (e.g. the null model's per-request constants), kept aligned.
+        self.cols: dict[str, Any] = {}
+        self._index_rows(stop_rows, cached_rows)
+
+    def _index_rows(self, stop_rows: list[int], cached_rows: list[int]) -> None:
+        self.stop_rows = stop_rows
+        self.cached_rows = cached_rows
+        self.stream_mask: Any = None
+        if cached_rows:
+            mask = self.np.ones(len(self.reqs), bool)
+            mask[cached_rows] = False
+            self.stream_mask = mask
+            self.stream_ids = [rid for rid, keep in zip(self.ids, mask.tolist(), strict=True)
+                               if keep]
+        else:
+            self.stream_ids = self.ids
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def flush_rows(self, rows: list[int]) -> None:
+        """Write rows ``rows`` back to their requests."""
+        if not rows:
+            return
+        ntoks = self.ntok[rows]
+        pending = (ntoks - self.base[rows]).tolist()
+        hist = self.buf[:max(pending), rows].T.tolist()
+        reqs = self.reqs
+        for i, ntok, k, toks in zip(rows, ntoks.tolist(), pending, hist, strict=True):
+            req = reqs[i]
+            if k:
+                req.all_token_ids.extend(toks[:k])
+            req.num_tokens = ntok
+            req.num_computed_tokens = ntok - 1
+        self.base[rows] = ntoks
+
+    def flush(self) -> None:
+        """Write every row back; the batch stays usable (its columns start empty)."""
+        self.flush_rows(self.rows.tolist())
+        self.col = 0
+
+    def record(self, toks: Any) -> None:
+        """This step's sampled tokens, one per row, go into the columns."""
+        if self.col == _BATCH_COLUMNS:
+            self.flush()
+        self.buf[self.ntok - self.base, self.rows] = toks
+        self.col += 1
+        self.ntok += 1
+        self.last = toks
+
+    def keep(self, mask: Any) -> None:
+        """Drop the rows where ``mask`` is False (finished, already written back)."""
+        np = self.np
+        idx = np.flatnonzero(mask)
+        self.reqs = [self.reqs[i] for i in idx.tolist()]
+        self.ids = [r.request_id for r in self.reqs]
+        for name in ("ntok", "base", "stop_len", "eos", "last"):
+            setattr(self, name, getattr(self, name)[idx])
+        buf = np.empty((_BATCH_COLUMNS, len(idx)), np.int64)
+        buf[:self.col] = self.buf[:self.col, idx]
+        self.buf = buf
+        self.cols = {k: v[idx] for k, v in self.cols.items()}
+        self.rows = np.arange(len(self.reqs))
+        self.has_eos = bool((self.eos >= 0).any())
+        self._index_rows([i for i, r in enumerate(self.reqs) if r.stop_ids],
+                         [i for i, r in enumerate(self.reqs) if r.num_cached_tokens])
+
+
 class Scheduler:
     def __init__(
         self,
@@ -130,6 +250,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "priority",
+        decode_batch: bool = False,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -152,6 +273,15 @@ class Scheduler:
         # the identity check catches too).
         self._decode_ready: list[Request] | None = None
         self._all_scheduled = False
+        # Column-wise steady decode (DecodeBatch), when the worker can run from it and the
+        # caller takes stream columns. ``step_batch`` is the batch when the last ``schedule``
+        # chose one: then ``update_decode``, not ``update``, applies that step.
+        self._use_batch = decode_batch
+        if decode_batch:
+            import numpy  # noqa: F401  (now, not in the first steady step: ~0.1 s)
+        self._batch: DecodeBatch | None = None
+        self._in_batch_update = False
+        self.step_batch: DecodeBatch | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -175,6 +305,8 @@ class Scheduler:
                stop_reason: int | str | None = None, error: str | None = None,
                new_token_ids: list[int] | None = None) -> EngineCoreOutput:
         """End ``req`` (firing ``event``), free its blocks, return its finishing output."""
+        if self._batch is not None and not self._in_batch_update:
+            self.release_batch()
         self._decode_ready = None
         req.lifecycle.fire(event)
         req.finished = True
@@ -199,7 +331,15 @@ class Scheduler:
     def abort_all(self) -> list[EngineCoreOutput]:
         return self.abort(list(self.requests))
 
+    def release_batch(self) -> None:
+        """Write the decode batch back to its requests and stop using it (before anything
+        reads a running request's counters or tokens)."""
+        batch, self._batch, self.step_batch = self._batch, None, None
+        if batch is not None:
+            batch.flush()
+
     def _preempt(self, req: Request) -> None:
+        self.release_batch()
         self._decode_ready = None
         req.lifecycle.fire(RE.PREEMPT)
         self.kv.free(req)
@@ -209,6 +349,7 @@ class Scheduler:
 
     def preempt_all_running(self) -> None:
         """Park every running request for recompute (their KV is about to be released)."""
+        self.release_batch()
         for req in self.running:
             self._preempt(req)
         self.running = []
@@ -217,19 +358,51 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Request], list[int]]:
         """Pick this step's requests and how many new tokens each computes."""
-        kv, bs = self.kv, self.kv.block_size
         budget = self.max_num_batched_tokens
         running = self.running
         ready, self._decode_ready = self._decode_ready, None
+        self.step_batch = None
         if ready is running and len(running) <= budget:
             # Steady decode (see __init__): one token each, blocks already there.
             reqs = running.copy()
             nums = [1] * len(reqs)
+            batch = self._batch
+            if self._use_batch and (batch is not None or not self.num_waiting):
+                if batch is None:
+                    batch = self._batch = DecodeBatch(reqs)
+                if not self._grow_batch_blocks(batch):
+                    self.release_batch()
+                    return self._schedule_full()
             self._admit(reqs, nums, budget - len(reqs))
             self._all_scheduled = len(reqs) == len(self.running)
+            if batch is not None:
+                if len(reqs) == len(batch) and self._batch is batch:
+                    self.step_batch = batch
+                else:  # admitted a prefill (or evicted a row): this step goes per request
+                    self.release_batch()
             return reqs, nums
-        reqs = []
-        nums = []
+        return self._schedule_full()
+
+    def _grow_batch_blocks(self, batch: DecodeBatch) -> bool:
+        """Give every row whose computed tokens fill its last block exactly a new block for
+        this step's token; False (the full pass will preempt) if the pool runs short."""
+        np, bs, kv = batch.np, self.kv.block_size, self.kv
+        need = np.flatnonzero((batch.ntok - 1) % bs == 0)
+        if need.size:
+            reqs, ntok = batch.reqs, batch.ntok
+            for i in need.tolist():
+                if not kv.allocate(reqs[i], int(ntok[i])):
+                    return False
+        return True
+
+    def _schedule_full(self) -> tuple[list[Request], list[int]]:
+        """The per-request pass: chunked prefill, block growth, preemption, admission."""
+        self.release_batch()
+        kv, bs = self.kv, self.kv.block_size
+        budget = self.max_num_batched_tokens
+        running = self.running
+        reqs: list[Request] = []
+        nums: list[int] = []
         preempted = False
         add_req, add_num = reqs.append, nums.append
         # Popping entries after ``i`` while iterating is safe: the iterator's index stays right.
@@ -348,6 +521,7 @@ class Scheduler:
         appended to its two lists (ids, tokens) instead of becoming an output struct: the
         columnar form ``EngineCoreOutputs.stream_ids``/``stream_tokens`` of the wire.
         """
+        self.release_batch()  # the per-request pass reads what the batch holds
         outs: list[EngineCoreOutput] = []
         add = outs.append
         finished: list[str] | None = None
@@ -401,6 +575,74 @@ class Scheduler:
         if ready:
             self._decode_ready = self.running
         return outs, finished
+
+    def update_decode(
+        self, batch: DecodeBatch, toks: Any
+    ) -> tuple[list[EngineCoreOutput], list[str] | None, list[str], list[int]]:
+        """``update`` for a step ``schedule`` ran as ``batch`` (one token per row, ``toks`` an
+        int64 array). Returns the outputs, the ids finished, and the stream columns (ids,
+        tokens). The ids list may be the batch's own: callers must not mutate it."""
+        np = batch.np
+        batch.record(toks)
+        ntok, reqs = batch.ntok, batch.reqs
+        fin = ntok >= batch.stop_len
+        if batch.has_eos:
+            fin |= toks == batch.eos
+        toks_list: list[int] | None = None
+        if batch.stop_rows:
+            toks_list = toks.tolist()
+            for i in batch.stop_rows:
+                if toks_list[i] in reqs[i].stop_ids:
+                    fin[i] = True
+        if self.kv.enable_prefix_caching:
+            register = self.kv.register_full_blocks
+            full = np.flatnonzero((ntok - 1) % self.kv.block_size == 0).tolist()
+            batch.flush_rows(full)  # it hashes the block from the token list
+            for i in full:
+                register(reqs[i])
+        fin_rows: list[int] = np.flatnonzero(fin).tolist()
+        outs: list[EngineCoreOutput] = []
+        finished: list[str] | None = None
+        if fin_rows or batch.cached_rows:
+            if toks_list is None:
+                toks_list = toks.tolist()
+            finset = set(fin_rows)
+            special = sorted(finset.union(batch.cached_rows))
+            batch.flush_rows(fin_rows)
+            self._in_batch_update = True
+            try:
+                for i in special:
+                    req, tok = reqs[i], toks_list[i]
+                    if i in finset:
+                        outs.append(self._finish_on(req, tok))
+                        if finished is None:
+                            finished = []
+                        finished.append(req.request_id)
+                    else:
+                        outs.append(EngineCoreOutput(req.request_id, [tok], None, None,
+                                                     req.num_cached_tokens))
+            finally:
+                self._in_batch_update = False
+        if fin_rows:
+            keep = ~fin
+            smask = keep if batch.stream_mask is None else keep & batch.stream_mask
+            ids = batch.ids
+            stream_ids = [ids[i] for i in np.flatnonzero(smask).tolist()]
+            stream_toks = toks[smask].tolist()
+            batch.keep(keep)
+            self.running = list(batch.reqs)
+        else:
+            stream_ids = batch.stream_ids
+            if batch.stream_mask is None:
+                stream_toks = toks_list if toks_list is not None else toks.tolist()
+            else:
+                stream_toks = toks[batch.stream_mask].tolist()
+        self._batch = batch if len(batch) else None
+        if self._batch is None:
+            self.step_batch = None
+        self._decode_ready = self.running
+        self._all_scheduled = True
+        return outs, finished, stream_ids, stream_toks
 
     def _finish_on(self, req: Request, tok: int) -> EngineCoreOutput:
         """``tok`` ended ``req`` (a stop id, EOS or the length limit): finish it."""

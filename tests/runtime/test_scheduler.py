@@ -338,8 +338,10 @@ def test_random_priorities_under_pressure_finish_every_request_exactly() -> None
 
 
 def _slow_path_only(eng: EngineCore) -> None:
-    """Disable the steady-decode fast path: every schedule walks the running list."""
+    """Disable the steady-decode fast path (and with it the column-wise batch): every
+    schedule walks the running list."""
     sched = eng.scheduler
+    sched._use_batch = False
     update = sched.update
 
     def update_then_forget(*args: object, **kwargs: object) -> object:
@@ -350,20 +352,40 @@ def _slow_path_only(eng: EngineCore) -> None:
     sched.update = update_then_forget  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_decode_fast_path_schedules_exactly_as_the_full_pass(seed: int) -> None:
+def _effective(eng: EngineCore) -> list[tuple[str, int, int, list[int], list[int]]]:
+    """Each running request's counters, tokens and blocks as the engine means them: a row of
+    the decode batch holds some of them in its columns (read here without writing back)."""
+    sched = eng.scheduler
+    batch = sched._batch
+    rows = {} if batch is None else {id(r): i for i, r in enumerate(batch.reqs)}
+    out = []
+    for r in sched.running:
+        i = rows.get(id(r))
+        if i is None:
+            out.append((r.request_id, r.num_tokens, r.num_computed_tokens,
+                        list(r.all_token_ids), list(r.block_ids)))
+        else:
+            ntok, base = int(batch.ntok[i]), int(batch.base[i])
+            toks = list(r.all_token_ids) + batch.buf[:ntok - base, i].tolist()
+            out.append((r.request_id, ntok, ntok - 1, toks, list(r.block_ids)))
+    return out
+
+
+def _random_load(seed: int, model: str, steps: int) -> None:
     """Two engines under the same random load (chunked prefill, block boundaries, KV
-    pressure and preemption, priorities, aborts, pauses): one may take the fast path, one
-    never does. Every step must schedule the same requests and tokens, and produce the same
-    outputs."""
+    pressure and preemption, priorities, stop ids and EOS, seeded sampling, prefix caching,
+    aborts, pauses): one may take the fast path and the column-wise batch, one never does.
+    Every step must schedule the same requests and tokens, produce the same outputs, and
+    leave every running request with the same counters, tokens and blocks."""
     import random
 
     rng = random.Random(seed)
-    cfg = EngineConfig(model="null", max_num_seqs=rng.choice([4, 16, 64]),
+    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=rng.choice([4, 16, 64]),
                        max_num_batched_tokens=rng.choice([16, 64, 512]), block_size=4,
                        max_model_len=128, num_gpu_blocks_override=rng.choice([48, 96, 400]),
-                       enable_prefix_caching=rng.random() < 0.5)
-    fast, slow = EngineCore(cfg), EngineCore(cfg)
+                       enable_prefix_caching=rng.random() < 0.5, seed=seed)
+    fast = EngineCore(cfg, stream_outputs=True)
+    slow = EngineCore(cfg, stream_outputs=True)
     _slow_path_only(slow)
     plans: list[list[tuple[list[str], list[int]]]] = [[], []]
     for eng, plan in ((fast, plans[0]), (slow, plans[1])):
@@ -376,13 +398,21 @@ def test_the_decode_fast_path_schedules_exactly_as_the_full_pass(seed: int) -> N
 
         eng.scheduler.schedule = recording  # type: ignore[method-assign]
     live: list[str] = []
-    took_fast = 0
-    for step in range(400):
+    took_fast = took_batch = 0
+    shared = [rng.randrange(3, 400) for _ in range(12)]  # a common prefix, for the cache
+    for step in range(steps):
         if rng.random() < 0.15:
             rid = f"s{seed}-{step}"
             prompt = [rng.randrange(3, 400) for _ in range(rng.randrange(1, 40))]
-            r = req(rid, prompt, priority=rng.randrange(3), max_tokens=rng.randrange(1, 60),
-                    ignore_eos=rng.random() < 0.8)
+            if rng.random() < 0.3:
+                prompt = shared + prompt
+            params: dict[str, object] = {"max_tokens": rng.randrange(1, 60),
+                                         "ignore_eos": rng.random() < 0.8}
+            if rng.random() < 0.2:
+                params["stop_token_ids"] = [rng.randrange(3, 400) for _ in range(40)]
+            if rng.random() < 0.3:
+                params.update(temperature=0.8, top_k=20, seed=rng.randrange(1 << 20))
+            r = req(rid, prompt, priority=rng.randrange(3), **params)
             for eng in (fast, slow):
                 eng.add_request(r)
             live.append(rid)
@@ -397,11 +427,22 @@ def test_the_decode_fast_path_schedules_exactly_as_the_full_pass(seed: int) -> N
         ready_before = fast.scheduler._decode_ready is fast.scheduler.running
         a, b = fast.step(), slow.step()
         took_fast += ready_before and bool(plans[0]) and bool(plans[0][-1][0])
+        took_batch += fast.scheduler.step_batch is not None
         assert plans[0] == plans[1], f"step {step}: schedules diverged"
-        assert a.outputs == b.outputs and a.stream_ids == b.stream_ids
+        assert a.outputs == b.outputs and a.stream_ids == b.stream_ids, f"step {step}"
         assert a.stream_tokens == b.stream_tokens and a.finished_requests == b.finished_requests
-        assert [r.block_ids for r in fast.scheduler.running] == [
-            r.block_ids for r in slow.scheduler.running], f"step {step}: KV blocks diverged"
+        assert _effective(fast) == _effective(slow), f"step {step}: request state diverged"
         for r in fast.scheduler.running:  # every running request holds its computed tokens
             assert len(r.block_ids) * cfg.block_size >= r.num_computed_tokens
     assert took_fast > 0, "the fast path was never taken: the test compares nothing"
+    assert took_batch > 0, "the decode batch was never used: the test compares nothing"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_decode_fast_path_schedules_exactly_as_the_full_pass(seed: int) -> None:
+    _random_load(seed, "null", 400)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_decode_batch_runs_the_tiny_model_exactly_as_the_full_pass(seed: int) -> None:
+    _random_load(100 + seed, "tiny", 80)
