@@ -224,21 +224,29 @@ class DecodeBatch:
         self.last = toks
 
     def keep(self, mask: Any) -> None:
-        """Drop the rows where ``mask`` is False (finished, already written back)."""
+        """Drop the rows where ``mask`` is False (finished, already written back). Reads no
+        request: the lists are rebuilt from the batch's own, the special rows remapped."""
         np = self.np
         idx = np.flatnonzero(mask)
-        self.reqs = [self.reqs[i] for i in idx.tolist()]
-        self.ids = [r.request_id for r in self.reqs]
+        rows = idx.tolist()
+        reqs, ids = self.reqs, self.ids
+        self.reqs = [reqs[i] for i in rows]
+        self.ids = [ids[i] for i in rows]
         for name in ("ntok", "base", "stop_len", "eos", "last"):
             setattr(self, name, getattr(self, name)[idx])
-        buf = np.empty((_BATCH_COLUMNS, len(idx)), np.int64)
+        buf = np.empty((_BATCH_COLUMNS, len(rows)), np.int64)
         buf[:self.col] = self.buf[:self.col, idx]
         self.buf = buf
         self.cols = {k: v[idx] for k, v in self.cols.items()}
-        self.rows = np.arange(len(self.reqs))
+        self.rows = np.arange(len(rows))
         self.has_eos = bool((self.eos >= 0).any())
-        self._index_rows([i for i, r in enumerate(self.reqs) if r.stop_ids],
-                         [i for i, r in enumerate(self.reqs) if r.num_cached_tokens])
+        stop_rows, cached_rows = self.stop_rows, self.cached_rows
+        if stop_rows or cached_rows:
+            kept = mask.tolist()
+            new_index = (np.cumsum(mask) - 1).tolist()
+            stop_rows = [new_index[i] for i in stop_rows if kept[i]]
+            cached_rows = [new_index[i] for i in cached_rows if kept[i]]
+        self._index_rows(stop_rows, cached_rows)
 
 
 class Scheduler:
