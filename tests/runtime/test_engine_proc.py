@@ -242,7 +242,7 @@ def test_big_batches_use_the_output_thread_only_when_a_step_leaves_it_time(
     try:
         assert proc._overlap is via_thread
         for i in range(200):
-            peer.send(RequestType.ADD, request(f"r{i}", 6))
+            peer.send(RequestType.ADD, request(f"r{i}", 40))  # long enough to overlap
         finished: set[str] = set()
         deadline = time.monotonic() + BOUND_S
         while len(finished) < 200 and time.monotonic() < deadline:
