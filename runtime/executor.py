@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 from .config import EngineConfig
 from .kv_cache import blocks_from_budget, check_fits
 from .model import (
+    NULL_FIRST_TOKEN,
+    NULL_INDEX_MUL,
+    NULL_SEED_MUL,
     TINY_ARCH,
     LlamaArch,
     LlamaModel,
@@ -326,10 +329,11 @@ class NullWorker(Worker):
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
         if self.delay:
             time.sleep(self.delay)  # stands in for device compute time, releasing the GIL
-        span = self.arch.vocab_size - 3  # see model.null_token; kept in sync by a test
+        first, smul, imul = NULL_FIRST_TOKEN, NULL_SEED_MUL, NULL_INDEX_MUL
+        span = self.arch.vocab_size - first  # model.null_token, inlined: tested equal
         # A comprehension: this runs once per request per step, and it is the whole "model".
         return [
-            3 + (req.seed * 1_000_003 + index * 7919) % span
+            first + (req.seed * smul + index * imul) % span
             if (index := req.num_computed_tokens + n) == req.num_tokens else -1
             for req, n in zip(reqs, nums, strict=False)
         ]
@@ -339,13 +343,15 @@ class NullWorker(Worker):
     def execute_decode(self, batch: DecodeBatch) -> Any:
         if self.delay:
             time.sleep(self.delay)
-        span = self.arch.vocab_size - 3
+        span = self.arch.vocab_size - NULL_FIRST_TOKEN
         base = batch.cols.get("null_base")
-        if base is None:  # once per batch: the seed's share of the formula above, mod span
+        if base is None:  # once per batch: the seed's share of the formula, mod span (a seed
+            # may not fit in int64; the remainder does)
             base = batch.cols["null_base"] = batch.np.fromiter(
-                ((r.seed * 1_000_003) % span for r in batch.reqs), batch.np.int64, len(batch))
-        # The row's index is ntok: the same token as execute_model's formula, mod span.
-        return 3 + (base + batch.ntok * 7919) % span
+                ((r.seed * NULL_SEED_MUL) % span for r in batch.reqs), batch.np.int64,
+                len(batch))
+        # The row's index is ntok: model.null_token, column-wise.
+        return NULL_FIRST_TOKEN + (base + batch.ntok * NULL_INDEX_MUL) % span
 
     def sleep(self, level: int) -> None:
         self.sleeping.update(MEMORY_TAGS)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NULL_FIRST_TOKEN",
+    "NULL_INDEX_MUL",
+    "NULL_SEED_MUL",
     "TINY_ARCH",
     "AttentionMetadata",
     "LlamaArch",
@@ -397,8 +399,12 @@ def dense_greedy(
 # Ids below this are reserved (pad/bos/eos in the tiny vocabulary), so the null model never
 # emits EOS by itself; a test that wants a stop asks for a stop token it can predict.
 NULL_FIRST_TOKEN = 3
+# The null model's token formula; the worker inlines it (per request and column-wise).
+NULL_SEED_MUL = 1_000_003
+NULL_INDEX_MUL = 7919
 
 
 def null_token(seed: int, index: int, vocab_size: int = TINY_ARCH.vocab_size) -> int:
     """The null model's token at sequence index ``index`` for a request seeded ``seed``."""
-    return NULL_FIRST_TOKEN + (seed * 1_000_003 + index * 7919) % (vocab_size - NULL_FIRST_TOKEN)
+    span = vocab_size - NULL_FIRST_TOKEN
+    return NULL_FIRST_TOKEN + (seed * NULL_SEED_MUL + index * NULL_INDEX_MUL) % span

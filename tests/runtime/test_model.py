@@ -24,6 +24,7 @@ from enginewire.runtime.model import (
     register_weight_source,
     resolve_weight_source,
 )
+from enginewire.runtime.scheduler import DecodeBatch
 
 torch.set_num_threads(1)
 
@@ -123,11 +124,20 @@ def test_null_token_matches_null_worker_and_avoids_eos() -> None:
         def __init__(self, seed: int, toks: list[int], computed: int) -> None:
             self.seed, self.all_token_ids, self.num_computed_tokens = seed, toks, computed
             self.num_tokens = len(toks)
+            # What a DecodeBatch row also reads.
+            self.request_id, self.stop_len, self.eos = f"r{seed}", 1 << 20, -1
+            self.stop_ids, self.num_cached_tokens = frozenset(), 0
 
     w = NullWorker(EngineConfig(model="null"))
     reqs = [R(5, [1] * 10, 9), R(6, [1] * 4, 0), R(7, [1] * 30, 0)]
     # The third computes only part of its prompt, so it samples nothing.
     assert w.execute_model(reqs, [1, 4, 8]) == [null_token(5, 10), null_token(6, 4), -1]  # type: ignore[arg-type]
+    # Column-wise: each row decodes its token at index ntok; a seed past int64 still matches.
+    big = 1 << 70
+    rows = [R(5, [1] * 10, 9), R(big, [1] * 40, 39), R(0, [1] * 3, 2)]
+    batch = DecodeBatch(rows)  # type: ignore[arg-type]
+    assert w.execute_decode(batch).tolist() == [null_token(5, 10), null_token(big, 40),
+                                                 null_token(0, 3)]
     toks = {null_token(s, i) for s in range(20) for i in range(300)}
     assert TINY_ARCH.eos_token_id not in toks
     assert min(toks) >= 3 and max(toks) < TINY_ARCH.vocab_size
