@@ -281,6 +281,9 @@ class Scheduler:
         # the identity check catches too).
         self._decode_ready: list[Request] | None = None
         self._all_scheduled = False
+        # Whether ``update`` also saw every ready request's next token fit its blocks; only
+        # the per-request fast path needs that (the decode batch grows blocks itself).
+        self._decode_blocks_ok = False
         # Column-wise steady decode (DecodeBatch), when the worker can run from it and the
         # caller takes stream columns. ``step_batch`` is the batch when the last ``schedule``
         # chose one: then ``update_decode``, not ``update``, applies that step.
@@ -381,6 +384,8 @@ class Scheduler:
                 if not self._grow_batch_blocks(batch):
                     self.release_batch()
                     return self._schedule_full()
+            elif not self._decode_blocks_ok:
+                return self._schedule_full()  # some request needs a block: allocate there
             self._admit(reqs, nums, budget - len(reqs))
             self._all_scheduled = len(reqs) == len(self.running)
             if batch is not None:
@@ -536,8 +541,9 @@ class Scheduler:
         register = self.kv.register_full_blocks if self.kv.enable_prefix_caching else None
         output = EngineCoreOutput
         bs = self.kv.block_size
-        # Stays True while every request that goes on decodes next step with blocks in hand.
-        ready = self._all_scheduled
+        # Stays True while every request that goes on decodes next step; blocks_ok while
+        # each of them also has the block for that step's token.
+        ready = blocks_ok = self._all_scheduled
         add_id = add_tok = None
         if stream is not None:
             add_id, add_tok = stream[0].append, stream[1].append
@@ -549,7 +555,7 @@ class Scheduler:
                 req.num_computed_tokens += n
                 if register is not None:
                     register(req)
-                ready = False
+                ready = blocks_ok = False
                 continue
             # A worker samples only for a chunk that reaches the request's last token, so
             # every token it had is computed now (a store, not a read-modify-write).
@@ -562,9 +568,9 @@ class Scheduler:
             req.num_tokens = ntok
             if tok not in req.stops and ntok < req.stop_len:
                 # Its blocks cover the ntok - 1 computed tokens; token ntok fits unless
-                # ntok - 1 fills its last block exactly (then the slow path allocates).
-                if ready and (ntok - 1) % bs == 0:
-                    ready = False
+                # ntok - 1 fills its last block exactly (then someone allocates).
+                if blocks_ok and (ntok - 1) % bs == 0:
+                    blocks_ok = False
                 cached = req.num_cached_tokens
                 if cached:
                     add(output(req.request_id, [tok], None, None, cached))
@@ -582,6 +588,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         if ready:
             self._decode_ready = self.running
+            self._decode_blocks_ok = blocks_ok
         return outs, finished
 
     def update_decode(
@@ -649,7 +656,7 @@ class Scheduler:
         if self._batch is None:
             self.step_batch = None
         self._decode_ready = self.running
-        self._all_scheduled = True
+        self._decode_blocks_ok = False  # the batch grows blocks; nobody else checked them
         return outs, finished, stream_ids, stream_toks
 
     def _finish_on(self, req: Request, tok: int) -> EngineCoreOutput:
