@@ -27,11 +27,11 @@ BATCHES = (1, 32, 256)
 PROMPT_LEN = 8
 
 
-def _engine(model: str, batch: int, steps: int) -> EngineCore:
+def _engine(model: str, batch: int, steps: int, device: str) -> EngineCore:
     max_len = PROMPT_LEN + steps + 64
     cfg = EngineConfig(
         model=model,
-        device="cpu",
+        device=device,
         max_num_seqs=max(batch, 1),
         max_num_batched_tokens=max(512, batch * PROMPT_LEN),
         max_model_len=max_len,
@@ -49,14 +49,14 @@ def _engine(model: str, batch: int, steps: int) -> EngineCore:
     return eng
 
 
-def _measure(model: str, batch: int, steps: int, burst: int) -> dict[str, Any]:
+def _measure(model: str, batch: int, steps: int, burst: int, device: str = "cpu") -> dict[str, Any]:
     """Time ``steps`` decode steps in bursts of ``burst``; per-step median and min over bursts.
 
     Short bursts, because on a shared 2-vCPU guest a long window mostly measures the
     neighbours (perf-floor.md): the median is robust to the bursts they preempt, the min is
     the engine's own cost on a quiet core.
     """
-    eng = _engine(model, batch, steps)
+    eng = _engine(model, batch, steps, device)
     per_step: list[float] = []
     gc.collect()
     gc.disable()  # a collection inside a burst would be charged to that burst
@@ -74,6 +74,7 @@ def _measure(model: str, batch: int, steps: int, burst: int) -> dict[str, Any]:
     return {
         "bench": "engine_step",
         "model": model,
+        "device": device,
         "batch": batch,
         "steps": len(per_step) * burst,
         "step_us": step_s * 1e6,
@@ -84,7 +85,9 @@ def _measure(model: str, batch: int, steps: int, burst: int) -> dict[str, Any]:
     }
 
 
-def run_engine_bench(quick: bool) -> list[dict[str, Any]]:
+def run_engine_bench(quick: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    """Step rows for both models and the overhead row; ``device`` applies to ``tiny`` (the null
+    model has no tensors, so it always runs on the host)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -97,7 +100,8 @@ def run_engine_bench(quick: bool) -> list[dict[str, Any]]:
                     # One step per sample: a 256-request null step (~0.3 ms) is short enough
                     # that most samples miss the 5 ms slices the neighbours' processes take.
                     steps, burst = (100, 1) if quick else (600, 1)
-                rows.append(_measure(model, batch, steps, burst))
+                rows.append(_measure(model, batch, steps, burst,
+                                     device if model == "tiny" else "cpu"))
         null = {r["batch"]: r for r in rows if r["model"] == "null"}
         slope = (null[256]["step_us"] - null[32]["step_us"]) / (256 - 32)
         rows.append({
@@ -118,5 +122,6 @@ def run_engine_bench(quick: bool) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     import sys
 
-    for row in run_engine_bench(quick="--quick" in sys.argv):
+    dev = "cuda" if "--cuda" in sys.argv else "cpu"
+    for row in run_engine_bench(quick="--quick" in sys.argv, device=dev):
         print(row)

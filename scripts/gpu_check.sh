@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The CUDA checks of the engine and of the fault harness's CUDA OOM, in one command (the `gpu`
-# pytest marker). Exits non-zero if CUDA is missing or a test fails; extra arguments go to
-# pytest.
+# Every CUDA check (the `gpu` pytest marker: the engine's CUDA paths, the decode batch on the
+# device, the fault harness's CUDA OOM) in one command. Exits non-zero if CUDA is missing or a
+# test fails; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python - <<'PY'
+# From the repo root, its enginewire/ folder would shadow an installed (non-editable) package.
+export PYTHONSAFEPATH=1
+# The project's venv where bootstrap made one, else the interpreter on PATH (PYTHON overrides).
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+"$PYTHON" - <<'PY'
 import sys, torch
 if not torch.cuda.is_available():
     sys.exit("gpu_check: no CUDA device visible to torch")
 print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
-python -m pytest -q -m gpu tests/runtime/test_gpu.py tests/faults/test_cuda_oom.py \
-    -p no:cacheprovider "$@"
+"$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider "$@"

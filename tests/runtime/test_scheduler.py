@@ -371,7 +371,7 @@ def _effective(eng: EngineCore) -> list[tuple[str, int, int, list[int], list[int
     return out
 
 
-def _random_load(seed: int, model: str, steps: int) -> None:
+def _random_load(seed: int, model: str, steps: int, device: str = "cpu") -> None:
     """Two engines under the same random load (chunked prefill, block boundaries, KV
     pressure and preemption, priorities, stop ids and EOS, seeded sampling, prefix caching,
     aborts, pauses): one may take the fast path and the column-wise batch, one never does.
@@ -380,7 +380,7 @@ def _random_load(seed: int, model: str, steps: int) -> None:
     import random
 
     rng = random.Random(seed)
-    cfg = EngineConfig(model=model, device="cpu", max_num_seqs=rng.choice([4, 16, 64]),
+    cfg = EngineConfig(model=model, device=device, max_num_seqs=rng.choice([4, 16, 64]),
                        max_num_batched_tokens=rng.choice([16, 64, 512]), block_size=4,
                        max_model_len=128, num_gpu_blocks_override=rng.choice([48, 96, 400]),
                        enable_prefix_caching=rng.random() < 0.5, seed=seed)
@@ -446,6 +446,15 @@ def test_the_decode_fast_path_schedules_exactly_as_the_full_pass(seed: int) -> N
 @pytest.mark.parametrize("seed", range(2))
 def test_the_decode_batch_runs_the_tiny_model_exactly_as_the_full_pass(seed: int) -> None:
     _random_load(100 + seed, "tiny", 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", range(2))
+def test_the_decode_batch_on_cuda_runs_exactly_as_the_full_pass(seed: int) -> None:
+    # The batch's inputs are built from numpy columns and copied to the device in one go; a
+    # row or dtype slip there shows only where host and device memory differ.
+    _random_load(200 + seed, "tiny", 80, device="cuda")
 
 
 def test_requests_of_every_length_decode_as_one_batch() -> None:
