@@ -393,6 +393,20 @@ class Decoder(Generic[T]):
             self._check(obj, self.limits)
         return obj
 
+    def decode_payload(self, payload: bytes | memoryview) -> T:
+        """``decode`` of a message that is one payload frame: the same checks and errors, in
+        fewer steps (round-trip paths call it once per message)."""
+        size = payload.nbytes if type(payload) is memoryview else len(payload)
+        if size > self._max_frame_bytes:
+            return self.decode([payload])
+        try:
+            obj = self._dec.decode(payload)
+        except Exception:
+            return self.decode([payload])  # the full path raises the right ProtocolError
+        if self._check is not None:
+            self._check(obj, self.limits)
+        return obj
+
     def _check_frames(self, seq: Sequence[Frame]) -> None:
         limits = self.limits
         n = len(seq)

@@ -51,6 +51,7 @@ from ..protocol.codec import (
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
     BufferPool,
+    Decoder,
     Encoder,
     Limits,
     decode_input,
@@ -115,6 +116,12 @@ class _Control(enum.Enum):
 
 
 _STOP = object()  # output-queue item: flush and exit
+
+
+_UTILITY_BYTE = RequestType.UTILITY.value
+# Results a plain msgpack encoder sends as they are (an int past 64 bits or a str with a lone
+# surrogate fails that encode, and then takes the general path, which reports it).
+_PLAIN_RESULTS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 class _Encoded:
@@ -321,6 +328,10 @@ class EngineCoreProc:
         self._out_encoder = Encoder()
         self._out_pool = BufferPool(max_free=4)
         self._reuse_early = _mutants.active("output_buffer_reused_before_send")
+        # The idle round-trip path (``_serve_call_fast``): input thread only.
+        self._call_decoder = Decoder(UtilityRequest, limits)
+        self._reply_encoder = msgspec.msgpack.Encoder()
+        self._fast_calls = not integrity and not self._reuse_early
         self._last_send = 0.0
         # Held by the busy loop except while it idles on the input queue: the input thread
         # may then serve a utility call itself (one thread hop less per round trip).
@@ -414,6 +425,9 @@ class EngineCoreProc:
             sock.close(linger=0)
 
     def _accept(self, frames: list[Any]) -> None:
+        if (len(frames) == 2 and frames[0] == _UTILITY_BYTE and self._fast_calls
+                and self._serve_call_fast(frames[1])):
+            return
         if not frames:
             raise ProtocolError("empty message")
         if self._integrity is not None:
@@ -470,6 +484,62 @@ class EngineCoreProc:
             return True
         finally:
             lock.release()
+
+    def _serve_call_fast(self, frame: Any) -> bool:
+        """A utility call that arrives while the loop idles, served in as few steps as the
+        protocol allows: the round trip's latency is mostly how much code runs cold after a
+        wake-up. False (nothing done) when any condition for it fails; ``_accept`` then takes
+        the general path, which decodes again and handles every case."""
+        try:
+            call = self._call_decoder.decode_payload(frame.buffer)
+        except ProtocolError:
+            return False
+        lock = self._engine_lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            if self.input_queue.queue:  # something is queued ahead of it: keep the order
+                return False
+            reply = self._run_utility(call)
+            if reply is not None:
+                self._send_reply_fast(reply)
+            self._flush_replies()
+            if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
+                self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
+            return True
+        finally:
+            lock.release()
+
+    def _send_reply_fast(self, reply: UtilityOutput) -> None:
+        """``_emit_utility`` for the fast path: a plain encode of a plain result, sent if the
+        pipe takes it now, else queued behind what is already there (``_put_output``)."""
+        item = EngineCoreOutputs(self.engine_index, [], time.monotonic(), None, None, reply)
+        if type(reply.result) not in _PLAIN_RESULTS:
+            self._put_output(item, direct=True)
+            return
+        try:
+            payload = self._reply_encoder.encode(item)
+        except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError):
+            self._put_output(item, direct=True)
+            return
+        with self._out_lock:
+            out = self._out
+            if out is not None and self._out_pending == 0:
+                try:
+                    out[0].send(payload, ZMQ_NOBLOCK)
+                    self._last_send = time.monotonic()
+                    return
+                except zmq.Again:
+                    pass
+                except zmq.ContextTerminated:
+                    return
+                except BaseException as e:
+                    logger.exception("engine: sending outputs failed")
+                    self.input_queue.put((_Control.SHUTDOWN, RuntimeError(
+                        f"output send failed: {e!r}")))
+                    return
+            self._out_pending += 1
+            self.output_queue.put(_Encoded([payload]))
 
     def _reject(self, type_byte: bytes, rest: list[Any], error: ProtocolError) -> None:
         request_id = peek_request_id(rest) if rest else None
@@ -706,11 +776,16 @@ class EngineCoreProc:
         return True
 
     def _call_utility(self, call: UtilityRequest) -> None:
+        reply = self._run_utility(call)
+        if reply is not None:
+            self._emit_utility(reply)
+
+    def _run_utility(self, call: UtilityRequest) -> UtilityOutput | None:
+        """Run ``call``; its reply, or None when the reply is deferred (sent on resolution)."""
         try:
-            result = self.engine.call_utility(call.method, list(call.args))
+            result = self.engine.call_utility(call.method, call.args)
         except Exception as e:
-            self._emit_utility(utility_output(call.call_id, call.method, error=e))
-            return
+            return utility_output(call.call_id, call.method, error=e)
         if isinstance(result, concurrent.futures.Future):
             # Deferred reply (pause/sleep in "wait" mode): sent when the engine resolves it.
             self._deferred.add(result)
@@ -727,8 +802,8 @@ class EngineCoreProc:
                 self._replies.append(out)
 
             result.add_done_callback(done)
-        else:
-            self._emit_utility(utility_output(call.call_id, call.method, result=result))
+            return None
+        return utility_output(call.call_id, call.method, result=result)
 
     def _emit_utility(self, out: UtilityOutput) -> None:
         self._put_output(
@@ -795,6 +870,7 @@ class EngineCoreProc:
 
     def _arm_faults(self, injector: FaultInjector) -> None:
         self.faults = injector
+        self._fast_calls = False  # every fault point lies on the general path
         self.engine.fault_hook = injector
         if injector.allow_arm:
             # Testing only: the plan asked for run-time arming, so this engine (and no other)

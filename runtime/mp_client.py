@@ -57,6 +57,7 @@ from ..protocol.codec import (
     ZMQ_NOBLOCK,
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
+    Decoder,
     Encoder,
     decode_outputs,
     decode_ready,
@@ -66,6 +67,7 @@ from ..protocol.codec import (
     recv_frames,
 )
 from ..protocol.messages import (
+    ENGINE_DEAD_SENTINEL,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -115,6 +117,10 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 # Late replies remembered (to record their drop in the trace); bounded, oldest forgotten.
 _LATE_MEMORY = 256
 
+_UTILITY_BYTE = RequestType.UTILITY.value
+# Utility results that decode as themselves (no registered Struct inside): no rebuild pass.
+_PLAIN_RESULTS = frozenset({type(None), bool, int, float, str, bytes})
+
 _DEAD = object()  # output-queue marker: the engine died
 _CLOSED = object()  # output-queue marker: the client was shut down
 
@@ -150,7 +156,7 @@ class EngineProcessDied(RuntimeError):
 # --- utility registry ------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     future: Any  # concurrent.futures.Future or asyncio.Future
     lifecycle: Lifecycle[UtilityState, UtilityEvent]
@@ -169,6 +175,8 @@ class _UtilityRegistry:
             collections.OrderedDict()
         )
         self._refused: BaseException | None = None
+        # One call's lifecycle is made per round trip: the machine's parts, looked up once.
+        self._machine = (UTILITY.name, UTILITY.initial, UTILITY.compiled())
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -178,7 +186,8 @@ class _UtilityRegistry:
             if self._refused is not None:
                 raise self._refused
             call_id = next(self._ids)
-            self._pending[call_id] = _Pending(future, UTILITY.lifecycle(trace=self._trace), method)
+            self._pending[call_id] = _Pending(
+                future, Lifecycle(*self._machine, self._trace), method)
             return call_id
 
     def _forget(self, call_id: int, entry: _Pending, event: UtilityEvent) -> None:
@@ -227,8 +236,10 @@ class _UtilityRegistry:
             if not ok:
                 entry.lifecycle.fire(event)
                 return entry.future, UtilityError(entry.method, reply.failure_message or ""), None
+            result = reply.result
             try:
-                result = decode_utility_result(reply.result)
+                if type(result) not in _PLAIN_RESULTS:
+                    result = decode_utility_result(result)
             except ProtocolError as e:
                 entry.lifecycle.fire(UtilityEvent.REPLY_ERROR)
                 return entry.future, UtilityError(entry.method, str(e)), None
@@ -505,6 +516,11 @@ class MPClient(EngineCoreClient):
         self.identity = engine_index.to_bytes(2, "little")
         self._utilities = _UtilityRegistry(trace)
         self._encoder = Encoder()
+        # Round-trip paths: a utility call is encoded plainly when it can be (no arrays), and
+        # a one-frame reply is decoded by this client's own decoder. Each is used under the
+        # send lock or by the one thread that holds the output socket.
+        self._call_encoder = msgspec.msgpack.Encoder()
+        self._out_decoder: Decoder[EngineCoreOutputs] = Decoder(EngineCoreOutputs)
         self._pending_sends: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
         self.engine_pid: int | None = None
         self.ready_response: Any = None
@@ -755,6 +771,29 @@ class MPClient(EngineCoreClient):
                 trackers.append(sock.send(frame, flags, copy=False, track=True))
             pending.append((trackers, frames))
 
+    def _send_call(self, request: UtilityRequest) -> bool:
+        """``_send`` of a utility call in fewer steps; False (nothing sent) when the call
+        needs the general path: arrays or values only the full encoder handles, a frame over
+        the engine's limit, frame integrity."""
+        if self._integrity is not None:
+            return False
+        try:
+            payload = self._call_encoder.encode(request)
+        except Exception:
+            return False
+        limits = self._security[4]
+        if len(payload) > (limits or DEFAULT_LIMITS).max_frame_bytes:
+            return False
+        res = self.resources
+        with res.send_lock:
+            sock = res.input_socket
+            if sock is None:
+                raise ClientClosedError("the client was shut down")
+            sock.send(self.identity, ZMQ_SNDMORE)
+            sock.send(_UTILITY_BYTE, ZMQ_SNDMORE)
+            sock.send(payload)
+        return True
+
     def send_raw_frames(self, frames: list[bytes]) -> None:
         """Send ``[identity, *frames]`` unchecked: for conformance tests that inject
         malformed input on the wire."""
@@ -790,10 +829,9 @@ class MPClient(EngineCoreClient):
         self.ensure_alive()
         call_id = self._utilities.register(future, method)
         try:
-            self._send(
-                RequestType.UTILITY,
-                UtilityRequest(self.client_index, call_id, method, list(args)),
-            )
+            request = UtilityRequest(self.client_index, call_id, method, list(args))
+            if not self._send_call(request):
+                self._send(RequestType.UTILITY, request)
         except BaseException:
             event = UtilityEvent.ENGINE_DIED if self.is_dead else UtilityEvent.CLIENT_SHUTDOWN
             self._utilities.withdraw(call_id, event)
@@ -805,12 +843,20 @@ class MPClient(EngineCoreClient):
     def _on_frames(self, frames: list[Any]) -> EngineCoreOutputs | None:
         """Decode one message; route utility replies; return a batch worth queueing."""
         self.resources.last_seen[0] = time.monotonic()
-        if is_dead_sentinel(frames):
-            raise EngineProcessDied(
-                "engine reported a fatal error (engine-dead sentinel); see the engine's log")
-        if self._integrity is not None:
-            frames = self._integrity.open(frames)
-        outputs = decode_outputs(frames)
+        if len(frames) == 1 and self._integrity is None:
+            # The common shape (every reply, every batch without arrays), in fewer steps.
+            frame = frames[0]
+            if frame == ENGINE_DEAD_SENTINEL:
+                raise EngineProcessDied(
+                    "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+            outputs = self._out_decoder.decode_payload(frame)
+        else:
+            if is_dead_sentinel(frames):
+                raise EngineProcessDied(
+                    "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+            if self._integrity is not None:
+                frames = self._integrity.open(frames)
+            outputs = decode_outputs(frames)
         if outputs.utility_output is not None:
             hit = self._utilities.resolve(outputs.utility_output)
             if hit is not None:
@@ -832,17 +878,20 @@ def _drain(
     sock: zmq.Socket[Any],
     client_ref: weakref.ReferenceType[Any],
     put: Callable[[Any], None],
-    readable: bool = False,
 ) -> bool:
     """Route every message ``sock`` holds now (utility replies resolved, batches ``put``);
-    False once nothing more should be read (engine death seen, client gone). ``readable``:
-    a poll just reported a message, so the first receive needs no check. ``EVENTS`` is read
-    after each message: cheaper than a failing NOBLOCK recv, and it re-arms the FD."""
+    False once nothing more should be read (engine death seen, client gone).
+
+    Called when the socket's FD fires, which (for a PULL) nearly always means a message:
+    the first receive is tried directly, and only an empty socket costs the failed receive.
+    ``EVENTS`` is read after each message (cheaper than a failing receive) and re-arms the
+    edge-triggered FD."""
     get = sock.get
-    if not readable and not cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
+    try:
+        frames = recv_frames(sock, ZMQ_NOBLOCK)
+    except zmq.Again:
         return True
     while True:
-        frames = recv_frames(sock, ZMQ_NOBLOCK)
         client = client_ref()
         if client is None:
             return False
@@ -856,6 +905,7 @@ def _drain(
         del client
         if not cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
             return True
+        frames = recv_frames(sock, ZMQ_NOBLOCK)
 
 
 class _SyncCall:
@@ -900,19 +950,25 @@ class _SyncCall:
 class _SyncReader:
     """Reads the output socket of a ``SyncMPClient``; whoever is waiting does the reading.
 
-    A caller blocked in ``get_output`` or ``call_utility`` polls the PULL socket itself, so a
-    reply reaches the thread that wants it without a hand-off through another thread (one
+    A caller blocked in ``get_output`` or ``call_utility`` receives on the PULL socket itself,
+    so a reply reaches the thread that wants it without a hand-off through another thread (one
     wake-up less per round trip). Replies for other waiters are routed on the way (utility
     futures resolved, batches queued) and the waiters woken. When no caller has read for
     ``IDLE_TAKEOVER_S``, the background thread takes the socket so heartbeats, the dead
-    sentinel and unread batches are still consumed; a caller that arrives kicks it off
-    through the wake pipe, which also interrupts any poll on death or close. The socket
-    changes hands only under ``cv`` (zmq needs a full memory barrier between users).
+    sentinel and unread batches are still consumed. The socket changes hands only under
+    ``cv`` (zmq needs a full memory barrier between users).
+
+    A reader blocks in a plain receive, not a poll: a poll and the readiness check after it
+    cost more than the receive itself, and the round trip runs that code cold. To interrupt a
+    receive (a caller wants the socket, death, close), a local PUSH connected to the same PULL
+    sends a wake token: 16 random bytes per reader, which nothing the engine sends can equal
+    by chance.
     """
 
     IDLE_TAKEOVER_S = 0.05
 
-    def __init__(self, client: SyncMPClient, out: zmq.Socket[Any]) -> None:
+    def __init__(self, client: SyncMPClient, out: zmq.Socket[Any], ctx: zmq.Context[Any]
+                 ) -> None:
         self._client_ref = weakref.ref(client)
         self._outputs = client._outputs
         self._out = out
@@ -928,9 +984,14 @@ class _SyncReader:
         self._last_caller_read = 0.0
         self._closing = False
         self._stopped = False  # death seen on the wire: nothing more is read
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._rcvtimeo = -1  # the socket's RCVTIMEO as last set (ms; -1 blocks)
+        self._token = os.urandom(16)
+        address = f"inproc://enginewire-wake-{self._token.hex()}"
+        out.bind(address)
+        # Used only under ``cv``: that serializes the sends of every thread that wakes.
+        self._waker: zmq.Socket[Any] | None = ctx.socket(zmq.PUSH)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(address)
         self.thread = threading.Thread(target=self._background, name="EngineCoreOutputReader",
                                        daemon=True)
 
@@ -940,14 +1001,14 @@ class _SyncReader:
     # -- waking -------------------------------------------------------------------------------
 
     def _kick_locked(self) -> None:
-        if self._wake_w >= 0:
+        if self._waker is not None:
             try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
+                self._waker.send(self._token, ZMQ_NOBLOCK)
+            except zmq.Again:
                 pass  # the pipe is full: a wake-up is already pending
 
     def wake(self) -> None:
-        """Interrupt a poll and wake every waiter (death, close, new marker)."""
+        """Interrupt a receive and wake every waiter (death, close, new marker)."""
         with self.cv:
             self._kick_locked()
             self.cv.notify_all()
@@ -955,22 +1016,31 @@ class _SyncReader:
     # -- reading ------------------------------------------------------------------------------
 
     def _pump(self, timeout_ms: int | None) -> None:
-        """Wait up to ``timeout_ms`` and route everything readable. The caller holds the
-        socket (``_reading``), not ``cv``."""
-        # zmq_poll itself, not a zmq.Poller: the Poller's Python bookkeeping costs about a
-        # microsecond per wait, on every round trip.
-        out, wake_r = self._out, self._wake_r
-        ready = zmq.zmq_poll([(out, ZMQ_POLLIN), (wake_r, ZMQ_POLLIN)],
-                             -1 if timeout_ms is None else timeout_ms)
-        for item, _ in cast(list[tuple[Any, int]], ready):
-            if item is out:
-                if not _drain(out, self._client_ref, self._outputs.put, True):
-                    self._stopped = True
-            else:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
+        """Receive one message within ``timeout_ms`` and route it (a wake token is dropped).
+        The caller holds the socket (``_reading``), not ``cv``."""
+        out = self._out
+        ms = -1 if timeout_ms is None else timeout_ms
+        if ms != self._rcvtimeo:
+            out.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo = ms
+        try:
+            frames = recv_frames(out)
+        except zmq.Again:
+            return
+        if frames[0] == self._token:
+            return
+        client = self._client_ref()
+        if client is None:
+            self._stopped = True
+            return
+        try:
+            batch = client._on_frames(frames)
+        except Exception as e:  # sentinel or undecodable frame: the engine is unusable
+            self._stopped = True
+            client._on_engine_dead(e)
+            return
+        if batch is not None:
+            self._outputs.put(batch)
 
     def wait_for(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         """Read (or wait for whoever reads) until ``ready()`` or ``timeout``; ``ready()``.
@@ -1084,12 +1154,9 @@ class _SyncReader:
             if self._reading and self._holder != me:
                 logger.warning("a caller still reads the output socket; closing it anyway")
             self._out.close(linger=0)
-            for fd in (self._wake_r, self._wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._wake_r = self._wake_w = -1
+            if self._waker is not None:
+                self._waker.close(linger=0)
+                self._waker = None
 
 
 class SyncMPClient(SyncClientMixin, MPClient):
@@ -1104,7 +1171,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
         res = self.resources
         assert res.ctx is not None and res.output_socket is not None
         out, res.output_socket = res.output_socket, None  # ownership moves to the reader
-        reader = _SyncReader(self, out)
+        reader = _SyncReader(self, out, res.ctx)
         res.sync_reader = self._reader = reader
         reader.start()
 
