@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -182,6 +183,60 @@ def test_utility_failure_is_a_reply_not_a_crash(served: Any) -> None:
     peer.send(RequestType.UTILITY, UtilityRequest(0, 2, "echo", [[1, 2]]))
     reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
     assert reply.result == [1, 2]
+
+
+def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> None:
+    """The input thread's short path sends plain results itself; every other result (arrays,
+    containers) goes through the general reply path, and the client sees the same replies
+    either way. A result no encoder can send (an int past 64 bits, a str with no UTF-8 form)
+    is a failure reply on either path."""
+    peer, proc, _trace = served
+    paths: list[str] = []
+    fast, general = proc._send_reply_fast, proc._put_output
+
+    def spy_fast(reply: Any) -> None:
+        paths.append("fast")
+        fast(reply)
+
+    def spy_general(item: Any, *, direct: bool) -> None:
+        paths.append("general")
+        general(item, direct=direct)
+
+    proc._send_reply_fast = spy_fast  # type: ignore[method-assign]
+    proc._put_output = spy_general  # type: ignore[method-assign]
+    # Results no client could send as an argument: an engine-side utility makes them.
+    unsendable = {"huge": 2**70, "surrogate": "\ud800"}
+    engine = proc.engine
+    engine.UTILITY_METHODS = engine.UTILITY_METHODS | {"unsendable"}
+    engine.unsendable = unsendable.__getitem__
+    cases: list[tuple[object, object]] = [
+        (None, None), (True, True), (2**64 - 1, 2**64 - 1), (-(2**63), -(2**63)), (1.5, 1.5),
+        ("text", "text"), (b"\x00\x01", b"\x00\x01"),
+        ([1, [2]], [1, [2]]), ({"k": 1}, {"k": 1}),
+        ("huge", "cannot be sent"), ("surrogate", "cannot be sent"),
+    ]
+    for call_id, (value, expected) in enumerate(cases, 1):
+        paths.clear()
+        method = "unsendable" if expected == "cannot be sent" else "echo"
+        peer.send(RequestType.UTILITY, UtilityRequest(0, call_id, method, [value]))
+        reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
+        assert reply.call_id == call_id
+        if method == "unsendable":
+            assert "cannot be sent" in (reply.failure_message or ""), value
+        else:
+            assert reply.failure_message is None and reply.result == expected, value
+        deadline = time.monotonic() + BOUND_S
+        while not paths and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # An unsendable result became a failure message, which is plain. A plain reply never
+        # reaches the general path; any other one always does.
+        plain = method == "unsendable" or type(value) in (type(None), bool, int, float, str,
+                                                          bytes)
+        assert ("general" in paths) is not plain, (value, paths)
+    arr = np.arange(100, dtype=np.int64)
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 99, "echo", [arr]))
+    reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
+    assert reply.call_id == 99 and np.array_equal(reply.result, arr)
 
 
 def test_replies_to_a_client_that_stops_reading_arrive_in_order(served: Any) -> None:

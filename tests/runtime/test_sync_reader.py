@@ -144,3 +144,40 @@ def test_utility_timeout_then_next_call(client: SyncMPClient) -> None:
     assert len(_until_finished(client, "slow-wait")) == 250
     assert client.wake_up(None) is True
     assert client.call_utility("echo", "after") == "after"
+
+
+def test_a_receive_timeout_is_honoured_then_cleared(client: SyncMPClient) -> None:
+    """Readers block in a receive bounded by the socket's RCVTIMEO: a caller's timeout ends
+    its wait on time, and the next caller without one still blocks until its reply."""
+    for timeout in (0.2, 0.05):
+        t0 = time.monotonic()
+        assert not client.get_output(timeout=timeout).outputs
+        assert timeout <= time.monotonic() - t0 < timeout + 2.0
+    assert client.call_utility("echo", b"after") == b"after"
+    assert client._reader is not None and client._reader._rcvtimeo == -1
+
+
+def test_shutdown_wakes_a_reader_blocked_without_timeout() -> None:
+    """A caller blocked in a receive with no timeout is woken by the reader's own wake token
+    when another thread shuts the client down: it raises, and no thread is left behind."""
+    c = SyncMPClient(NULL)
+    reader = c._reader
+    assert reader is not None
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            c.get_output()
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    deadline = time.monotonic() + BOUND_S
+    while not (reader._reading and reader._holder == t.ident) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader._reading and reader._holder == t.ident, "the caller never took the socket"
+    c.shutdown()
+    t.join(BOUND_S)
+    assert not t.is_alive() and not reader.thread.is_alive()
+    assert outcome and type(outcome[0]).__name__ == "ClientClosedError"
