@@ -246,6 +246,29 @@ class _UtilityRegistry:
             entry.lifecycle.fire(event)
             return entry.future, None, result
 
+    def settle(self, reply: UtilityOutput) -> None:
+        """``resolve`` and set the future's outcome (after the lock: a future's callbacks may
+        run at once). A plain successful reply, the round trip's common case, takes the
+        fewest steps."""
+        if reply.failure_message is None and type(reply.result) in _PLAIN_RESULTS:
+            with self._lock:
+                entry = self._pending.get(reply.call_id)
+                if entry is not None and not entry.future.done():
+                    del self._pending[reply.call_id]
+                    entry.lifecycle.fire(UtilityEvent.REPLY_OK)
+                    fut = entry.future
+                else:
+                    fut = None  # late, unknown or cancelled: ``resolve`` records each case
+            if fut is not None:
+                try:
+                    fut.set_result(reply.result)
+                except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
+                    pass  # cancelled in between: the reply is dropped
+                return
+        hit = self.resolve(reply)
+        if hit is not None:
+            _set_future(*hit)
+
     def fail_all(self, error: BaseException, event: UtilityEvent) -> list[Any]:
         """Fire ``event`` on every pending call and refuse new ones; return their futures."""
         with self._lock:
@@ -858,9 +881,7 @@ class MPClient(EngineCoreClient):
                 frames = self._integrity.open(frames)
             outputs = decode_outputs(frames)
         if outputs.utility_output is not None:
-            hit = self._utilities.resolve(outputs.utility_output)
-            if hit is not None:
-                _set_future(*hit)
+            self._utilities.settle(outputs.utility_output)
             return None
         if (outputs.outputs or outputs.stream_ids or outputs.finished_requests
                 or outputs.scheduler_stats):
