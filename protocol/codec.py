@@ -803,8 +803,6 @@ class BufferPool:
 # constants are enums whose every use in a flag test builds a new member (about 1 µs).
 ZMQ_NOBLOCK = 1
 ZMQ_SNDMORE = 2
-ZMQ_POLLIN = 1
-ZMQ_EVENTS = 15
 
 
 def send_frames(

@@ -53,9 +53,7 @@ import zmq
 
 from ..protocol.codec import (
     DEFAULT_LIMITS,
-    ZMQ_EVENTS,
     ZMQ_NOBLOCK,
-    ZMQ_POLLIN,
     ZMQ_SNDMORE,
     Decoder,
     Encoder,
@@ -895,38 +893,24 @@ class MPClient(EngineCoreClient):
 # --- sync ------------------------------------------------------------------------------------
 
 
-def _drain(
-    sock: zmq.Socket[Any],
+def _route(
+    frames: list[Any],
     client_ref: weakref.ReferenceType[Any],
     put: Callable[[Any], None],
 ) -> bool:
-    """Route every message ``sock`` holds now (utility replies resolved, batches ``put``);
-    False once nothing more should be read (engine death seen, client gone).
-
-    Called when the socket's FD fires, which (for a PULL) nearly always means a message:
-    the first receive is tried directly, and only an empty socket costs the failed receive.
-    ``EVENTS`` is read after each message (cheaper than a failing receive) and re-arms the
-    edge-triggered FD."""
-    get = sock.get
+    """Route one message (a utility reply resolved, a batch ``put``); False once nothing more
+    should be read (engine death seen, client gone)."""
+    client = client_ref()
+    if client is None:
+        return False
     try:
-        frames = recv_frames(sock, ZMQ_NOBLOCK)
-    except zmq.Again:
-        return True
-    while True:
-        client = client_ref()
-        if client is None:
-            return False
-        try:
-            batch = client._on_frames(frames)
-        except Exception as e:  # sentinel or undecodable frame: the engine is unusable
-            client._on_engine_dead(e)
-            return False
-        if batch is not None:
-            put(batch)
-        del client
-        if not cast(int, get(ZMQ_EVENTS)) & ZMQ_POLLIN:
-            return True
-        frames = recv_frames(sock, ZMQ_NOBLOCK)
+        batch = client._on_frames(frames)
+    except Exception as e:  # sentinel or undecodable frame: the engine is unusable
+        client._on_engine_dead(e)
+        return False
+    if batch is not None:
+        put(batch)
+    return True
 
 
 class _SyncCall:
@@ -1296,19 +1280,29 @@ class AsyncMPClient(MPClient):
             ref, put = weakref.ref(self), self._outputs.put_nowait
 
             def on_readable() -> None:
+                # One message per callback. The FD is edge-triggered, so the socket must be
+                # read until it is empty before the loop waits again; the next read is a
+                # callback of its own, queued after whatever this message woke (the caller
+                # of a reply runs first and sends its next request before it).
                 if res.async_output_socket is not sock:
                     return  # closed
                 try:
-                    more = _drain(sock, ref, put)
+                    frames = recv_frames(sock, ZMQ_NOBLOCK)
+                except zmq.Again:
+                    return  # empty: the FD is re-armed
                 except Exception as e:  # the socket itself failed: the link is unusable
+                    more = False
                     client = ref()
                     if client is not None:
                         client._on_engine_dead(e)
-                    more = False
-                if not more:
+                else:
+                    more = _route(frames, ref, put)
+                if more:
+                    loop.call_soon(on_readable)
+                else:
                     loop.remove_reader(fd)
 
-            # The FD is edge-triggered: drain what arrived before the reader existed.
+            # Drain what arrived before the reader existed.
             loop.add_reader(fd, on_readable)
             on_readable()
             if self.is_dead:
