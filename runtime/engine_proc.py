@@ -48,6 +48,7 @@ import msgspec
 import zmq
 
 from ..protocol.codec import (
+    _ALWAYS_ENCODABLE,
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
     BufferPool,
@@ -500,7 +501,13 @@ class EngineCoreProc:
         try:
             if self.input_queue.queue:  # something is queued ahead of it: keep the order
                 return False
-            reply = self._run_utility(call)
+            try:
+                result = self.engine.call_utility(call.method, call.args)
+            except Exception as e:
+                reply: UtilityOutput | None = utility_output(call.call_id, call.method, error=e)
+            else:
+                reply = (UtilityOutput(call.call_id, None, result)
+                         if type(result) in _ALWAYS_ENCODABLE else self._reply_to(call, result))
             if reply is not None:
                 self._send_reply_fast(reply)
             self._flush_replies()
@@ -786,6 +793,10 @@ class EngineCoreProc:
             result = self.engine.call_utility(call.method, call.args)
         except Exception as e:
             return utility_output(call.call_id, call.method, error=e)
+        return self._reply_to(call, result)
+
+    def _reply_to(self, call: UtilityRequest, result: Any) -> UtilityOutput | None:
+        """The reply for ``result``; None when it is a Future (sent once it resolves)."""
         if isinstance(result, concurrent.futures.Future):
             # Deferred reply (pause/sleep in "wait" mode): sent when the engine resolves it.
             self._deferred.add(result)

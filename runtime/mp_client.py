@@ -154,11 +154,17 @@ class EngineProcessDied(RuntimeError):
 # --- utility registry ------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Pending:
-    future: Any  # concurrent.futures.Future or asyncio.Future
-    lifecycle: Lifecycle[UtilityState, UtilityEvent]
-    method: str
+class _Pending(Lifecycle[UtilityState, UtilityEvent]):
+    """One pending call: its lifecycle (one object per round trip, not two), the future it
+    answers and the method it called."""
+
+    __slots__ = ("future", "method")
+
+    def __init__(self, future: Any, method: str, machine: tuple[Any, Any, Any],
+                 trace: list[TraceEntry] | None) -> None:
+        Lifecycle.__init__(self, *machine, trace)
+        self.future = future  # concurrent.futures.Future, asyncio.Future or _SyncCall
+        self.method = method
 
 
 class _UtilityRegistry:
@@ -184,13 +190,12 @@ class _UtilityRegistry:
             if self._refused is not None:
                 raise self._refused
             call_id = next(self._ids)
-            self._pending[call_id] = _Pending(
-                future, Lifecycle(*self._machine, self._trace), method)
+            self._pending[call_id] = _Pending(future, method, self._machine, self._trace)
             return call_id
 
     def _forget(self, call_id: int, entry: _Pending, event: UtilityEvent) -> None:
-        entry.lifecycle.fire(event)
-        self._late[call_id] = entry.lifecycle
+        entry.fire(event)
+        self._late[call_id] = entry
         while len(self._late) > _LATE_MEMORY:
             self._late.popitem(last=False)
 
@@ -211,7 +216,7 @@ class _UtilityRegistry:
         with self._lock:
             entry = self._pending.pop(call_id, None)
             if entry is not None:
-                entry.lifecycle.fire(event)
+                entry.fire(event)
 
     def resolve(self, reply: UtilityOutput) -> tuple[Any, BaseException | None, Any] | None:
         """Match a reply to its entry: ``(future, error, result)``, or None if dropped."""
@@ -228,20 +233,20 @@ class _UtilityRegistry:
                 return None
             if entry.future.done():
                 # Cancelled by its caller before it could withdraw the entry.
-                entry.lifecycle.fire(UtilityEvent.CANCEL)
-                entry.lifecycle.fire(event)
+                entry.fire(UtilityEvent.CANCEL)
+                entry.fire(event)
                 return None
             if not ok:
-                entry.lifecycle.fire(event)
+                entry.fire(event)
                 return entry.future, UtilityError(entry.method, reply.failure_message or ""), None
             result = reply.result
             try:
                 if type(result) not in _PLAIN_RESULTS:
                     result = decode_utility_result(result)
             except ProtocolError as e:
-                entry.lifecycle.fire(UtilityEvent.REPLY_ERROR)
+                entry.fire(UtilityEvent.REPLY_ERROR)
                 return entry.future, UtilityError(entry.method, str(e)), None
-            entry.lifecycle.fire(event)
+            entry.fire(event)
             return entry.future, None, result
 
     def settle(self, reply: UtilityOutput) -> None:
@@ -253,7 +258,7 @@ class _UtilityRegistry:
                 entry = self._pending.get(reply.call_id)
                 if entry is not None and not entry.future.done():
                     del self._pending[reply.call_id]
-                    entry.lifecycle.fire(UtilityEvent.REPLY_OK)
+                    entry.fire(UtilityEvent.REPLY_OK)
                     fut = entry.future
                 else:
                     fut = None  # late, unknown or cancelled: ``resolve`` records each case
@@ -275,7 +280,7 @@ class _UtilityRegistry:
             entries = list(self._pending.values())
             self._pending.clear()
             for entry in entries:
-                entry.lifecycle.fire(event)
+                entry.fire(event)
             return [e.future for e in entries]
 
 
