@@ -162,7 +162,8 @@ class _Pending(Lifecycle[UtilityState, UtilityEvent]):
 
     def __init__(self, future: Any, method: str, machine: tuple[Any, Any, Any],
                  trace: list[TraceEntry] | None) -> None:
-        Lifecycle.__init__(self, *machine, trace)
+        name, initial, table = machine
+        Lifecycle.__init__(self, name, initial, table, trace)
         self.future = future  # concurrent.futures.Future, asyncio.Future or _SyncCall
         self.method = method
 
@@ -1105,6 +1106,36 @@ class _SyncReader:
                 cv.notify_all()
             cv.release()
 
+    def wait_call(self, call: _SyncCall) -> None:
+        """``wait_for(call.done, None)`` in fewer steps for the common case: the socket is
+        free and nobody else waits, so this caller reads until its outcome is set. Any other
+        case (a reader or waiter already there or arriving, close, death) takes
+        ``wait_for``."""
+        cv = self.cv
+        with cv:
+            if self._reading or self._callers or self._closing or self._stopped:
+                solo = False
+            else:
+                solo = True
+                self._callers = 1
+                self._reading = True
+                self._holder = threading.get_ident()
+        if not solo:
+            self.wait_for(call.done, None)
+            return
+        waiters = cv._waiters  # type: ignore[attr-defined]
+        try:
+            while not call._done and not self._closing and not self._stopped:
+                self._pump(None)
+                if waiters:
+                    break  # another thread waits: share the socket as ``wait_for`` does
+        finally:
+            with cv:
+                self._callers -= 1
+                self._give_back(caller=True)
+        if not call._done:
+            self.wait_for(call.done, None)  # shared, closing or dead: wait there
+
     def _give_back(self, *, caller: bool) -> None:
         """The reader is done with the socket; wake whoever waits (their outcome may have
         been routed). Caller holds ``cv``."""
@@ -1233,7 +1264,9 @@ class SyncMPClient(SyncClientMixin, MPClient):
                                     " complete)")
         call = _SyncCall()
         call_id = self._register_call(call, method, args)
-        if not reader.wait_for(call.done, timeout):
+        if timeout is None:
+            reader.wait_call(call)
+        elif not reader.wait_for(call.done, timeout):
             if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
                 assert timeout is not None
                 raise UtilityTimeoutError(method, timeout) from None

@@ -181,3 +181,36 @@ def test_shutdown_wakes_a_reader_blocked_without_timeout() -> None:
     t.join(BOUND_S)
     assert not t.is_alive() and not reader.thread.is_alive()
     assert outcome and type(outcome[0]).__name__ == "ClientClosedError"
+
+
+def test_a_blocked_call_shares_the_socket_with_a_thread_that_arrives() -> None:
+    """A utility call that took the socket alone (its reply deferred until the running
+    request finishes) must not hold back another thread's outputs: once that thread waits,
+    the holder hands the socket over after the next message, as ``wait_for`` does."""
+    c = SyncMPClient(EngineConfig(model="null", device="cpu", null_step_delay_s=0.01))
+    try:
+        c.add_request(_request("long", 150))  # about 1.5 s of steps
+        first = c.get_output(timeout=BOUND_S)
+        assert first.outputs, "the request never started"
+        done = threading.Event()
+
+        def pause() -> None:
+            c.call_utility("pause_scheduler", "wait")  # replies once the request finished
+            done.set()
+
+        t = threading.Thread(target=pause)
+        t.start()
+        reader = c._reader
+        assert reader is not None
+        deadline = time.monotonic() + BOUND_S
+        while not (reader._reading and reader._holder == t.ident) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        got = c.get_output(timeout=BOUND_S)
+        waited = time.monotonic() - t0
+        assert got.outputs and not done.is_set(), "outputs were held until the call returned"
+        assert waited < 0.5, waited
+        t.join(BOUND_S)
+        assert done.is_set()
+    finally:
+        c.shutdown()
