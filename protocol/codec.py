@@ -155,6 +155,9 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], memoryview]:
     if t.device.type != "cpu":
         t = t.cpu()  # device tensors need a D2H copy; there is no way around it here
     t = t.resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        # No bytes; and an empty tensor may report stride 0, which a byte view refuses.
+        return name, shape, memoryview(b"")
     if not t.is_contiguous():
         t = t.contiguous()
     # numpy() on a uint8 view shares memory, and the array keeps the tensor alive.
