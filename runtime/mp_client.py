@@ -535,6 +535,8 @@ class MPClient(EngineCoreClient):
         super().__init__(config, trace=trace)
         # Read by _start (security.py): transport, keys, and the engine's input bounds.
         self._security = (transport, curve, engine_curve, allow_insecure_tcp, engine_limits)
+        # The largest frame the engine accepts (it drops the link on a larger one).
+        self._frame_limit: int = (engine_limits or DEFAULT_LIMITS).max_frame_bytes
         self.resources = BackgroundResources(shutdown_timeout=shutdown_timeout_s)
         # First thing: whatever fails below, the finalizer reclaims what was created.
         self._finalizer = weakref.finalize(self, self.resources)
@@ -808,8 +810,7 @@ class MPClient(EngineCoreClient):
             payload = self._call_encoder.encode(request)
         except Exception:
             return False
-        limits = self._security[4]
-        if len(payload) > (limits or DEFAULT_LIMITS).max_frame_bytes:
+        if len(payload) > self._frame_limit:
             return False
         res = self.resources
         with res.send_lock:
