@@ -686,6 +686,9 @@ class _ProbeEncoder(Encoder):
 # Results of these types always encode (an int may not: msgpack stops at 64 bits; a str
 # may not: a lone surrogate has no UTF-8 form).
 _ALWAYS_ENCODABLE = frozenset({type(None), bool, float, bytes})
+# Results msgpack carries as themselves: nothing to tag on the way out or rebuild on the way in
+# (the round-trip paths on both sides skip those passes; an int or str may still not encode).
+_PLAIN_RESULTS = frozenset({*_ALWAYS_ENCODABLE, int, str})
 
 
 def _probe() -> _ProbeEncoder:

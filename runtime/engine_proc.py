@@ -49,6 +49,7 @@ import zmq
 
 from ..protocol.codec import (
     _ALWAYS_ENCODABLE,
+    _PLAIN_RESULTS,
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
     BufferPool,
@@ -120,9 +121,6 @@ _STOP = object()  # output-queue item: flush and exit
 
 
 _UTILITY_BYTE = RequestType.UTILITY.value
-# Results a plain msgpack encoder sends as they are (an int past 64 bits or a str with a lone
-# surrogate fails that encode, and then takes the general path, which reports it).
-_PLAIN_RESULTS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 class _Encoded:
@@ -469,16 +467,31 @@ class EngineCoreProc:
             return
         self.input_queue.put((kind, payload))
 
-    def _serve_idle_call(self, call: UtilityRequest) -> bool:
+    def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
         """Run a utility call on the input thread when the busy loop is parked idle with an
-        empty queue (so nothing is reordered); False when the loop must take it."""
+        empty queue (so nothing is reordered); False when the loop must take it. ``plain``:
+        the short path, where a result that always encodes skips the general reply builder
+        and a plain reply is sent by ``_send_reply_fast``."""
         lock = self._engine_lock
         if not lock.acquire(blocking=False):
             return False
         try:
-            if not self.input_queue.empty():
+            if self.input_queue.queue:  # something is queued ahead of it: keep the order
                 return False
-            self._call_utility(call)
+            if not plain:
+                self._call_utility(call)
+            else:
+                try:
+                    result = self.engine.call_utility(call.method, call.args)
+                except Exception as e:
+                    reply: UtilityOutput | None = utility_output(call.call_id, call.method,
+                                                                 error=e)
+                else:
+                    reply = (UtilityOutput(call.call_id, None, result)
+                             if type(result) in _ALWAYS_ENCODABLE
+                             else self._reply_to(call, result))
+                if reply is not None:
+                    self._send_reply_fast(reply)
             self._flush_replies()
             if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
                 self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
@@ -495,27 +508,7 @@ class EngineCoreProc:
             call = self._call_decoder.decode_payload(frame.buffer)
         except ProtocolError:
             return False
-        lock = self._engine_lock
-        if not lock.acquire(blocking=False):
-            return False
-        try:
-            if self.input_queue.queue:  # something is queued ahead of it: keep the order
-                return False
-            try:
-                result = self.engine.call_utility(call.method, call.args)
-            except Exception as e:
-                reply: UtilityOutput | None = utility_output(call.call_id, call.method, error=e)
-            else:
-                reply = (UtilityOutput(call.call_id, None, result)
-                         if type(result) in _ALWAYS_ENCODABLE else self._reply_to(call, result))
-            if reply is not None:
-                self._send_reply_fast(reply)
-            self._flush_replies()
-            if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
-                self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
-            return True
-        finally:
-            lock.release()
+        return self._serve_idle_call(call, plain=True)
 
     def _send_reply_fast(self, reply: UtilityOutput) -> None:
         """``_emit_utility`` for the fast path: a plain encode of a plain result, sent if the

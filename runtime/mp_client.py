@@ -52,6 +52,7 @@ import msgspec
 import zmq
 
 from ..protocol.codec import (
+    _PLAIN_RESULTS,
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
     ZMQ_SNDMORE,
@@ -116,8 +117,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _LATE_MEMORY = 256
 
 _UTILITY_BYTE = RequestType.UTILITY.value
-# Utility results that decode as themselves (no registered Struct inside): no rebuild pass.
-_PLAIN_RESULTS = frozenset({type(None), bool, int, float, str, bytes})
 
 _DEAD = object()  # output-queue marker: the engine died
 _CLOSED = object()  # output-queue marker: the client was shut down
@@ -871,17 +870,15 @@ class MPClient(EngineCoreClient):
     def _on_frames(self, frames: list[Any]) -> EngineCoreOutputs | None:
         """Decode one message; route utility replies; return a batch worth queueing."""
         self.resources.last_seen[0] = time.monotonic()
-        if len(frames) == 1 and self._integrity is None:
-            # The common shape (every reply, every batch without arrays), in fewer steps.
-            frame = frames[0]
-            if frame == ENGINE_DEAD_SENTINEL:
-                raise EngineProcessDied(
-                    "engine reported a fatal error (engine-dead sentinel); see the engine's log")
-            outputs = self._out_decoder.decode_payload(frame)
+        # One frame and no integrity trailer is the common shape (every reply, every batch
+        # without arrays): it is checked and decoded in fewer steps.
+        single = len(frames) == 1 and self._integrity is None
+        if frames[0] == ENGINE_DEAD_SENTINEL if single else is_dead_sentinel(frames):
+            raise EngineProcessDied(
+                "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+        if single:
+            outputs = self._out_decoder.decode_payload(frames[0])
         else:
-            if is_dead_sentinel(frames):
-                raise EngineProcessDied(
-                    "engine reported a fatal error (engine-dead sentinel); see the engine's log")
             if self._integrity is not None:
                 frames = self._integrity.open(frames)
             outputs = decode_outputs(frames)
