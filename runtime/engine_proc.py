@@ -534,9 +534,7 @@ class EngineCoreProc:
                 except zmq.ContextTerminated:
                     return
                 except BaseException as e:
-                    logger.exception("engine: sending outputs failed")
-                    self.input_queue.put((_Control.SHUTDOWN, RuntimeError(
-                        f"output send failed: {e!r}")))
+                    self._send_failed(e)
                     return
             self._out_pending += 1
             self.output_queue.put(_Encoded([payload]))
@@ -647,14 +645,17 @@ class EngineCoreProc:
                 except zmq.ContextTerminated:
                     return
                 except BaseException as e:
-                    logger.exception("engine: sending outputs failed")
-                    self.input_queue.put((_Control.SHUTDOWN, RuntimeError(
-                        f"output send failed: {e!r}")))
+                    self._send_failed(e)
                     return
                 if item is None:
                     return
             self._out_pending += 1
             self.output_queue.put(item)
+
+    def _send_failed(self, error: BaseException) -> None:
+        """A direct send raised: nothing more can reach the client, so the engine stops."""
+        logger.exception("engine: sending outputs failed")
+        self.input_queue.put((_Control.SHUTDOWN, RuntimeError(f"output send failed: {error!r}")))
 
     def _send_direct(self, sock: zmq.Socket[Any], item: Any) -> _Encoded | None:
         """Send ``item`` now if the socket takes it without blocking (None), else return it

@@ -157,12 +157,16 @@ def test_a_receive_timeout_is_honoured_then_cleared(client: SyncMPClient) -> Non
     assert client._reader is not None and client._reader._rcvtimeo == -1
 
 
-def test_shutdown_wakes_a_reader_blocked_without_timeout() -> None:
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_shutdown_wakes_a_reader_blocked_without_timeout(transport: str) -> None:
     """A caller blocked in a receive with no timeout is woken by the reader's own wake token
-    when another thread shuts the client down: it raises, and no thread is left behind."""
-    c = SyncMPClient(NULL)
+    when another thread shuts the client down: it raises at once, and no thread is left
+    behind. Over tcp the PULL is a CURVE server; the token, sent over inproc, still gets
+    through (inproc skips the handshake)."""
+    c = SyncMPClient(NULL, transport=transport)
     reader = c._reader
     assert reader is not None
+    assert (c.resources.guard.curve is not None) == (transport == "tcp")
     outcome: list[BaseException] = []
 
     def wait() -> None:
@@ -177,9 +181,12 @@ def test_shutdown_wakes_a_reader_blocked_without_timeout() -> None:
     while not (reader._reading and reader._holder == t.ident) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert reader._reading and reader._holder == t.ident, "the caller never took the socket"
+    t0 = time.monotonic()
     c.shutdown()
     t.join(BOUND_S)
-    assert not t.is_alive() and not reader.thread.is_alive()
+    # Without the token, shutdown would wait out its bound (5 s) for the blocked caller.
+    assert not t.is_alive() and time.monotonic() - t0 < 2.0
+    assert not reader.thread.is_alive()
     assert outcome and type(outcome[0]).__name__ == "ClientClosedError"
 
 

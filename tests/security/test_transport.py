@@ -76,34 +76,6 @@ def test_tcp_binds_loopback_with_curve(secure: Any) -> None:
     serves(secure, "loopback")
 
 
-def test_a_curve_server_socket_still_takes_the_readers_wake_token() -> None:
-    """The sync reader wakes a blocked receive through a local inproc PUSH into its PULL;
-    with the PULL a CURVE server, that wake must still get through (inproc skips the
-    handshake), or shutdown would wait out its bound on a caller blocked with no timeout."""
-    client = make_client(CONFIG, multiprocess=True, asyncio=False, transport="tcp",
-                         ready_timeout_s=BOUND_S)
-    reader = client._reader
-    assert client.resources.guard.curve is not None and reader is not None
-    raised: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            client.get_output()
-        except BaseException as e:
-            raised.append(e)
-
-    t = threading.Thread(target=wait)
-    t.start()
-    deadline = time.monotonic() + BOUND_S
-    while not (reader._reading and reader._holder == t.ident) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    t0 = time.monotonic()
-    client.shutdown()
-    t.join(BOUND_S)
-    assert not t.is_alive() and time.monotonic() - t0 < 2.0
-    assert raised and type(raised[0]).__name__ == "ClientClosedError"
-
-
 def test_async_client_over_curve_tcp() -> None:
     async def run() -> None:
         client = make_client(CONFIG, multiprocess=True, asyncio=True, transport="tcp",
