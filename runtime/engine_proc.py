@@ -48,7 +48,6 @@ import msgspec
 import zmq
 
 from ..protocol.codec import (
-    _ALWAYS_ENCODABLE,
     _PLAIN_RESULTS,
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
@@ -56,6 +55,7 @@ from ..protocol.codec import (
     Decoder,
     Encoder,
     Limits,
+    backend_send,
     decode_input,
     peek_request_id,
     recv_frames,
@@ -323,11 +323,12 @@ class EngineCoreProc:
         # holding ``_out_lock`` and only when no queued item is ahead (``_out_pending``).
         self._out_lock = threading.Lock()
         self._out: tuple[zmq.Socket[Any], str, threading.Event] | None = None
+        self._out_send: Callable[..., Any] = backend_send(zmq.Socket)  # set per socket below
         self._out_pending = 0
         self._out_encoder = Encoder()
         self._out_pool = BufferPool(max_free=4)
         self._reuse_early = _mutants.active("output_buffer_reused_before_send")
-        # The idle round-trip path (``_serve_call_fast``): input thread only.
+        # The idle round-trip path (the short utility path in ``_accept``): input thread only.
         self._call_decoder = Decoder(UtilityRequest, limits)
         self._reply_encoder = msgspec.msgpack.Encoder()
         self._fast_calls = not integrity and not self._reuse_early
@@ -424,9 +425,18 @@ class EngineCoreProc:
             sock.close(linger=0)
 
     def _accept(self, frames: list[Any]) -> None:
-        if (len(frames) == 2 and frames[0] == _UTILITY_BYTE and self._fast_calls
-                and self._serve_call_fast(frames[1])):
-            return
+        if len(frames) == 2 and frames[0] == _UTILITY_BYTE and self._fast_calls:
+            # A utility call while the loop idles, served in as few steps as the protocol
+            # allows: the round trip's latency is mostly how much code runs cold after a
+            # wake-up. Anything this cannot decode takes the general path below, which
+            # decodes again and reports the error.
+            try:
+                call = self._call_decoder.decode_payload(frames[1].buffer)
+            except ProtocolError:
+                pass
+            else:
+                if self._serve_idle_call(call, plain=True):
+                    return
         if not frames:
             raise ProtocolError("empty message")
         if self._integrity is not None:
@@ -470,63 +480,61 @@ class EngineCoreProc:
     def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
         """Run a utility call on the input thread when the busy loop is parked idle with an
         empty queue (so nothing is reordered); False when the loop must take it. ``plain``:
-        the short path, where a result that always encodes skips the general reply builder
-        and a plain reply is sent by ``_send_reply_fast``."""
+        the short path (``_answer_plain``).
+
+        The bookkeeping comes after the reply: code that runs between receiving a call and
+        sending its reply is the round trip's own time (it runs cold, after a wake-up), while
+        code after the send overlaps the reply's way to the client. The busy loop, if woken
+        here, waits for the engine lock, so nothing it sends can overtake the reply."""
         lock = self._engine_lock
         if not lock.acquire(blocking=False):
             return False
         try:
             if self.input_queue.queue:  # something is queued ahead of it: keep the order
                 return False
-            if not plain:
-                self._call_utility(call)
+            if plain:
+                self._answer_plain(call)
             else:
-                try:
-                    result = self.engine.call_utility(call.method, call.args)
-                except Exception as e:
-                    reply: UtilityOutput | None = utility_output(call.call_id, call.method,
-                                                                 error=e)
-                else:
-                    reply = (UtilityOutput(call.call_id, None, result)
-                             if type(result) in _ALWAYS_ENCODABLE
-                             else self._reply_to(call, result))
-                if reply is not None:
-                    self._send_reply_fast(reply)
-            self._flush_replies()
+                self._call_utility(call)
+            if self._replies:
+                self._flush_replies()
             if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
                 self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
             return True
         finally:
             lock.release()
 
-    def _serve_call_fast(self, frame: Any) -> bool:
-        """A utility call that arrives while the loop idles, served in as few steps as the
-        protocol allows: the round trip's latency is mostly how much code runs cold after a
-        wake-up. False (nothing done) when any condition for it fails; ``_accept`` then takes
-        the general path, which decodes again and handles every case."""
+    def _answer_plain(self, call: UtilityRequest) -> None:
+        """Run ``call`` and reply. A result msgpack carries as itself is encoded plainly and
+        sent at once if the pipe takes it (else queued behind what is already there); any
+        other outcome takes the general reply builder."""
         try:
-            call = self._call_decoder.decode_payload(frame.buffer)
-        except ProtocolError:
-            return False
-        return self._serve_idle_call(call, plain=True)
+            result = self.engine.call_utility(call.method, call.args)
+        except Exception as e:
+            self._emit_utility(utility_output(call.call_id, call.method, error=e))
+            return
+        if type(result) in _PLAIN_RESULTS:
+            try:
+                payload = self._reply_encoder.encode(EngineCoreOutputs(
+                    self.engine_index, [], time.monotonic(), None, None,
+                    UtilityOutput(call.call_id, None, result)))
+            except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError):
+                pass  # e.g. an int beyond 64 bits: the general builder reports it
+            else:
+                self._send_encoded(payload)
+                return
+        reply = self._reply_to(call, result)
+        if reply is not None:
+            self._emit_utility(reply)
 
-    def _send_reply_fast(self, reply: UtilityOutput) -> None:
-        """``_emit_utility`` for the fast path: a plain encode of a plain result, sent if the
-        pipe takes it now, else queued behind what is already there (``_put_output``)."""
-        item = EngineCoreOutputs(self.engine_index, [], time.monotonic(), None, None, reply)
-        if type(reply.result) not in _PLAIN_RESULTS:
-            self._put_output(item, direct=True)
-            return
-        try:
-            payload = self._reply_encoder.encode(item)
-        except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError):
-            self._put_output(item, direct=True)
-            return
+    def _send_encoded(self, payload: bytes) -> None:
+        """Send a one-frame message now if the pipe takes it, else queue it behind what is
+        already there (``_put_output``'s order, for a payload encoded by the caller)."""
         with self._out_lock:
             out = self._out
             if out is not None and self._out_pending == 0:
                 try:
-                    out[0].send(payload, ZMQ_NOBLOCK)
+                    self._out_send(out[0], payload, ZMQ_NOBLOCK)
                     self._last_send = time.monotonic()
                     return
                 except zmq.Again:
@@ -570,6 +578,7 @@ class EngineCoreProc:
             sock.connect(address)
             with self._out_lock:
                 self._out = (sock, address, dropped)
+                self._out_send = backend_send(type(sock))
             while True:
                 wait = None if hb is None else max(0.0, hb - (time.monotonic() - self._last_send))
                 try:

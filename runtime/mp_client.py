@@ -58,6 +58,7 @@ from ..protocol.codec import (
     ZMQ_SNDMORE,
     Decoder,
     Encoder,
+    backend_send,
     decode_outputs,
     decode_ready,
     decode_utility_result,
@@ -155,16 +156,12 @@ class EngineProcessDied(RuntimeError):
 
 class _Pending(Lifecycle[UtilityState, UtilityEvent]):
     """One pending call: its lifecycle (one object per round trip, not two), the future it
-    answers and the method it called."""
+    answers and the method it called. Built by ``Lifecycle.__init__`` (the registry sets the
+    other two): one constructor call per round trip, not two."""
 
     __slots__ = ("future", "method")
-
-    def __init__(self, future: Any, method: str, machine: tuple[Any, Any, Any],
-                 trace: list[TraceEntry] | None) -> None:
-        name, initial, table = machine
-        Lifecycle.__init__(self, name, initial, table, trace)
-        self.future = future  # concurrent.futures.Future, asyncio.Future or _SyncCall
-        self.method = method
+    future: Any  # concurrent.futures.Future, asyncio.Future or _SyncCall
+    method: str
 
 
 class _UtilityRegistry:
@@ -190,7 +187,9 @@ class _UtilityRegistry:
             if self._refused is not None:
                 raise self._refused
             call_id = next(self._ids)
-            self._pending[call_id] = _Pending(future, method, self._machine, self._trace)
+            entry = _Pending(*self._machine, self._trace)
+            entry.future, entry.method = future, method
+            self._pending[call_id] = entry
             return call_id
 
     def _forget(self, call_id: int, entry: _Pending, event: UtilityEvent) -> None:
@@ -543,11 +542,14 @@ class MPClient(EngineCoreClient):
         self.client_index = client_index
         self.identity = engine_index.to_bytes(2, "little")
         self._utilities = _UtilityRegistry(trace)
+        # Only a heartbeat deadline reads when the engine was last heard from.
+        self._stamp_seen = bool(engine_heartbeat_timeout_s)
         self._encoder = Encoder()
         # Round-trip paths: a utility call is encoded plainly when it can be (no arrays), and
         # a one-frame reply is decoded by this client's own decoder. Each is used under the
         # send lock or by the one thread that holds the output socket.
         self._call_encoder = msgspec.msgpack.Encoder()
+        self._sock_send: Callable[..., Any] = backend_send(zmq.Socket)  # set per socket
         self._out_decoder: Decoder[EngineCoreOutputs] = Decoder(EngineCoreOutputs)
         self._pending_sends: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
         self.engine_pid: int | None = None
@@ -595,6 +597,7 @@ class MPClient(EngineCoreClient):
             output_address = output_address or res.ipc_dir.address("output")
         inp = res.ctx.socket(zmq.ROUTER)
         res.input_socket = inp
+        self._sock_send = backend_send(type(inp))
         inp.setsockopt(zmq.LINGER, 0)
         inp.setsockopt(zmq.SNDHWM, 0)  # a full ROUTER drops silently: never drop a request
         inp.setsockopt(zmq.RCVHWM, 0)
@@ -781,10 +784,11 @@ class MPClient(EngineCoreClient):
                 frames = [*frames, self._integrity.seal(frames)]
             if len(frames) <= 2:
                 # Plain copying sends: cheaper than send_multipart for these small frames.
-                sock.send(self.identity, ZMQ_SNDMORE)
+                send = self._sock_send
+                send(sock, self.identity, ZMQ_SNDMORE)
                 if len(frames) == 2:
-                    sock.send(frames[0], ZMQ_SNDMORE)
-                sock.send(frames[-1])
+                    send(sock, frames[0], ZMQ_SNDMORE)
+                send(sock, frames[-1])
                 return
             # Aux frames are zero-copy views of the caller's arrays: keep them (and their
             # trackers) until libzmq is done, so the memory outlives the send.
@@ -816,9 +820,10 @@ class MPClient(EngineCoreClient):
             sock = res.input_socket
             if sock is None:
                 raise ClientClosedError("the client was shut down")
-            sock.send(self.identity, ZMQ_SNDMORE)
-            sock.send(_UTILITY_BYTE, ZMQ_SNDMORE)
-            sock.send(payload)
+            send = self._sock_send
+            send(sock, self.identity, ZMQ_SNDMORE)
+            send(sock, _UTILITY_BYTE, ZMQ_SNDMORE)
+            send(sock, payload)
         return True
 
     def send_raw_frames(self, frames: list[bytes]) -> None:
@@ -869,7 +874,8 @@ class MPClient(EngineCoreClient):
 
     def _on_frames(self, frames: list[Any]) -> EngineCoreOutputs | None:
         """Decode one message; route utility replies; return a batch worth queueing."""
-        self.resources.last_seen[0] = time.monotonic()
+        if self._stamp_seen:
+            self.resources.last_seen[0] = time.monotonic()
         # One frame and no integrity trailer is the common shape (every reply, every batch
         # without arrays): it is checked and decoded in fewer steps.
         single = len(frames) == 1 and self._integrity is None
@@ -962,9 +968,9 @@ class _SyncReader:
     A caller blocked in ``get_output`` or ``call_utility`` receives on the PULL socket itself,
     so a reply reaches the thread that wants it without a hand-off through another thread (one
     wake-up less per round trip). Replies for other waiters are routed on the way (utility
-    futures resolved, batches queued) and the waiters woken. When no caller has read for
-    ``IDLE_TAKEOVER_S``, the background thread takes the socket so heartbeats, the dead
-    sentinel and unread batches are still consumed. The socket changes hands only under
+    futures resolved, batches queued) and the waiters woken. When no caller has read for one
+    to two ``IDLE_TAKEOVER_S``, the background thread takes the socket so heartbeats, the
+    dead sentinel and unread batches are still consumed. The socket changes hands only under
     ``cv`` (zmq needs a full memory barrier between users).
 
     A reader blocks in a plain receive, not a poll: a poll and the readiness check after it
@@ -990,7 +996,8 @@ class _SyncReader:
         self._bg_reading = False
         self._kicked = False
         self._callers = 0
-        self._last_caller_read = 0.0
+        # Counts callers' reads (a counter, not a clock: this is on the round trip's path).
+        self._caller_reads = 0
         self._closing = False
         self._stopped = False  # death seen on the wire: nothing more is read
         self._rcvtimeo = -1  # the socket's RCVTIMEO as last set (ms; -1 blocks)
@@ -1140,25 +1147,24 @@ class _SyncReader:
         self._reading = False
         self._bg_reading = False
         if caller:
-            self._last_caller_read = time.monotonic()
+            self._caller_reads += 1
         if self.cv._waiters:  # type: ignore[attr-defined]
             self.cv.notify_all()
 
     def _background(self) -> None:
         cv = self.cv
+        seen = 0  # callers' reads as of the last look: none since means idle
         try:
             while True:
                 with cv:
                     while True:
                         if self._closing or self._stopped:
                             return
-                        if not self._reading and not self._callers:
-                            idle = time.monotonic() - self._last_caller_read
-                            if idle >= self.IDLE_TAKEOVER_S:
-                                break
-                            self._bg_cv.wait(self.IDLE_TAKEOVER_S - idle)
-                        else:
-                            self._bg_cv.wait(self.IDLE_TAKEOVER_S)
+                        if (not self._reading and not self._callers
+                                and self._caller_reads == seen):
+                            break
+                        seen = self._caller_reads
+                        self._bg_cv.wait(self.IDLE_TAKEOVER_S)
                     self._reading = self._bg_reading = True
                     self._holder = threading.get_ident()
                     self._kicked = False

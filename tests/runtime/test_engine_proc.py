@@ -189,20 +189,20 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
     """The input thread's short path sends plain results itself; every other result (arrays,
     containers) goes through the general reply path, and the client sees the same replies
     either way. A result no encoder can send (an int past 64 bits, a str with no UTF-8 form)
-    is a failure reply on either path."""
+    falls back to the general path, which makes it a failure reply."""
     peer, proc, _trace = served
     paths: list[str] = []
-    fast, general = proc._send_reply_fast, proc._put_output
+    fast, general = proc._send_encoded, proc._put_output
 
-    def spy_fast(reply: Any) -> None:
+    def spy_fast(payload: bytes) -> None:
         paths.append("fast")
-        fast(reply)
+        fast(payload)
 
     def spy_general(item: Any, *, direct: bool) -> None:
         paths.append("general")
         general(item, direct=direct)
 
-    proc._send_reply_fast = spy_fast  # type: ignore[method-assign]
+    proc._send_encoded = spy_fast  # type: ignore[method-assign]
     proc._put_output = spy_general  # type: ignore[method-assign]
     # Results no client could send as an argument: an engine-side utility makes them.
     unsendable = {"huge": 2**70, "surrogate": "\ud800"}
@@ -228,11 +228,11 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
         deadline = time.monotonic() + BOUND_S
         while not paths and time.monotonic() < deadline:
             time.sleep(0.001)
-        # An unsendable result became a failure message, which is plain. A plain reply never
-        # reaches the general path; any other one always does.
-        plain = method == "unsendable" or type(value) in (type(None), bool, int, float, str,
-                                                          bytes)
+        # A plain reply never reaches the general path; any other one (an unsendable result
+        # included) always does, and only a plain one is sent by the short path.
+        plain = method == "echo" and type(value) in (type(None), bool, int, float, str, bytes)
         assert ("general" in paths) is not plain, (value, paths)
+        assert ("fast" in paths) is plain, (value, paths)
     arr = np.arange(100, dtype=np.int64)
     peer.send(RequestType.UTILITY, UtilityRequest(0, 99, "echo", [arr]))
     reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
