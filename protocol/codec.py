@@ -810,6 +810,7 @@ class BufferPool:
 # constants are enums whose every use in a flag test builds a new member (about 1 µs).
 ZMQ_NOBLOCK = 1
 ZMQ_SNDMORE = 2
+ZMQ_POLLIN = 1
 
 _BACKEND_SEND: dict[type, Callable[..., Any]] = {}
 

@@ -55,6 +55,7 @@ from ..protocol.codec import (
     _PLAIN_RESULTS,
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
+    ZMQ_POLLIN,
     ZMQ_SNDMORE,
     Decoder,
     Encoder,
@@ -1340,9 +1341,23 @@ class AsyncMPClient(MPClient):
                 else:
                     more = _route(frames, ref, put)
                 if more:
-                    loop.call_soon(on_readable)
+                    loop.call_soon(drain)
                 else:
                     loop.remove_reader(fd)
+
+            poll, items = zmq.zmq_poll, [(sock, ZMQ_POLLIN)]
+
+            def drain() -> None:
+                # Is another message waiting? Usually not: a poll answers that for a fifth of
+                # a receive that fails with zmq.Again (that exception costs about 9 µs).
+                if res.async_output_socket is not sock:
+                    return
+                try:
+                    ready = poll(items, 0)
+                except Exception:
+                    ready = True  # let the receive meet the failure and report it
+                if ready:
+                    on_readable()
 
             # Drain what arrived before the reader existed.
             loop.add_reader(fd, on_readable)

@@ -529,8 +529,29 @@ def test_load_check_catches_buffers_reused_before_zmq_is_done() -> None:
 def test_more_flags_are_zmqs() -> None:
     from enginewire.protocol import codec
 
-    for name in ("NOBLOCK", "SNDMORE"):
+    for name in ("NOBLOCK", "SNDMORE", "POLLIN"):
         assert getattr(codec, f"ZMQ_{name}") == getattr(zmq, name), name
+
+
+def test_backend_send_is_the_compiled_send_below_pyzmqs_wrapper() -> None:
+    from enginewire.protocol import codec
+
+    send = codec.backend_send(zmq.Socket)
+    assert send is not zmq.Socket.send and codec.backend_send(zmq.Socket) is send
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind("inproc://backend-send")
+        push.connect("inproc://backend-send")
+        send(push, b"a", codec.ZMQ_SNDMORE)
+        send(push, b"b")
+        assert pull.recv_multipart() == [b"a", b"b"]
+        with pytest.raises(zmq.Again):  # flags reach libzmq: nothing to receive
+            pull.recv(codec.ZMQ_NOBLOCK)
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
 
 
 def test_send_frames_prefix_and_tracker_covers_the_payload() -> None:
