@@ -1353,7 +1353,7 @@ class AsyncMPClient(MPClient):
                 if res.async_output_socket is not sock:
                     return
                 try:
-                    ready = poll(items, 0)
+                    ready = bool(poll(items, 0))
                 except Exception:
                     ready = True  # let the receive meet the failure and report it
                 if ready:
