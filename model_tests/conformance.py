@@ -31,6 +31,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import psutil
 
 from ..protocol.messages import (
@@ -382,6 +383,9 @@ def check_utilities(cut: ClientUnderTest) -> None:
         assert e.method == "_private_or_unknown"
     else:
         raise AssertionError("an unknown utility must raise UtilityError")
+    # An array result travels as an aux frame: a reply of two parts, then a plain one.
+    arr = np.arange(100, dtype=np.int64)
+    assert np.array_equal(cut.call_utility("echo", arr), arr)
     # The client survives failed calls.
     assert cut.call_utility("echo", 42) == 42
     if cut.multiprocess:

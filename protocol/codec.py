@@ -811,6 +811,7 @@ class BufferPool:
 ZMQ_NOBLOCK = 1
 ZMQ_SNDMORE = 2
 ZMQ_POLLIN = 1
+ZMQ_RCVMORE = 13
 
 _BACKEND_SEND: dict[type, Callable[..., Any]] = {}
 

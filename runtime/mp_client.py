@@ -56,6 +56,7 @@ from ..protocol.codec import (
     DEFAULT_LIMITS,
     ZMQ_NOBLOCK,
     ZMQ_POLLIN,
+    ZMQ_RCVMORE,
     ZMQ_SNDMORE,
     Decoder,
     Encoder,
@@ -65,7 +66,6 @@ from ..protocol.codec import (
     decode_utility_result,
     encode_input,
     is_dead_sentinel,
-    recv_frames,
 )
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
@@ -897,6 +897,31 @@ class MPClient(EngineCoreClient):
             return outputs
         return None  # heartbeat
 
+    def _on_message(self, first: bytes, sock: zmq.Socket[Any]) -> EngineCoreOutputs | None:
+        """``_on_frames`` for a message whose first frame was received as plain bytes.
+
+        A plain receive costs 1.6 µs less than one that yields a ``Frame`` and its more
+        flag, and nearly every message is one frame. So the rest of a message is read only
+        when there is a rest: when a one-frame decode fails (it referenced aux frames) and
+        libzmq's more flag says parts follow, or under frame integrity, whose trailer always
+        follows. A part that a one-frame message should not have arrives as a message of its
+        own and fails to decode there: the engine is then declared dead, as for any frame
+        that does not decode."""
+        if self._integrity is None:
+            try:
+                return self._on_frames([first])
+            except ProtocolError:
+                if not sock.get(ZMQ_RCVMORE):
+                    raise
+        elif not sock.get(ZMQ_RCVMORE):
+            return self._on_frames([first])  # no trailer: integrity reports it
+        frames: list[Any] = [first]
+        while True:
+            frame = sock.recv(0, copy=False)  # the parts of a message arrive together
+            frames.append(frame)
+            if not frame.more:
+                return self._on_frames(frames)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engine pid={self.engine_pid} {self.lifecycle.state.name}>"
 
@@ -905,17 +930,18 @@ class MPClient(EngineCoreClient):
 
 
 def _route(
-    frames: list[Any],
+    first: bytes,
+    sock: zmq.Socket[Any],
     client_ref: weakref.ReferenceType[Any],
     put: Callable[[Any], None],
 ) -> bool:
-    """Route one message (a utility reply resolved, a batch ``put``); False once nothing more
-    should be read (engine death seen, client gone)."""
+    """Route one message (its first frame received; a utility reply resolved, a batch
+    ``put``); False once nothing more should be read (engine death seen, client gone)."""
     client = client_ref()
     if client is None:
         return False
     try:
-        batch = client._on_frames(frames)
+        batch = client._on_message(first, sock)
     except Exception as e:  # sentinel or undecodable frame: the engine is unusable
         client._on_engine_dead(e)
         return False
@@ -1041,17 +1067,17 @@ class _SyncReader:
             out.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
         try:
-            frames = recv_frames(out)
+            first = out.recv()
         except zmq.Again:
             return
-        if frames[0] == self._token:
+        if first == self._token:
             return
         client = self._client_ref()
         if client is None:
             self._stopped = True
             return
         try:
-            batch = client._on_frames(frames)
+            batch = client._on_message(first, out)
         except Exception as e:  # sentinel or undecodable frame: the engine is unusable
             self._stopped = True
             client._on_engine_dead(e)
@@ -1330,7 +1356,7 @@ class AsyncMPClient(MPClient):
                 if res.async_output_socket is not sock:
                     return  # closed
                 try:
-                    frames = recv_frames(sock, ZMQ_NOBLOCK)
+                    first = sock.recv(ZMQ_NOBLOCK)
                 except zmq.Again:
                     return  # empty: the FD is re-armed
                 except Exception as e:  # the socket itself failed: the link is unusable
@@ -1339,7 +1365,7 @@ class AsyncMPClient(MPClient):
                     if client is not None:
                         client._on_engine_dead(e)
                 else:
-                    more = _route(frames, ref, put)
+                    more = _route(first, sock, ref, put)
                 if more:
                     loop.call_soon(drain)
                 else:

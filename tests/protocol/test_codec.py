@@ -529,7 +529,7 @@ def test_load_check_catches_buffers_reused_before_zmq_is_done() -> None:
 def test_more_flags_are_zmqs() -> None:
     from enginewire.protocol import codec
 
-    for name in ("NOBLOCK", "SNDMORE", "POLLIN"):
+    for name in ("NOBLOCK", "SNDMORE", "POLLIN", "RCVMORE"):
         assert getattr(codec, f"ZMQ_{name}") == getattr(zmq, name), name
 
 

@@ -508,6 +508,43 @@ def test_ready_response_is_applied_to_the_config(fake: FakeEngine) -> None:
         assert client.config.max_model_len == 128  # min(ours, the engine's)
 
 
+def test_a_messages_parts_are_read_only_when_it_has_them(fake: FakeEngine) -> None:
+    """The client receives a message's first frame as plain bytes and reads further parts
+    only when the message has them: a reply with an aux frame arrives whole. A part that a
+    one-frame reply should not have arrives as a message of its own, does not decode, and
+    the engine is declared dead: an error, not a hang or a misrouted reply."""
+    fake.ready()
+    with _attach(fake) as client:
+        got: list[Any] = []
+
+        def call(value: Any) -> threading.Thread:
+            t = threading.Thread(
+                target=lambda: got.append(client.call_utility("echo", value, timeout=BOUND_S)))
+            t.start()
+            return t
+
+        arr = np.arange(100, dtype=np.int64)  # 800 bytes: sent as an aux frame
+        t = call(arr)
+        _, req = fake.recv_input()
+        frames = fake.encoder.encode(EngineCoreOutputs(utility_output=UtilityOutput(req[1],
+                                                                                  result=arr)))
+        assert len(frames) == 2
+        fake.push.send_multipart(frames)
+        t.join(BOUND_S)
+        assert not t.is_alive() and np.array_equal(got[0], arr)
+
+        t = call("x")
+        _, req = fake.recv_input()
+        (payload,) = fake.encoder.encode(EngineCoreOutputs(utility_output=UtilityOutput(
+            req[1], result="x")))
+        fake.push.send_multipart([payload, b"\xc1 stray"])  # 0xc1: never valid msgpack
+        t.join(BOUND_S)
+        assert not t.is_alive() and got[1] == "x"
+        with pytest.raises(EngineDeadError) as info:
+            client.get_output(timeout=BOUND_S)
+        assert isinstance(info.value.__cause__, ProtocolError)
+
+
 def test_sentinel_fails_every_pending_utility(fake: FakeEngine) -> None:
     fake.ready()
     trace: list[Any] = []
