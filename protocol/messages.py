@@ -8,7 +8,10 @@ the positional layout of every message so a reorder fails a test.
 Frames. Client -> engine on the ROUTER/DEALER pair: ``[identity, type byte, payload, aux...]``
 (the engine's DEALER sees ``[type byte, payload, aux...]``). Engine -> client on PUSH/PULL:
 ``[payload, aux...]``, or the single sentinel frame ``ENGINE_DEAD_SENTINEL``. The type byte
-lets a transport route without decoding.
+lets a transport route without decoding. Aux frames follow only a payload that refers to
+them (or, with frame integrity, the trailer follows): a client reads a message's further
+parts only then, so a part nothing refers to is taken as a message of its own, fails to
+decode, and the engine is declared dead.
 """
 
 from __future__ import annotations
