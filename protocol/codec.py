@@ -72,6 +72,7 @@ __all__ = [
     "is_dead_sentinel",
     "peek_request_id",
     "recv_frames",
+    "recv_rest",
     "register_result_type",
     "send_frames",
     "utility_output",
@@ -874,8 +875,17 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[Any]:
     ``getsockopt(RCVMORE)`` per frame (3 µs less per two-frame message, measured)."""
     frame = sock.recv(flags, copy=False)
     frames: list[Any] = [frame.bytes]
+    if frame.more:
+        recv_rest(sock, frames)
+    return frames
+
+
+def recv_rest(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:
+    """Append the rest of a message whose first part was received and said more follows
+    (zero-copy; the parts of a message arrive together, so this never waits)."""
     recv = sock.recv
-    while frame.more:
+    while True:
         frame = recv(0, copy=False)
         frames.append(frame)
-    return frames
+        if not frame.more:
+            return frames

@@ -66,6 +66,7 @@ from ..protocol.codec import (
     decode_utility_result,
     encode_input,
     is_dead_sentinel,
+    recv_rest,
 )
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
@@ -915,12 +916,7 @@ class MPClient(EngineCoreClient):
                     raise
         elif not sock.get(ZMQ_RCVMORE):
             return self._on_frames([first])  # no trailer: integrity reports it
-        frames: list[Any] = [first]
-        while True:
-            frame = sock.recv(0, copy=False)  # the parts of a message arrive together
-            frames.append(frame)
-            if not frame.more:
-                return self._on_frames(frames)
+        return self._on_frames(recv_rest(sock, [first]))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engine pid={self.engine_pid} {self.lifecycle.state.name}>"
