@@ -458,20 +458,22 @@ def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     # Pretend the client sent it, so the ERROR output it earns is expected.
     client._track_add(request(rid))
     frames: list[list[bytes]] = [
-        [b"\x07", b"\x90"],  # unknown request type
-        [RequestType.ADD.value, b"\xc1"],  # not msgpack at all
-        [RequestType.ADD.value, b"\x92\xa5" + rid[:5].encode()],  # wrong shape
-        [RequestType.ABORT.value, b"\x91\x07"],  # ids must be strings
-        [RequestType.ADD.value],  # no payload
-        [b"", b"", b"", b""],
+        [b"\x07\x90"],  # unknown request type
+        [RequestType.ADD.value + b"\xc1"],  # not msgpack at all
+        [RequestType.ADD.value + b"\x92\xa5" + rid[:5].encode()],  # wrong shape
+        [RequestType.ABORT.value + b"\x91\x07"],  # ids must be strings
+        [RequestType.ADD.value],  # a type byte and no payload
+        [b"", b"", b"", b""],  # empty frames, each a message of its own
+        # A part nothing refers to after a valid (no-op) abort: rejected alone.
+        [RequestType.ABORT.value + b"\x90", b"\x07stray"],
     ]
     # A recoverable ADD: decodes far enough to name its request id.
     import msgspec
 
-    frames.append([RequestType.ADD.value, msgspec.msgpack.encode([rid, "not a token list"])])
+    frames.append([RequestType.ADD.value + msgspec.msgpack.encode([rid, "not a token list"])])
     # A utility call that names its call id but no method: answered with a failure reply,
     # which the client drops (no such call is pending).
-    frames.append([RequestType.UTILITY.value, msgspec.msgpack.encode([0, 1 << 40, None])])
+    frames.append([RequestType.UTILITY.value + msgspec.msgpack.encode([0, 1 << 40, None])])
     for f in frames:
         client.send_raw_frames(f)
     done = collect(cut, [rid])

@@ -73,8 +73,8 @@ class FrameAction(enum.StrEnum):
     DELAY = "delay"
     DUPLICATE = "duplicate"
     REORDER = "reorder"  # hold back until the next message in the same direction has gone
-    TRUNCATE = "truncate"  # the payload frame cut in half
-    BITFLIP = "bitflip"  # one random bit of the payload frame flipped
+    TRUNCATE = "truncate"  # the payload cut in half (a request keeps its type byte)
+    BITFLIP = "bitflip"  # one random bit of the payload flipped
 
 
 class FrameRule(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,15 +196,19 @@ class Interposer:
                 return r
         return None
 
-    def _mangle(self, frames: list[bytes], index: int, action: FrameAction) -> list[bytes]:
+    def _mangle(self, frames: list[bytes], index: int, start: int,
+                action: FrameAction) -> list[bytes]:
+        """``frames[index]`` with its bytes from ``start`` on (the payload: a request's type
+        byte before it is kept, so the message still goes where its kind says) cut in half
+        or one bit flipped."""
         if index >= len(frames):
             return frames
         data = bytearray(frames[index])
         if action is FrameAction.TRUNCATE:
-            data = data[: len(data) // 2]
-        elif data:
-            bit = self._rng.randrange(len(data) * 8)
-            data[bit // 8] ^= 1 << (bit % 8)
+            data = data[: start + max(0, len(data) - start) // 2]
+        elif len(data) > start:
+            bit = self._rng.randrange((len(data) - start) * 8)
+            data[start + bit // 8] ^= 1 << (bit % 8)
         return [*frames[:index], bytes(data), *frames[index + 1:]]
 
     def _run(self) -> None:
@@ -247,11 +251,12 @@ class Interposer:
                 action = rule.action if rule else None
                 # The handshake travels on the input pair; tag it so send() routes it back.
                 tag = [b"\x00READY"] if kind is FrameKind.READY else []
-                payload_index = 1 if direction is Direction.TO_ENGINE else 0
+                # A request's payload follows its type byte in the first frame.
+                payload_start = 1 if direction is Direction.TO_ENGINE else 0
                 if action is FrameAction.DROP:
                     return
                 if action in (FrameAction.TRUNCATE, FrameAction.BITFLIP):
-                    frames = self._mangle(frames, payload_index, action)
+                    frames = self._mangle(frames, 0, payload_start, action)
                 out = [*tag, *frames]
                 if action is FrameAction.DELAY:
                     assert rule is not None
@@ -285,7 +290,7 @@ class Interposer:
                     forward(Direction.TO_CLIENT, frames, _kind_to_client(frames, False))
                 if cli_in in events:
                     frames = cli_in.recv_multipart()
-                    kind = _TYPE_KINDS.get(frames[0] if frames else b"", FrameKind.OTHER)
+                    kind = _TYPE_KINDS.get(frames[0][:1] if frames else b"", FrameKind.OTHER)
                     forward(Direction.TO_ENGINE, frames, kind)
         finally:
             for s in socks:

@@ -272,12 +272,13 @@ _JSONISH = st.recursive(
 _WAKE_TAG_SETS = st.one_of(st.none(), st.lists(st.sampled_from(WAKE_TAGS), unique=True,
                                                 max_size=len(WAKE_TAGS)))
 _MALFORMED = (
-    [b"\x07", b"\x90"],  # unknown request type
-    [RequestType.ADD.value, b"\xc1"],  # not msgpack
-    [RequestType.ABORT.value, b"\x91\x07"],  # ids must be strings
-    [RequestType.ADD.value],  # no payload
-    [b"", b"", b""],
-    [RequestType.UTILITY.value, b"\x93\x00"],  # truncated
+    [b"\x07\x90"],  # unknown request type
+    [RequestType.ADD.value + b"\xc1"],  # not msgpack
+    [RequestType.ABORT.value + b"\x91\x07"],  # ids must be strings
+    [RequestType.ADD.value],  # a type byte and no payload
+    [b"", b"", b""],  # empty frames, each a message of its own
+    [RequestType.UTILITY.value + b"\x93\x00"],  # truncated
+    [RequestType.ABORT.value + b"\x90", b"\x07stray"],  # a part nothing refers to
 )
 
 
@@ -985,7 +986,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.alive and self.faults and self.multiprocess)
     @rule(frames=st.sampled_from(_MALFORMED) | st.lists(st.binary(max_size=6), min_size=1,
-                                                         max_size=3).map(lambda f: [b"\x09", *f]))
+                                                         max_size=3).map(
+        lambda f: [b"\x09" + part for part in f]))  # an unknown type byte on every part
     def malformed_frame(self, frames: list[bytes]) -> None:
         """Garbage on the wire is rejected; the engine keeps serving."""
         with self._rule("malformed_frame", locals()):

@@ -75,6 +75,7 @@ __all__ = [
     "recv_rest",
     "register_result_type",
     "send_frames",
+    "split_input",
     "utility_output",
 ]
 
@@ -556,26 +557,36 @@ def _frame_bytes(frame: Frame) -> bytes:
     return bytes(memoryview(frame))
 
 
-def decode_input(
-    type_byte: Frame, frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS
-) -> tuple[RequestType, EngineCoreRequest | list[str] | UtilityRequest]:
-    """Engine side: the type byte and ``[payload, aux...]`` after it, or ``ProtocolError``."""
+def split_input(first: Frame) -> tuple[bytes, memoryview]:
+    """A client message's first frame as ``(type byte, payload)``; the payload is a view of
+    the frame, not a copy. ``ProtocolError`` if it is not a bytes-like frame or is empty."""
     try:
-        if type(type_byte) is bytes:  # what recv_frames hands over
-            key = type_byte if len(type_byte) == 1 else None
-        else:
-            key = _frame_bytes(type_byte) if _nbytes(type_byte) == 1 else None
-    except Exception as e:
-        raise ProtocolError(f"expected a one-byte request type, got {type(type_byte)!r}") from e
-    entry = _INPUT_TYPES.get(key) if key is not None else None
+        view = first if type(first) is memoryview else memoryview(first)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"expected a bytes-like first frame, got {type(first)!r}") from e
+    if not view.nbytes:
+        raise ProtocolError("expected a request-type byte and a payload, got an empty frame")
+    return bytes(view[:1]), view[1:]
+
+
+def decode_input(
+    frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS
+) -> tuple[RequestType, EngineCoreRequest | list[str] | UtilityRequest]:
+    """Engine side: ``[type byte + payload, aux...]`` (the engine DEALER's view of a
+    message), or ``ProtocolError``."""
+    if not frames:
+        raise ProtocolError("expected a request message, got no frames")
+    type_byte, payload = split_input(frames[0])
+    entry = _INPUT_TYPES.get(type_byte)
     if entry is None:
-        shown = _frame_bytes(type_byte)[:16] if key is None else key
         raise ProtocolError(
             "expected a request-type byte 0x00 (ADD), 0x01 (ABORT) or 0x03 (UTILITY),"
-            f" got {shown!r}"
+            f" got {type_byte!r}"
         )
     kind, type_ = entry
-    return kind, _decoder(type_, limits).decode(frames)
+    return kind, _decoder(type_, limits).decode([payload, *frames[1:]])
 
 
 def decode_outputs(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> EngineCoreOutputs:
@@ -592,8 +603,10 @@ def decode_outputs(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> 
 
 
 def encode_input(encoder: Encoder, kind: RequestType, obj: object) -> list[bytes | memoryview]:
-    """``[type byte, payload, aux...]`` for the client's send (identity is the socket's)."""
-    return [kind.value, *encoder.encode(obj)]
+    """``[type byte + payload, aux...]`` for the client's send (identity is the socket's)."""
+    frames = encoder.encode(obj)
+    frames[0] = kind.value + frames[0]
+    return frames
 
 
 def is_dead_sentinel(frames: Sequence[Frame] | bytes) -> bool:

@@ -5,13 +5,15 @@ so fields are only ever *appended*, each new field has a default, and no field i
 renamed or re-typed. An older peer's shorter array still decodes; ``tests/protocol`` pins
 the positional layout of every message so a reorder fails a test.
 
-Frames. Client -> engine on the ROUTER/DEALER pair: ``[identity, type byte, payload, aux...]``
-(the engine's DEALER sees ``[type byte, payload, aux...]``). Engine -> client on PUSH/PULL:
-``[payload, aux...]``, or the single sentinel frame ``ENGINE_DEAD_SENTINEL``. The type byte
-lets a transport route without decoding. Aux frames follow only a payload that refers to
-them (or, with frame integrity, the trailer follows): a client reads a message's further
-parts only then, so a part nothing refers to is taken as a message of its own, fails to
-decode, and the engine is declared dead.
+Frames. Client -> engine on the ROUTER/DEALER pair: ``[identity, type byte + payload,
+aux...]``: a message's first frame is its request-type byte followed by its payload, so the
+engine's DEALER sees ``[type byte + payload, aux...]`` and a transport can route on the
+first byte without decoding. Engine -> client on PUSH/PULL: ``[payload, aux...]``, or the
+single sentinel frame ``ENGINE_DEAD_SENTINEL``. Aux frames follow only a payload that refers
+to them (or, with frame integrity, the trailer follows), and each side reads a message's
+further parts only then. So every message's first frame says what it is, and a part that
+nothing refers to is taken as a message of its own: the engine rejects it alone (nothing
+after it is lost), a client fails to decode it and declares the engine dead.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 # Bumped on any incompatible change; checked in the ready handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # One frame, exactly these bytes. A msgpack-encoded message starts with an array header
 # (0x90-0x9f, 0xdc, 0xdd), never with 'E' (0x45), so the two cannot be confused.
@@ -46,7 +48,7 @@ ENGINE_DEAD_SENTINEL = b"ENGINEWIRE_ENGINE_DEAD"
 
 
 class RequestType(bytes, enum.Enum):
-    """First frame after the identity on the input socket."""
+    """First byte of a client message's first frame; the payload follows it in that frame."""
 
     ADD = b"\x00"
     ABORT = b"\x01"

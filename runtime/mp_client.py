@@ -784,8 +784,9 @@ class MPClient(EngineCoreClient):
             _check_frame_sizes(frames, self._security[4])
             if self._integrity is not None:
                 frames = [*frames, self._integrity.seal(frames)]
-            if len(frames) <= 2:
-                # Plain copying sends: cheaper than send_multipart for these small frames.
+            if len(frames) == 1 or (len(frames) == 2 and self._integrity is not None):
+                # Plain copying sends (the message, or it and its trailer): cheaper than
+                # send_multipart for these small frames.
                 send = self._sock_send
                 send(sock, self.identity, ZMQ_SNDMORE)
                 if len(frames) == 2:
@@ -812,7 +813,7 @@ class MPClient(EngineCoreClient):
         if self._integrity is not None:
             return False
         try:
-            payload = self._call_encoder.encode(request)
+            payload = _UTILITY_BYTE + self._call_encoder.encode(request)
         except Exception:
             return False
         if len(payload) > self._frame_limit:
@@ -824,7 +825,6 @@ class MPClient(EngineCoreClient):
                 raise ClientClosedError("the client was shut down")
             send = self._sock_send
             send(sock, self.identity, ZMQ_SNDMORE)
-            send(sock, _UTILITY_BYTE, ZMQ_SNDMORE)
             send(sock, payload)
         return True
 

@@ -38,8 +38,9 @@ class Ends:
         assert self.router.recv_multipart() == [IDENT, b"ready"]
 
     def to_engine(self, *payloads: bytes) -> list[list[bytes]]:
+        """Send ADDs with these payloads; the messages the engine end receives."""
         for p in payloads:
-            self.router.send_multipart([IDENT, RequestType.ADD.value, p])
+            self.router.send_multipart([IDENT, RequestType.ADD.value + p])
         return [self.dealer.recv_multipart() for _ in payloads]
 
     def close(self) -> None:
@@ -66,7 +67,7 @@ def make(tmp_path: Path) -> Iterator[object]:
 
 def test_clean_proxy_forwards_both_ways(make: object) -> None:
     ends, proxy = make()  # type: ignore[operator]
-    assert ends.to_engine(b"a", b"b") == [[b"\x00", b"a"], [b"\x00", b"b"]]
+    assert ends.to_engine(b"a", b"b") == [[b"\x00a"], [b"\x00b"]]
     ends.push.send_multipart([b"\x91\x00"])
     assert ends.pull.recv_multipart() == [b"\x91\x00"]
     assert proxy.events == []
@@ -77,17 +78,17 @@ def test_drop_and_duplicate_by_kind(make: object) -> None:
                        kind=FrameKind.ADD),
              FrameRule(action=FrameAction.DUPLICATE, direction=Direction.TO_ENGINE))
     ends, proxy = make(*rules)  # type: ignore[operator]
-    ends.router.send_multipart([IDENT, RequestType.ADD.value, b"lost"])
-    ends.router.send_multipart([IDENT, RequestType.ABORT.value, b"twice"])
-    assert ends.dealer.recv_multipart() == [b"\x01", b"twice"]
-    assert ends.dealer.recv_multipart() == [b"\x01", b"twice"]
+    ends.router.send_multipart([IDENT, RequestType.ADD.value + b"lost"])
+    ends.router.send_multipart([IDENT, RequestType.ABORT.value + b"twice"])
+    assert ends.dealer.recv_multipart() == [b"\x01twice"]
+    assert ends.dealer.recv_multipart() == [b"\x01twice"]
     assert proxy.events == [("to_engine", "add", "drop"), ("to_engine", "abort", "duplicate")]
 
 
 def test_reorder_swaps_with_the_next_message(make: object) -> None:
     rule = FrameRule(action=FrameAction.REORDER, direction=Direction.TO_ENGINE)
     ends, _ = make(rule)  # type: ignore[operator]
-    assert [f[1] for f in ends.to_engine(b"first", b"second")] == [b"second", b"first"]
+    assert [f[0][1:] for f in ends.to_engine(b"first", b"second")] == [b"second", b"first"]
 
 
 def test_truncate_and_bitflip_are_seeded(make: object) -> None:
@@ -96,15 +97,17 @@ def test_truncate_and_bitflip_are_seeded(make: object) -> None:
     flips = []
     for _ in range(2):
         ends, _ = make(rule, seed=7)  # type: ignore[operator]
-        (got,) = ends.to_engine(payload)
-        diff = [i for i in range(16) if got[1][i] != payload[i]]
-        assert len(diff) == 1 and bin(got[1][diff[0]] ^ payload[diff[0]]).count("1") == 1
-        flips.append(got[1])
+        ((first,),) = ends.to_engine(payload)
+        assert first[:1] == RequestType.ADD.value  # the type byte is kept: it still routes
+        got = first[1:]
+        diff = [i for i in range(16) if got[i] != payload[i]]
+        assert len(diff) == 1 and bin(got[diff[0]] ^ payload[diff[0]]).count("1") == 1
+        flips.append(got)
         ends.close()
         _.close()
     assert flips[0] == flips[1]  # same seed, same bit
     ends, _ = make(FrameRule(action=FrameAction.TRUNCATE, kind=FrameKind.ADD))  # type: ignore[operator]
-    assert ends.to_engine(payload) == [[b"\x00", payload[:8]]]
+    assert ends.to_engine(payload) == [[b"\x00" + payload[:8]]]
 
 
 def test_skip_and_probability_zero(make: object) -> None:
@@ -112,9 +115,9 @@ def test_skip_and_probability_zero(make: object) -> None:
              FrameRule(action=FrameAction.DROP, kind=FrameKind.ADD, probability=0.0,
                        count=None))
     ends, proxy = make(*rules)  # type: ignore[operator]
-    assert [f[1] for f in ends.to_engine(b"kept")] == [b"kept"]
-    ends.router.send_multipart([IDENT, RequestType.ADD.value, b"dropped"])
-    assert [f[1] for f in ends.to_engine(b"third")] == [b"third"]
+    assert ends.to_engine(b"kept") == [[b"\x00kept"]]
+    ends.router.send_multipart([IDENT, RequestType.ADD.value + b"dropped"])
+    assert ends.to_engine(b"third") == [[b"\x00third"]]
     assert proxy.events == [("to_engine", "add", "drop")]
 
 

@@ -41,9 +41,17 @@ from enginewire.protocol import (
     send_frames,
     utility_output,
 )
-from enginewire.protocol.codec import EXT_NUMPY, EXT_TORCH
+from enginewire.protocol.codec import EXT_NUMPY, EXT_TORCH, split_input
 
 torch.set_num_threads(1)
+
+def _msg(type_byte: Any, frames: Any) -> list[Any]:
+    """``[type byte + payload, aux...]``: a client message's frames as the engine sees them."""
+    head = type_byte if isinstance(type_byte, bytes) else bytes(type_byte.buffer)
+    first = frames[0]
+    body = first if isinstance(first, bytes) else bytes(getattr(first, "buffer", first))
+    return [head + body, *frames[1:]]
+
 
 
 def _addr(view: Any) -> int:
@@ -122,8 +130,8 @@ def test_request_tensors_field_and_frames() -> None:
     embeds = torch.randn(16, 32, dtype=torch.bfloat16)
     req = EngineCoreRequest("r", [1, 2], tensors={"prompt_embeds": embeds, "tiny": torch.ones(2)})
     frames = encode_input(Encoder(), RequestType.ADD, req)
-    assert frames[0] == b"\x00" and len(frames) == 3  # type byte, payload, one aux
-    kind, got = decode_input(frames[0], frames[1:])
+    assert frames[0][:1] == b"\x00" and len(frames) == 2  # type byte + payload, one aux
+    kind, got = decode_input(frames)
     assert kind is RequestType.ADD and isinstance(got, EngineCoreRequest)
     assert got.tensors is not None
     assert torch.equal(got.tensors["prompt_embeds"], embeds)
@@ -140,7 +148,7 @@ def test_64mib_tensor_crosses_the_codec_without_a_copy() -> None:
     assert _addr(aux) == t.data_ptr()  # the frame IS the tensor's memory
     # Received as a zmq.Frame (what recv(copy=False) gives), decoded in place.
     zframes = [zmq.Frame(bytes(frames[0])), zmq.Frame(aux)]
-    _, got = decode_input(b"\x00", zframes)
+    _, got = decode_input(_msg(b"\x00", zframes))
     assert isinstance(got, EngineCoreRequest) and got.tensors is not None
     x = got.tensors["x"]
     assert x.data_ptr() == _addr(zframes[1].buffer)
@@ -220,36 +228,50 @@ def test_limits_are_enforced() -> None:
     enc = Encoder()
     add = enc.encode(EngineCoreRequest("r", list(range(11))))
     with pytest.raises(ProtocolError, match="at most 10 prompt tokens"):
-        decode_input(b"\x00", add, limits)
+        decode_input(_msg(b"\x00", add), limits)
     with pytest.raises(ProtocolError, match="at most 1000 bytes"):
-        decode_input(b"\x00", enc.encode(EngineCoreRequest("r", [1] * 2000)), limits)
+        decode_input(_msg(b"\x00", enc.encode(EngineCoreRequest("r", [1] * 2000))), limits)
     with pytest.raises(ProtocolError, match="at most 3 frames"):
-        decode_input(b"\x00", [add[0], b"", b"", b""], limits)
+        decode_input(_msg(b"\x00", [add[0], b"", b"", b""]), limits)
     out = EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])] * 3)
     with pytest.raises(ProtocolError, match="at most 2 outputs"):
         decode_outputs(enc.encode(out), limits)
     with pytest.raises(ProtocolError, match="at most 2 finished"):
         decode_outputs(enc.encode(EngineCoreOutputs(finished_requests=["a", "b", "c"])), limits)
     with pytest.raises(ProtocolError, match="at most 2 request ids"):
-        decode_input(b"\x01", enc.encode(["a", "b", "c"]), limits)
+        decode_input(_msg(b"\x01", enc.encode(["a", "b", "c"])), limits)
     with pytest.raises(ProtocolError, match=r"expected a valid list\[str\]"):
-        decode_input(b"\x01", enc.encode([1]), limits)
+        decode_input(_msg(b"\x01", enc.encode([1])), limits)
     # Within the limits the same decoders succeed.
-    assert decode_input(b"\x01", enc.encode(["a", "b"]), limits)[1] == ["a", "b"]
+    assert decode_input(_msg(b"\x01", enc.encode(["a", "b"])), limits)[1] == ["a", "b"]
 
 
-@pytest.mark.parametrize("type_byte", [b"\x02", b"\x04", b"", b"\x00\x00", b"READY"])
+@pytest.mark.parametrize("type_byte", [b"\x02", b"\x04", b"R", b"\x91"])
 def test_unknown_request_type_byte_is_refused(type_byte: bytes) -> None:
     with pytest.raises(ProtocolError, match="request-type byte"):
-        decode_input(type_byte, [msgspec.msgpack.encode(["a"])])
+        decode_input(_msg(type_byte, [msgspec.msgpack.encode(["a"])]))
+
+
+@pytest.mark.parametrize("frames", [[], [b""], [b"", b"\x91\xa1a"], [memoryview(b"")]])
+def test_a_message_without_a_type_byte_is_refused(frames: list[Any]) -> None:
+    with pytest.raises(ProtocolError, match=r"no frames|empty frame"):
+        decode_input(frames)
+
+
+def test_the_type_byte_leads_the_payload_in_one_frame() -> None:
+    frames = encode_input(Encoder(), RequestType.ABORT, ["a", "b"])
+    assert frames == [b"\x01" + msgspec.msgpack.encode(["a", "b"])]
+    for first in (frames[0], bytearray(frames[0]), memoryview(frames[0]), zmq.Frame(frames[0])):
+        assert decode_input([first]) == (RequestType.ABORT, ["a", "b"])
+    assert split_input(frames[0]) == (b"\x01", memoryview(frames[0])[1:])
 
 
 def test_wrong_payload_for_type_byte_is_refused() -> None:
     abort = Encoder().encode(["a", "b"])
     with pytest.raises(ProtocolError, match="EngineCoreRequest"):
-        decode_input(RequestType.ADD.value, abort)
+        decode_input(_msg(RequestType.ADD.value, abort))
     with pytest.raises(ProtocolError, match="UtilityRequest"):
-        decode_input(zmq.Frame(RequestType.UTILITY.value), abort)
+        decode_input([zmq.Frame(RequestType.UTILITY.value + abort[0])])
 
 
 def test_module_level_decoders_are_safe_across_threads() -> None:
@@ -280,7 +302,7 @@ def test_module_level_decoders_are_safe_across_threads() -> None:
 def test_peek_request_id_salvages_the_id_of_a_bad_add() -> None:
     bad = msgspec.msgpack.encode(["req-7", "not a token list"])
     with pytest.raises(ProtocolError):
-        decode_input(b"\x00", [bad])
+        decode_input(_msg(b"\x00", [bad]))
     assert peek_request_id([bad]) == "req-7"
     assert peek_request_id([b"\xc1"]) is None
     assert peek_request_id([msgspec.msgpack.encode([5])]) is None

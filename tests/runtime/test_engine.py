@@ -494,7 +494,7 @@ def test_request_tensors_decoded_from_the_wire_are_refused_through_inproc_client
     sent = EngineCoreRequest("wire", [5, 6], SamplingParams(max_tokens=2),
                              tensors={"prompt_embeds": np.ones((2, 64), dtype=np.float32)})
     frames = encode_input(Encoder(), RequestType.ADD, sent)
-    kind, decoded = decode_input(frames[0], frames[1:])
+    kind, decoded = decode_input(frames)
     assert kind is RequestType.ADD and isinstance(decoded, EngineCoreRequest)
     with make_client(NULL, multiprocess=False, asyncio=False) as client:
         client.add_request(decoded)

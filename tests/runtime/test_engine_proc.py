@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from enginewire.protocol.codec import Encoder, decode_outputs, decode_ready
+from enginewire.protocol.codec import Encoder, decode_outputs, decode_ready, encode_input
 from enginewire.protocol.messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
@@ -68,7 +68,7 @@ class Peer:
         self.encoder = Encoder()
 
     def send(self, kind: RequestType, obj: object) -> None:
-        self.router.send_multipart([self.identity, kind.value, *self.encoder.encode(obj)])
+        self.router.send_multipart([self.identity, *encode_input(self.encoder, kind, obj)])
 
     def send_raw(self, *frames: bytes) -> None:
         self.router.send_multipart([self.identity, *frames])
@@ -146,12 +146,13 @@ def test_abort_right_after_add_is_never_lost(served: Any) -> None:
 
 def test_malformed_frames_never_kill_the_input_thread(served: Any) -> None:
     peer, proc, _trace = served
-    peer.send_raw(b"\x09", b"junk")
-    peer.send_raw(RequestType.ADD.value, b"\xc1")
+    peer.send_raw(b"\x09junk")
+    peer.send_raw(RequestType.ADD.value + b"\xc1")
     peer.send_raw(RequestType.ADD.value)
     peer.send_raw(b"")
-    peer.send_raw(RequestType.ADD.value, msgspec.msgpack.encode(["bad-1", "x"]))
-    peer.send_raw(RequestType.UTILITY.value, msgspec.msgpack.encode([0, 77, None]))
+    peer.send_raw(b"\x09", b"junk")  # two parts, each rejected as a message of its own
+    peer.send_raw(RequestType.ADD.value + msgspec.msgpack.encode(["bad-1", "x"]))
+    peer.send_raw(RequestType.UTILITY.value + msgspec.msgpack.encode([0, 77, None]))
     outs = peer.until(lambda b: b.utility_output is not None)
     errors = [o for b in outs for o in b.outputs if o.request_id == "bad-1"]
     if not errors:
@@ -161,6 +162,32 @@ def test_malformed_frames_never_kill_the_input_thread(served: Any) -> None:
     assert all(t.is_alive() for t in proc._threads)
     peer.send(RequestType.ADD, request("ok", 3))
     peer.until(_finished("ok"))
+
+
+def test_a_part_nothing_refers_to_is_rejected_alone_and_loses_nothing(served: Any) -> None:
+    """A message's further parts are read only when its payload refers to them. A part sent
+    after a complete message is a message of its own: rejected, and the messages around it
+    are served, even one whose type byte and payload the stray could be mistaken for."""
+    peer, proc, _trace = served
+    call = encode_input(peer.encoder, RequestType.UTILITY, UtilityRequest(0, 31, "echo", ["a"]))
+    abort = encode_input(peer.encoder, RequestType.ABORT, ["nobody"])
+    for stray in (b"\x09?", RequestType.ABORT.value, b"\x93\x00\x20\xa4echo", abort[0]):
+        peer.send_raw(*call, stray)
+        reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
+        assert reply == UtilityOutput(31, None, "a")
+    # An aux-frame call is read whole (the payload refers to its part), then a stray after it.
+    arr = np.arange(64, dtype=np.int64)
+    frames = encode_input(peer.encoder, RequestType.UTILITY, UtilityRequest(0, 32, "echo", [arr]))
+    assert len(frames) == 2
+    peer.send_raw(*frames, b"\x07stray")
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 33, "echo", ["after"]))
+    got = [b.utility_output for b in peer.until(
+        lambda b: b.utility_output is not None and b.utility_output.call_id == 33)
+        if b.utility_output is not None]
+    assert [u.call_id for u in got] == [32, 33] and got[-1].result == "after"
+    assert all(t.is_alive() for t in proc._threads)
+    peer.send(RequestType.ADD, request("still", 3))
+    peer.until(_finished("still"))
 
 
 def test_deferred_reply_follows_the_outputs_it_waited_for(served: Any) -> None:
@@ -468,8 +495,8 @@ class FakeEngine:
 
     def recv_input(self) -> tuple[bytes, Any]:
         assert self.dealer.poll(int(BOUND_S * 1000))
-        type_byte, *frames = self.dealer.recv_multipart()
-        return type_byte, msgspec.msgpack.decode(frames[0])
+        first, *_aux = self.dealer.recv_multipart()
+        return first[:1], msgspec.msgpack.decode(first[1:])
 
     def send_outputs(self, outputs: EngineCoreOutputs) -> None:
         self.push.send_multipart(self.encoder.encode(outputs))

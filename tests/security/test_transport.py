@@ -189,7 +189,7 @@ def test_pickle_payload_is_refused(secure: Any, tmp_path: Path,
     monkeypatch.setenv("EW_PICKLE_MARK", str(mark))
     payload = pickle.dumps(_Boom())
     for kind in (RequestType.ADD, RequestType.UTILITY, RequestType.ABORT):
-        secure.send_raw_frames([kind.value, payload])
+        secure.send_raw_frames([kind.value + payload])
     serves(secure, "after-pickle")  # in order: the pickles were handled before this
     assert not mark.exists()
     assert not secure.is_dead
@@ -245,7 +245,7 @@ def test_oversized_frames_never_reach_engine_memory(secure: Any) -> None:
     rss_before = engine.memory_info().rss
     peak_reset = _reset_peak_rss(pid)
     for _ in range(3):
-        secure.send_raw_frames([RequestType.ADD.value, b"\x00" * big])
+        secure.send_raw_frames([RequestType.ADD.value + b"\x00" * big])
     # libzmq drops the connection at the frame header and the engine reconnects; a call
     # sent while it is away is lost, so retry (bounded) until the engine answers again.
     deadline = time.monotonic() + BOUND_S
@@ -310,8 +310,8 @@ class Impostor:
             assert not self.router.poll(50), "the engine handshook with an impostor"
             assert not self.pull.poll(0), "the engine sent outputs to an impostor"
             with pytest.raises(zmq.ZMQError):  # no route to any engine: EHOSTUNREACH
-                self.router.send_multipart([(0).to_bytes(2, "little"), RequestType.ADD.value,
-                                            msgspec.msgpack.encode(request("stolen", 3))])
+                self.router.send_multipart([(0).to_bytes(2, "little"), RequestType.ADD.value
+                                            + msgspec.msgpack.encode(request("stolen", 3))])
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
