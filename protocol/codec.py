@@ -365,6 +365,10 @@ class Decoder(Generic[T]):
         )
         self._check = _POST_CHECKS.get(type_)
         self._any_dec: msgspec.msgpack.Decoder[Any] | None = None
+        # msgspec's own decode of one payload frame: the type is checked, not the size bound
+        # or the post-check (``decode_payload`` applies both). For a round trip's hot path
+        # whose caller bounds the size and checks what it uses.
+        self.decode_unchecked = self._dec.decode
 
     def decode(self, frames: Sequence[Frame] | bytes | bytearray | memoryview) -> T:
         seq: Sequence[Frame] = (

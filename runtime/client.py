@@ -116,9 +116,9 @@ class EngineCoreClient(abc.ABC):
     def ensure_alive(self) -> None:
         """Raise ``ClientClosedError`` after shutdown, ``EngineDeadError`` once the engine died."""
         state = self.lifecycle.state
-        if state is ClientState.SHUTDOWN:
-            raise ClientClosedError("the client was shut down")
-        if state is ClientState.DEAD:
+        if state in _TERMINAL_CLIENT:  # one set lookup per call, not two enum lookups
+            if state is ClientState.SHUTDOWN:
+                raise ClientClosedError("the client was shut down")
             raise self._dead_error()
 
     def _apply_ready(self, info: Any) -> None:

@@ -332,6 +332,7 @@ class EngineCoreProc:
         self._reuse_early = _mutants.active("output_buffer_reused_before_send")
         # The idle round-trip path (``_serve_plain``): input thread only.
         self._call_decoder = Decoder(UtilityRequest, limits)
+        self._decode_call = self._call_decoder.decode_unchecked
         self._reply_encoder = msgspec.msgpack.Encoder()
         self._fast_calls = not integrity and not self._reuse_early
         self._last_send = 0.0
@@ -442,8 +443,10 @@ class EngineCoreProc:
         if first[:1] != _UTILITY_BYTE:
             return False
         try:
-            call = self._call_decoder.decode_payload(memoryview(first)[1:])
-        except ProtocolError:
+            # No size bound to apply: libzmq refused any frame over max_frame_bytes, and a
+            # utility call has no post-check.
+            call = self._decode_call(memoryview(first)[1:])
+        except Exception:
             return False  # e.g. it refers to aux frames that follow
         return self._serve_idle_call(call, plain=True)
 

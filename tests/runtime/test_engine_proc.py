@@ -23,6 +23,7 @@ from enginewire.protocol.codec import Encoder, decode_outputs, decode_ready, enc
 from enginewire.protocol.messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
+    EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     ReadyResponse,
@@ -41,6 +42,7 @@ from enginewire.spec import (
     EngineStartupError,
     EngineState,
     ProtocolError,
+    UtilityError,
     validate_trace,
 )
 from enginewire.testing.conformance import open_client, request
@@ -570,6 +572,51 @@ def test_a_messages_parts_are_read_only_when_it_has_them(fake: FakeEngine) -> No
         with pytest.raises(EngineDeadError) as info:
             client.get_output(timeout=BOUND_S)
         assert isinstance(info.value.__cause__, ProtocolError)
+
+
+def test_replies_of_every_shape_reach_their_caller(fake: FakeEngine) -> None:
+    """A plain reply takes the client's short decode; a reply with outputs beside it, one
+    over the short decode's size and a failure reply take the general path. Each reaches
+    its caller, and the outputs beside a reply are checked as any batch is."""
+    from enginewire.runtime.mp_client import _PLAIN_REPLY_BYTES
+
+    fake.ready()
+    with _attach(fake) as client:
+        got: list[Any] = []
+
+        def call(value: Any) -> threading.Thread:
+            def run() -> None:
+                try:
+                    got.append(client.call_utility("echo", value, timeout=BOUND_S))
+                except Exception as e:
+                    got.append(e)
+            t = threading.Thread(target=run)
+            t.start()
+            return t
+
+        big = "b" * (_PLAIN_REPLY_BYTES + 10)
+        replies = [
+            lambda cid: UtilityOutput(cid, result="plain"),
+            lambda cid: UtilityOutput(cid, result=big),
+            lambda cid: UtilityOutput(cid, failure_message="it failed"),
+        ]
+        for make in replies:
+            t = call("v")
+            _, req = fake.recv_input()
+            fake.send_outputs(EngineCoreOutputs(utility_output=make(req[1])))
+            t.join(BOUND_S)
+            assert not t.is_alive()
+        assert got[0] == "plain" and got[1] == big
+        assert isinstance(got[2], UtilityError) and "it failed" in str(got[2])
+        t = call("v")
+        _, req = fake.recv_input()
+        fake.send_outputs(EngineCoreOutputs(
+            outputs=[EngineCoreOutput("nobody", [1])] * (client._out_decoder.limits.max_batch + 1),
+            utility_output=UtilityOutput(req[1], result="with outputs")))
+        t.join(BOUND_S)
+        assert not t.is_alive()
+        # Over the batch bound: the general path refuses the message and the engine is dead.
+        assert isinstance(got[3], EngineDeadError)
 
 
 def test_sentinel_fails_every_pending_utility(fake: FakeEngine) -> None:
