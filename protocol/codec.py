@@ -71,7 +71,6 @@ __all__ = [
     "encode_input",
     "is_dead_sentinel",
     "peek_request_id",
-    "recv_frames",
     "recv_rest",
     "register_result_type",
     "send_frames",
@@ -619,7 +618,7 @@ def is_dead_sentinel(frames: Sequence[Frame] | bytes) -> bool:
     if len(frames) != 1:
         return False
     frame = frames[0]
-    if type(frame) is bytes:  # what recv_frames hands over
+    if type(frame) is bytes:  # what a plain receive hands over
         return frame == ENGINE_DEAD_SENTINEL
     try:
         return _nbytes(frame) == len(ENGINE_DEAD_SENTINEL) and (
@@ -883,18 +882,6 @@ def send_frames(
         else:
             send(sock, frame, f, copy=False)
     return tracker
-
-
-def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[Any]:
-    """One multipart message: the first frame as ``bytes`` (what callers compare and decode
-    most), aux frames zero-copy. A manual loop: pyzmq's ``recv_multipart`` costs several
-    microseconds per frame in Python; and each frame's own ``more`` flag, not a
-    ``getsockopt(RCVMORE)`` per frame (3 µs less per two-frame message, measured)."""
-    frame = sock.recv(flags, copy=False)
-    frames: list[Any] = [frame.bytes]
-    if frame.more:
-        recv_rest(sock, frames)
-    return frames
 
 
 def recv_rest(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:
