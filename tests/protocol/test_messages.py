@@ -36,6 +36,7 @@ from enginewire.protocol import (
     UtilityRequest,
     decode_input,
     decode_outputs,
+    encode_input,
 )
 
 FUZZ_EXAMPLES = int(os.environ.get("ENGINEWIRE_FUZZ_EXAMPLES", "300"))
@@ -71,13 +72,6 @@ LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     ),
 }  # fmt: skip
 
-def _msg(type_byte: Any, frames: Any) -> list[Any]:
-    """``[type byte + payload, aux...]``: a client message's frames as the engine sees them."""
-    head = type_byte if isinstance(type_byte, bytes) else bytes(type_byte.buffer)
-    first = frames[0]
-    body = first if isinstance(first, bytes) else bytes(getattr(first, "buffer", first))
-    return [head + body, *frames[1:]]
-
 
 
 @pytest.mark.parametrize("cls", list(LAYOUT), ids=lambda c: c.__name__)
@@ -111,7 +105,7 @@ def test_request_type_bytes_and_finish_reasons_are_pinned() -> None:
 def test_older_shorter_encoding_decodes_with_defaults() -> None:
     # What a peer that predates every optional field would send.
     old_add = msgspec.msgpack.encode(["r1", [1, 2, 3]])
-    kind, req = decode_input(_msg(RequestType.ADD.value, [old_add]))
+    kind, req = decode_input([RequestType.ADD.value + old_add])
     assert kind is RequestType.ADD
     assert req == EngineCoreRequest("r1", [1, 2, 3])
     assert isinstance(req, EngineCoreRequest) and req.sampling_params == SamplingParams()
@@ -120,7 +114,7 @@ def test_older_shorter_encoding_decodes_with_defaults() -> None:
     assert decode_outputs([old_out]) == EngineCoreOutputs(3, [EngineCoreOutput("a", [7])])
 
     old_sp = msgspec.msgpack.encode(["r2", [5], [32, 0.5]])
-    _, req2 = decode_input(_msg(RequestType.ADD.value, [old_sp]))
+    _, req2 = decode_input([RequestType.ADD.value + old_sp])
     assert isinstance(req2, EngineCoreRequest)
     assert req2.sampling_params == SamplingParams(max_tokens=32, temperature=0.5)
 
@@ -134,7 +128,7 @@ def test_newer_longer_encoding_decodes_ignoring_appended_fields() -> None:
 
 def test_missing_required_field_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="EngineCoreRequest"):
-        decode_input(_msg(RequestType.ADD.value, [msgspec.msgpack.encode(["only-id"])]))
+        decode_input([RequestType.ADD.value + msgspec.msgpack.encode(["only-id"])])
 
 
 # --- strategies --------------------------------------------------------------------------
@@ -250,7 +244,7 @@ def test_input_round_trips_through_type_byte(kind: RequestType, data: st.DataObj
         RequestType.UTILITY: utility_requests,
     }[kind]
     msg = data.draw(strategy)
-    got_kind, got = decode_input(_msg(kind.value, Encoder().encode(msg)))
+    got_kind, got = decode_input(encode_input(Encoder(), kind, msg))
     assert got_kind is kind and got == msg
 
 
@@ -282,8 +276,9 @@ def test_arrays_round_trip_inside_messages(
             values[k] = torch.from_numpy(a)
         else:
             values[k] = a
-    frames = Encoder(size_threshold=threshold).encode(EngineCoreRequest("r", [1], tensors=values))
-    _, got = decode_input(_msg(RequestType.ADD.value, frames))
+    frames = encode_input(Encoder(size_threshold=threshold), RequestType.ADD,
+                          EngineCoreRequest("r", [1], tensors=values))
+    _, got = decode_input(frames)
     assert isinstance(got, EngineCoreRequest) and got.tensors is not None
     assert got.tensors.keys() == values.keys()
     for k, v in values.items():
@@ -368,7 +363,7 @@ def test_fuzz_decode_returns_message_or_protocol_error(
     # The engine-side entry point with a random type byte too.
     type_byte = rng.choice([b"\x00", b"\x01", b"\x03", b"\x02", b"", b"\x00\x00"])
     try:
-        decode_input(_msg(type_byte, frames))
+        decode_input([type_byte + bytes(frames[0]), *frames[1:]])
     except ProtocolError:
         pass
 
