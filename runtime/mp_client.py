@@ -913,15 +913,17 @@ class MPClient(EngineCoreClient):
         that does not decode."""
         if self._integrity is None:
             if len(first) <= _PLAIN_REPLY_BYTES:
-                # A utility reply, the round trip's own message, in the fewest steps: it has
-                # no outputs for the post-check to bound. Anything else (a batch, the
-                # sentinel, a frame that does not decode) takes the general path.
+                # A utility reply, the round trip's own message, in the fewest steps: it
+                # carries nothing for the post-check to bound (no outputs, stream ids or
+                # finished ids). Anything else (a batch, the sentinel, a frame that does not
+                # decode) takes the general path.
                 try:
                     outputs = self._decode_reply(first)
                 except Exception:
                     outputs = None
                 if (outputs is not None and outputs.utility_output is not None
-                        and not outputs.outputs and not outputs.stream_ids):
+                        and not outputs.outputs and not outputs.stream_ids
+                        and not outputs.finished_requests):
                     if self._stamp_seen:
                         self.resources.last_seen[0] = time.monotonic()
                     self._utilities.settle(outputs.utility_output)

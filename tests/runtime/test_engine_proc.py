@@ -19,7 +19,13 @@ import pytest
 import torch
 import zmq
 
-from enginewire.protocol.codec import Encoder, decode_outputs, decode_ready, encode_input
+from enginewire.protocol.codec import (
+    Encoder,
+    Limits,
+    decode_outputs,
+    decode_ready,
+    encode_input,
+)
 from enginewire.protocol.messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
@@ -608,15 +614,42 @@ def test_replies_of_every_shape_reach_their_caller(fake: FakeEngine) -> None:
             assert not t.is_alive()
         assert got[0] == "plain" and got[1] == big
         assert isinstance(got[2], UtilityError) and "it failed" in str(got[2])
+        # A small batch bound, so the over-bound message stays under the short decode's size.
+        client._out_decoder.limits = Limits(max_batch=2)
         t = call("v")
         _, req = fake.recv_input()
         fake.send_outputs(EngineCoreOutputs(
-            outputs=[EngineCoreOutput("nobody", [1])] * (client._out_decoder.limits.max_batch + 1),
+            outputs=[EngineCoreOutput("nobody", [1])] * 3,
             utility_output=UtilityOutput(req[1], result="with outputs")))
         t.join(BOUND_S)
         assert not t.is_alive()
         # Over the batch bound: the general path refuses the message and the engine is dead.
         assert isinstance(got[3], EngineDeadError)
+
+
+def test_a_reply_with_over_bound_finished_ids_is_refused(fake: FakeEngine) -> None:
+    """Finished ids beside a reply are bounded as in any batch: the reply does not take the
+    client's short decode around the post-check."""
+    fake.ready()
+    with _attach(fake) as client:
+        got: list[Any] = []
+
+        def run() -> None:
+            try:
+                got.append(client.call_utility("echo", "v", timeout=BOUND_S))
+            except Exception as e:
+                got.append(e)
+
+        # A small batch bound, so the over-bound message stays under the short decode's size.
+        client._out_decoder.limits = Limits(max_batch=2)
+        t = threading.Thread(target=run)
+        t.start()
+        _, req = fake.recv_input()
+        ids = ["r0", "r1", "r2"]
+        fake.send_outputs(EngineCoreOutputs(
+            finished_requests=ids, utility_output=UtilityOutput(req[1], result="v")))
+        t.join(BOUND_S)
+        assert not t.is_alive() and isinstance(got[0], EngineDeadError)
 
 
 def test_sentinel_fails_every_pending_utility(fake: FakeEngine) -> None:
