@@ -39,7 +39,8 @@ from .scheduler import DecodeBatch, Request
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MEMORY_TAGS", "NullWorker", "TorchWorker", "UniProcExecutor", "Worker", "make_worker"]
+__all__ = ["MEMORY_TAGS", "CudaMemory", "NullWorker", "TorchWorker", "UniProcExecutor", "Worker",
+           "make_worker"]
 
 MEMORY_TAGS = ("weights", "kv_cache")
 
@@ -49,6 +50,38 @@ def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name)  # EngineConfig.DTYPES are torch attribute names
     assert isinstance(dtype, torch.dtype)
     return dtype
+
+
+class CudaMemory:
+    """The allocator readings the CUDA paths take (KV sizing, memory reports, sleep), behind
+    one seam: a CPU test substitutes a fake with the same methods to drive those paths."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.device = device
+        self._cuda = torch.cuda
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        self._cuda.reset_peak_memory_stats(self.device)
+
+    def allocated(self) -> int:
+        return int(self._cuda.memory_allocated(self.device))
+
+    def peak(self) -> int:
+        return int(self._cuda.max_memory_allocated(self.device))
+
+    def release_cached(self) -> None:
+        """Hand the allocator's cached blocks back to the driver, so the device's free memory
+        (what ``mem_get_info`` and other processes see) actually grows."""
+        self._cuda.empty_cache()
+
+    def free_and_total(self) -> tuple[int, int]:
+        free, total = self._cuda.mem_get_info(self.device)
+        return int(free), int(total)
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -82,6 +115,9 @@ class Worker:
             if not torch.cuda.is_available():
                 raise ValueError(
                     f"EngineConfig.device={config.device!r}: no CUDA device is visible")
+        # Set on a worker that places tensors on a CUDA device; None sizes the pool from
+        # kv_cache_memory_bytes (the CPU, and the null model, which places none).
+        self.memory: CudaMemory | None = None
         self.arch: LlamaArch = TINY_ARCH
         self.num_blocks = 0
         self.profiled_num_blocks: int | None = None
@@ -119,21 +155,22 @@ class Worker:
             check_fits(n, cfg.block_size, cfg.max_model_len, per, n * per,
                        "num_gpu_blocks_override*bytes_per_block")
             return n
-        if self.device.startswith("cuda"):
-            budget = self.profile_free_bytes()
-            name = "gpu_memory_utilization*total-used-peak_activations"
+        if self.memory is not None:
+            budget, detail = self.profile_free_bytes()
             n = blocks_from_budget(budget, per)
             self.profiled_num_blocks = n
-            check_fits(n, cfg.block_size, cfg.max_model_len, per, budget, name)
+            check_fits(n, cfg.block_size, cfg.max_model_len, per, budget,
+                       f"the profiled KV budget ({detail})", knob="gpu_memory_utilization")
             return min(n, cfg.max_num_gpu_blocks)
         n = blocks_from_budget(cfg.kv_cache_memory_bytes, per)
         check_fits(n, cfg.block_size, cfg.max_model_len, per, cfg.kv_cache_memory_bytes,
                    "kv_cache_memory_bytes")
         return n
 
-    def profile_free_bytes(self) -> float:
-        """CUDA: bytes the KV cache may take after weights and a peak-sized forward pass."""
-        return 0.0
+    def profile_free_bytes(self) -> tuple[float, str]:
+        """CUDA: bytes the KV cache may take after weights and a peak-sized forward pass, and
+        the readings it came from, for the refusal message."""
+        raise NotImplementedError(f"{type(self).__name__} does not profile device memory")
 
     # -- RPC-callable --------------------------------------------------------------------------
 
@@ -146,10 +183,8 @@ class Worker:
             "host_offload_bytes": _storage_bytes(self.host_tensors()),
             "sleeping": sorted(self.sleeping),
         }
-        if self.device.startswith("cuda"):
-            import torch
-
-            out["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
+        if self.memory is not None:
+            out["cuda_memory_allocated"] = self.memory.allocated()
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -168,6 +203,8 @@ class TorchWorker(Worker):
         self.model: LlamaModel | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._host_weights: dict[str, torch.Tensor] = {}
+        if self.device.startswith("cuda"):
+            self.memory = CudaMemory(self.device)
 
     def _materialize(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(device=self.device, dtype=self.dtype) for k, v in params.items()}
@@ -188,14 +225,14 @@ class TorchWorker(Worker):
         self.num_blocks = num_blocks
         self.kv_caches = self._alloc_kv(num_blocks)
 
-    def profile_free_bytes(self) -> float:
+    def profile_free_bytes(self) -> tuple[float, str]:
         import torch
 
-        assert self.model is not None
-        cfg, dev = self.config, self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
+        assert self.model is not None and self.memory is not None
+        cfg, dev, mem = self.config, self.device, self.memory
+        mem.synchronize()
+        mem.reset_peak()
+        before = mem.allocated()
         # A dummy forward at the full token budget, in chunks a sequence can hold, measures
         # the activation peak the KV cache must leave room for.
         t = min(cfg.max_num_batched_tokens, self.arch.max_position)
@@ -205,12 +242,17 @@ class TorchWorker(Worker):
         ids = torch.zeros(t, dtype=torch.long, device=dev)
         with torch.inference_mode():
             self.model.compute_logits(self.model.forward(ids, meta, caches, cfg.block_size))
-        torch.cuda.synchronize(dev)
-        peak_extra = torch.cuda.max_memory_allocated(dev) - before
+        mem.synchronize()
+        peak_extra = mem.peak() - before
         del caches, meta, ids
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        return total * cfg.gpu_memory_utilization - (total - free) - peak_extra
+        mem.release_cached()
+        free, total = mem.free_and_total()
+        used = total - free  # weights, the CUDA context, and other processes on the device
+        budget = total * cfg.gpu_memory_utilization - used - peak_extra
+        detail = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total} bytes, "
+                  f"minus {used} in use, minus a {peak_extra}-byte activation peak at "
+                  f"{t} tokens")
+        return budget, detail
 
     def execute_model(self, reqs: list[Request], nums: list[int]) -> list[int]:
         ids: list[int] = []
@@ -286,10 +328,8 @@ class TorchWorker(Worker):
         elif level >= 2:
             self._host_weights = {}  # deeper sleep: drop the host copy too
         self.sleep_level = max(self.sleep_level, level)
-        if self.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.empty_cache()
+        if self.memory is not None:
+            self.memory.release_cached()
 
     def wake_up(self, tags: Sequence[str]) -> None:
         if "weights" in tags and "weights" in self.sleeping:
@@ -312,10 +352,8 @@ class TorchWorker(Worker):
         self.kv_caches = []
         self.model = None
         self._host_weights = {}
-        if self.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.empty_cache()  # hand the pool back to the driver, not just the allocator
+        if self.memory is not None:
+            self.memory.release_cached()
 
 
 class NullWorker(Worker):

@@ -32,15 +32,16 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, bytes_per_block: int,
-               budget_bytes: int | float, budget_name: str) -> None:
-    """Refuse a pool that cannot hold even one sequence of ``max_model_len`` tokens."""
+               budget_bytes: int | float, budget_name: str, knob: str | None = None) -> None:
+    """Refuse a pool that cannot hold even one sequence of ``max_model_len`` tokens. ``knob``
+    is the setting to raise when the budget is derived (it defaults to ``budget_name``)."""
     need = num_blocks_for(max_model_len, block_size)
     if num_blocks < need:
         raise ValueError(
             f"KV cache too small: max_model_len={max_model_len} needs {need} blocks of "
             f"{block_size} tokens ({need * bytes_per_block} bytes at {bytes_per_block} "
             f"bytes/block), but {budget_name}={budget_bytes:.0f} bytes gives {num_blocks} blocks; "
-            f"raise {budget_name} or lower max_model_len to at most "
+            f"raise {knob or budget_name} or lower max_model_len to at most "
             f"{num_blocks * block_size}"
         )
 
