@@ -62,6 +62,7 @@ __all__ = [
     "ClientUnderTest",
     "Finished",
     "check_abort_half",
+    "check_bad_arguments",
     "check_client_kill_engine_exits",
     "check_construction_failure_leaks_nothing",
     "check_duplicate_request_id",
@@ -388,6 +389,69 @@ def check_utilities(cut: ClientUnderTest) -> None:
     assert np.array_equal(cut.call_utility("echo", arr), arr)
     # The client survives failed calls.
     assert cut.call_utility("echo", 42) == 42
+    if cut.multiprocess:
+        assert cut.client.pending_utility_calls() == 0
+    check_trace(cut)
+
+
+def _refused(kind: type[BaseException], what: str, call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except kind:
+        return
+    except Exception as e:
+        raise AssertionError(f"{what}: expected {kind.__name__}, got {e!r}") from e
+    raise AssertionError(f"{what}: expected {kind.__name__}, nothing was raised")
+
+
+def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
+    """A bad argument to any call is refused with a typed error before anything is sent (a
+    bare-string id list would otherwise abort one-letter ids, one bad id drop the whole
+    abort), what cannot be sent is refused alike on every transport, a request the engine
+    cannot accept finishes with ERROR, and the client keeps serving."""
+    short, long_ = f"{prefix}"[:1], f"{prefix}"[:1] + "Z"  # "aZ" as a str iterates to "a"
+    cut.add_request(request(short, max_tokens=6))
+    cut.add_request(request(long_, max_tokens=6))
+    call = cut._call  # the raw call: ClientUnderTest's own timeout arithmetic stays out
+    cases: list[tuple[type[BaseException], str, Callable[[], Any]]] = [
+        (TypeError, "abort_requests(a str)", lambda: cut.abort_requests(long_)),  # type: ignore[arg-type]
+        (TypeError, "abort_requests([id, None])", lambda: cut.abort_requests([long_, None])),  # type: ignore[list-item]
+        (TypeError, "abort_requests(None)", lambda: cut.abort_requests(None)),  # type: ignore[arg-type]
+        (TypeError, "add_request(a str)", lambda: cut.add_request("r1")),  # type: ignore[arg-type]
+        (TypeError, "get_output(timeout='soon')", lambda: call("get_output", timeout="soon")),
+        (ValueError, "get_output(timeout=nan)", lambda: call("get_output", timeout=float("nan"))),
+        (TypeError, "call_utility(timeout='soon')",
+         lambda: call("call_utility", "echo", 1, timeout="soon")),
+        (TypeError, "wake_up('weights')", lambda: cut.wake_up("weights")),  # type: ignore[arg-type]
+        (TypeError, "echo(object())", lambda: cut.call_utility("echo", object())),
+        (ValueError, "echo(1 << 70)", lambda: cut.call_utility("echo", 1 << 70)),
+    ]
+    for kind, what, fn in cases:
+        _refused(kind, what, fn)
+    done = collect(cut, [short, long_])
+    assert all(f.reason is FinishReason.LENGTH and len(f.tokens) == 6
+               for f in done.values()), done  # neither was aborted by a refused call
+    bad = f"{prefix}-malformed"
+    cut.add_request(EngineCoreRequest(
+        bad, [1, 2], SamplingParams(max_tokens=3, stop_token_ids=["x"])))  # type: ignore[list-item]
+    got = collect(cut, [bad])[bad]
+    assert got.reason is FinishReason.ERROR and "malformed request" in (got.error or ""), got
+    # Without end and below zero are both timeouts a caller may pass.
+    assert cut.call_utility("echo", 5, timeout=float("inf")) == 5
+    assert cut.call_utility("echo", 6, timeout=1e9) == 6
+    rid = f"{prefix}-inf"
+    cut.add_request(request(rid, max_tokens=1))
+    assert isinstance(call("get_output", timeout=float("inf")), EngineCoreOutputs)
+    assert isinstance(call("get_output", timeout=-1.0), EngineCoreOutputs)
+    deadline = time.monotonic() + WAIT_S
+    while rid in cut.client.live_requests():
+        assert time.monotonic() < deadline, f"{rid} never finished"
+        cut.get_output(timeout=1.0)
+    try:
+        cut.call_utility("no_such_method")
+    except UtilityError as e:
+        assert str(e).count("failed") == 1, f"the failure is said once: {e}"
+    check_generate(cut, n=1, max_tokens=3, prefix=f"{prefix}-after")
     if cut.multiprocess:
         assert cut.client.pending_utility_calls() == 0
     check_trace(cut)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import msgspec
 
-from ..spec.errors import ProtocolError
+from ..spec.errors import ProtocolError, UtilityError
 from .messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
@@ -216,10 +216,15 @@ def register_result_type(cls: type[msgspec.Struct], name: str | None = None) -> 
     _result_names[cls] = key
 
 
+def _out_of_range(e: OverflowError) -> ValueError:
+    return ValueError(f"cannot encode: an integer is outside the wire's 64-bit range ({e})")
+
+
 class Encoder:
     """msgpack encoder with zero-copy aux frames. One per thread: it is not thread-safe.
 
-    ``encode`` raises ``TypeError`` for a value it cannot put on the wire (it never pickles).
+    ``encode`` raises ``TypeError`` for a value it cannot put on the wire (it never pickles)
+    and ``ValueError`` for an integer outside msgpack's 64-bit range.
     """
 
     def __init__(self, size_threshold: int = 256) -> None:
@@ -230,7 +235,10 @@ class Encoder:
     def encode(self, obj: object) -> list[bytes | memoryview]:
         """``[payload, aux...]``; aux frames are views of the arrays' memory, not copies."""
         self._aux = None
-        payload = self._enc.encode(obj)
+        try:
+            payload = self._enc.encode(obj)
+        except OverflowError as e:
+            raise _out_of_range(e) from e
         aux = self._aux
         if aux is None:
             return [payload]
@@ -243,7 +251,10 @@ class Encoder:
         Reuse ``buf`` only after ZMQ released it (see ``BufferPool`` and ``send_frames``).
         """
         self._aux = None
-        self._enc.encode_into(obj, buf)
+        try:
+            self._enc.encode_into(obj, buf)
+        except OverflowError as e:
+            raise _out_of_range(e) from e
         aux = self._aux
         if aux is None:
             return [buf]
@@ -726,7 +737,12 @@ def utility_output(
     """The reply to a utility call. Never raises: an unsendable result becomes a failure."""
     try:
         if error is not None:
-            message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            if isinstance(error, str):
+                message = error
+            elif isinstance(error, UtilityError):  # already says the call failed: not twice
+                message = error.remote_message
+            else:
+                message = f"{type(error).__name__}: {error}"
             return UtilityOutput(call_id, failure_message=message)
         if type(result) in _ALWAYS_ENCODABLE:  # echo, flags, paths: no trial encode
             return UtilityOutput(call_id, result=result)

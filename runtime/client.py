@@ -21,19 +21,28 @@ import abc
 import collections
 import concurrent.futures
 import itertools
+import math
+import numbers
 import operator
 import threading
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
-from ..protocol.codec import utility_output
-from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from ..protocol.codec import Encoder, decode_input, encode_input, utility_output
+from ..protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    RequestType,
+    UtilityRequest,
+)
 from ..spec.client import CLIENT, FULLY_AWAKE, PARTIALLY_AWAKE, ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
     EngineStartupError,
+    ProtocolError,
     UtilityError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
@@ -42,6 +51,11 @@ from ..spec.utility import UTILITY, UtilityEvent
 from . import _mutants
 
 __all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client"]
+
+# The longest wait handed to a blocking primitive at once: pyzmq's poll and RCVTIMEO take
+# int32 milliseconds and Condition.wait overflows past threading.TIMEOUT_MAX, so a longer
+# wait is served in slices of this.
+MAX_WAIT_SLICE_S = 1 << 20
 
 SLEEP_MODES = ("abort", "wait", "keep")
 
@@ -69,6 +83,56 @@ _FINISH_EVENT_BY_VALUE = {int(r): ev for r, ev in _FINISH_EVENTS.items()}
 _NO_FINISH = frozenset({None})
 _request_id = operator.attrgetter("request_id")
 _finish_reason = operator.attrgetter("finish_reason")
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float | None:
+    """A caller's timeout in seconds: ``None`` and ``inf`` wait without end, a negative one is
+    0 (look once, do not wait). Anything else is refused before any state changes."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError(f"{name} must be a number of seconds or None, got nan")
+    if math.isinf(seconds):
+        return None if seconds > 0 else 0.0
+    return max(0.0, seconds)
+
+
+def check_option_seconds(value: Any, name: str, *, allow_zero: bool = False) -> float | None:
+    """A client option in seconds (a deadline, an interval): None, or finite and positive
+    (or zero where ``allow_zero``); ``ValueError`` naming the option otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r}: must be a number of seconds or None")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r}: must be a finite number of seconds "
+                         f"{'>= 0' if allow_zero else '> 0'}")
+    return seconds
+
+
+def check_request_ids(request_ids: Any, what: str = "abort_requests") -> list[str]:
+    """A list of request ids, each a str; a bare str is refused (iterating it would abort
+    one-letter ids), and so is any other element, before anything is sent."""
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        raise TypeError(f"{what} expects a list of request ids (str), got {request_ids!r}")
+    ids = list(request_ids)
+    for rid in ids:
+        if not isinstance(rid, str):
+            raise TypeError(f"{what}: every request id must be a str, got {rid!r}")
+    return ids
+
+
+def check_wake_tags(tags: Any) -> list[str] | None:
+    """``None`` (everything) or a list of memory tags; a bare str is refused, not split."""
+    if tags is None:
+        return None
+    if isinstance(tags, (str, bytes)) or not isinstance(tags, Iterable):
+        raise TypeError(f"wake_up tags must be a list such as ['weights'] or None, got {tags!r}")
+    return list(tags)
 
 
 def _check_sleep_args(level: int, mode: str) -> None:
@@ -344,7 +408,7 @@ class SyncClientMixin:
         self._after_sleep()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        fully = bool(self.call_utility("wake_up", tags))
+        fully = bool(self.call_utility("wake_up", check_wake_tags(tags)))
         self._after_wake(fully)
         return fully
 
@@ -370,6 +434,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         # Outputs produced while a deferred utility was being driven to completion.
         self._buffered: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._encoder = Encoder()
         self._apply_ready(self.engine.ready_info())
         with self._state_lock:
             self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
@@ -382,32 +447,57 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             raise self._dead_error() from e
         return outputs
 
+    def _wire(self, kind: RequestType, obj: Any) -> Any:
+        """``obj`` as the engine receives it over the wire: encoded and decoded by the codec,
+        so the in-process transport refuses (``TypeError``/``ValueError`` for what cannot be
+        sent, ``ProtocolError`` for what the engine would reject) and converts exactly what
+        the multi-process ones do."""
+        return decode_input(encode_input(self._encoder, kind, obj))[1]
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self._track_add(request)
         try:
-            self.engine.add_request(request)
+            try:
+                wired = self._wire(RequestType.ADD, request)
+            except ProtocolError as e:  # as the engine process answers a malformed ADD
+                self.engine.reject_request(request.request_id, f"malformed request: {e}")
+                return
+            self.engine.add_request(wired)
         except Exception:
             self._untrack_add(request.request_id)
             raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if not request_ids or self.is_dead:
+        ids = check_request_ids(request_ids)
+        if self.is_closed:
+            raise ClientClosedError("the client was shut down")
+        if not ids or self.is_dead:
             return
-        self.ensure_alive()
-        self.engine.abort_requests(self._track_abort(list(request_ids)))
+        self.engine.abort_requests(self._track_abort(ids))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """One engine step (``timeout`` is accepted for symmetry; a step never waits)."""
+        check_timeout(timeout)
         self.ensure_alive()
         outputs = self._buffered.popleft() if self._buffered else self._step()
         self._track_outputs(outputs)
         return outputs
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        check_timeout(timeout)
         self.ensure_alive()
+        # What cannot be sent raises here, as from the multi-process clients' send.
+        frames = encode_input(self._encoder, RequestType.UTILITY,
+                              UtilityRequest(0, 0, method, list(args)))
         lc = self._new_utility_lifecycle()
         try:
-            result = self.engine.call_utility(method, list(args))
+            wired = decode_input(frames)[1]
+        except ProtocolError as e:  # as the engine process answers a malformed call
+            lc.fire(UtilityEvent.REPLY_ERROR)
+            raise UtilityError(str(method), f"malformed call: {e}") from e
+        assert isinstance(wired, UtilityRequest)
+        try:
+            result = self.engine.call_utility(wired.method, wired.args)
             if isinstance(result, concurrent.futures.Future):
                 # Nothing else steps the engine in-process: drive it until the reply.
                 while not result.done():

@@ -6,9 +6,17 @@ the field's name in the message, instead of deep inside the engine build.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import msgspec
 
 __all__ = ["DTYPES", "SCHEDULING_POLICIES", "EngineConfig"]
+
+# Sizes and counts travel to the engine process in msgpack and size tensors: anything past
+# this is a typo, not a setting, and would fail later as an overflow far from its field.
+_MAX_INT = (1 << 62) - 1
+_MAX_SEED = (1 << 64) - 1  # seeds are msgpack uint64
 
 DTYPES = ("float32", "float16", "bfloat16")
 SCHEDULING_POLICIES = ("priority", "fcfs")
@@ -43,9 +51,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"EngineConfig.{field}={getattr(self, field)!r}: {why}")
 
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_real(value: object) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
         if not isinstance(self.model, str) or not self.model:
             raise bad("model", "must be a non-empty string")
-        if not (
+        if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         ):
@@ -55,19 +69,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "kv_cache_memory_bytes", "max_num_gpu_blocks"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise bad(name, "must be a positive integer")
+            if not is_int(value) or not 0 < value <= _MAX_INT:
+                raise bad(name, f"must be a positive integer (at most {_MAX_INT})")
         if self.block_size > 1024:
             raise bad("block_size", "must be at most 1024")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("seed", "must be a non-negative integer")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if not self.null_step_delay_s >= 0.0:
-            raise bad("null_step_delay_s", "must be >= 0")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+        if not is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
+            raise bad("seed", f"must be a non-negative integer (at most {_MAX_SEED})")
+        if not is_real(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be a number in (0, 1]")
+        if not is_real(self.null_step_delay_s) or not (
+                0.0 <= self.null_step_delay_s and math.isfinite(self.null_step_delay_s)):
+            raise bad("null_step_delay_s", "must be a finite number of seconds >= 0")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise bad("enable_prefix_caching", "must be True or False")
+        override = self.num_gpu_blocks_override
+        if override is not None and (not is_int(override) or not 0 < override <= _MAX_INT):
             raise bad("num_gpu_blocks_override", "must be a positive integer or None")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
+        if not isinstance(self.scheduling_policy, str) or (
+                self.scheduling_policy not in SCHEDULING_POLICIES):
             raise bad("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}")
 
     def resolved_device(self) -> str:

@@ -78,6 +78,17 @@ def _describe_tensor(value: object) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
+
+def _writable_dir(path: object) -> str:
+    """``path`` as a directory this process can write into (made if missing), or a typed error
+    naming it."""
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"a directory path (str) is required, got {path!r}")
+    os.makedirs(path, exist_ok=True)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"directory {path!r} is not writable")
+    return path
+
 class EngineCore:
     # Names of ``EngineCoreRequest.tensors`` entries the engine consumes. None yet: every model
     # here reads token ids only, and a request whose tensors would be dropped finishes with an
@@ -244,10 +255,7 @@ class EngineCore:
             return
         error = self._validate(req)
         if error is not None:
-            lc = ENGINE_REQUEST.lifecycle(trace=self.trace)
-            lc.fire(EngineRequestEvent.REJECT)
-            self._pending.append(
-                EngineCoreOutput(req.request_id, [], FinishReason.ERROR, None, 0, error))
+            self.reject_request(req.request_id, error)
             return
         seq = self._seq
         self._seq = seq + 1
@@ -256,6 +264,13 @@ class EngineCore:
                                    self.config.max_model_len, self.trace))
         if self.lifecycle.state in _WORK_QUEUES:
             self.lifecycle.fire(E.WORK_ARRIVED)
+
+    def reject_request(self, request_id: str, error: str) -> None:
+        """Answer a request that never became one (it arrived malformed) with an ERROR output
+        on the next ``step()``, as for an invalid request."""
+        lc = ENGINE_REQUEST.lifecycle(trace=self.trace)
+        lc.fire(EngineRequestEvent.REJECT)
+        self._pending.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, None, 0, error))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End each live request with an ABORT output; unknown or finished ids are no-ops."""
@@ -427,10 +442,16 @@ class EngineCore:
         return self.executor.save_sharded_state(path)  # type: ignore[union-attr]
 
     def profile(self, action: str, path: str | None = None) -> str | None:
-        """``start`` a torch profiler, or ``stop`` it and write a Chrome trace; returns its path."""
+        """``start`` a torch profiler, or ``stop`` it and write a Chrome trace; returns its path.
+
+        The trace directory is made and checked writable before the profiler starts or stops,
+        so a bad path is refused with the session intact (a stopped profiler cannot resume).
+        """
         if action == "start":
             if self._profiler is not None:
                 raise RuntimeError("profiler already running")
+            if path is not None:
+                _writable_dir(path)
             import torch  # here, not at the top: a null-model engine never loads torch
 
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -441,13 +462,12 @@ class EngineCore:
             self._profile_dir = path
             return None
         if action == "stop":
-            prof, self._profiler = self._profiler, None
-            if prof is None:
+            if self._profiler is None:
                 raise RuntimeError("profiler is not running")
+            out_dir = _writable_dir(path or self._profile_dir or os.path.join(
+                tempfile.gettempdir(), "enginewire-profile"))
+            prof, self._profiler = self._profiler, None
             prof.stop()
-            out_dir = path or self._profile_dir or os.path.join(
-                tempfile.gettempdir(), "enginewire-profile")
-            os.makedirs(out_dir, exist_ok=True)
             self._profile_count += 1
             out = os.path.join(out_dir, f"trace-{os.getpid()}-{self._profile_count}.json")
             prof.export_chrome_trace(out)

@@ -33,6 +33,7 @@ import enum
 import functools
 import gc
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -299,6 +300,14 @@ class EngineCoreProc:
     ) -> None:
         from .engine import EngineCore  # deferred: keeps this module importable without torch
 
+        if heartbeat_interval_s is not None and not (
+                isinstance(heartbeat_interval_s, (int, float))
+                and math.isfinite(heartbeat_interval_s) and heartbeat_interval_s > 0):
+            # 0 or nan would make the output thread send beats in a busy loop.
+            raise ValueError(f"heartbeat_interval_s={heartbeat_interval_s!r}: must be a finite"
+                             " number of seconds > 0, or None")
+        if not isinstance(engine_index, int) or not 0 <= engine_index < 1 << 16:
+            raise ValueError(f"engine_index={engine_index!r}: must be an integer in [0, 65535]")
         self.engine_index = engine_index
         self.identity = engine_index.to_bytes(2, "little")
         self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()

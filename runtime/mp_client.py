@@ -36,6 +36,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -76,7 +77,7 @@ from ..protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from ..spec.client import ClientEvent
+from ..spec.client import ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -89,7 +90,16 @@ from ..spec.errors import (
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UTILITY, UtilityEvent, UtilityState
 from . import _mutants
-from .client import EngineCoreClient, SyncClientMixin, _check_sleep_args
+from .client import (
+    MAX_WAIT_SLICE_S,
+    EngineCoreClient,
+    SyncClientMixin,
+    _check_sleep_args,
+    check_option_seconds,
+    check_request_ids,
+    check_timeout,
+    check_wake_tags,
+)
 from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
 from .ipc import IpcDir
 from .security import (
@@ -129,13 +139,19 @@ _CLOSED = object()  # output-queue marker: the client was shut down
 
 def _ready_timeout(option: float | None) -> float:
     if option is not None:
-        return float(option)
+        seconds = check_option_seconds(option, "ready_timeout_s")
+        assert seconds is not None
+        return seconds
     raw = os.environ.get(READY_TIMEOUT_ENV)
     if raw:
         try:
-            return float(raw)
+            seconds = float(raw)
         except ValueError:
             raise ValueError(f"{READY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"{READY_TIMEOUT_ENV}={raw!r}: must be a finite number of "
+                             "seconds > 0")
+        return seconds
     return DEFAULT_READY_TIMEOUT_S
 
 
@@ -333,18 +349,32 @@ class BackgroundResources:
         if self.done:
             return
         self.done = True
-        self._stop_monitor()
-        self._stop_process()
+        stages: list[Callable[[], None]] = [self._stop_monitor, self._stop_process]
         if _mutants.active("context_term_before_close"):
-            self._term_context()
-        self._close_sockets()
+            stages.append(self._term_context)
+        stages += [self._close_sockets, self._close_guard, self._term_context,
+                   self._remove_ipc_dir]
+        # Every stage runs whatever an earlier one raised: a failure in one must not leak
+        # what the others hold. The first failure is raised once all ran.
+        first: Exception | None = None
+        for stage in stages:
+            try:
+                stage()
+            except Exception as e:
+                logger.exception("client teardown: %s failed", stage.__name__)
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _close_guard(self) -> None:
         if self.guard is not None:  # before term(): its authenticator holds a socket
-            self.guard.close()
-            self.guard = None
-        self._term_context()
+            guard, self.guard = self.guard, None
+            guard.close()
+
+    def _remove_ipc_dir(self) -> None:
         if self.ipc_dir is not None:
-            self.ipc_dir.remove()
-            self.ipc_dir = None
+            ipc_dir, self.ipc_dir = self.ipc_dir, None
+            ipc_dir.remove()
 
     def _stop_monitor(self) -> None:
         if self.monitor_pipe is not None:
@@ -374,7 +404,7 @@ class BackgroundResources:
         try:
             if proc.is_alive():
                 proc.terminate()
-                proc.join(timeout)
+                proc.join(None if math.isinf(timeout) else timeout)
             if proc.is_alive():
                 logger.warning("engine core did not stop within %.1f s; killing it", timeout)
                 proc.kill()
@@ -455,7 +485,27 @@ def _monitor_engine(
     heartbeat_timeout_s: float | None,
     last_seen: list[float],
 ) -> None:
-    """Wait for the engine process to exit (or go silent) and report it to the client."""
+    """Wait for the engine process to exit (or go silent) and report it to the client.
+
+    If the watch itself fails, death could no longer be seen and every wait on the engine
+    could hang: the client is told the engine is dead, with the failure as the cause."""
+    try:
+        cause = _watch_engine(proc, stop_fd, heartbeat_timeout_s, last_seen)
+    except Exception as e:
+        logger.exception("engine monitor failed")
+        cause = EngineProcessDied(f"the engine monitor failed ({e!r}): death can no longer"
+                                  " be detected, so the engine is treated as dead")
+    if cause is None:
+        return
+    client = client_ref()
+    if client is not None:
+        client._on_engine_dead(cause)
+
+
+def _watch_engine(
+    proc: Any, stop_fd: int, heartbeat_timeout_s: float | None, last_seen: list[float]
+) -> BaseException | None:
+    """Block until the engine exits or goes silent (its cause) or the client stops (None)."""
     waitables: list[Any] = [stop_fd]
     if proc is not None:
         waitables.append(proc.sentinel)
@@ -468,24 +518,19 @@ def _monitor_engine(
             wait_s = max(0.0, last_seen[0] + heartbeat_timeout_s - time.monotonic())
         ready = multiprocessing.connection.wait(waitables, timeout=wait_s)
         if stop_fd in ready:
-            return
+            return None
         if proc is not None and proc.sentinel in ready:
             # A readable sentinel with a live process would be a false alarm (vLLM #54184):
             # require a real exit code.
             proc.join(1.0)
             if proc.exitcode is None:
                 continue
-            cause: BaseException = EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
-            break
+            return EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
         if heartbeat_timeout_s and time.monotonic() - last_seen[0] >= heartbeat_timeout_s:
-            cause = EngineProcessDied(
+            return EngineProcessDied(
                 f"no message from the engine for {heartbeat_timeout_s:g} s"
                 " (engine_heartbeat_timeout_s)"
             )
-            break
-    client = client_ref()
-    if client is not None:
-        client._on_engine_dead(cause)
 
 
 def _check_frame_sizes(frames: list[Any], limits: Any) -> None:
@@ -534,6 +579,20 @@ class MPClient(EngineCoreClient):
         allow_insecure_tcp: bool = False,
         engine_limits: Any = None,  # protocol.codec.Limits for the launched engine's input
     ) -> None:
+        # Refused before anything is created: a deadline the waits cannot hold (inf, nan, a
+        # negative one) would otherwise surface later as a dead monitor or a hang.
+        engine_heartbeat_timeout_s = check_option_seconds(
+            engine_heartbeat_timeout_s, "engine_heartbeat_timeout_s")
+        engine_heartbeat_interval_s = check_option_seconds(
+            engine_heartbeat_interval_s, "engine_heartbeat_interval_s")
+        shutdown_timeout_s = check_option_seconds(
+            shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
+        engine_startup_delay_s = check_option_seconds(
+            engine_startup_delay_s, "engine_startup_delay_s", allow_zero=True) or 0.0
+        ready_timeout = _ready_timeout(ready_timeout_s)
+        for name, index in (("engine_index", engine_index), ("client_index", client_index)):
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 1 << 16:
+                raise ValueError(f"{name}={index!r}: must be an integer in [0, 65535]")
         super().__init__(config, trace=trace)
         # Read by _start (security.py): transport, keys, and the engine's input bounds.
         self._security = (transport, curve, engine_curve, allow_insecure_tcp, engine_limits)
@@ -563,7 +622,7 @@ class MPClient(EngineCoreClient):
             LinkIntegrity(loss_deadline_s=DEFAULT_LOSS_DEADLINE_S) if frame_integrity else None)
         try:
             self._start(
-                ready_timeout=_ready_timeout(ready_timeout_s),
+                ready_timeout=ready_timeout,
                 input_address=input_address,
                 output_address=output_address,
                 launch_engine=launch_engine,
@@ -669,6 +728,11 @@ class MPClient(EngineCoreClient):
             res.monitor_thread.start()
         self._start_reader()
         with self._state_lock:
+            if self.lifecycle.state is ClientState.DEAD:
+                # The monitor saw the engine go (or go silent) before the handshake ended.
+                raise EngineStartupError(
+                    f"the engine core died during start-up: {self._dead_cause}"
+                ) from self._dead_cause
             self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
 
     def _secure_transport(
@@ -762,7 +826,11 @@ class MPClient(EngineCoreClient):
         return len(self._utilities)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the engine (SIGTERM, then SIGKILL after ``timeout`` s) and free everything."""
+        """Stop the engine (SIGTERM, then SIGKILL after ``timeout`` s; ``inf`` never kills)
+        and free everything."""
+        if timeout is not None:  # checked before anything changes: a bad one leaks nothing
+            checked = check_timeout(timeout)
+            timeout = math.inf if checked is None else checked
         if not self._mark_closed():
             return
         err: EngineWireError = ClientClosedError("the client was shut down")
@@ -842,6 +910,8 @@ class MPClient(EngineCoreClient):
             sock.send_multipart([self.identity, *frames])
 
     def _send_add(self, request: EngineCoreRequest) -> None:
+        if not isinstance(request, EngineCoreRequest):
+            raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
         self._track_add(request)
@@ -852,11 +922,13 @@ class MPClient(EngineCoreClient):
             raise
 
     def _send_abort(self, request_ids: list[str]) -> None:
+        ids = check_request_ids(request_ids)
+        if self.is_closed:
+            raise ClientClosedError("the client was shut down")
         # On a dead engine an abort is a silent no-op: error paths must not raise twice.
-        if not request_ids or self.is_dead:
+        if not ids or self.is_dead:
             return
-        self.ensure_alive()
-        ids = self._track_abort(list(request_ids))
+        ids = self._track_abort(ids)
         try:
             self._send(RequestType.ABORT, ids)
         except EngineDeadError:
@@ -1134,14 +1206,15 @@ class _SyncReader:
                     if self._bg_reading and not self._kicked:
                         self._kicked = True
                         self._kick_locked()
-                    cv.wait(remaining)
+                    cv.wait(None if remaining is None else min(remaining, MAX_WAIT_SLICE_S))
                     continue
                 self._reading = holding = True
                 self._holder = threading.get_ident()
                 if remaining is None:
                     timeout_ms: int | None = None
                 else:
-                    timeout_ms = 0 if expired else max(1, int(remaining * 1000 + 0.999))
+                    timeout_ms = 0 if expired else max(
+                        1, int(min(remaining, MAX_WAIT_SLICE_S) * 1000 + 0.999))
                 cv.release()
                 try:
                     self._pump(timeout_ms)
@@ -1282,6 +1355,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Next batch; an empty batch if ``timeout`` passes first. Outputs queued before a
         death are still delivered, then ``EngineDeadError``."""
+        timeout = check_timeout(timeout)
         if self.is_closed:
             raise ClientClosedError("the client was shut down")
         outputs = self._outputs
@@ -1307,6 +1381,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
         return out
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        timeout = check_timeout(timeout)
         reader = self._reader
         if reader is None:  # construction has not reached the reader: nothing would answer
             raise ClientClosedError("the client is not running (its construction did not"
@@ -1447,6 +1522,7 @@ class AsyncMPClient(MPClient):
 
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Next batch; an empty batch if ``timeout`` passes first (see ``SyncMPClient``)."""
+        timeout = check_timeout(timeout)
         if self.is_closed:
             raise ClientClosedError("the client was shut down")
         self._ensure_reader()
@@ -1473,6 +1549,7 @@ class AsyncMPClient(MPClient):
     async def call_utility_async(
         self, method: str, *args: Any, timeout: float | None = None
     ) -> Any:
+        timeout = check_timeout(timeout)
         self._ensure_reader()
         assert self._loop is not None
         fut: asyncio.Future[Any] = self._loop.create_future()
@@ -1480,7 +1557,8 @@ class AsyncMPClient(MPClient):
         try:
             if timeout is None:
                 return await fut
-            return await asyncio.wait_for(fut, timeout)
+            # Shielded: a reply that races the deadline must still land in ``fut``.
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.CancelledError:
             self._utilities.give_up(call_id, UtilityEvent.CANCEL)
             raise
@@ -1488,7 +1566,8 @@ class AsyncMPClient(MPClient):
             if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
                 assert timeout is not None
                 raise UtilityTimeoutError(method, timeout) from None
-            raise
+        # The outcome won the race: its entry is gone and its setter is about to set it.
+        return await fut
 
     # The utility wrappers, async twins of SyncClientMixin.
 
@@ -1535,7 +1614,7 @@ class AsyncMPClient(MPClient):
         self._after_sleep()
 
     async def wake_up_async(self, tags: list[str] | None = None) -> bool:
-        fully = bool(await self.call_utility_async("wake_up", tags))
+        fully = bool(await self.call_utility_async("wake_up", check_wake_tags(tags)))
         self._after_wake(fully)
         return fully
 

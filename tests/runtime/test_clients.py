@@ -54,6 +54,10 @@ def test_utilities(warm: cf.ClientUnderTest) -> None:
     cf.check_utilities(warm)
 
 
+def test_bad_arguments(warm: cf.ClientUnderTest) -> None:
+    cf.check_bad_arguments(warm)
+
+
 def test_duplicate_request_id(warm: cf.ClientUnderTest) -> None:
     cf.check_duplicate_request_id(warm)
 

@@ -1,0 +1,243 @@
+"""Options, timeouts and teardown under bad input: each is refused with a typed error naming
+it, before anything is created or changed, and nothing leaks (the conformance suite's
+``check_bad_arguments`` covers the per-call arguments on every client)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+from typing import Any
+
+import psutil
+import pytest
+
+from enginewire.runtime import make_client
+from enginewire.runtime import mp_client as mp
+from enginewire.runtime.client import (
+    InprocClient,
+    check_option_seconds,
+    check_request_ids,
+    check_timeout,
+)
+from enginewire.runtime.config import EngineConfig
+from enginewire.runtime.engine_proc import EngineCoreProc
+from enginewire.spec import (
+    ClientState,
+    EngineDeadError,
+    EngineStartupError,
+    UtilityError,
+    UtilityTimeoutError,
+)
+
+NULL = EngineConfig(model="null")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _resource_tracker() -> None:
+    # Started by the first spawn and kept (a process and a pipe): start it before any
+    # snapshot, so it is not counted as a leak.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def snapshot() -> tuple[set[int], int, set[str]]:
+    me = psutil.Process()
+    # multiprocessing's resource tracker is started by the first spawn and stays: not ours.
+    kids = {c.pid for c in me.children(recursive=True)
+            if "resource_tracker" not in " ".join(c.cmdline())}
+    return kids, len(os.listdir("/proc/self/fd")), {t.name for t in threading.enumerate()}
+
+
+def assert_nothing_leaked(before: tuple[set[int], int, set[str]]) -> None:
+    kids, fds, threads = snapshot()
+    assert not (kids - before[0]), f"engine processes left: {kids - before[0]}"
+    assert fds <= before[1], f"{fds - before[1]} file descriptors left"
+    assert threads <= before[2], f"threads left: {threads - before[2]}"
+
+
+def test_timeouts_normalize_or_refuse() -> None:
+    assert check_timeout(None) is None and check_timeout(math.inf) is None
+    assert check_timeout(-3) == 0.0 and check_timeout(-math.inf) == 0.0
+    assert check_timeout(2) == 2.0
+    for bad, kind in (("1", TypeError), (True, TypeError), ([1], TypeError),
+                      (math.nan, ValueError)):
+        with pytest.raises(kind, match="timeout"):
+            check_timeout(bad)
+    assert check_option_seconds(None, "x") is None
+    assert check_option_seconds(0, "x", allow_zero=True) == 0.0
+    for bad in (0, -1, math.inf, math.nan, "5", True):
+        with pytest.raises(ValueError, match=r"^opt="):
+            check_option_seconds(bad, "opt")
+    assert check_request_ids(("a", "b")) == ["a", "b"]
+    for bad in ("ab", b"ab", None, 3, ["a", 1]):
+        with pytest.raises(TypeError):
+            check_request_ids(bad)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("engine_heartbeat_timeout_s", math.inf),
+    ("engine_heartbeat_timeout_s", -1),
+    ("engine_heartbeat_interval_s", 0),
+    ("shutdown_timeout_s", math.nan),
+    ("ready_timeout_s", math.inf),
+    ("ready_timeout_s", "soon"),
+    ("engine_startup_delay_s", -1),
+    ("engine_index", -5),
+    ("client_index", 1 << 16),
+])
+def test_bad_client_options_are_refused_before_anything_starts(option: str, value: Any) -> None:
+    before = snapshot()
+    with pytest.raises(ValueError, match=option):
+        make_client(NULL, multiprocess=True, asyncio=False, **{option: value})
+    assert_nothing_leaked(before)
+
+
+def test_a_bad_ready_timeout_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw in ("inf", "-2", "x"):
+        monkeypatch.setenv(mp.READY_TIMEOUT_ENV, raw)
+        with pytest.raises(ValueError, match=mp.READY_TIMEOUT_ENV):
+            make_client(NULL, multiprocess=True, asyncio=False)
+
+
+def test_a_bad_shutdown_timeout_changes_nothing_and_inf_waits_for_a_clean_exit() -> None:
+    before = snapshot()
+    client = make_client(NULL, multiprocess=True, asyncio=False)
+    for bad, kind in (("x", TypeError), (math.nan, ValueError)):
+        with pytest.raises(kind):
+            client.shutdown(bad)  # type: ignore[arg-type]
+        assert client.state is ClientState.READY
+    assert client.echo(1) == 1
+    proc = client.resources.proc  # type: ignore[attr-defined]
+    client.shutdown(math.inf)  # no SIGKILL deadline: joins until the engine exits on SIGTERM
+    assert client.state is ClientState.SHUTDOWN
+    assert proc is None or proc._closed  # reaped and closed, not a zombie
+    assert_nothing_leaked(before)
+
+
+def test_a_failing_teardown_stage_does_not_skip_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    before = snapshot()
+    client = make_client(NULL, multiprocess=True, asyncio=False)
+    res = client.resources  # type: ignore[attr-defined]
+    ipc_dir = res.ipc_dir.path
+
+    def boom() -> None:
+        raise RuntimeError("monitor stop failed")
+
+    monkeypatch.setattr(res, "_stop_monitor", boom)
+    with pytest.raises(RuntimeError, match="monitor stop failed"):
+        client.shutdown()
+    assert res.proc is None and res.ctx is None and res.ipc_dir is None
+    assert not os.path.exists(ipc_dir)
+    # The monitor the failed stage did not stop ends with the engine it watched.
+    if res.monitor_thread is not None:
+        os.write(res.monitor_pipe[1], b"x") if res.monitor_pipe else None
+        res.monitor_thread.join(5.0)
+    for fd in res.monitor_pipe or ():
+        os.close(fd)
+    assert_nothing_leaked(before)
+
+
+def test_a_monitor_that_fails_declares_the_engine_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+    ready = threading.Event()
+
+    def broken(*args: object) -> None:
+        ready.wait(30)
+        raise OverflowError("timeout value is too large")
+
+    monkeypatch.setattr(mp, "_watch_engine", broken)
+    client = make_client(NULL, multiprocess=True, asyncio=False)
+    ready.set()
+    try:
+        with pytest.raises(EngineDeadError) as err:
+            for _ in range(1000):  # the monitor reports at once; bounded anyway
+                client.echo(1, timeout=5)
+        assert "monitor failed" in str(err.value.__cause__)
+        assert client.state is ClientState.DEAD
+    finally:
+        client.shutdown()
+
+
+def test_an_engine_declared_dead_during_the_handshake_is_a_startup_error() -> None:
+    """A heartbeat deadline shorter than the handshake's last steps: never a SpecViolation."""
+    before = snapshot()
+    for _ in range(3):
+        try:
+            client = make_client(NULL, multiprocess=True, asyncio=False,
+                                 engine_heartbeat_timeout_s=1e-9,
+                                 engine_heartbeat_interval_s=1.0)
+        except EngineStartupError as e:
+            assert "during start-up" in str(e)
+        else:  # the handshake won the race: then the monitor's verdict lands right after
+            with pytest.raises(EngineDeadError):
+                for _ in range(1000):
+                    client.echo(1, timeout=5)
+            client.shutdown()
+    assert_nothing_leaked(before)
+
+
+def test_an_async_call_with_no_time_left_gets_its_reply_or_a_utility_timeout() -> None:
+    async def main() -> tuple[int, int]:
+        client = make_client(NULL, multiprocess=True, asyncio=True)
+        got = timed_out = 0
+        try:
+            for i in range(60):
+                try:
+                    assert await client.call_utility_async(  # type: ignore[attr-defined]
+                        "echo", i, timeout=0 if i % 2 else -1) == i
+                    got += 1
+                except UtilityTimeoutError:
+                    timed_out += 1
+            assert await client.echo_async(7, timeout=math.inf) == 7  # type: ignore[attr-defined]
+            assert client.pending_utility_calls() == 0  # type: ignore[attr-defined]
+        finally:
+            client.shutdown()
+        return got, timed_out
+
+    got, timed_out = asyncio.run(main())
+    assert got + timed_out == 60
+
+
+def test_engine_config_names_every_bad_field() -> None:
+    cases: dict[str, list[Any]] = {
+        "device": [None, 5, "tpu"],
+        "gpu_memory_utilization": [None, "0.5", 0, 1.5, math.nan],
+        "null_step_delay_s": [None, "1", -1, math.inf, math.nan],
+        "enable_prefix_caching": ["yes", None, 1],
+        "num_gpu_blocks_override": ["3", 1.5, True, 0],
+        "seed": [-1, 1 << 70, 1.0],
+        "max_num_seqs": [1 << 70, 0, True],
+        "max_model_len": [1 << 70, "256"],
+        "scheduling_policy": [None, ["fcfs"]],
+    }
+    for field, values in cases.items():
+        for value in values:
+            with pytest.raises(ValueError, match=f"EngineConfig.{field}="):
+                EngineConfig(**{field: value})  # type: ignore[arg-type]
+    assert EngineConfig(seed=(1 << 64) - 1, gpu_memory_utilization=1).seed == (1 << 64) - 1
+
+
+@pytest.mark.parametrize("interval", [0, -1, math.nan, math.inf])
+def test_the_engine_refuses_a_heartbeat_interval_it_would_spin_on(interval: float) -> None:
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        EngineCoreProc(NULL, input_address="ipc:///nonexistent/in",
+                       output_address="ipc:///nonexistent/out", heartbeat_interval_s=interval)
+
+
+def test_a_bad_profile_directory_is_refused_with_the_session_intact(tmp_path: Any) -> None:
+    client = InprocClient(NULL)
+    try:
+        with pytest.raises(UtilityError, match=r"not writable|Permission|No such"):
+            client.profile(True, "/proc/enginewire-forbidden/x")
+        client.profile(True, str(tmp_path / "ok"))  # nothing was started by the refusal
+        with pytest.raises(UtilityError):
+            client.profile(False, "/proc/enginewire-forbidden/x")
+        out = client.profile(False)  # the session survived the refused stop
+        assert out is not None and out.startswith(str(tmp_path / "ok")) and os.path.isfile(out)
+        with pytest.raises(UtilityError, match="not running"):
+            client.profile(False)
+    finally:
+        client.shutdown()
