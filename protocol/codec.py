@@ -98,6 +98,14 @@ class Limits(msgspec.Struct, frozen=True):
     max_prompt_tokens: int = 1 << 20
     max_batch: int = 1 << 16
 
+    def __post_init__(self) -> None:
+        # A zero or negative bound would refuse every message (or, as libzmq's MAXMSGSIZE,
+        # lift the bound altogether): refused here, naming the field.
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 62:
+                raise ValueError(f"Limits.{name}={value!r}: must be a positive integer")
+
 
 DEFAULT_LIMITS = Limits()
 

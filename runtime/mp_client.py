@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import math
@@ -404,6 +405,10 @@ class BackgroundResources:
         try:
             if proc.is_alive():
                 proc.terminate()
+                # A stopped engine (SIGSTOP, a debugger) would hold SIGTERM pending and cost
+                # the whole grace: let it run to handle it.
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGCONT)
                 proc.join(None if math.isinf(timeout) else timeout)
             if proc.is_alive():
                 logger.warning("engine core did not stop within %.1f s; killing it", timeout)
@@ -531,6 +536,13 @@ def _watch_engine(
                 f"no message from the engine for {heartbeat_timeout_s:g} s"
                 " (engine_heartbeat_timeout_s)"
             )
+
+
+def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:  # a typo, a port in use: the option is what to fix
+        raise ValueError(f"{option}={address!r}: cannot bind: {e}") from e
 
 
 def _check_frame_sizes(frames: list[Any], limits: Any) -> None:
@@ -669,13 +681,13 @@ class MPClient(EngineCoreClient):
         # identity; without handover the stale pipe would keep it unreachable.
         inp.setsockopt(zmq.ROUTER_HANDOVER, 1)
         res.guard.serve(inp, "input")
-        inp.bind(input_address)
+        _bind(inp, input_address, "input_address")
         self.input_address = inp.getsockopt_string(zmq.LAST_ENDPOINT)
         out = self._make_output_socket(res.ctx)
         out.setsockopt(zmq.LINGER, 0)
         out.setsockopt(zmq.RCVHWM, 0)
         res.guard.serve(out, "output")
-        out.bind(output_address)
+        _bind(out, output_address, "output_address")
         self.output_address = out.getsockopt_string(zmq.LAST_ENDPOINT)
         restrict_ipc_socket(self.input_address)
         restrict_ipc_socket(self.output_address)
@@ -780,6 +792,12 @@ class MPClient(EngineCoreClient):
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                refused = list(res.guard.refusals) if res.guard is not None else []
+                if refused:  # the engine may well be up: its handshake was turned away
+                    raise EngineStartupError(
+                        f"timed out after {timeout:g} s waiting for the engine core's"
+                        f" handshake; the transport refused {len(refused)} peer(s), the"
+                        f" last: {refused[-1]} (check the CURVE keys on both sides)")
                 raise EngineStartupError(
                     f"timed out after {timeout:g} s waiting for the engine core to start"
                     " (slow weight loading is a common cause); raise the deadline with the"

@@ -132,6 +132,9 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
     """Load ``secret_file`` (a ZeroMQ secret certificate, mode 0600), or create it and its
     public twin (same name without ``_secret``, or with ``.key``) when it does not exist."""
     path = Path(secret_file).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{path}: a symbolic link to nothing; point it at a key file or"
+                         " remove it")
     if path.exists():
         _check_private(path)
         public, secret = zmq.auth.load_certificate(path)
@@ -146,7 +149,13 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(_certificate("**Secret**", pair.public, pair.secret))
-    _public_file(path).write_bytes(_certificate("Public", pair.public, None))
+    # 0644 whatever the umask: a world-writable public key could be swapped before a peer
+    # copies it; never follow a link planted in its place.
+    fd = os.open(_public_file(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                 0o644)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o644)
+        f.write(_certificate("Public", pair.public, None))
     logger.info("generated a CURVE key pair in %s (public key %s)", path,
                 pair.public.decode("ascii"))
     return pair
@@ -304,8 +313,10 @@ class _AllowList:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
+        # One log key for every unknown key: a scanner with fresh keys must not get a warning
+        # (and a remembered entry) per key.
         self.guard._refused(f"CURVE public key {key.decode('ascii', 'replace')} is not on the"
-                            " allow-list")
+                            " allow-list", log_key="allow-list")
         return False
 
 
@@ -329,20 +340,26 @@ class TransportGuard:
         self._monitors: list[threading.Thread] = []
         self._auth: ThreadAuthenticator | None = None
 
-    def _refused(self, why: str) -> None:
+    def _refused(self, why: str, log_key: str | None = None) -> None:
         with self._lock:
             self.refusals.append(why)
             self.refusal_count += 1
-        self._warn_once(why, "%s: refused a peer: %s", self.side, why)
+        self._warn_once(log_key or why, "%s: refused a peer: %s", self.side, why)
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         # Repeats within the window go to DEBUG: a peer retrying every reconnect interval
         # must not flood the log.
         now = time.monotonic()
         with self._lock:
-            loud = now - self._last_logged.get(key, -_LOG_WINDOW_S) >= _LOG_WINDOW_S
+            last = self._last_logged
+            loud = now - last.get(key, -_LOG_WINDOW_S) >= _LOG_WINDOW_S
             if loud:
-                self._last_logged[key] = now
+                if len(last) >= _MAX_REFUSALS_KEPT:  # bounded: forget expired windows
+                    for k in [k for k, t in last.items() if now - t >= _LOG_WINDOW_S]:
+                        del last[k]
+                    if len(last) >= _MAX_REFUSALS_KEPT:
+                        last.clear()
+                last[key] = now
         logger.log(logging.WARNING if loud else logging.DEBUG, msg, *args)
 
     def serve(self, sock: zmq.Socket[Any], name: str) -> None:

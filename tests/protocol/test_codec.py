@@ -600,3 +600,20 @@ def test_send_frames_prefix_and_tracker_covers_the_payload() -> None:
         router.close()
         dealer.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("field", ["max_frame_bytes", "max_frames", "max_prompt_tokens",
+                                   "max_batch"])
+@pytest.mark.parametrize("value", [0, -1, "8", True, 1.5, 1 << 62])
+def test_limits_refuse_bounds_that_would_refuse_everything_or_nothing(
+        field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"Limits.{field}="):
+        Limits(**{field: value})
+
+
+def test_an_integer_past_64_bits_is_a_value_error_naming_the_range() -> None:
+    for big in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(ValueError, match="64-bit"):
+            Encoder().encode(UtilityRequest(0, 1, "echo", [big]))
+        with pytest.raises(ValueError, match="64-bit"):
+            Encoder().encode_into(UtilityRequest(0, 1, "echo", [big]), bytearray())

@@ -241,3 +241,40 @@ def test_a_bad_profile_directory_is_refused_with_the_session_intact(tmp_path: An
             client.profile(False)
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("address", ["bogus", "in-use"])
+def test_an_address_that_cannot_be_bound_is_named(address: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PULL)
+    try:
+        if address == "in-use":
+            port = taken.bind_to_random_port("tcp://127.0.0.1")
+            address = f"tcp://127.0.0.1:{port}"
+        before = snapshot()
+        with pytest.raises(ValueError, match=r"input_address=.*cannot bind"):
+            make_client(NULL, multiprocess=True, asyncio=False, launch_engine=False,
+                        input_address=address, output_address="tcp://127.0.0.1:*",
+                        allow_insecure_tcp=True, ready_timeout_s=5)
+        assert_nothing_leaked(before)
+    finally:
+        taken.close(0)
+        ctx.term()
+
+
+def test_a_stopped_engine_is_stopped_by_sigterm_not_after_the_grace(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import signal
+
+    before = snapshot()
+    client = make_client(NULL, multiprocess=True, asyncio=False)
+    pid = client.engine_pid  # type: ignore[attr-defined]
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    with caplog.at_level(logging.WARNING, "enginewire.runtime.mp_client"):
+        client.shutdown()
+    assert "did not stop within" not in caplog.text  # SIGTERM was handled, no SIGKILL
+    assert_nothing_leaked(before)

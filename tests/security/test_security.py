@@ -279,3 +279,36 @@ def test_no_pickle_marshal_or_eval_in_the_wire_layers() -> None:
             for m in _FORBIDDEN.finditer(path.read_text()):
                 hits.append(f"{path.relative_to(ROOT)}: {m.group(0).strip()}")
     assert not hits, hits
+
+
+def test_public_key_file_is_0644_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        load_or_create_keypair(tmp_path / "e.key_secret")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "e.key").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "e.key_secret").stat().st_mode) == 0o600
+
+
+def test_a_dangling_link_as_key_file_is_named(tmp_path: Path) -> None:
+    link = tmp_path / "gone.key_secret"
+    link.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="symbolic link to nothing"):
+        load_or_create_keypair(link)
+
+
+def test_refusal_log_memory_is_bounded() -> None:
+    ctx = zmq.Context()
+    try:
+        guard = TransportGuard(ctx, None, side="test")
+        for i in range(1000):  # a scanner with a fresh key each time: one log key
+            guard._refused(f"CURVE public key K{i} is not on the allow-list",
+                           log_key="allow-list")
+        assert guard.refusal_count == 1000 and len(guard._last_logged) == 1
+        for i in range(2000):
+            guard._warn_once(f"dropped input tcp://10.0.0.{i}", "%s", i)
+        assert len(guard._last_logged) <= 256
+        guard.close()
+    finally:
+        ctx.term()

@@ -354,3 +354,29 @@ def test_failed_start_leaves_no_thread_behind() -> None:
                     curve=local_engine_pair()[0], ready_timeout_s=0.3)
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert not left
+
+
+def test_a_start_that_times_out_on_a_refused_handshake_says_so() -> None:
+    """An engine with the wrong key is up but turned away: the timeout names the refusal
+    instead of blaming slow weight loading."""
+    client_curve, _engine_curve = local_engine_pair()
+    probe = zmq.Context()
+    try:
+        sock = probe.socket(zmq.PULL)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sock.close(0)
+        impostor = probe.socket(zmq.DEALER)
+        impostor.setsockopt(zmq.LINGER, 0)
+        wrong = generate_keypair()
+        impostor.curve_secretkey = wrong.secret
+        impostor.curve_publickey = wrong.public
+        impostor.curve_serverkey = client_curve.keypair.public
+        impostor.connect(f"tcp://127.0.0.1:{port}")  # retried until the client binds
+        with pytest.raises(EngineStartupError, match=r"refused [0-9]+ peer"):
+            make_client(CONFIG, multiprocess=True, asyncio=False, launch_engine=False,
+                        input_address=f"tcp://127.0.0.1:{port}",
+                        output_address="tcp://127.0.0.1:*", curve=client_curve,
+                        ready_timeout_s=2.0)
+        impostor.close(0)
+    finally:
+        probe.term()
