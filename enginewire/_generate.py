@@ -16,6 +16,10 @@ from .protocol.messages import EngineCoreOutputs, EngineCoreRequest, SamplingPar
 _BYTE_OFFSET = 3
 
 
+class RequestFailed(RuntimeError):
+    """The engine finished the request with an error (it refused the prompt or parameters)."""
+
+
 @dataclass
 class GenerateResult:
     token_ids: list[int] = field(default_factory=list)
@@ -106,7 +110,7 @@ def generate(
                 emit(tail)
                 result.finish_reason = str(out.finish_reason)
                 if out.error:
-                    raise RuntimeError(f"request failed: {out.error}")
+                    raise RequestFailed(out.error)
                 return True
         return False
 
@@ -173,6 +177,10 @@ def run_generate(
     except FileNotFoundError as exc:
         print(f"\n{exc}", file=sys.stderr)
         return 3
+    except (RequestFailed, ValueError) as exc:
+        # Refused input: the engine's reason (a bad token id, max_tokens...) or the config's.
+        print(f"enginewire generate: error: the request was refused: {exc}", file=sys.stderr)
+        return 2
     print()
     print(
         f"[{client}] {len(res.token_ids)} tokens, finish={res.finish_reason}, "

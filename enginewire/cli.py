@@ -4,35 +4,117 @@ Exit codes mean the same thing everywhere:
 0 the job ran and everything it checked held; 1 a check failed (a property, a campaign, a
 fault cell, a benchmark bar); 2 bad usage; 3 the environment is missing something (a tool,
 a model file). Each subcommand imports its machinery lazily so ``--help`` stays instant.
+
+Bad usage is one line on stderr that names the flag, and exit status 2: a value out of range,
+an unknown name, a malformed address, and an output path (``--results-dir``, ``--json``,
+``--plot``, ``--out``) that cannot be created or written. Output paths are checked before a
+long job starts, so a run is never lost to a typo at its end.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
 Handler = Callable[[argparse.Namespace], int]
+# EngineConfig's seed bound (seeds travel as msgpack uint64).
+_MAX_SEED = (1 << 64) - 1
+
+
+class UsageError(Exception):
+    """Bad usage found by a handler: ``main`` prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            top = None if hi is None else "2**64 - 1" if hi == _MAX_SEED else str(hi)
+            bound = f">= {lo}" if top is None else f"in [{lo}, {top}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float_over(lo: float, *, inclusive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < lo or (value == lo and not inclusive):
+            op = ">=" if inclusive else ">"
+            raise argparse.ArgumentTypeError(f"must be a finite number {op} {lo:g}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _writable_dir(flag: str, path: str) -> Path:
+    """``path`` as a directory this process can write, created if missing; else UsageError."""
+    d = Path(path).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{flag} {path}: exists and is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: directory is not writable")
+    return d
+
+
+def _writable_file(flag: str, path: str) -> None:
+    """``path`` can be written as a file: its directory exists and is writable."""
+    f = Path(path).expanduser()
+    parent = f.parent
+    if f.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory, expected a file name")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (f.exists() and not os.access(f, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 def _spec_check(args: argparse.Namespace) -> int:
     from .testing.spec_check import run_spec_check
 
-    return run_spec_check(
+    return int(run_spec_check(
         negative=args.negative,
         spin=False if args.no_spin else None,
         controls=args.controls,
-    )
+    ))
 
 
 def _spec_diagrams(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .testing.generate import write_diagrams
 
-    for path in write_diagrams(Path(args.out)):
+    out = _writable_dir("--out", args.out)
+    try:
+        paths = write_diagrams(out)
+    except OSError as exc:  # e.g. a diagram's name is taken by a directory
+        raise UsageError(f"--out {args.out}: {exc}") from None
+    for path in paths:
         print(path)
     return EXIT_OK
 
@@ -51,32 +133,123 @@ def _generate(args: argparse.Namespace) -> int:
     )
 
 
-def _engine(args: argparse.Namespace) -> int:
-    from .runtime import security
-    from .runtime.config import EngineConfig
-    from .runtime.engine_proc import run_engine_core
+_ENGINE_SCHEMES = ("tcp://", "ipc://")
 
+
+def _check_address(flag: str, address: str) -> None:
+    """An address an engine in another process can connect to, as libzmq will parse it."""
+    if not address.startswith(_ENGINE_SCHEMES):
+        raise UsageError(f"{flag} {address!r}: expected tcp://HOST:PORT or ipc://PATH")
+    if address.startswith("tcp://"):
+        host, sep, port = address.removeprefix("tcp://").rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise UsageError(f"{flag} {address!r}: expected tcp://HOST:PORT, port in [1, 65535]")
+    import zmq
+
+    # libzmq has the last word on syntax; connect is lazy, so this sends nothing.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
     try:
-        curve = security.curve_from_options(args.curve_key, args.curve_peer or [])
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        raise UsageError(f"{flag} {address!r}: {exc.strerror}") from None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _engine_curve(args: argparse.Namespace) -> Any:
+    """The engine's CurveConfig from its flags (None without CURVE). Unusable key material is
+    the environment's fault (exit 3, raised as OSError or ValueError); a peer list the engine
+    cannot pick its front end's key from is bad usage."""
+    from .runtime import security
+
+    key = args.curve_key
+    secret = None if key is None else Path(key).expanduser()
+    created = secret is not None and not secret.exists()
+    curve = security.curve_from_options(key, args.curve_peer or [],
+                                        server_key=args.curve_server_key)
+    if created and curve is not None and secret is not None:
+        # Logged at INFO only, which the CLI does not show: the operator needs the public
+        # half to give the front end.
+        print(f"enginewire engine: created CURVE key pair {secret} (public half in "
+              f"{security.public_key_file(secret)}); public key: "
+              f"{curve.keypair.public.decode('ascii')}", flush=True)
+    if curve is not None and curve.server_key is None and len(curve.peer_keys) > 1:
+        raise UsageError(f"--curve-peer gave {len(curve.peer_keys)} keys: name the front end's"
+                         " with --curve-server-key KEY|FILE")
+    return curve
+
+
+def _startup_exit(error: BaseException) -> int:
+    """One line for an engine that could not start, and its exit code."""
+    from .spec import EngineStartupError
+
+    chain = [error]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    if isinstance(error, EngineStartupError) and "ready handshake" in str(error):
+        print(f"enginewire engine: {error}", file=sys.stderr)
+        return EXIT_ENV
+    root = chain[-1]
+    print(f"enginewire engine: could not start: {type(root).__name__}: {root}", file=sys.stderr)
+    if any(isinstance(e, FileNotFoundError) for e in chain):
+        return EXIT_ENV
+    if any(isinstance(e, ValueError) for e in chain):
+        return EXIT_USAGE  # a config the engine refused (e.g. an unknown --model)
+    return EXIT_FAILED
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from .runtime import engine_proc
+    from .runtime.config import EngineConfig
+
+    _check_address("--input-address", args.input_address)
+    _check_address("--output-address", args.output_address)
+    try:
+        curve = _engine_curve(args)
     except (OSError, ValueError) as exc:  # unreadable, unsafe or malformed key material
         print(f"enginewire engine: {exc}", file=sys.stderr)
         return EXIT_ENV
-    return run_engine_core(
-        EngineConfig(model=args.model, seed=args.seed),
-        input_address=args.input_address,
-        output_address=args.output_address,
-        engine_index=args.engine_index,
-        heartbeat_interval_s=args.heartbeat_interval,
-        curve=curve,
-        allow_insecure_tcp=args.allow_insecure_tcp,
-        integrity=args.integrity,
-    )
+    tcp = [a for a in (args.input_address, args.output_address) if a.startswith("tcp://")]
+    if tcp and curve is None and not args.allow_insecure_tcp:
+        raise UsageError(f"refusing plain tcp at {', '.join(tcp)}: anyone who can reach it can"
+                         " submit work and read outputs. Pass --curve-key FILE and --curve-peer"
+                         " KEY (docs/security.md), or --allow-insecure-tcp on a trusted network")
+    try:
+        config = EngineConfig(model=args.model, seed=args.seed)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        rc: int = engine_proc.run_engine_core(
+            config,
+            input_address=args.input_address,
+            output_address=args.output_address,
+            engine_index=args.engine_index,
+            heartbeat_interval_s=args.heartbeat_interval,
+            curve=curve,
+            allow_insecure_tcp=args.allow_insecure_tcp,
+            integrity=args.integrity,
+            raise_startup_errors=True,
+        )
+    except Exception as exc:
+        return _startup_exit(exc)
+    return rc
 
 
 def _campaign(args: argparse.Namespace) -> int:
     from .testing.campaign import run_campaign
 
-    return run_campaign(
+    if args.mutant is not None:
+        from .runtime import _mutants
+
+        if args.mutants is not None:
+            raise UsageError("--mutant and --mutants: give one of them")
+        if args.mutant not in _mutants.BANK:
+            raise UsageError(f"--mutant {args.mutant}: no such mutant; the bank has "
+                             + ", ".join(sorted(_mutants.BANK)))
+    _writable_dir("--results-dir", args.results_dir)
+    return int(run_campaign(
         client=args.client,
         examples=args.examples,
         steps=args.steps,
@@ -88,31 +261,43 @@ def _campaign(args: argparse.Namespace) -> int:
         mutants_all=args.mutants == "all",
         results_dir=args.results_dir,
         profile=args.profile,
-    )
+    ))
 
 
 def _faults_matrix(args: argparse.Namespace) -> int:
     from .faults import run_fault_matrix
 
-    return run_fault_matrix(args.client or None, quick=args.quick, results_dir=args.results_dir)
+    _writable_dir("--results-dir", args.results_dir)
+    rc: int = run_fault_matrix(args.client or None, quick=args.quick,
+                               results_dir=args.results_dir)
+    return rc
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.run import run_bench
+    from .benchmarks.run import SECTIONS, run_bench
 
-    only = [x for x in args.only.split(",") if x] if args.only else None
-    return run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only)
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    unknown = sorted(set(only or ()) - set(SECTIONS))
+    if unknown:
+        raise UsageError(f"--only: unknown section(s) {', '.join(unknown)}; choose from "
+                         + ", ".join(SECTIONS))
+    if args.json:
+        _writable_file("--json", args.json)
+    if args.plot:
+        _writable_file("--plot", args.plot)
+    return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="enginewire",
         description=(
             "A formally specified front-end <-> engine-core protocol for LLM inference engines: "
             "model-check the spec, run campaigns and fault matrices against a real engine, "
             "benchmark the IPC layer, or serve an engine."
         ),
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 missing tool or file.",
+        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage (one line on stderr: a bad value, "
+        "an unknown name, an output path that cannot be written), 3 missing tool or file.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -162,14 +347,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="all",
         help="which client to drive (default: all three)",
     )
-    camp.add_argument("--examples", type=int, default=10, help="Hypothesis examples per client")
-    camp.add_argument("--steps", type=int, default=25, help="maximum rules per example")
-    camp.add_argument("--seed", type=int, help="seed for a reproducible run (printed when unset)")
+    camp.add_argument("--examples", type=_int_in(1), default=10,
+                      help="Hypothesis examples per client (>= 1)")
+    camp.add_argument("--steps", type=_int_in(1), default=25,
+                      help="maximum rules per example (>= 1)")
+    camp.add_argument(
+        "--seed",
+        type=int,
+        help="seed for a reproducible run; when unset a randomized run picks one, prints it and "
+        "records it in the JSON report",
+    )
     camp.add_argument(
         "--faults", choices=("on", "off"), default="on", help="include crash and fault rules"
     )
     camp.add_argument(
-        "--duration", type=float, metavar="SECONDS", help="run until this much time has passed"
+        "--duration",
+        type=_float_over(0.0, inclusive=False),
+        metavar="SECONDS",
+        help="run until this much time has passed (> 0)",
     )
     camp.add_argument(
         "--model", choices=("tiny", "null"), default="null", help="engine model to drive"
@@ -187,7 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="ci: small and deterministic; campaign: randomized, persistent example database",
     )
     camp.add_argument(
-        "--results-dir", default="results", help="directory for the JSON report"
+        "--results-dir",
+        default="results",
+        help="directory for the JSON report (created; checked writable before the run)",
     )
     camp.set_defaults(handler=_campaign)
 
@@ -210,7 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="the bounded subset CI runs (a few minutes)"
     )
     matrix.add_argument(
-        "--results-dir", default="results", help="directory for fault_matrix.json"
+        "--results-dir",
+        default="results",
+        help="directory for fault_matrix.json (created; checked writable before the run)",
     )
     matrix.set_defaults(handler=_faults_matrix)
 
@@ -250,9 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="sync",
         help="which client carries the request",
     )
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--max-tokens", type=_int_in(1), default=32, help="tokens to generate (>= 1)")
+    gen.add_argument(
+        "--temperature", type=_float_over(0.0, inclusive=True), default=0.0,
+        help="0 means greedy (>= 0)"
+    )
+    gen.add_argument("--seed", type=_int_in(0, _MAX_SEED), default=0, help="sampling seed (>= 0)")
     gen.set_defaults(handler=_generate)
 
     eng = sub.add_parser(
@@ -260,15 +462,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="run an engine process that connects to a front end's addresses",
         description="Start an engine core in this process and connect it to a front end that "
         "bound the given input and output addresses (like vLLM's headless engines).",
+        epilog="Exit codes: 0 stopped by SIGTERM/SIGINT, 1 a fatal error while serving, 2 bad "
+        "usage (a bad flag value or address, an unknown model, plain tcp without "
+        "--allow-insecure-tcp), 3 unusable key files, or no front end at --input-address within "
+        "the handshake deadline (30 s).",
     )
     eng.add_argument("--model", default="tiny", help="engine model: tiny, null")
     eng.add_argument("--input-address", required=True, help="front end's ROUTER address")
     eng.add_argument("--output-address", required=True, help="front end's PULL address")
-    eng.add_argument("--engine-index", type=int, default=0, help="this engine's rank")
-    eng.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    eng.add_argument(
+        "--engine-index", type=_int_in(0, 65535), default=0, help="this engine's rank (0-65535)"
+    )
+    eng.add_argument(
+        "--seed", type=_int_in(0, _MAX_SEED), default=0, help="weights and sampling seed (>= 0)"
+    )
     eng.add_argument(
         "--heartbeat-interval",
-        type=float,
+        type=_float_over(0.0, inclusive=False),
         default=1.0,
         help="seconds between idle heartbeats, so the front end can tell a live engine "
         "from a vanished one",
@@ -285,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="a front end's public key (Z85 text, key file or directory of them) allowed to "
         "talk to this engine; repeatable",
+    )
+    eng.add_argument(
+        "--curve-server-key",
+        metavar="KEY|FILE",
+        help="the public key (Z85 text or key file) of the front end this engine connects to; "
+        "needed when --curve-peer gives several keys",
     )
     eng.add_argument(
         "--allow-insecure-tcp",
@@ -307,6 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
+    except UsageError as exc:
+        words = [args.command, getattr(args, "spec_command", None),
+                 getattr(args, "faults_command", None)]
+        prog = " ".join([parser.prog, *(w for w in words if w)])
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

@@ -13,20 +13,29 @@ Profiles: ``ci`` is small and deterministic (derandomized, no example database: 
 replays the same examples); ``campaign`` is randomized and keeps a persistent example database
 under ``results_dir`` so a long run resumes from what earlier runs found.
 
+Seeds: a randomized run (the ``campaign`` profile, or any ``duration`` run) without a seed
+picks one, prints it and records it in the report, so ``--seed`` replays it; round ``k`` of a
+duration run uses ``seed + k`` and each client records its round seeds. A ``ci`` run without
+``duration`` or seed is derandomized: every run replays the same examples.
+
 Mutants (``runtime/_mutants.py``) are switched on by an environment variable read at import,
 so ``run_campaign(mutant=NAME)`` re-runs itself in a child process with that variable set; the
 child's report says whether the campaign found the bug. ``mutants_all=True`` does this for the
-whole bank and prints the detection table.
+whole bank and prints the detection table; a mutant none of the requested clients can show is
+"n/a" there (not run, and not counted as undetected).
 
 The CLI (``enginewire campaign``) only parses arguments and calls ``run_campaign``; the exit
-status is 0 when nothing failed (or, for ``mutants_all``, every mutant was detected) and 1
-otherwise (for a single ``mutant``: 1 means the campaign found it).
+status is 0 when nothing failed (or, for ``mutants_all``, every applicable mutant was
+detected) and 1 otherwise (for a single ``mutant``: 1 means the campaign found it).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -108,6 +117,9 @@ class ClientResult:
     errors: list[str] = field(default_factory=list)
     reproducer: str | None = None
     first_failure: tuple[int, float] | None = None
+    # The Hypothesis seed of each round (None: derandomized); the last one is the failing
+    # round's when ``failure`` is set (``--seed`` replays it).
+    round_seeds: list[int | None] = field(default_factory=list)
 
     @property
     def steps_per_s(self) -> float:
@@ -254,6 +266,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
             runner: Any = run_state_machine_as_test
             if round_seed is not None:
                 core.global_force_seed = round_seed
+            result.round_seeds.append(round_seed)
             try:
                 with with_reporter(lambda text: lines.append(str(text))):
                     runner(make, settings=sets)
@@ -269,10 +282,9 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 hypothesis.core.global_force_seed = saved
             if deadline is None or time.monotonic() >= deadline:
                 break
-            # Another round, differently seeded: a duration run keeps exploring.
+            # Another round, differently seeded: a duration run keeps exploring (run_campaign
+            # gave it a seed, so each round can be replayed with --seed).
             round_seed = None if round_seed is None else round_seed + 1
-            if profile == "ci" and round_seed is None:
-                round_seed = int(time.monotonic() * 1000) % (2**31)
     finally:
         try:
             pool.close()
@@ -322,6 +334,9 @@ def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: An
             w(f"\nFAILURE on {r.client}: {r.failure}\n")
             for err in r.errors:
                 w(f"  raised in {err}\n")
+            if r.round_seeds and r.round_seeds[-1] is not None:
+                w(f"  failing round's seed: {r.round_seeds[-1]} (replay with --seed"
+                  f" {r.round_seeds[-1]})\n")
             if r.reproducer:
                 w(r.reproducer + "\n")
 
@@ -363,24 +378,40 @@ def run_campaign(
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     if model not in ("null", "tiny"):
         raise ValueError(f"model must be 'null' or 'tiny', got {model!r}")
+    for name, value in (("examples", examples), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if duration is not None and not (math.isfinite(duration) and duration > 0):
+        raise ValueError(f"duration must be a finite number of seconds > 0, got {duration!r}")
+    if mutant is not None and mutant not in _mutants.BANK:
+        raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
+    # Before the run, so a bad path costs nothing.
     out_dir = Path(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PermissionError(f"results_dir {results_dir!r} is not writable")
     kinds = list(CLIENTS) if client == "all" else [client]
     if mutants_all:
         return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
                                  results_dir=out_dir)
     if mutant is not None and _mutants.ACTIVE != mutant:
-        if mutant not in _mutants.BANK:
-            raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
         row = _run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
                           model=model, results_dir=out_dir)
-        print(f"mutant {mutant}: {'DETECTED' if row['detected'] else 'not detected'}"
-              f" ({row['detail']})")
+        verdict = ("DETECTED" if row["detected"] else "not detected" if row["applicable"]
+                   else "not applicable")
+        print(f"mutant {mutant}: {verdict} ({row['detail']})")
         return 1 if row["detected"] else 0
     if _mutants.ACTIVE is not None:
         # Running inside a mutant child: only the clients that can show this bug.
         wanted = _mutants.BANK[_mutants.ACTIVE].clients
         kinds = [k for k in kinds if k in wanted] or kinds
+    elif seed is None and (profile == "campaign" or duration is not None):
+        # A randomized run must be replayable: choose the seed here and say it.
+        seed = random.SystemRandom().randrange(2**31)
+        print(f"seed: {seed} (chosen at random; replay with --seed {seed})", flush=True)
+    elif seed is None:
+        print("seed: none (ci profile: derandomized, every run replays the same examples)",
+              flush=True)
 
     # Spawned engines inherit the environment: one torch thread each on a shared machine (a
     # null engine ignores the setting and never loads torch).
@@ -454,16 +485,28 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"campaign-{stamp}.json" if _mutants.ACTIVE is None else (
-        f"mutant-{_mutants.ACTIVE}-{stamp}.json")
-    path = out_dir / name
+    prefix = "campaign" if _mutants.ACTIVE is None else f"mutant-{_mutants.ACTIVE}"
+    path = _new_report_path(out_dir, prefix)
     path.write_text(json.dumps(report, indent=2, default=str))
     report_to = os.environ.get("_ENGINEWIRE_CAMPAIGN_REPORT")
     if report_to:
         Path(report_to).write_text(json.dumps(report, default=str))
     print(f"report: {path}")
     return 1 if report["failed"] else 0
+
+
+def _new_report_path(out_dir: Path, prefix: str) -> Path:
+    """``<prefix>-<stamp>-<pid>.json``, created here (exclusively) so that concurrent runs,
+    or two runs of one process in the same second, never write the same file."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in itertools.count(1):
+        path = out_dir / (f"{prefix}-{stamp}.json" if n == 1 else f"{prefix}-{stamp}-{n}.json")
+        try:
+            with open(path, "x"):
+                return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 # --- mutants ---------------------------------------------------------------------------------
@@ -476,9 +519,10 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
 
     wanted = [k for k in kinds if k in _mutants.BANK[name].clients]
     if not wanted:
-        return {"mutant": name, "detected": False, "examples": None, "seconds": None,
+        return {"mutant": name, "applicable": False, "detected": False, "examples": None,
+                "seconds": None,
                 "detail": f"no requested client can show it (needs {_mutants.BANK[name].clients})"}
-    report_path = results_dir / f".mutant-{name}.json"
+    report_path = results_dir / f".mutant-{name}-{os.getpid()}.json"
     report_path.unlink(missing_ok=True)
     env = dict(os.environ, **{_mutants.ENV_VAR: name,
                               "_ENGINEWIRE_CAMPAIGN_REPORT": str(report_path)})
@@ -508,11 +552,12 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
         first = failing[0]
         ff = first.get("first_failure") or [first["examples"], seconds]
         detail = f"{first['client']}: {first['failure'][:160]}"
-        return {"mutant": name, "detected": True, "examples": ff[0],
+        return {"mutant": name, "applicable": True, "detected": True, "examples": ff[0],
                 "seconds": round(float(ff[1]), 1), "client": first["client"],
                 "detail": detail, "log": str(log)}
     why = "timed out" if rc is None else f"exit status {rc}"
-    return {"mutant": name, "detected": False, "examples": None, "seconds": round(seconds, 1),
+    return {"mutant": name, "applicable": True, "detected": False, "examples": None,
+            "seconds": round(seconds, 1),
             "detail": f"{why}; see {log}", "log": str(log)}
 
 
@@ -525,14 +570,22 @@ def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int 
         row = _run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
                           results_dir=results_dir)
         rows.append(row)
-        print(f"  {name:<40} {'yes' if row['detected'] else 'NO'}", flush=True)
+        print(f"  {name:<40} {_verdict(row)}", flush=True)
     print(f"\n{'mutant':<40} {'detected':<8} {'examples':>8} {'seconds':>8}  client")
     for r in rows:
-        print(f"{r['mutant']:<40} {'yes' if r['detected'] else 'NO':<8} "
+        print(f"{r['mutant']:<40} {_verdict(r):<8} "
               f"{'' if r['examples'] is None else r['examples']:>8} "
               f"{'' if r['seconds'] is None else r['seconds']:>8}  {r.get('client', '')}")
-    path = results_dir / f"mutants-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = _new_report_path(results_dir, "mutants")
     path.write_text(json.dumps(rows, indent=2))
-    undetected = [r["mutant"] for r in rows if not r["detected"]]
-    print(f"{len(rows) - len(undetected)}/{len(rows)} mutants detected; table: {path}")
+    applicable = [r for r in rows if r["applicable"]]
+    undetected = [r["mutant"] for r in applicable if not r["detected"]]
+    skipped = len(rows) - len(applicable)
+    print(f"{len(applicable) - len(undetected)}/{len(applicable)} mutants detected"
+          + (f" ({skipped} n/a: no requested client can show them)" if skipped else "")
+          + f"; table: {path}")
     return 1 if undetected else 0
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    return "n/a" if not row["applicable"] else "yes" if row["detected"] else "NO"

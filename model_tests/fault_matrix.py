@@ -139,6 +139,22 @@ class Cell:
     scenario: Scenario
     fault: Fault
 
+    def __post_init__(self) -> None:
+        # A bad cell must fail where it is written, not run and report "harness_error".
+        if self.client not in CLIENT_KINDS:
+            raise ValueError(f"Cell.client={self.client!r}: must be one of {CLIENT_KINDS}")
+        if not isinstance(self.scenario, Scenario):
+            try:
+                object.__setattr__(self, "scenario", Scenario(self.scenario))
+            except ValueError:
+                raise ValueError(f"Cell.scenario={self.scenario!r}: must be one of"
+                                 f" {[s.value for s in Scenario]}") from None
+        if not isinstance(self.fault, Fault):
+            raise TypeError(f"Cell.fault={self.fault!r}: must be a Fault")
+        if self.client == "inproc" and self.fault.action in PROCESS_ACTIONS:
+            raise ValueError(f"Cell: {self.fault.action.value} on an inproc engine would stop"
+                             " the test process itself")
+
     @property
     def name(self) -> str:
         return f"{self.client}/{self.scenario.value}/{self.fault}"
@@ -550,6 +566,11 @@ def run_fault_matrix(
     bad = [c for c in clients if c not in CLIENT_KINDS]
     if bad:
         raise ValueError(f"unknown client kinds {bad}; choose from {CLIENT_KINDS}")
+    # Before any cell runs: a path that cannot be written must not cost the whole matrix.
+    out_dir = Path(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PermissionError(f"results_dir {results_dir!r} is not writable")
     config = config if config is not None else _default_config()
     todo = cells if cells is not None else matrix_cells(clients, quick)
     if extra_cells is None:
@@ -575,7 +596,8 @@ def run_fault_matrix(
                 echo(f"{'pass' if r.passed else 'FAIL'} {r.cell}: {r.outcome}"
                      f" ({r.wall_s:.1f} s) {r.detail}")
     failed = [r for r in results if not r.passed]
-    Path(results_dir).mkdir(parents=True, exist_ok=True)
+    if echo is not None:
+        echo(format_table(results))  # first: the table survives a failed write below
     report = {
         "quick": quick, "clients": clients, "cells": len(results), "failed": len(failed),
         "wall_s": round(time.monotonic() - t0, 1),
@@ -584,10 +606,13 @@ def run_fault_matrix(
                    "heartbeat_interval_s": HEARTBEAT_INTERVAL_S},
         "results": [asdict(r) for r in results],
     }
-    out = Path(results_dir) / "fault_matrix.json"
-    out.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    out = out_dir / "fault_matrix.json"
+    # Written whole and renamed into place: concurrent matrices in one directory never
+    # interleave their JSON (the last one wins).
+    tmp = out_dir / f".fault_matrix-{os.getpid()}-{threading.get_ident()}.json"
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out)
     if echo is not None:
-        echo(format_table(results))
         echo(f"{len(results) - len(failed)}/{len(results)} cells as the spec requires;"
              f" JSON: {out}")
     return 1 if failed else 0

@@ -34,13 +34,16 @@ import random
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
+from msgspec.structs import force_setattr
 
 from ..protocol.messages import ENGINE_DEAD_SENTINEL, RequestType
+from ..runtime.faults import as_member, check_count, check_real
 from ..runtime.integrity import DEFAULT_LOSS_DEADLINE_S
 
 __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
@@ -86,6 +89,23 @@ class FrameRule(msgspec.Struct, frozen=True, kw_only=True):
     count: int | None = 1  # apply at most this often (None: no limit)
     delay_s: float = 0.2
 
+    def __post_init__(self) -> None:
+        # Enum fields take the member or its string value and are stored as the member, so
+        # a rule written with strings matches like one written with members; a bad field
+        # fails here, not in the proxy thread (where it would silence the link).
+        force_setattr(self, "action", as_member(FrameAction, self.action, "FrameRule.action"))
+        if self.direction is not None:
+            force_setattr(self, "direction",
+                          as_member(Direction, self.direction, "FrameRule.direction"))
+        if self.kind is not None:
+            force_setattr(self, "kind", as_member(FrameKind, self.kind, "FrameRule.kind"))
+        force_setattr(self, "probability",
+                      check_real(self.probability, "FrameRule.probability", high=1.0))
+        check_count(self.skip, "FrameRule.skip")
+        if self.count is not None:
+            check_count(self.count, "FrameRule.count")
+        force_setattr(self, "delay_s", check_real(self.delay_s, "FrameRule.delay_s"))
+
 
 _TYPE_KINDS = {RequestType.ADD.value: FrameKind.ADD, RequestType.ABORT.value: FrameKind.ABORT,
                RequestType.UTILITY.value: FrameKind.UTILITY}
@@ -120,10 +140,23 @@ class _RuleState:
     applied: int = 0
 
 
+def _remove_ipc_dir(path: str) -> None:
+    for name in ("in", "out"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 @dataclass
 class Interposer:
     """Start with ``start()`` (or ``with``), pass ``engine_addresses`` to the client as its
-    ``engine_connect`` option after ``attach(client_input, client_output)``."""
+    ``engine_connect`` option after ``attach(client_input, client_output)``.
+
+    Constructing one touches nothing outside the process: the ipc directory is made on first
+    need (``start()`` or ``engine_addresses``), and removed by ``close()`` or, for a proxy
+    never closed, when it is collected or the interpreter exits.
+    """
 
     rules: list[FrameRule] = field(default_factory=list)
     seed: int = 0
@@ -132,20 +165,43 @@ class Interposer:
     applied_at: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rules, list | tuple):
+            raise TypeError(f"Interposer.rules must be a list of FrameRule,"
+                            f" got {type(self.rules).__name__} {self.rules!r}")
+        for i, r in enumerate(self.rules):
+            if not isinstance(r, FrameRule):
+                raise TypeError(f"Interposer.rules[{i}] must be a FrameRule,"
+                                f" got {type(r).__name__} {r!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"Interposer.seed must be an int, got {self.seed!r}")
         self._rng = random.Random(self.seed)
         self._states = [_RuleState(r) for r in self.rules]
-        self._dir = tempfile.mkdtemp(prefix="enginewire-ip-")
-        self.engine_addresses = (f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
-        self._ctx = zmq.Context(io_threads=1)
+        self._dir: str | None = None
+        self._cleanup: weakref.finalize[[str], Interposer] | None = None
+        self._ctx: zmq.Context[Any] | None = None
         self._stop = threading.Event()
         self._client: tuple[str, str] | None = None
         self._attached = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    @property
+    def engine_addresses(self) -> tuple[str, str]:
+        """The (input, output) pair the engine connects to (``engine_connect``)."""
+        with self._lock:
+            if self._dir is None:
+                self._dir = tempfile.mkdtemp(prefix="enginewire-ip-")
+                # Holds the path, not self: a proxy never closed still leaves no directory.
+                self._cleanup = weakref.finalize(self, _remove_ipc_dir, self._dir)
+            return (f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> Interposer:
+        if self._thread is not None:
+            raise RuntimeError("Interposer.start() called twice")
+        self.engine_addresses  # noqa: B018 -- made now, before the thread binds there
+        self._ctx = zmq.Context(io_threads=1)
         self._thread = threading.Thread(target=self._run, name="Interposer", daemon=True)
         self._thread.start()
         return self
@@ -160,14 +216,12 @@ class Interposer:
         self._attached.set()
         if self._thread is not None:
             self._thread.join(5.0)
-        t = threading.Thread(target=self._ctx.term, daemon=True)
-        t.start()
-        t.join(5.0)
-        for name in ("in", "out"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self._dir, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self._dir)
+        if self._ctx is not None:
+            t = threading.Thread(target=self._ctx.term, daemon=True)
+            t.start()
+            t.join(5.0)
+        if self._cleanup is not None:
+            self._cleanup()  # runs once: a second close() is a no-op
 
     def __enter__(self) -> Interposer:
         return self.start()
@@ -181,9 +235,9 @@ class Interposer:
         with self._lock:
             for st in self._states:
                 r = st.rule
-                if r.direction is not None and r.direction is not direction:
+                if r.direction is not None and r.direction != direction:
                     continue
-                if r.kind is not None and r.kind is not kind:
+                if r.kind is not None and r.kind != kind:
                     continue
                 st.seen += 1
                 if st.seen <= r.skip or (r.count is not None and st.applied >= r.count):
@@ -213,6 +267,7 @@ class Interposer:
 
     def _run(self) -> None:
         ctx = self._ctx
+        assert ctx is not None
         eng_in = ctx.socket(zmq.ROUTER)
         eng_out = ctx.socket(zmq.PULL)
         cli_in = ctx.socket(zmq.DEALER)
@@ -369,8 +424,8 @@ class _InterposerCell:
                 FrameAction.DROP, FrameAction.REORDER):
             # A lost input (or one held back behind a next input that never comes) shows only
             # as a missing ack: the integrity link's loss deadline.
-            return DEFAULT_LOSS_DEADLINE_S + fm.DEATH_BOUND_S
-        return fm.DEATH_BOUND_S
+            return float(DEFAULT_LOSS_DEADLINE_S + fm.DEATH_BOUND_S)
+        return float(fm.DEATH_BOUND_S)
 
     @property
     def name(self) -> str:

@@ -423,6 +423,10 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             self._drain(live)
 
     def _arm(self, spec: str) -> None:
+        if not self.faults:
+            # Every fault rule is gated on ``faults``; one that is not must fail loudly here,
+            # never inject into a run that promised none (``--faults off``).
+            raise OracleViolation(f"fault {spec!r} armed in a run with faults off")
         if self.multiprocess:
             self.cut.call_utility("arm_fault", spec)
         else:
@@ -780,7 +784,11 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                                 "crash", "shutdown"]))
     def engine_wait_mode(self, then: str) -> None:
         """The engine's pause(wait) with requests running: it drains them (DRAINING), meets
-        ``then`` while draining, completes its deferred reply, and is resumed."""
+        ``then`` while draining, completes its deferred reply, and is resumed. ``crash`` is a
+        fault: with faults off it drains instead (decided before the rule is recorded, so the
+        reproducer says what ran)."""
+        if then == "crash" and not self.faults:
+            then = "drained"
         with self._rule("engine_wait_mode", locals()):
             engine = self.cut.client.engine
             if self.oracle.paused:  # PAUSED/SLEEPING: nothing to drain, the reply is immediate
@@ -1017,7 +1025,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @rule(with_pending=st.booleans())
     def shutdown(self, with_pending: bool) -> None:
         """Shutdown is clean: blocked calls fail with ClientClosedError, never EngineDeadError;
-        it is bounded and releases everything."""
+        it is bounded and releases everything. ``with_pending`` blocks a read and, only when
+        faults are on, a utility call held pending by a SIGSTOPped engine."""
         with self._rule("shutdown", locals()):
             pending: list[concurrent.futures.Future[Any]] = []
             pid = self.cut.engine_pid
@@ -1026,6 +1035,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                 self._quiesce()
                 pending.append(self.cut.submit("get_output"))
                 self.cut.call_utility("echo", 0)
+            if pending and self.faults:
                 assert pid is not None
                 cf.stop_process(pid)  # keeps the next call pending
                 stopped = True

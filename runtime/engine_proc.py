@@ -77,7 +77,7 @@ from ..protocol.messages import (
     UtilityRequest,
 )
 from ..spec.engine import EngineEvent, EngineState
-from ..spec.errors import ProtocolError
+from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import TraceEntry
 from . import _mutants
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
@@ -374,11 +374,13 @@ class EngineCoreProc:
             deadline = time.monotonic() + HANDSHAKE_SEND_S
             while not self._input_ready.wait(0.1):
                 if self._input_error is not None or not self._threads[-1].is_alive():
-                    raise RuntimeError("engine input thread died during start-up") from (
-                        self._input_error
-                    )
+                    raise EngineStartupError(
+                        f"engine input thread died during start-up: {self._input_error}"
+                    ) from self._input_error
                 if time.monotonic() > deadline:
-                    raise RuntimeError("engine could not send its ready handshake")
+                    raise EngineStartupError(
+                        f"no front end took the ready handshake at {input_address} within"
+                        f" {HANDSHAKE_SEND_S:g} s (is one bound there, with matching keys?)")
             self.engine.lifecycle.fire(EngineEvent.HANDSHAKE_SENT)
         except BaseException:
             self.close()
@@ -966,9 +968,12 @@ def run_engine_core(
     allow_insecure_tcp: bool = False,
     limits: Limits = DEFAULT_LIMITS,
     integrity: bool = False,
+    raise_startup_errors: bool = False,
 ) -> int:
     """Build the engine, handshake with the client at the given addresses, serve until told
-    to stop. Returns the process exit status (0 clean, 1 fatal). ``parent_pid`` turns on the
+    to stop. Returns the process exit status (0 clean, 1 fatal); with
+    ``raise_startup_errors`` a failure to start is raised instead (after cleanup), so a
+    command line can say it in one line. ``parent_pid`` turns on the
     parent-death watch; engines started by ``enginewire engine`` pass None. ``fault`` is a
     test hook: a ``FaultPlan``, ``Fault`` or spec string (``runtime/faults.py``). ``curve``
     makes both sockets CURVE clients of the front end (plain tcp needs
@@ -1007,6 +1012,8 @@ def run_engine_core(
         return 0
     except Exception:
         if not constructed:
+            if raise_startup_errors:
+                raise
             logger.exception("engine core failed to start")
         else:
             logger.exception("engine core hit a fatal error")

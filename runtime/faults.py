@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-A ``FaultPlan`` is data: a list of ``Fault(point, action, at=N, arg=..., method=...)``. It
-travels to the engine process at launch (the client option ``engine_fault``, which also still
-takes the legacy ``"forward:3"`` string) and, only when the plan says ``allow_arm=True``, more
-faults can be armed at run time through the ``arm_fault`` utility. Without that flag the
-utility does not exist: a production engine never exposes a way to kill itself.
+A ``FaultPlan`` is data: a list of ``Fault(point=..., action=..., at=N, arg=..., method=...)``,
+every field checked (and a string converted to its enum member) when built, so a bad plan fails
+in the caller, never inside an engine. It travels to the engine process at launch (the client
+option ``engine_fault``, which also still takes the legacy ``"forward:3"`` string) and, only
+when the plan says ``allow_arm=True``, more faults can be armed at run time through the
+``arm_fault`` utility. Without that flag the utility does not exist: a production engine never
+exposes a way to kill itself.
 
 Inside the engine a ``FaultInjector`` is called at every named point (``FaultPoint``); each
 fault counts the hits of its point and fires once, on hit number ``at``. What firing does is
@@ -22,13 +24,15 @@ No I/O at import; ``fire`` is the only place that touches the process.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+from msgspec.structs import force_setattr
 
 __all__ = [
     "ARM_FAULT_UTILITY",
@@ -39,7 +43,10 @@ __all__ = [
     "FaultPoint",
     "InjectedFault",
     "InjectedOOM",
+    "as_member",
     "as_plan",
+    "check_count",
+    "check_real",
 ]
 
 ARM_FAULT_UTILITY = "arm_fault"
@@ -78,6 +85,49 @@ class FaultAction(enum.StrEnum):
     OOM = "oom"  # simulated out-of-memory (CUDA OOM on a GPU, KV exhaustion on CPU)
 
 
+E = TypeVar("E", bound=enum.Enum)
+
+
+def as_member(kind: type[E], value: object, name: str) -> E:
+    """``value`` as a member of ``kind``: the member itself or its string value.
+
+    Every harness struct converts its enum fields through this at construction, so a rule
+    written with strings matches exactly like one written with members (the hot paths then
+    compare members and never see a bare string).
+    """
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in kind)
+            raise ValueError(f"{name}={value!r}: not a {kind.__name__}; one of {allowed}"
+                             ) from None
+    raise TypeError(f"{name} must be a {kind.__name__} or its string value,"
+                    f" got {type(value).__name__} {value!r}")
+
+
+def check_count(value: object, name: str, *, least: int = 0) -> int:
+    """An int (not a bool) of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"{name}={value}: must be >= {least}")
+    return value
+
+
+def check_real(value: object, name: str, *, low: float = 0.0,
+               high: float = math.inf) -> float:
+    """A finite real number (not a bool) in ``[low, high]``, as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or not low <= value <= high:
+        bound = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise ValueError(f"{name}={value!r}: must be finite and {bound}")
+    return float(value)
+
+
 class InjectedFault(RuntimeError):
     """The exception a RAISE fault throws."""
 
@@ -98,27 +148,52 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     method: str | None = None
 
     def __post_init__(self) -> None:
-        if self.at < 1:
-            raise ValueError(f"Fault.at={self.at}: counts hits from 1")
-        if self.method is not None and self.point is not FaultPoint.UTILITY:
-            raise ValueError("Fault.method only narrows the UTILITY point")
+        # Checked and converted here, once: the injector's per-hit check then compares
+        # members only. (Frozen, hence force_setattr; msgspec decoding runs this too.)
+        point = as_member(FaultPoint, self.point, "Fault.point")
+        action = as_member(FaultAction, self.action, "Fault.action")
+        force_setattr(self, "point", point)
+        force_setattr(self, "action", action)
+        check_count(self.at, "Fault.at", least=1)  # hits count from 1
+        if self.arg is not None:
+            if action is FaultAction.EXIT:
+                status = check_real(self.arg, "Fault.arg (exit status)", high=255)
+                if not status.is_integer():
+                    raise ValueError(f"Fault.arg={self.arg!r}: an exit status is an integer")
+            else:
+                # DELAY: seconds (time.sleep refuses negatives, and nan/inf never return).
+                check_real(self.arg, "Fault.arg")
+        if self.method is not None:
+            if not isinstance(self.method, str) or not self.method:
+                raise TypeError(f"Fault.method must be a utility name, got {self.method!r}")
+            if point is not FaultPoint.UTILITY:
+                raise ValueError("Fault.method only narrows the UTILITY point")
 
     @classmethod
     def parse(cls, text: str) -> Fault:
         """``point[:method][:at][:action][:arg]``, e.g. ``forward:3``, ``utility:echo:2``,
         ``step:5:sigkill``, ``output_send:1:delay:0.5``. The legacy ``"<point>:<n>"`` test hook
         strings parse to a RAISE."""
+        if not isinstance(text, str):
+            raise TypeError(f"a fault spec is a str, got {type(text).__name__} {text!r}")
         parts = text.split(":")
-        point = FaultPoint(parts.pop(0))
-        method = None
-        if point is FaultPoint.UTILITY and parts and not parts[0].isdigit():
-            method = parts.pop(0)
-        at = int(parts.pop(0)) if parts else 1
-        action = FaultAction(parts.pop(0)) if parts else FaultAction.RAISE
-        arg = float(parts.pop(0)) if parts else None
-        if parts:
-            raise ValueError(f"fault spec {text!r}: unexpected trailing {parts!r}")
-        return cls(point=point, action=action, at=at, arg=arg, method=method)
+        try:
+            point = as_member(FaultPoint, parts.pop(0), "point")
+            method = None
+            if point is FaultPoint.UTILITY and parts and not parts[0].isdigit():
+                method = parts.pop(0)
+            at = parts.pop(0) if parts else "1"
+            if not at.isdigit():
+                raise ValueError(f"at={at!r}: the hit count is a whole number")
+            action = as_member(FaultAction, parts.pop(0), "action") if parts else (
+                FaultAction.RAISE)
+            arg = float(parts.pop(0)) if parts else None
+            if parts:
+                raise ValueError(f"unexpected trailing {parts!r}")
+            return cls(point=point, action=action, at=int(at), arg=arg, method=method)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"fault spec {text!r} (point[:method][:at][:action][:arg]): {e}"
+                             ) from None
 
     def __str__(self) -> str:
         head = self.point.value if self.method is None else f"{self.point.value}:{self.method}"
@@ -135,29 +210,83 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # harness can measure detection latency (CLOCK_MONOTONIC is shared by all processes).
     record_path: str | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.faults, tuple):
+            force_setattr(self, "faults", list(self.faults))
+        if not isinstance(self.faults, list):
+            hint = " (a spec string: use FaultPlan.parse)" if isinstance(self.faults, str) else ""
+            raise TypeError(f"FaultPlan.faults must be a list of Fault,"
+                            f" got {type(self.faults).__name__} {self.faults!r}{hint}")
+        for i, f in enumerate(self.faults):
+            if not isinstance(f, Fault):
+                raise TypeError(f"FaultPlan.faults[{i}] must be a Fault (Fault.parse reads a"
+                                f" spec string), got {type(f).__name__} {f!r}")
+        if not isinstance(self.allow_arm, bool):
+            raise TypeError(f"FaultPlan.allow_arm must be a bool, got {self.allow_arm!r}")
+        if self.record_path is not None:
+            if isinstance(self.record_path, os.PathLike):
+                force_setattr(self, "record_path", os.fspath(self.record_path))
+            if not isinstance(self.record_path, str) or not self.record_path:
+                raise TypeError(f"FaultPlan.record_path must be a path, got {self.record_path!r}")
+
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         """Comma-separated ``Fault.parse`` specs."""
+        if not isinstance(text, str):
+            raise TypeError(f"a fault plan spec is a str, got {type(text).__name__} {text!r}")
         return cls(faults=[Fault.parse(p.strip()) for p in text.split(",") if p.strip()])
 
 
 def as_plan(option: str | Fault | FaultPlan | None) -> FaultPlan | None:
-    """The ``engine_fault`` client option, whatever form it came in."""
-    if option is None or isinstance(option, FaultPlan):
-        return option
+    """The ``engine_fault`` client option, whatever form it came in, fully checked.
+
+    Raises ``ValueError`` (an unknown point or action, a bad count or argument: the message
+    names it and lists what is allowed) or ``TypeError`` (not a plan, a fault or a spec string)
+    here, in the caller's process: a client calls it before it spawns an engine, so a bad
+    option never costs an engine start. A ``FaultPlan`` is checked again (its ``faults`` list
+    may have been changed since it was built); the result is a new plan, never the argument.
+    """
+    if option is None:
+        return None
+    if isinstance(option, FaultPlan):
+        return FaultPlan(faults=[_recheck(f) for f in _faults_of(option)],
+                         allow_arm=option.allow_arm, record_path=option.record_path)
     if isinstance(option, Fault):
-        return FaultPlan(faults=[option])
+        return FaultPlan(faults=[_recheck(option)])
     if isinstance(option, str):
         return FaultPlan.parse(option)
-    raise TypeError(f"engine_fault must be a FaultPlan, Fault or str, got {type(option)!r}")
+    raise TypeError(f"engine_fault must be a FaultPlan, Fault or str spec,"
+                    f" got {type(option).__name__} {option!r}")
+
+
+def _faults_of(plan: FaultPlan) -> list[Any]:
+    if not isinstance(plan.faults, list | tuple):
+        raise TypeError(f"FaultPlan.faults must be a list of Fault, got {plan.faults!r}")
+    return list(plan.faults)
+
+
+def _recheck(fault: object) -> Fault:
+    if not isinstance(fault, Fault):
+        raise TypeError(f"a FaultPlan holds Fault values, got {type(fault).__name__} {fault!r}")
+    return Fault(point=fault.point, action=fault.action, at=fault.at, arg=fault.arg,
+                 method=fault.method)
+
+
+# EngineCore's own hook strings ("step", "forward", "utility:<name>", "sleep", "wake_up"),
+# parsed once each: the step and forward points are hit every engine step.
+_POINTS: dict[str, tuple[FaultPoint, str | None]] = {}
 
 
 def _point_of(where: str | FaultPoint) -> tuple[FaultPoint, str | None]:
     if isinstance(where, FaultPoint):
         return where, None
-    # EngineCore's own hook strings: "step", "forward", "utility:<name>", "sleep", "wake_up".
-    head, _, method = where.partition(":")
-    return FaultPoint(head), (method or None)
+    hit = _POINTS.get(where)
+    if hit is None:
+        head, _, method = where.partition(":")
+        hit = (as_member(FaultPoint, head, "fault point"), method or None)
+        if len(_POINTS) < 256:  # utility names come from the wire: keep the cache bounded
+            _POINTS[where] = hit
+    return hit
 
 
 class FaultInjector:
@@ -177,11 +306,20 @@ class FaultInjector:
             self.arm(f)
 
     def arm(self, fault: Fault | str | dict[str, Any]) -> str:
-        """Add a fault (the ``arm_fault`` utility calls this); returns its spec string."""
+        """Add a fault (the ``arm_fault`` utility calls this); returns its spec string.
+
+        Anything else raises here, in the utility (a ``UtilityError`` for the caller): an
+        unchecked value would only fail later, at a fault point inside an engine thread.
+        """
         if isinstance(fault, str):
             fault = Fault.parse(fault)
         elif isinstance(fault, dict):
             fault = msgspec.convert(fault, Fault)
+        elif isinstance(fault, Fault):
+            fault = _recheck(fault)
+        else:
+            raise TypeError(f"arm_fault takes a Fault, a spec string or a dict,"
+                            f" got {type(fault).__name__} {fault!r}")
         with self._lock:
             self._armed.append([fault, 0])
         return str(fault)
@@ -191,12 +329,14 @@ class FaultInjector:
             return [f for f, _ in self._armed]
 
     def __call__(self, where: str | FaultPoint) -> None:
+        if not self._armed:  # the common case, every step: nothing armed, no lock taken
+            return
         point, method = _point_of(where)
         due: list[Fault] = []
         with self._lock:
             for entry in self._armed:
                 fault: Fault = entry[0]
-                if fault.point is not point:
+                if fault.point != point:
                     continue
                 if fault.method is not None and fault.method != method:
                     continue

@@ -101,6 +101,7 @@ from .client import (
     check_timeout,
     check_wake_tags,
 )
+from .faults import as_plan
 from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
 from .ipc import IpcDir
 from .security import (
@@ -602,6 +603,9 @@ class MPClient(EngineCoreClient):
         engine_startup_delay_s = check_option_seconds(
             engine_startup_delay_s, "engine_startup_delay_s", allow_zero=True) or 0.0
         ready_timeout = _ready_timeout(ready_timeout_s)
+        # A fault spec is parsed here, not first in the spawned engine: a typo is a ValueError
+        # from the constructor instead of an engine that dies while starting.
+        engine_fault = as_plan(engine_fault)
         for name, index in (("engine_index", engine_index), ("client_index", client_index)):
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 1 << 16:
                 raise ValueError(f"{name}={index!r}: must be an integer in [0, 65535]")

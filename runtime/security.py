@@ -57,6 +57,7 @@ __all__ = [
     "load_or_create_keypair",
     "load_public_keys",
     "local_engine_pair",
+    "public_key_file",
     "restrict_ipc_socket",
 ]
 
@@ -151,7 +152,7 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
         f.write(_certificate("**Secret**", pair.public, pair.secret))
     # 0644 whatever the umask: a world-writable public key could be swapped before a peer
     # copies it; never follow a link planted in its place.
-    fd = os.open(_public_file(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+    fd = os.open(public_key_file(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
                  0o644)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o644)
@@ -161,7 +162,8 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
     return pair
 
 
-def _public_file(secret_path: Path) -> Path:
+def public_key_file(secret_path: Path) -> Path:
+    """Where the public twin of a secret key file is written."""
     name = secret_path.name
     if name.endswith(".key_secret"):
         return secret_path.with_name(name.removesuffix("_secret"))
@@ -251,16 +253,18 @@ class CurveConfig:
 
 
 def curve_from_options(
-    key_file: str | os.PathLike[str] | None, peer_keys: Iterable[str | os.PathLike[str]] = ()
+    key_file: str | os.PathLike[str] | None, peer_keys: Iterable[str | os.PathLike[str]] = (),
+    server_key: str | bytes | os.PathLike[str] | None = None,
 ) -> CurveConfig | None:
-    """For command lines: ``--curve-key FILE`` with ``--curve-peer KEY|FILE|DIR`` (repeatable);
-    None when neither is given."""
+    """For command lines: ``--curve-key FILE`` with ``--curve-peer KEY|FILE|DIR`` (repeatable)
+    and, for a connecting side with several peers, ``--curve-server-key``; None when none is
+    given."""
     peers = list(peer_keys)
-    if key_file is None and not peers:
+    if key_file is None and not peers and server_key is None:
         return None
     if key_file is None or not peers:
         raise ValueError("CURVE needs both this side's key file and at least one peer key")
-    return CurveConfig.from_files(key_file, peers)
+    return CurveConfig.from_files(key_file, peers, server_key=server_key)
 
 
 def local_engine_pair(client: CurveConfig | None = None) -> tuple[CurveConfig, CurveConfig]:

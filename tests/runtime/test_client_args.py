@@ -278,3 +278,10 @@ def test_a_stopped_engine_is_stopped_by_sigterm_not_after_the_grace(
         client.shutdown()
     assert "did not stop within" not in caplog.text  # SIGTERM was handled, no SIGKILL
     assert_nothing_leaked(before)
+
+
+def test_a_bad_fault_spec_is_refused_before_the_engine_is_spawned() -> None:
+    before = snapshot()
+    with pytest.raises(ValueError, match="nosuch"):
+        make_client(NULL, multiprocess=True, asyncio=False, engine_fault="nosuch:1")
+    assert_nothing_leaked(before)

@@ -1,0 +1,81 @@
+"""`enginewire campaign` and `faults matrix`: seeds, report files, mutants, bad cells."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enginewire.cli import main
+from enginewire.runtime import _mutants
+from enginewire.runtime.faults import Fault, FaultAction, FaultPoint
+from enginewire.testing import campaign, fault_matrix
+from enginewire.testing.fault_matrix import Cell, Scenario
+
+TINY = ["campaign", "--client", "inproc", "--model", "null", "--examples", "1", "--steps", "2"]
+
+
+def test_unset_seed_is_printed_and_recorded(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY, "--profile", "campaign", "--results-dir", str(tmp_path)]) == 0
+    m = re.search(r"seed: (\d+) .*--seed \1", capsys.readouterr().out)
+    assert m, "no replayable seed printed"
+    (report,) = tmp_path.glob("campaign-*.json")
+    data = json.loads(report.read_text())
+    assert data["settings"]["seed"] == int(m.group(1))
+    assert data["clients"][0]["round_seeds"] == [int(m.group(1))]
+
+
+def test_report_files_never_collide(tmp_path: Path) -> None:
+    paths = {campaign._new_report_path(tmp_path, "campaign") for _ in range(3)}
+    assert len(paths) == 3 and all(p.exists() for p in paths)
+    for _ in range(2):  # two runs in (most likely) the same second
+        assert main([*TINY, "--seed", "1", "--results-dir", str(tmp_path)]) == 0
+    written = [p for p in tmp_path.glob("campaign-*.json") if p.stat().st_size]
+    assert len(written) == 2
+
+
+def test_mutants_no_requested_client_can_show_are_not_applicable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Only the bank's mutants an inproc client cannot show, so no child campaign runs.
+    elsewhere = {k: v for k, v in _mutants.BANK.items() if "inproc" not in v.clients}
+    assert elsewhere
+    monkeypatch.setattr(_mutants, "BANK", elsewhere)
+    assert main([*TINY, "--mutants", "all", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "n/a" in out and " NO" not in out
+    (table,) = tmp_path.glob("mutants-*.json")
+    rows: list[dict[str, Any]] = json.loads(table.read_text())
+    assert {r["mutant"] for r in rows} == set(elsewhere)
+    assert not any(r["applicable"] or r["detected"] for r in rows)
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (("bogus", Scenario.GENERATE, Fault(point=FaultPoint.FORWARD)), ValueError),
+    (("sync", "nosuch", Fault(point=FaultPoint.FORWARD)), ValueError),
+    (("sync", Scenario.GENERATE, "forward:3"), TypeError),
+    (("inproc", Scenario.GENERATE, Fault(point=FaultPoint.STEP, action=FaultAction.SIGKILL)),
+     ValueError),
+])
+def test_bad_cell_fails_where_it_is_written(args: tuple[Any, ...],
+                                            error: type[Exception]) -> None:
+    with pytest.raises(error):
+        Cell(*args)
+    assert Cell("sync", "generate", Fault(point=FaultPoint.FORWARD)).scenario is (
+        Scenario.GENERATE)
+
+
+def test_matrix_checks_its_results_dir_before_any_cell(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(fault_matrix, "_warm_up", lambda *a: ran.append("warm-up"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(OSError):
+        fault_matrix.run_fault_matrix(["inproc"], results_dir=str(a_file / "below"),
+                                      cells=[], extra_cells=[], echo=None)
+    assert ran == []
