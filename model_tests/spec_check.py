@@ -203,7 +203,8 @@ def run_spec_check(
     """
     t0 = time.perf_counter()
     if negative is not None and negative not in BUGS:
-        out(f"unknown negative control {negative!r}; choose one of: {', '.join(BUGS)}")
+        print(f"unknown negative control {negative!r}; choose one of: {', '.join(BUGS)}",
+              file=sys.stderr)
         return 2
     if spin is None:
         spin = spin_available()

@@ -648,7 +648,9 @@ class EngineCoreProc:
         finally:
             with self._out_lock:
                 self._out = None
-            sock.close()
+            # Linger to flush the last outputs only to a front end that took the handshake:
+            # with none, nothing can be delivered and the linger would only delay the exit.
+            sock.close(linger=None if self._input_ready.is_set() else 0)
 
     def _send_locked(self, item: Any) -> None:
         """Encode and send one item on the PUSH socket; the caller holds ``_out_lock``."""
@@ -904,9 +906,13 @@ class EngineCoreProc:
             except Exception:
                 logger.exception("engine shutdown raised")
         self.output_queue.put(_STOP)
+        # Time to flush the last outputs, for a front end that took the handshake. Without
+        # one a send only waits for a peer that never comes: terminating the context below
+        # ends it at once.
+        flush_s = OUTPUT_FLUSH_S if self._input_ready.is_set() else 0.1
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
-                t.join(OUTPUT_FLUSH_S)
+                t.join(flush_s)
         # Terminating the context wakes the input thread's blocking recv; it closes its
         # socket and term() returns. Bounded by a helper thread in case a socket is stuck.
         ctx = self._ctx
