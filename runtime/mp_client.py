@@ -43,6 +43,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import stat
 import threading
 import time
 import weakref
@@ -345,6 +346,9 @@ class BackgroundResources:
     shutdown_timeout: float | None = None
     guard: TransportGuard | None = None  # ZAP handler and socket monitors (security.py)
     last_seen: list[float] = field(default_factory=lambda: [time.monotonic()])
+    # ipc socket files bound at addresses the caller gave (ours live in ipc_dir): removed
+    # once the context is gone, so a later bind there is not refused or confused.
+    bound_ipc_paths: list[str] = field(default_factory=list)
     done: bool = False
 
     def __call__(self) -> None:
@@ -377,6 +381,11 @@ class BackgroundResources:
         if self.ipc_dir is not None:
             ipc_dir, self.ipc_dir = self.ipc_dir, None
             ipc_dir.remove()
+        paths, self.bound_ipc_paths = self.bound_ipc_paths, []
+        for path in paths:
+            with contextlib.suppress(OSError):  # already gone, or not ours any more
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
 
     def _stop_monitor(self) -> None:
         if self.monitor_pipe is not None:
@@ -695,6 +704,10 @@ class MPClient(EngineCoreClient):
         self.output_address = out.getsockopt_string(zmq.LAST_ENDPOINT)
         restrict_ipc_socket(self.input_address)
         restrict_ipc_socket(self.output_address)
+        for address in (self.input_address, self.output_address):
+            if address.startswith("ipc://") and (
+                    res.ipc_dir is None or not address.startswith(f"ipc://{res.ipc_dir.path}/")):
+                res.bound_ipc_paths.append(address.removeprefix("ipc://"))
 
         if launch_engine:
             from .engine_proc import _process_main

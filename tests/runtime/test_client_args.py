@@ -285,3 +285,19 @@ def test_a_bad_fault_spec_is_refused_before_the_engine_is_spawned() -> None:
     with pytest.raises(ValueError, match="nosuch"):
         make_client(NULL, multiprocess=True, asyncio=False, engine_fault="nosuch:1")
     assert_nothing_leaked(before)
+
+
+def test_ipc_socket_files_at_given_addresses_are_removed_at_shutdown(tmp_path: Any) -> None:
+    inp, out = tmp_path / "in", tmp_path / "out"
+    client = make_client(NULL, multiprocess=True, asyncio=False,
+                         input_address=f"ipc://{inp}", output_address=f"ipc://{out}")
+    assert inp.exists() and out.exists()
+    assert client.echo(3) == 3
+    client.shutdown()
+    assert not inp.exists() and not out.exists()
+    keep = tmp_path / "keep"  # a regular file is never touched, whatever address named it
+    keep.write_text("x")
+    client = make_client(NULL, multiprocess=True, asyncio=False)
+    client.resources.bound_ipc_paths.append(str(keep))  # type: ignore[attr-defined]
+    client.shutdown()
+    assert keep.read_text() == "x"
