@@ -53,7 +53,10 @@ def _struct_table(cls: type[msgspec.Struct]) -> list[str]:
             default = f"`{f.default_factory()!r}`"
         else:
             default = "required"
-        lines.append(f"| {i} | `{f.name}` | `{_type_name(f.type)}` | {default} |")
+        # A bare "|" (as in "int | None") would split the cell in GitHub's tables.
+        kind = _type_name(f.type).replace("|", "\\|")
+        default = default.replace("|", "\\|")
+        lines.append(f"| {i} | `{f.name}` | `{kind}` | {default} |")
     lines.append("")
     return lines
 

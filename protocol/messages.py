@@ -1,19 +1,177 @@
 """Wire messages: frozen msgspec Structs, one closed set per direction.
 
+This page is the whole contract: a front end written from it alone, in any language with
+ZeroMQ and msgpack, can drive an engine (``tests/protocol/test_protocol_doc.py`` does so in
+raw pyzmq, and reads the tables below from this page).
+
+## Sockets and the ready handshake
+
+The front end binds both sockets; the engine connects to them.
+
+| front end binds | engine connects | direction | one message |
+|---|---|---|---|
+| ROUTER (input) | DEALER | front end → engine | ``[identity, type byte + payload, aux...]`` |
+| PULL (output) | PUSH | engine → front end | ``[payload, aux...]``, or the sentinel frame |
+
+1. The engine speaks first, because a ROUTER can only address a peer it has heard from. Its
+   ``ReadyResponse`` arrives on the ROUTER as ``[identity, payload]``: no type byte, no aux.
+   The front end sends nothing before it; a ROUTER silently drops a message to an identity
+   it has no route to yet.
+2. ``identity`` is ``engine_index.to_bytes(2, "little")`` (engine 0: ``b"\\x00\\x00"``). The
+   front end puts it first on every message it sends; the ROUTER strips it, so the engine's
+   DEALER sees ``[type byte + payload, aux...]``.
+3. The front end checks ``protocol_version`` and refuses one it does not know (see
+   Versioning). An engine that no front end has taken the ready from within 30 s exits.
+
+Socket options worth copying: ``ROUTER_HANDOVER=1`` (after an oversized frame libzmq drops
+the engine's connection and the engine connects again under the same identity; without
+handover the stale pipe keeps it unreachable) and ``SNDHWM=0`` on the ROUTER (one at its
+high-water mark drops messages silently).
+
+## Front end → engine
+
+A message's first frame is its request-type byte followed by its msgpack payload (kinds in
+the table below), so a transport can route on the first byte without decoding.
+
+* ``ADD``: the request then gets outputs until one carries a ``finish_reason``. A request the
+  engine refuses (bad sampling values, prompt too long, ...) gets one ``ERROR`` output whose
+  ``error`` says why; so does a malformed ADD whose ``request_id`` can still be read.
+* ``ABORT``: each live request named ends with an ``ABORT`` output; unknown or finished ids
+  are no-ops. Aborts are applied in order with ADDs (never before their ADD), at the next
+  step boundary.
+* ``UTILITY``: exactly one reply, an ``EngineCoreOutputs`` whose ``utility_output`` carries
+  the same ``call_id`` (chosen by the front end). ``failure_message`` is set when the call
+  failed: an unknown method (the message lists the allowed ones), bad arguments, a result
+  that cannot be sent. ``echo(x)`` returns ``x``.
+
+Field meanings:
+
+* ``client_index`` (both requests): the sending front end's rank (vLLM's several front ends).
+  The engine records it but answers on its one output socket: a single front end sends 0.
+* ``EngineCoreRequest.arrival_time``: the front end's timestamp in seconds, on any clock it
+  uses consistently; must be finite. Waiting requests are ranked by ``priority`` (lower
+  first), then ``arrival_time`` (earlier first), then the order the engine received them, so
+  all 0.0 is first come, first served.
+* ``EngineCoreOutput.stop_reason``: the token id from ``stop_token_ids`` that ended the
+  request with ``STOP`` (also the last of ``new_token_ids``); null when EOS, the length
+  limit, an abort or an error ended it. The ``str`` form is reserved for stop strings, which
+  this engine never sends.
+* ``EngineCoreOutputs.timestamp``: the engine's ``time.monotonic()`` when it built the batch
+  (0.0 on a rejection).
+
+## Engine → front end
+
+Every message is one ``EngineCoreOutputs`` with its aux frames, or the sentinel. The engine
+sends a message's parts together, so read whole messages. A batch is one of:
+
+* **Request outputs.** A token reaches the front end in one of two places. ``outputs`` holds
+  ``EngineCoreOutput`` structs; the *stream columns* hold the commonest case (one new token,
+  not finished, no cached-token count) as two flat lists of equal length: request
+  ``stream_ids[i]`` got token ``stream_tokens[i]``. In steady decoding most tokens arrive
+  *only* in the columns, so a front end that ignores them loses tokens. Expand a batch as
+  ``EngineCoreOutputs.expanded()`` does: first one ``EngineCoreOutput(stream_ids[i],
+  [stream_tokens[i]])`` per column entry, in column order, then ``outputs`` in order. A
+  finishing output is always in ``outputs``, and ``finished_requests`` lists the ids this
+  batch finished (null when none). ``scheduler_stats`` rides along on step batches.
+* **A utility reply**: ``utility_output`` set.
+* **A heartbeat**: an ``EngineCoreOutputs`` with nothing but ``engine_index`` and
+  ``timestamp``. With a heartbeat interval set, the engine sends one as soon as its output
+  socket connects (about when the ready goes out; there is no order across the two sockets)
+  and again whenever it has sent nothing for that long. The interval is
+  ``run_engine_core(heartbeat_interval_s=...)``, default None (no heartbeats), or
+  ``enginewire engine --heartbeat-interval``, default 1.0 s. A front end with a liveness
+  deadline asks for beats well inside it (``MPClient`` uses a quarter).
+* **The sentinel**: one frame, exactly ``ENGINE_DEAD_SENTINEL``. The engine hit a fatal
+  error; nothing follows and the process exits 1.
+
+## Shutdown
+
+There is no shutdown message. SIGTERM or SIGINT to the engine process stops it: live
+requests end with an ``ABORT`` output (and in ``finished_requests``), deferred utility calls
+(``sleep``/``pause_scheduler`` waiting for requests) get *no* reply (to their caller the
+engine went away, which the front end learns from the exit), the last outputs are flushed
+(for up to 4 s) and the process exits 0, *without* a sentinel. After that nothing
+arrives: the front end learns that the engine is gone from the process's exit, or from
+missed heartbeats, not from the wire. A signal during start-up exits 0 before any ready.
+
+## Arrays and aux frames
+
+torch tensors and numpy arrays, and registered Structs, travel as msgpack ext values:
+
+| ext code | carries | ext body (msgpack) |
+|---|---|---|
+| 1 | torch tensor | ``[dtype, shape, data]`` |
+| 2 | numpy array | ``[dtype, shape, data]`` |
+| 3 | registered Struct (a utility result) | ``[name, value]`` |
+
+* ``dtype``: for torch the dtype's name without ``torch.`` (``float32``, ``bfloat16``,
+  ``int64``, ``bool``, ``float8_e4m3fn``, ...); for numpy its canonical ``dtype.str``: byte
+  order, kind, item size and an optional datetime unit (``<f4``, ``|u1``, ``<M8[ns]``).
+  Object, void and zero-size dtypes are refused: nothing is ever pickled.
+* ``shape``: at most 64 sizes, each >= 0.
+* ``data``: the array's bytes in C order, either inline (msgpack bin) or an int index into
+  the message's aux frames; aux 0 is the frame right after the payload frame (on the input
+  socket, after the type byte + payload frame). Senders here inline arrays under 256 bytes
+  and put larger ones in aux frames, zero-copy; a receiver takes either form at any size. The
+  byte count must equal the product of ``shape`` times the item size.
+
+Arrays may appear in the ``Any`` fields: ``UtilityRequest.args``, ``UtilityOutput.result``,
+``EngineCoreRequest.tensors``. Decoding is strict: the typed decoders refuse every ext code
+but these three with one exception, msgpack's standard timestamp (ext -1), which msgspec
+decodes natively: inside an ``Any`` field it becomes a UTC ``datetime`` (and ``echo`` sends
+it back as ext -1); a typed field refuses it. Bounds, checked before allocating: frames of at
+most 256 MiB (libzmq drops the connection on a larger one), 64 frames a message, 2^20
+prompt tokens, 65536 ids in an ABORT or a batch.
+
+## Which parts belong to a message
+
+Aux frames follow only a payload that refers to them (or, with frame integrity, the trailer
+follows), and each side reads a message's further parts only then. Without integrity the
+engine decodes a message's first frame alone; only if that fails and libzmq says more parts
+follow does it read the rest of the ZMQ message and decode it all together (aux frames no
+payload refers to are then ignored). So a part that no payload refers to is read as a
+message of its own: a valid one is executed as such (the same peer could have sent it
+alone, so this grants nothing), and a malformed one is rejected alone (with any parts after
+it in its ZMQ message); nothing in later messages is lost. A rejected ADD whose
+``request_id`` can be read gets an ``ERROR`` output, a rejected UTILITY whose ``call_id`` can
+be read a failure reply; anything else is logged and dropped, and the engine serves on. The
+engine never sends a part nothing refers to: a front end treats a message it cannot decode
+as a broken engine (``MPClient`` declares it dead).
+
+## Frame integrity (optional)
+
+Off unless both ends are told (engine: ``run_engine_core(integrity=True)`` or ``enginewire
+engine --integrity``). Then every message except the ready and the sentinel ends with one
+24-byte trailer frame::
+
+    b"EWS1" | seq (u64 LE) | ack (u64 LE) | crc32 (u32 LE)
+
+``seq`` counts this direction's messages from 1; ``ack`` is the last ``seq`` received the
+other way. The CRC-32 (zlib's) runs over every frame before the trailer in order, then over
+the trailer's first 20 bytes. It never covers the identity frame: the front end seals
+``[type byte + payload, aux...]``, what the engine's DEALER receives, and adds the identity
+in front when sending. The engine treats a missing trailer, a bad CRC or an unexpected
+``seq`` as fatal (sentinel, exit 1).
+
+## Versioning
+
 Evolution rule (msgspec's schema-evolution guide): Structs are ``array_like`` (positional),
 so fields are only ever *appended*, each new field has a default, and no field is removed,
 renamed or re-typed. An older peer's shorter array still decodes; ``tests/protocol`` pins
-the positional layout of every message so a reorder fails a test.
+the positional layout of every message so a reorder fails a test. A peer also ignores
+trailing fields it does not know, which is harmless for a hint and not for data: a front
+end that predates ``stream_ids``/``stream_tokens`` would silently drop most tokens. Only the
+engine reports its version, so only the front end can refuse a mismatch, and it must refuse
+any ``protocol_version`` it does not know, a newer one included, rather than decode it with
+its own (older) types.
 
-Frames. Client -> engine on the ROUTER/DEALER pair: ``[identity, type byte + payload,
-aux...]``: a message's first frame is its request-type byte followed by its payload, so the
-engine's DEALER sees ``[type byte + payload, aux...]`` and a transport can route on the
-first byte without decoding. Engine -> client on PUSH/PULL: ``[payload, aux...]``, or the
-single sentinel frame ``ENGINE_DEAD_SENTINEL``. Aux frames follow only a payload that refers
-to them (or, with frame integrity, the trailer follows), and each side reads a message's
-further parts only then. So every message's first frame says what it is, and a part that
-nothing refers to is taken as a message of its own: the engine rejects it alone (nothing
-after it is lost), a client fails to decode it and declares the engine dead.
+| version | change |
+|---|---|
+| 1 | initial layout; ``stream_ids``/``stream_tokens`` appended later in version 1 |
+| 2 | the type byte leads the payload in one frame (version 1 sent it as its own frame) |
+
+The stream columns came without a version bump, so a version-1 engine may send them to a
+version-1 front end that drops them: one more reason to refuse any other version.
 """
 
 from __future__ import annotations

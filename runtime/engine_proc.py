@@ -897,12 +897,17 @@ class EngineCoreProc:
         if self.engine is not None:
             try:
                 self._fault(FaultPoint.SHUTDOWN)
+                self._flush_replies()  # calls that completed before the shutdown
                 self.engine.shutdown()
                 # Live requests end with ABORT on shutdown: let their owners know.
                 final = self.engine.take_final_outputs()
                 if final is not None:
                     self._emit(final)
-                self._flush_replies()  # deferred calls failed by the shutdown
+                # Deferred calls the shutdown failed get no reply: to the front end the
+                # engine went away under them, and it says so (EngineDeadError) once it sees
+                # the exit; a UtilityError would blame the method. After the front end's own
+                # shutdown nobody waits for them anyway.
+                self._replies.clear()
             except Exception:
                 logger.exception("engine shutdown raised")
         self.output_queue.put(_STOP)

@@ -306,6 +306,11 @@ class _UtilityRegistry:
             return [e.future for e in entries]
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _set_future(fut: Any, error: BaseException | None, result: Any) -> None:
     if fut.done():
         return
@@ -350,11 +355,27 @@ class BackgroundResources:
     # once the context is gone, so a later bind there is not refused or confused.
     bound_ipc_paths: list[str] = field(default_factory=list)
     done: bool = False
+    # Set when a teardown has run to its end; ``torn_by`` is the thread running it.
+    finished: threading.Event = field(default_factory=threading.Event)
+    torn_by: int = 0
 
     def __call__(self) -> None:
         if self.done:
             return
         self.done = True
+        self.torn_by = threading.get_ident()
+        try:
+            self._tear_down()
+        finally:
+            self.finished.set()
+
+    def wait_finished(self, timeout: float) -> None:
+        """Return once the teardown another thread started has ended (bounded); at once on
+        the tearing thread itself (a signal handler there must not wait for itself)."""
+        if self.torn_by != threading.get_ident():
+            self.finished.wait(timeout)
+
+    def _tear_down(self) -> None:
         stages: list[Callable[[], None]] = [self._stop_monitor, self._stop_process]
         if _mutants.active("context_term_before_close"):
             stages.append(self._term_context)
@@ -546,6 +567,15 @@ def _watch_engine(
                 f"no message from the engine for {heartbeat_timeout_s:g} s"
                 " (engine_heartbeat_timeout_s)"
             )
+
+
+def _end_message(sock: zmq.Socket[Any]) -> None:
+    """A send interrupted part-way (Ctrl-C is raised inside a send, possibly after the part
+    went): end the message with an empty part, so the next message is not read as its
+    continuation. The engine rejects the stub as malformed and nothing else is lost; if no
+    message was open, the empty part names no peer and the ROUTER drops it."""
+    with contextlib.suppress(Exception):
+        sock.send(b"")
 
 
 def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
@@ -867,6 +897,11 @@ class MPClient(EngineCoreClient):
             checked = check_timeout(timeout)
             timeout = math.inf if checked is None else checked
         if not self._mark_closed():
+            # A second caller returns when the first one's teardown has ended, not before:
+            # "shutdown returned" means the engine is gone, for every caller.
+            grace = self.resources.shutdown_timeout
+            grace = DEFAULT_SHUTDOWN_TIMEOUT_S if grace is None or math.isinf(grace) else grace
+            self.resources.wait_finished(grace + 30.0)
             return
         err: EngineWireError = ClientClosedError("the client was shut down")
         if _mutants.active("spurious_dead_on_clean_shutdown"):
@@ -894,10 +929,14 @@ class MPClient(EngineCoreClient):
                 # Plain copying sends (the message, or it and its trailer): cheaper than
                 # send_multipart for these small frames.
                 send = self._sock_send
-                send(sock, self.identity, ZMQ_SNDMORE)
-                if len(frames) == 2:
-                    send(sock, frames[0], ZMQ_SNDMORE)
-                send(sock, frames[-1])
+                try:
+                    send(sock, self.identity, ZMQ_SNDMORE)
+                    if len(frames) == 2:
+                        send(sock, frames[0], ZMQ_SNDMORE)
+                    send(sock, frames[-1])
+                except BaseException:
+                    _end_message(sock)
+                    raise
                 return
             # Aux frames are zero-copy views of the caller's arrays: keep them (and their
             # trackers) until libzmq is done, so the memory outlives the send.
@@ -905,11 +944,15 @@ class MPClient(EngineCoreClient):
             while pending and all(t.done for t in pending[0][0]):
                 pending.popleft()
             trackers = []
-            sock.send(self.identity, zmq.SNDMORE)
             last = len(frames) - 1
-            for i, frame in enumerate(frames):
-                flags = zmq.SNDMORE if i < last else 0
-                trackers.append(sock.send(frame, flags, copy=False, track=True))
+            try:
+                sock.send(self.identity, zmq.SNDMORE)
+                for i, frame in enumerate(frames):
+                    flags = zmq.SNDMORE if i < last else 0
+                    trackers.append(sock.send(frame, flags, copy=False, track=True))
+            except BaseException:
+                _end_message(sock)
+                raise
             pending.append((trackers, frames))
 
     def _send_call(self, request: UtilityRequest) -> bool:
@@ -930,8 +973,12 @@ class MPClient(EngineCoreClient):
             if sock is None:
                 raise ClientClosedError("the client was shut down")
             send = self._sock_send
-            send(sock, self.identity, ZMQ_SNDMORE)
-            send(sock, payload)
+            try:
+                send(sock, self.identity, ZMQ_SNDMORE)
+                send(sock, payload)
+            except BaseException:
+                _end_message(sock)
+                raise
         return True
 
     def send_raw_frames(self, frames: list[bytes]) -> None:
@@ -1148,6 +1195,7 @@ class _SyncReader:
         self._bg_reading = False
         self._kicked = False
         self._callers = 0
+        self._bg_idle_checks = 0  # background's idle looks in a row with callers but no reads
         # Counts callers' reads (a counter, not a clock: this is on the round trip's path).
         self._caller_reads = 0
         self._closing = False
@@ -1221,6 +1269,7 @@ class _SyncReader:
         cv = self.cv
         pumped = holding = False
         cv.acquire()
+        self._reclaim_stale()
         self._callers += 1
         try:
             while True:
@@ -1257,9 +1306,13 @@ class _SyncReader:
                 finally:
                     cv.acquire()
         finally:
+            # Plain stores first: an exception raised into this thread (Ctrl-C) lands at
+            # Python calls, and must not leave the socket marked as held.
+            if holding:
+                self._reading = self._bg_reading = False
+            self._callers -= 1
             if holding:
                 self._give_back(caller=True)
-            self._callers -= 1
             if cv._waiters:  # type: ignore[attr-defined]
                 cv.notify_all()
             cv.release()
@@ -1271,6 +1324,7 @@ class _SyncReader:
         ``wait_for``."""
         cv, lock = self.cv, self._lock
         with lock:
+            self._reclaim_stale()
             if self._reading or self._callers or self._closing or self._stopped:
                 solo = False
             else:
@@ -1289,10 +1343,18 @@ class _SyncReader:
                     break  # another thread waits: share the socket as ``wait_for`` does
         finally:
             with lock:
+                self._reading = self._bg_reading = False  # plain stores first (see wait_for)
                 self._callers -= 1
                 self._give_back(caller=True)
         if not call._done:
             self.wait_for(call.done, None)  # shared, closing or dead: wait there
+
+    def _reclaim_stale(self) -> None:
+        """A thread starting a wait cannot already hold the socket: if the socket is marked
+        as held by it, an exception (Ctrl-C) interrupted its last call before the mark was
+        cleared; clear it. Caller holds ``cv``."""
+        if self._reading and self._holder == threading.get_ident():
+            self._reading = self._bg_reading = False
 
     def _give_back(self, *, caller: bool) -> None:
         """The reader is done with the socket; wake whoever waits (their outcome may have
@@ -1313,9 +1375,17 @@ class _SyncReader:
                     while True:
                         if self._closing or self._stopped:
                             return
-                        if (not self._reading and not self._callers
-                                and self._caller_reads == seen):
+                        # Callers that read keep the socket; none read for a whole idle
+                        # period means none will (a caller count left behind by an
+                        # interrupted call must not stop the reading for good).
+                        if not self._reading and self._caller_reads == seen and (
+                                not self._callers or self._bg_idle_checks >= 2):
+                            self._bg_idle_checks = 0
                             break
+                        if self._caller_reads == seen and not self._reading:
+                            self._bg_idle_checks += 1
+                        else:
+                            self._bg_idle_checks = 0
                         seen = self._caller_reads
                         self._bg_cv.wait(self.IDLE_TAKEOVER_S)
                     self._reading = self._bg_reading = True
@@ -1394,24 +1464,28 @@ class SyncMPClient(SyncClientMixin, MPClient):
         if self.is_closed:
             raise ClientClosedError("the client was shut down")
         outputs = self._outputs
-        try:
-            if self.is_dead or self._reader is None:
+        reader = self._reader
+        if reader is not None and not self.is_dead and outputs.empty():
+            reader.wait_for(lambda: not outputs.empty(), timeout)
+        # Dequeue and track as one step: concurrent callers then track batches in queue
+        # order (tracking batch N+1 before batch N would break the request lifecycles).
+        with self._state_lock:
+            try:
                 item = outputs.get_nowait()
-            elif not outputs.empty():
-                item = outputs.get_nowait()
+            except queue.Empty:
+                item = None
             else:
-                self._reader.wait_for(lambda: not outputs.empty(), timeout)
-                item = outputs.get_nowait()
-        except queue.Empty:
+                if item is not _DEAD and item is not _CLOSED:
+                    self._track_outputs(item)
+        if item is None:
             if self.is_dead:
-                raise self._dead_error() from None
+                raise self._dead_error()
             return EngineCoreOutputs()
         if item is _DEAD or item is _CLOSED:
             self._outputs.put(item)  # wake the next waiter too
             if item is _CLOSED or self.is_closed:
                 raise ClientClosedError("the client was shut down")
             raise self._dead_error()
-        self._track_outputs(item)
         out: EngineCoreOutputs = item.expanded()
         return out
 
@@ -1423,15 +1497,21 @@ class SyncMPClient(SyncClientMixin, MPClient):
                                     " complete)")
         call = _SyncCall()
         call_id = self._register_call(call, method, args)
-        if timeout is None:
-            reader.wait_call(call)
-        elif not reader.wait_for(call.done, timeout):
-            if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
-                assert timeout is not None
-                raise UtilityTimeoutError(method, timeout) from None
-            # The outcome won the race: its entry is gone and its setter is about to set it
-            # (and then wakes the reader's waiters).
-            reader.wait_for(call.done, None)
+        try:
+            if timeout is None:
+                reader.wait_call(call)
+            elif not reader.wait_for(call.done, timeout):
+                if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
+                    assert timeout is not None
+                    raise UtilityTimeoutError(method, timeout) from None
+                # The outcome won the race: its entry is gone and its setter is about to set
+                # it (and then wakes the reader's waiters).
+                reader.wait_for(call.done, None)
+        except BaseException:
+            # Interrupted (Ctrl-C): nobody waits for this call any more; its entry goes, and a
+            # late reply is dropped like any late reply.
+            self._utilities.give_up(call_id, UtilityEvent.CANCEL)
+            raise
         return call.result()
 
 
@@ -1519,7 +1599,10 @@ class AsyncMPClient(MPClient):
             if self.is_dead:
                 self._outputs.put_nowait(_DEAD)
         elif self._loop is not loop:
-            raise RuntimeError("an AsyncMPClient is bound to the event loop it first ran on")
+            self.ensure_alive()  # a closed or dead client says so, whatever the loop
+            raise RuntimeError(
+                "an AsyncMPClient is bound to the event loop it first ran on (its reader and"
+                " futures live there); make one client per event loop")
 
     def _wake_waiters(self, marker: object) -> None:
         self._call_on_loop(lambda: self._outputs.put_nowait(marker) if self._outputs else None)
@@ -1565,13 +1648,21 @@ class AsyncMPClient(MPClient):
         assert q is not None
         if self.is_dead and q.empty():
             raise self._dead_error()
-        try:
-            if timeout is None:
-                item = await q.get()
-            else:
-                item = await asyncio.wait_for(q.get(), timeout)
-        except TimeoutError:
+        # The wait runs in this task (asyncio.timeout, not wait_for's inner task): the batch
+        # this caller dequeues is the one it tracks next, so concurrent callers track batches
+        # in queue order, and a zero timeout still takes what is already queued.
+        if not q.empty():
+            item = q.get_nowait()
+        elif timeout is None:
+            item = await q.get()
+        elif timeout <= 0:
             return EngineCoreOutputs()
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await q.get()
+            except TimeoutError:
+                return EngineCoreOutputs()
         if item is _DEAD or item is _CLOSED:
             q.put_nowait(item)
             if item is _CLOSED or self.is_closed:
@@ -1595,7 +1686,10 @@ class AsyncMPClient(MPClient):
             # Shielded: a reply that races the deadline must still land in ``fut``.
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.CancelledError:
-            self._utilities.give_up(call_id, UtilityEvent.CANCEL)
+            if not self._utilities.give_up(call_id, UtilityEvent.CANCEL):
+                # Its outcome (a reply, a death, a shutdown) is already on its way to ``fut``,
+                # which nobody awaits now: retrieve it so asyncio does not log it as lost.
+                fut.add_done_callback(_retrieve)
             raise
         except TimeoutError:
             if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
@@ -1657,7 +1751,9 @@ class AsyncMPClient(MPClient):
         return bool(await self.call_utility_async("is_sleeping"))
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
-        self.shutdown(timeout)
+        """``shutdown`` off the event loop's thread: the engine's grace period (and the joins)
+        must not stall every other task on the loop."""
+        await asyncio.to_thread(self.shutdown, timeout)
 
     async def __aenter__(self) -> AsyncMPClient:
         return self

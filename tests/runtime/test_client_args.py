@@ -301,3 +301,21 @@ def test_ipc_socket_files_at_given_addresses_are_removed_at_shutdown(tmp_path: A
     client.resources.bound_ipc_paths.append(str(keep))  # type: ignore[attr-defined]
     client.shutdown()
     assert keep.read_text() == "x"
+
+
+def test_every_concurrent_shutdown_returns_once_the_engine_is_gone() -> None:
+    for _ in range(3):
+        client = make_client(NULL, multiprocess=True, asyncio=False)
+        pid = client.engine_pid  # type: ignore[attr-defined]
+        gone: list[bool] = []
+
+        def close(client: Any = client, gone: list[bool] = gone, pid: int = pid) -> None:
+            client.shutdown()
+            gone.append(not psutil.pid_exists(pid))
+
+        threads = [threading.Thread(target=close) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert gone == [True, True, True]

@@ -1,0 +1,160 @@
+"""Several callers at once, and calls interrupted by an exception raised into them (Ctrl-C):
+batches are tracked in the order they were queued, a zero timeout takes what is queued, and
+an interrupted call leaves the client usable."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from enginewire import EngineConfig, EngineCoreRequest, SamplingParams
+from enginewire.runtime import make_client
+from enginewire.spec import EngineDeadError
+
+NULL = EngineConfig(model="null", max_num_seqs=64)
+
+
+def req(rid: str, n: int = 2) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def test_concurrent_async_getters_track_batches_in_queue_order() -> None:
+    """One getter waits without a timeout, another with a short one: before the fix the timed
+    getter dequeued in a task of its own and the batches were tracked out of order."""
+    n = 400
+
+    async def main() -> tuple[Counter[str], set[str], list[str]]:
+        client = make_client(NULL, multiprocess=True, asyncio=True)
+        tokens: Counter[str] = Counter()
+        done: set[str] = set()
+        errors: list[str] = []
+        all_done = asyncio.Event()
+
+        async def getter(timeout: float | None) -> None:
+            while len(done) < n:
+                try:
+                    out = await client.get_output_async(timeout=timeout)  # type: ignore[attr-defined]
+                except Exception as e:  # recorded, and asserted on below
+                    errors.append(repr(e))
+                    all_done.set()
+                    return
+                for o in out.outputs:
+                    tokens[o.request_id] += len(o.new_token_ids)
+                    if o.finished:
+                        done.add(o.request_id)
+            all_done.set()  # the other getter may wait for a batch that never comes
+
+        try:
+            tasks = [asyncio.create_task(getter(None)), asyncio.create_task(getter(0.01))]
+            for i in range(n):
+                await client.add_request_async(req(f"r{i}"))  # type: ignore[attr-defined]
+                if i % 50 == 0:
+                    await asyncio.sleep(0)
+            await asyncio.wait_for(all_done.wait(), 60)
+        finally:
+            for t in tasks:
+                t.cancel()
+            client.shutdown()
+        return tokens, done, errors
+
+    tokens, done, errors = asyncio.run(main())
+    assert not errors, errors[:3]
+    assert len(done) == n and set(tokens.values()) == {2}
+
+
+def test_an_async_zero_timeout_takes_what_is_queued_and_sees_death() -> None:
+    async def main() -> None:
+        client = make_client(NULL, multiprocess=True, asyncio=True)
+        try:
+            await client.add_request_async(req("a", 1))  # type: ignore[attr-defined]
+            got: list[Any] = []
+            for _ in range(2000):  # the output arrives within a few ms; bounded anyway
+                got += (await client.get_output_async(timeout=0)).outputs  # type: ignore[attr-defined]
+                if any(o.finished for o in got):
+                    break
+                await asyncio.sleep(0.005)
+            assert any(o.finished for o in got)
+            os.kill(client.engine_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            with pytest.raises(EngineDeadError):
+                for _ in range(2000):
+                    await client.get_output_async(timeout=0)  # type: ignore[attr-defined]
+                    await asyncio.sleep(0.005)
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+
+
+class Interrupt(BaseException):
+    """Stands in for KeyboardInterrupt raised into a blocking call by a signal handler."""
+
+
+def test_calls_interrupted_anywhere_leave_the_sync_client_usable() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run on the main thread only")
+
+    def raise_interrupt(*_: object) -> None:
+        raise Interrupt
+
+    old = signal.signal(signal.SIGALRM, raise_interrupt)
+    client = make_client(NULL, multiprocess=True, asyncio=False)
+    try:
+        for i in range(60):
+            # A short alarm lands at a varying point of an echo: in a send, in a receive,
+            # between a message's parts, in the reader's bookkeeping.
+            signal.setitimer(signal.ITIMER_REAL, 0.0005 + (i % 13) * 0.0001)
+            try:
+                while True:
+                    client.echo(i)
+            except Interrupt:
+                pass
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            assert client.echo("next", timeout=10) == "next", f"after interrupt {i}"
+        client.add_request(req("after", 3))
+        outs: list[Any] = []
+        for _ in range(100):
+            outs += client.get_output(timeout=5).outputs
+            if any(o.finished for o in outs):
+                break
+        assert sum(len(o.new_token_ids) for o in outs if o.request_id == "after") == 3
+        assert client.pending_utility_calls() == 0  # type: ignore[attr-defined]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        client.shutdown()
+
+
+def test_a_deferred_call_sees_an_engine_stopped_from_outside_as_dead() -> None:
+    """SIGTERM to the engine (Ctrl-C reaching its process group) while a pause waits for
+    requests: the call fails with EngineDeadError like every other, not a UtilityError."""
+    client = make_client(EngineConfig(model="null", null_step_delay_s=0.005),
+                         multiprocess=True, asyncio=False)
+    outcome: list[BaseException | None] = []
+
+    def pause_and_wait() -> None:
+        try:
+            client.pause_scheduler("wait")
+            outcome.append(None)
+        except BaseException as e:  # recorded, and asserted on below
+            outcome.append(e)
+
+    try:
+        client.add_request(req("long", 100_000))
+        waiter = threading.Thread(target=pause_and_wait)
+        waiter.start()
+        for _ in range(1000):  # the call is registered within milliseconds; bounded anyway
+            if client.pending_utility_calls():  # type: ignore[attr-defined]
+                break
+            threading.Event().wait(0.01)
+        os.kill(client.engine_pid, signal.SIGTERM)  # type: ignore[attr-defined]
+        waiter.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], EngineDeadError), outcome
+    finally:
+        client.shutdown()
