@@ -97,6 +97,10 @@ class Limits(msgspec.Struct, frozen=True):
     max_frames: int = 64
     max_prompt_tokens: int = 1 << 20
     max_batch: int = 1 << 16
+    # The msgpack payload of a utility call (its arrays travel as aux frames, bounded by
+    # max_frame_bytes): its arguments are untyped, and small containers decode to some 70
+    # times their wire size, so this bound is what keeps a call's memory in proportion.
+    max_call_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
         # A zero or negative bound would refuse every message (or, as libzmq's MAXMSGSIZE,
@@ -375,8 +379,12 @@ class Decoder(Generic[T]):
     def __init__(self, type_: type[T], limits: Limits = DEFAULT_LIMITS) -> None:
         self.type = type_
         self.limits = limits
-        self._max_frame_bytes = limits.max_frame_bytes
         self._name = _type_name(type_)
+        # The largest first frame taken without a closer look: a utility call's untyped
+        # payload has a bound of its own (``Limits.max_call_bytes``).
+        self._max_payload = self._max_frame_bytes = limits.max_frame_bytes
+        if type_ is UtilityRequest:
+            self._max_payload = min(limits.max_call_bytes, limits.max_frame_bytes)
         self._aux: Sequence[Frame] = ()
         self._dec: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(
             type_, ext_hook=self._ext_hook
@@ -398,7 +406,7 @@ class Decoder(Generic[T]):
             if len(seq) == 1:  # the common case, kept cheap: one payload frame, no aux
                 payload = seq[0]
                 size = payload.nbytes if type(payload) is memoryview else len(payload)
-                if size > self._max_frame_bytes:
+                if size > self._max_payload:
                     self._check_frames(seq)
             else:
                 self._check_frames(seq)
@@ -425,7 +433,7 @@ class Decoder(Generic[T]):
         """``decode`` of a message that is one payload frame: the same checks and errors, in
         fewer steps (round-trip paths call it once per message)."""
         size = payload.nbytes if type(payload) is memoryview else len(payload)
-        if size > self._max_frame_bytes:
+        if size > self._max_payload:
             return self.decode([payload])
         try:
             obj = self._dec.decode(payload)
@@ -449,6 +457,10 @@ class Decoder(Generic[T]):
                     f"expected frames of at most {limits.max_frame_bytes} bytes,"
                     f" frame {i} has {size}"
                 )
+        if _nbytes(seq[0]) > self._max_payload:
+            raise ProtocolError(
+                f"expected a utility call payload of at most {limits.max_call_bytes} bytes"
+                f" (max_call_bytes; arrays travel as aux frames), got {_nbytes(seq[0])}")
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code == EXT_TORCH or code == EXT_NUMPY:
@@ -624,6 +636,23 @@ def decode_outputs(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> 
     return out
 
 
+def check_sendable(kind: RequestType, frames: Sequence[Frame],
+                   limits: Limits = DEFAULT_LIMITS) -> None:
+    """Sender side: ``ValueError`` naming the bound if the engine would refuse ``frames`` (a
+    client message from ``encode_input``) for its size: better refused here than as a
+    dropped connection or a rejected message on the other side."""
+    for frame in frames:
+        size = _nbytes(frame)
+        if size > limits.max_frame_bytes:
+            raise ValueError(f"a message frame of {size} bytes exceeds the engine's"
+                             f" max_frame_bytes={limits.max_frame_bytes} (engine_limits)")
+    if kind is RequestType.UTILITY and frames and _nbytes(frames[0]) - 1 > limits.max_call_bytes:
+        raise ValueError(
+            f"a utility call's payload of {_nbytes(frames[0]) - 1} bytes exceeds the engine's"
+            f" max_call_bytes={limits.max_call_bytes} (engine_limits); send large data as"
+            " numpy arrays or torch tensors, which travel as frames of their own")
+
+
 def encode_input(encoder: Encoder, kind: RequestType, obj: object) -> list[bytes | memoryview]:
     """``[type byte + payload, aux...]`` for the client's send (identity is the socket's)."""
     frames = encoder.encode(obj)
@@ -634,9 +663,12 @@ def encode_input(encoder: Encoder, kind: RequestType, obj: object) -> list[bytes
 def is_dead_sentinel(frames: Sequence[Frame] | bytes) -> bool:
     if isinstance(frames, bytes):
         return frames == ENGINE_DEAD_SENTINEL
-    if len(frames) != 1:
+    try:
+        if len(frames) != 1:
+            return False
+        frame = frames[0]
+    except (TypeError, LookupError):  # not a sequence of frames: not the sentinel either
         return False
-    frame = frames[0]
     if type(frame) is bytes:  # what a plain receive hands over
         return frame == ENGINE_DEAD_SENTINEL
     try:
@@ -664,7 +696,10 @@ def decode_ready(frames: Sequence[Frame] | bytes) -> ReadyResponse:
     The version is read before the typed decode, so a peer whose ReadyResponse changed
     shape still gets the version error, not a field error.
     """
-    payload: Frame = frames if isinstance(frames, bytes) else frames[0]
+    try:
+        payload: Frame = frames if isinstance(frames, bytes) else frames[0]
+    except (TypeError, LookupError) as e:
+        raise ProtocolError(f"expected a ready response frame, got {frames!r:.80}") from e
     try:
         head = msgspec.msgpack.decode(payload)
         version = head[0] if isinstance(head, list) and head else None

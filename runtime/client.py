@@ -29,7 +29,13 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
-from ..protocol.codec import Encoder, decode_input, encode_input, utility_output
+from ..protocol.codec import (
+    Encoder,
+    check_sendable,
+    decode_input,
+    encode_input,
+    utility_output,
+)
 from ..protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -452,7 +458,9 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         so the in-process transport refuses (``TypeError``/``ValueError`` for what cannot be
         sent, ``ProtocolError`` for what the engine would reject) and converts exactly what
         the multi-process ones do."""
-        return decode_input(encode_input(self._encoder, kind, obj))[1]
+        frames = encode_input(self._encoder, kind, obj)
+        check_sendable(kind, frames)
+        return decode_input(frames)[1]
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._track_add(request)
@@ -489,6 +497,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         # What cannot be sent raises here, as from the multi-process clients' send.
         frames = encode_input(self._encoder, RequestType.UTILITY,
                               UtilityRequest(0, 0, method, list(args)))
+        check_sendable(RequestType.UTILITY, frames)
         lc = self._new_utility_lifecycle()
         try:
             wired = decode_input(frames)[1]

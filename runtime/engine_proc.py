@@ -342,6 +342,7 @@ class EngineCoreProc:
         # The idle round-trip path (``_serve_plain``): input thread only.
         self._call_decoder = Decoder(UtilityRequest, limits)
         self._decode_call = self._call_decoder.decode_unchecked
+        self._max_call_frame = 1 + limits.max_call_bytes  # the type byte, then the payload
         self._reply_encoder = msgspec.msgpack.Encoder()
         self._fast_calls = not integrity and not self._reuse_early
         self._last_send = 0.0
@@ -453,9 +454,11 @@ class EngineCoreProc:
         aux frames (a part its sender added after it is read as a message of its own)."""
         if first[:1] != _UTILITY_BYTE:
             return False
+        if len(first) > self._max_call_frame:
+            return False  # the general path refuses it, naming the bound
         try:
-            # No size bound to apply: libzmq refused any frame over max_frame_bytes, and a
-            # utility call has no post-check.
+            # libzmq refused any frame over max_frame_bytes, the line above one over
+            # max_call_bytes, and a utility call has no post-check.
             call = self._decode_call(memoryview(first)[1:])
         except Exception:
             return False  # e.g. it refers to aux frames that follow

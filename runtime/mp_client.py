@@ -64,6 +64,7 @@ from ..protocol.codec import (
     Decoder,
     Encoder,
     backend_send,
+    check_sendable,
     decode_outputs,
     decode_ready,
     decode_utility_result,
@@ -585,17 +586,6 @@ def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
         raise ValueError(f"{option}={address!r}: cannot bind: {e}") from e
 
 
-def _check_frame_sizes(frames: list[Any], limits: Any) -> None:
-    # The engine refuses a frame over its max_frame_bytes by dropping the connection
-    # (security.py), which loses what else was in flight: refuse it here instead.
-    limit = (limits or DEFAULT_LIMITS).max_frame_bytes
-    for frame in frames:
-        size = memoryview(frame).nbytes
-        if size > limit:
-            raise ValueError(f"a message frame of {size} bytes exceeds the engine's"
-                             f" max_frame_bytes={limit} (engine_limits)")
-
-
 # --- MPClient --------------------------------------------------------------------------------
 
 
@@ -651,8 +641,10 @@ class MPClient(EngineCoreClient):
         super().__init__(config, trace=trace)
         # Read by _start (security.py): transport, keys, and the engine's input bounds.
         self._security = (transport, curve, engine_curve, allow_insecure_tcp, engine_limits)
-        # The largest frame the engine accepts (it drops the link on a larger one).
-        self._frame_limit: int = (engine_limits or DEFAULT_LIMITS).max_frame_bytes
+        # The largest utility call the plain path sends (the type byte and its payload); a
+        # larger one takes the general path, which refuses it naming the bound.
+        limits = engine_limits or DEFAULT_LIMITS
+        self._call_limit: int = min(limits.max_frame_bytes, 1 + limits.max_call_bytes)
         self.resources = BackgroundResources(shutdown_timeout=shutdown_timeout_s)
         # First thing: whatever fails below, the finalizer reclaims what was created.
         self._finalizer = weakref.finalize(self, self.resources)
@@ -922,7 +914,9 @@ class MPClient(EngineCoreClient):
             if sock is None:
                 raise ClientClosedError("the client was shut down")
             frames = encode_input(self._encoder, kind, obj)
-            _check_frame_sizes(frames, self._security[4])
+            # The engine refuses a frame over its max_frame_bytes by dropping the connection
+            # (security.py), which loses what else was in flight: refuse it here instead.
+            check_sendable(kind, frames, self._security[4] or DEFAULT_LIMITS)
             if self._integrity is not None:
                 frames = [*frames, self._integrity.seal(frames)]
             if len(frames) == 1 or (len(frames) == 2 and self._integrity is not None):
@@ -965,7 +959,7 @@ class MPClient(EngineCoreClient):
             payload = _UTILITY_BYTE + self._call_encoder.encode(request)
         except Exception:
             return False
-        if len(payload) > self._frame_limit:
+        if len(payload) > self._call_limit:
             return False
         res = self.resources
         with res.send_lock:

@@ -41,7 +41,7 @@ from enginewire.protocol import (
     send_frames,
     utility_output,
 )
-from enginewire.protocol.codec import EXT_NUMPY, EXT_TORCH, split_input
+from enginewire.protocol.codec import EXT_NUMPY, EXT_TORCH, check_sendable, split_input
 
 torch.set_num_threads(1)
 
@@ -617,3 +617,43 @@ def test_an_integer_past_64_bits_is_a_value_error_naming_the_range() -> None:
             Encoder().encode(UtilityRequest(0, 1, "echo", [big]))
         with pytest.raises(ValueError, match="64-bit"):
             Encoder().encode_into(UtilityRequest(0, 1, "echo", [big]), bytearray())
+
+
+def test_a_utility_call_payload_has_its_own_bound_against_decode_amplification() -> None:
+    """Untyped arguments: N empty maps cost N bytes on the wire and ~70 N once decoded, so a
+    call's msgpack payload is bounded on its own (arrays go as aux frames, outside it)."""
+    import tracemalloc
+
+    limits = Limits(max_call_bytes=64 * 1024)
+    n = 200_000
+    payload = msgspec.msgpack.encode(UtilityRequest(0, 1, "echo", [[{}] * 10]))
+    body = b"\x94\x00\x01\xa4echo\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    for frames in ([body], [RequestType.UTILITY.value + body]):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ProtocolError, match="max_call_bytes"):
+                if len(frames[0]) == len(body):
+                    Decoder(UtilityRequest, limits).decode(frames)
+                else:
+                    decode_input(frames, limits)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * n, f"refused only after allocating {peak} bytes"
+    with pytest.raises(ProtocolError, match="max_call_bytes"):
+        Decoder(UtilityRequest, limits).decode_payload(body)
+    assert Decoder(UtilityRequest, limits).decode(payload).method == "echo"
+    # The sender refuses it first, naming the bound, and says where large data goes.
+    frames = encode_input(Encoder(), RequestType.UTILITY, UtilityRequest(0, 1, "echo",
+                                                                          ["x" * 100_000]))
+    with pytest.raises(ValueError, match=r"max_call_bytes=65536.*arrays"):
+        check_sendable(RequestType.UTILITY, frames, limits)
+    check_sendable(RequestType.ADD, frames, limits)  # other messages: the frame bound only
+
+
+@pytest.mark.parametrize("frames", [[], None, [None], 5, [b""], ()])
+def test_client_side_decoders_raise_only_protocol_errors(frames: Any) -> None:
+    for decode in (decode_ready, decode_outputs):
+        with pytest.raises(ProtocolError):
+            decode(frames)
+    assert is_dead_sentinel(frames) is False
