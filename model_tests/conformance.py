@@ -3,7 +3,7 @@
 Every scenario is a plain function over a ``ClientUnderTest`` (a thin driver that gives the
 sync, async and in-process clients one blocking call surface) or over a ``ClientFactory``
 (for scenarios that break the engine and need a fresh one). ``tests/runtime/test_clients.py``
-runs them on the three built-in clients; run them on your own engine by giving a factory::
+runs them on the three built-in clients; run them on your own engine::
 
     from enginewire.testing import conformance
 
@@ -11,8 +11,35 @@ runs them on the three built-in clients; run them on your own engine by giving a
         with conformance.open_client("sync", my_config) as cut:
             conformance.check_generate(cut)
 
-Scenarios that need a subprocess engine (kills, injected frames) skip themselves on an
-in-process client. Every wait is bounded; death must be seen within ``DEATH_BOUND_S``.
+    def factory(**options):  # the ClientFactory contract, below
+        config = options.pop("config", my_config)
+        return conformance.open_client("sync", config, **options)
+
+    def test_my_engine_survives_sigkill():
+        conformance.check_kill_during_get_output(factory)
+
+The ``ClientFactory`` contract. ``factory(**options)`` builds and returns a fresh
+``ClientUnderTest`` (the scenario shuts it down). With no options it builds your client as
+configured. A scenario may pass these options, and a factory must honour each one or raise
+``NotApplicable`` naming it (never ignore one, never a ``TypeError``):
+
+* ``config=``: an engine config to use instead of the factory's own
+  (``check_construction_failure_leaks_nothing`` passes one that cannot build);
+* ``engine_startup_delay_s=``: seconds the engine process waits before its handshake
+  (``check_kill_during_handshake``);
+* ``engine_fault=``: a fault for the engine process to inject, a ``runtime/faults.py`` spec
+  such as ``"forward:3"`` (``check_engine_fatal_error``).
+
+``open_client`` and ``enginewire.testing.stateful.builtin_factory`` meet it; the in-process
+client has no engine process, so ``open_client("inproc", ...)`` raises ``NotApplicable`` for
+the last two.
+
+Skips. A scenario that cannot run on the client under test (a kill or an injected frame on
+an in-process client, prefix caching on a config without it) raises ``NotApplicable``,
+never returns quietly. It subclasses ``unittest.SkipTest``, which pytest and unittest
+report as a skip; elsewhere it is an exception that says why. Limits come from the client's
+config: ``max_tokens`` is clamped to what ``max_model_len`` leaves after the prompt. Every
+wait is bounded; death must be seen within ``DEATH_BOUND_S``.
 """
 
 from __future__ import annotations
@@ -27,6 +54,7 @@ import sys
 import textwrap
 import threading
 import time
+import unittest
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +89,7 @@ __all__ = [
     "ClientFactory",
     "ClientUnderTest",
     "Finished",
+    "NotApplicable",
     "check_abort_half",
     "check_bad_arguments",
     "check_client_kill_engine_exits",
@@ -72,6 +101,7 @@ __all__ = [
     "check_kill_during_handshake",
     "check_kill_during_utility",
     "check_malformed_frames",
+    "check_prefix_caching",
     "check_shutdown_semantics",
     "check_sleep_wake",
     "check_trace",
@@ -88,6 +118,14 @@ DEATH_BOUND_S = 1.0
 ORPHAN_BOUND_S = 5.0
 # Upper bound for ordinary waits (generation, utilities) on a loaded CI machine.
 WAIT_S = 60.0
+# Options of the ClientFactory contract that need an engine process.
+_ENGINE_PROCESS_OPTIONS = ("engine_fault", "engine_startup_delay_s")
+
+
+class NotApplicable(unittest.SkipTest):
+    """The scenario cannot run on this client or config; the message says why.
+
+    A ``unittest.SkipTest``, so pytest and unittest report it as a skip rather than a pass."""
 
 
 # --- driver ----------------------------------------------------------------------------------
@@ -196,6 +234,9 @@ class ClientUnderTest:
 
 
 ClientFactory = Callable[..., ClientUnderTest]
+"""``factory(**options) -> ClientUnderTest``: a fresh client; it honours ``config=``,
+``engine_startup_delay_s=`` and ``engine_fault=`` or raises ``NotApplicable`` (module
+docstring)."""
 
 
 def open_client(
@@ -206,6 +247,11 @@ def open_client(
 
     if kind not in CLIENT_KINDS:
         raise ValueError(f"kind must be one of {CLIENT_KINDS}, got {kind!r}")
+    if kind == "inproc":
+        unsupported = sorted(k for k in _ENGINE_PROCESS_OPTIONS if k in options)
+        if unsupported:
+            raise NotApplicable(f"the in-process client has no engine process: {unsupported}"
+                                " cannot apply")
     trace: list[TraceEntry] = options.pop("trace", None)
     if trace is None:
         trace = []
@@ -238,12 +284,34 @@ class Finished:
     tokens: list[int]
     reason: FinishReason
     error: str | None = None
+    num_cached_tokens: int = 0  # the most any of its outputs reported
+
+
+_PROMPT = [1, 2, 3, 4]
+
+
+def max_new_tokens(cut: ClientUnderTest, prompt_len: int = len(_PROMPT)) -> int | None:
+    """How many tokens a request with a ``prompt_len``-token prompt can run before
+    ``max_model_len`` ends it (None when the client does not say its config)."""
+    mml = getattr(getattr(cut.client, "config", None), "max_model_len", None)
+    return None if mml is None else int(mml) - prompt_len
+
+
+def _fit(cut: ClientUnderTest, want: int, what: str, minimum: int = 1) -> int:
+    """``want`` tokens, or fewer when ``max_model_len`` allows fewer (at least ``minimum``)."""
+    room = max_new_tokens(cut)
+    if room is None or room >= want:
+        return want
+    if room < minimum:
+        raise NotApplicable(f"{what} needs {minimum} tokens after a {len(_PROMPT)}-token prompt;"
+                            f" max_model_len={room + len(_PROMPT)} leaves {room}")
+    return room
 
 
 def request(rid: str, max_tokens: int = 20, prompt: list[int] | None = None) -> EngineCoreRequest:
     """A request that runs exactly ``max_tokens`` tokens (EOS ignored)."""
     return EngineCoreRequest(
-        rid, prompt or [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        rid, prompt or list(_PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     )
 
 
@@ -251,6 +319,7 @@ def collect(cut: ClientUnderTest, ids: list[str], timeout: float = WAIT_S) -> di
     """Read outputs until every id in ``ids`` finished; tokens per id, in order."""
     want = set(ids)
     tokens: dict[str, list[int]] = {i: [] for i in ids}
+    cached: dict[str, int] = {}
     done: dict[str, Finished] = {}
     deadline = time.monotonic() + timeout
     while not want.issubset(done):
@@ -263,9 +332,11 @@ def collect(cut: ClientUnderTest, ids: list[str], timeout: float = WAIT_S) -> di
             if out.request_id in done and out.request_id in want:
                 raise AssertionError(f"output for {out.request_id!r} after it finished")
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
             if out.finish_reason is not None:
                 done[out.request_id] = Finished(
-                    tokens[out.request_id], FinishReason(out.finish_reason), out.error)
+                    tokens[out.request_id], FinishReason(out.finish_reason), out.error,
+                    cached[out.request_id])
     return done
 
 
@@ -333,35 +404,59 @@ def _expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: st
 # --- scenarios on a live client (safe on a shared, warm engine) ------------------------------
 
 
-def check_generate(cut: ClientUnderTest, n: int = 10, max_tokens: int = 20,
+def _expect_length(rid: str, got: Finished, n: int) -> None:
+    assert got.reason is FinishReason.LENGTH and len(got.tokens) == n, (
+        f"{rid!r} ended {got.reason.name} after {len(got.tokens)} tokens (error {got.error!r});"
+        f" expected LENGTH after exactly {n}")
+
+
+def check_generate(cut: ClientUnderTest, n: int = 10, max_tokens: int | None = None,
                    prefix: str = "gen") -> None:
-    """``n`` requests x ``max_tokens`` tokens complete with exactly that many tokens each."""
+    """``n`` requests x ``max_tokens`` tokens complete with exactly that many tokens each.
+
+    ``max_tokens`` defaults to 20, or what ``max_model_len`` leaves after the prompt; an
+    explicit value the config cannot hold raises ``ValueError``."""
+    room = max_new_tokens(cut)
+    if max_tokens is None:
+        max_tokens = _fit(cut, 20, "check_generate")
+    elif room is not None and max_tokens > room:
+        raise ValueError(f"check_generate(max_tokens={max_tokens}): max_model_len leaves"
+                         f" {room} tokens after a {len(_PROMPT)}-token prompt")
     ids = [f"{prefix}-{i}" for i in range(n)]
     for rid in ids:
         cut.add_request(request(rid, max_tokens))
     done = collect(cut, ids)
     for rid in ids:
-        assert done[rid].reason is FinishReason.LENGTH, (rid, done[rid])
-        assert len(done[rid].tokens) == max_tokens, (rid, len(done[rid].tokens))
+        _expect_length(rid, done[rid], max_tokens)
     check_trace(cut)
 
 
 def check_abort_half(cut: ClientUnderTest, n: int = 10, prefix: str = "abort") -> None:
-    """Aborting half: ABORT endings for those, full output for the rest; late abort harmless."""
-    # Long enough that the aborts land while the requests are live.
+    """Aborting half: ABORT endings for those, full output for the rest; late abort harmless.
+
+    The aborted requests ask for 200 tokens, long enough that their aborts land while they
+    run. Where ``max_model_len`` allows fewer (a multi-process client only; in-process the
+    abort precedes any step), an aborted one may instead finish in full first."""
     ids = [f"{prefix}-{i}" for i in range(n)]
     aborted = ids[::2]
     kept = ids[1::2]
+    long_n = _fit(cut, 200, "check_abort_half")
+    short_n = _fit(cut, 20, "check_abort_half")
+    may_race = long_n < 200 and cut.multiprocess
     for rid in ids:
-        cut.add_request(request(rid, 200 if rid in aborted else 20))
+        cut.add_request(request(rid, long_n if rid in aborted else short_n))
     cut.abort_requests(aborted)
     done = collect(cut, ids)
     for rid in aborted:
-        assert done[rid].reason is FinishReason.ABORT, (rid, done[rid].reason)
-        assert len(done[rid].tokens) < 200
+        got = done[rid]
+        if may_race and got.reason is FinishReason.LENGTH:
+            _expect_length(rid, got, long_n)
+            continue
+        assert got.reason is FinishReason.ABORT and len(got.tokens) < long_n, (
+            f"aborted {rid!r} ended {got.reason.name} after {len(got.tokens)} of {long_n}"
+            " tokens; expected ABORT before its end")
     for rid in kept:
-        assert done[rid].reason is FinishReason.LENGTH, (rid, done[rid].reason)
-        assert len(done[rid].tokens) == 20
+        _expect_length(rid, done[rid], short_n)
     cut.abort_requests(kept)  # already finished: a no-op on both sides
     cut.abort_requests(["never-sent"])
     check_generate(cut, n=1, prefix=f"{prefix}-after")
@@ -410,8 +505,9 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
     abort), what cannot be sent is refused alike on every transport, a request the engine
     cannot accept finishes with ERROR, and the client keeps serving."""
     short, long_ = f"{prefix}"[:1], f"{prefix}"[:1] + "Z"  # "aZ" as a str iterates to "a"
-    cut.add_request(request(short, max_tokens=6))
-    cut.add_request(request(long_, max_tokens=6))
+    n = _fit(cut, 6, "check_bad_arguments")
+    cut.add_request(request(short, max_tokens=n))
+    cut.add_request(request(long_, max_tokens=n))
     call = cut._call  # the raw call: ClientUnderTest's own timeout arithmetic stays out
     cases: list[tuple[type[BaseException], str, Callable[[], Any]]] = [
         (TypeError, "abort_requests(a str)", lambda: cut.abort_requests(long_)),  # type: ignore[arg-type]
@@ -429,8 +525,8 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
     for kind, what, fn in cases:
         _refused(kind, what, fn)
     done = collect(cut, [short, long_])
-    assert all(f.reason is FinishReason.LENGTH and len(f.tokens) == 6
-               for f in done.values()), done  # neither was aborted by a refused call
+    for rid in (short, long_):  # neither was aborted by a refused call
+        _expect_length(rid, done[rid], n)
     bad = f"{prefix}-malformed"
     cut.add_request(EngineCoreRequest(
         bad, [1, 2], SamplingParams(max_tokens=3, stop_token_ids=["x"])))  # type: ignore[list-item]
@@ -460,25 +556,37 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
 def check_duplicate_request_id(cut: ClientUnderTest, prefix: str = "dup") -> None:
     """A live duplicate id is refused before sending; reuse after finish is fine."""
     rid = f"{prefix}-0"
-    cut.add_request(request(rid, 5))
+    n = _fit(cut, 5, "check_duplicate_request_id")
+    cut.add_request(request(rid, n))
     try:
-        cut.add_request(request(rid, 5))
+        cut.add_request(request(rid, n))
     except SpecViolation:
         pass
     else:
         raise AssertionError("a duplicate live request id must raise SpecViolation")
-    done = collect(cut, [rid])
-    assert len(done[rid].tokens) == 5
-    cut.add_request(request(rid, 5))
-    assert len(collect(cut, [rid])[rid].tokens) == 5
+    _expect_length(rid, collect(cut, [rid])[rid], n)
+    cut.add_request(request(rid, n))
+    _expect_length(rid, collect(cut, [rid])[rid], n)
     check_trace(cut)
 
 
 def check_sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str = "sleep") -> None:
     """sleep(level, mode) then wake_up: in-flight requests end as the mode says."""
+    n = _fit(cut, 20, "check_sleep_wake")
+    try:
+        _sleep_wake(cut, level, mode, prefix, n)
+    except BaseException:
+        # A failed check must not leave the engine asleep: later checks would time out.
+        with contextlib.suppress(Exception):
+            if cut.is_sleeping():
+                cut.wake_up()
+        raise
+
+
+def _sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str, n: int) -> None:
     ids = [f"{prefix}-{level}-{mode}-{i}" for i in range(3)]
     for rid in ids:
-        cut.add_request(request(rid, 20))
+        cut.add_request(request(rid, n))
     if mode == "wait" and not cut.multiprocess:
         try:
             cut.sleep(level, mode)
@@ -495,28 +603,27 @@ def check_sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str = 
         done = collect(cut, ids)
         for rid in ids:
             # Requests may have finished before the sleep arrived; none may run past it.
-            assert done[rid].reason in (FinishReason.ABORT, FinishReason.LENGTH), done[rid]
-            if done[rid].reason is FinishReason.LENGTH:
-                assert len(done[rid].tokens) == 20
+            if done[rid].reason is not FinishReason.ABORT:
+                _expect_length(rid, done[rid], n)
     elif mode == "wait":
         # The reply means drained: every request already finished, in full.
         done = collect(cut, ids)
-        assert all(f.reason is FinishReason.LENGTH and len(f.tokens) == 20
-                   for f in done.values()), done
+        for rid in ids:
+            _expect_length(rid, done[rid], n)
     assert cut.wake_up() is True
     assert not cut.is_sleeping()
     if mode == "keep":
         # Parked requests resume after wake-up and complete in full.
         done = collect(cut, ids)
-        assert all(f.reason is FinishReason.LENGTH and len(f.tokens) == 20
-                   for f in done.values()), done
+        for rid in ids:
+            _expect_length(rid, done[rid], n)
     check_generate(cut, n=1, prefix=f"{prefix}-{level}-{mode}-after")
 
 
 def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     """Garbage on the input socket is rejected; the engine keeps serving."""
     if not cut.multiprocess:
-        return
+        raise NotApplicable("an in-process client has no input socket")
     client = cut.client
     rid = f"{prefix}-0"
     # Pretend the client sent it, so the ERROR output it earns is expected.
@@ -544,6 +651,30 @@ def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     assert done[rid].reason is FinishReason.ERROR and done[rid].error, done[rid]
     check_generate(cut, n=2, prefix=f"{prefix}-after")
     assert cut.call_utility("echo", "still serving") == "still serving"
+
+
+def check_prefix_caching(cut: ClientUnderTest, prefix: str = "prefix") -> None:
+    """With ``enable_prefix_caching``, a prompt of more than one block sent again reports its
+    full blocks as cached (``num_cached_tokens``): at least one block, never the whole prompt."""
+    config = getattr(cut.client, "config", None)
+    if not getattr(config, "enable_prefix_caching", False):
+        raise NotApplicable("the client's config does not enable prefix caching")
+    block = int(config.block_size)  # type: ignore[union-attr]
+    prompt = [3 + i % 250 for i in range(block + 1)]  # one full block and one token more
+    room = max_new_tokens(cut, len(prompt))
+    if room is not None and room < 1:
+        raise NotApplicable(f"max_model_len leaves no token after a {len(prompt)}-token prompt")
+    got: list[Finished] = []
+    for i in range(2):
+        rid = f"{prefix}-{i}"
+        cut.add_request(request(rid, 1, prompt))
+        got.append(collect(cut, [rid])[rid])
+        _expect_length(rid, got[-1], 1)
+    cached = got[1].num_cached_tokens
+    assert block <= cached < len(prompt) and cached % block == 0, (
+        f"the second {len(prompt)}-token prompt reported num_cached_tokens={cached}; expected"
+        f" its full {block}-token block(s) cached")
+    check_trace(cut)
 
 
 def check_shutdown_semantics(cut: ClientUnderTest) -> None:
@@ -584,7 +715,7 @@ def check_kill_during_get_output(factory: ClientFactory) -> None:
     """SIGKILL while get_output blocks: it wakes with EngineDeadError within the bound."""
     with factory() as cut:
         if not cut.multiprocess:
-            return
+            raise NotApplicable("an in-process client has no engine process to kill")
         cut.call_utility("echo", 0)  # the reader is running
         fut = cut.submit("get_output")
         pid = cut.engine_pid
@@ -606,7 +737,7 @@ def check_kill_during_utility(factory: ClientFactory) -> None:
     """SIGKILL while utility calls are pending: every one fails with EngineDeadError."""
     with factory() as cut:
         if not cut.multiprocess:
-            return
+            raise NotApplicable("an in-process client has no engine process to kill")
         pid = cut.engine_pid
         assert pid is not None
         cut.call_utility("echo", 0)
@@ -637,18 +768,27 @@ def check_kill_during_handshake(factory: ClientFactory) -> None:
     before = {p.pid for p in me.children()}
 
     def new_engines() -> set[int]:
-        # Spawned engines run spawn_main; multiprocessing's resource tracker does not.
+        # Any new child but multiprocessing's resource tracker (started on first use).
         found = set()
         for p in me.children():
             with contextlib.suppress(psutil.Error):
-                if p.pid not in before and "spawn_main" in " ".join(p.cmdline()):
+                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
                     found.add(p.pid)
         return found
 
     pool = concurrent.futures.ThreadPoolExecutor(1)
     fut = pool.submit(factory, engine_startup_delay_s=60.0)
     pool.shutdown(wait=False)
-    _wait_for(lambda: bool(new_engines()), WAIT_S, "the engine process")
+    # The factory may refuse the option (NotApplicable) or fail at once: say so, not wait.
+    _wait_for(lambda: bool(new_engines()) or fut.done(), WAIT_S, "the engine process")
+    if not new_engines():
+        cut = fut.result(0)  # the factory's own error, NotApplicable included, raises here
+        multiprocess = cut.multiprocess
+        cut.shutdown()
+        if not multiprocess:
+            raise NotApplicable("an in-process client has no engine process to kill")
+        raise AssertionError("the factory returned a client before its engine was seen: does"
+                             " it honour engine_startup_delay_s?")
     (pid,) = new_engines()
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -668,7 +808,7 @@ def check_engine_fatal_error(factory: ClientFactory) -> None:
     """A fatal engine error: sentinel, in-flight requests wake with EngineDeadError."""
     with factory(engine_fault="forward:3") as cut:
         if not cut.multiprocess:
-            return
+            raise NotApplicable("an in-process client has no engine process to die")
         cut.add_request(request("doomed", 50))
         start = time.monotonic()
         try:

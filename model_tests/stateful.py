@@ -39,6 +39,7 @@ from typing import Any
 
 from hypothesis import note
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ..protocol.messages import (
@@ -73,6 +74,7 @@ __all__ = [
     "CampaignStats",
     "ClientPool",
     "EngineClientStateMachine",
+    "RuleLimits",
     "builtin_factory",
 ]
 
@@ -83,9 +85,17 @@ WAIT_S = 10.0
 # A clean shutdown, SIGTERM to reaped, on a loaded machine.
 SHUTDOWN_BOUND_S = 4.0
 # Long enough that an abort sent right after its ADD lands first (null steps take tens of
-# microseconds: thousands of tokens take far longer than the abort's trip). The engine config
-# must allow it (campaign._config: max_model_len 2048, the tiny and null models' limit).
+# microseconds: thousands of tokens take far longer than the abort's trip). A config whose
+# max_model_len allows fewer gets fewer (``RuleLimits``); see MIN_JUDGED_LONG_TOKENS.
 LONG_MAX_TOKENS = 2000
+# Below this many tokens a multi-process engine can finish an aborted request before the abort
+# lands (the engine's input thread can wait a GIL switch interval, 5 ms, a few hundred null
+# steps), so add_then_abort still races the abort but does not judge the ABORT ending.
+MIN_JUDGED_LONG_TOKENS = 1000
+# The longest prompt a rule sends (``add`` draws 1 to 8 tokens); fixed prompts have 2 or 3.
+MAX_PROMPT = 8
+# The shortest max_model_len the machine runs on: a 3-token fixed prompt and one token.
+MIN_MODEL_LEN = 4
 # The strict "abort right after ADD ends ABORT" check holds only when the client really sent
 # the abort right after: a client descheduled longer than this between the two sends (a
 # loaded CI machine) widens the allowed set to include a natural finish.
@@ -96,7 +106,8 @@ MAX_LIVE = 8
 # short or crash-heavy examples skip it.
 ORPHAN_MIN_LIFE = 12
 # The request a wait-mode pause drains: long enough to be running when the pause lands (null
-# steps take tens of microseconds; the pause follows the ADD at once).
+# steps take tens of microseconds; the pause follows the ADD at once). Capped by
+# max_model_len; a shorter one may finish first, which makes the drain trivial, not wrong.
 WAIT_MODE_TOKENS = 500
 # timed_out_utility: the call's timeout, and the engine-side delay of its reply. The margin
 # between them is what a descheduled client thread may lose before the reply could beat the
@@ -105,6 +116,70 @@ TIMEOUT_CALL_S = 0.01
 TIMEOUT_REPLY_DELAY_S = 0.08
 
 FaultCounter = Counter  # fault kind -> times injected
+
+
+def _note(text: str) -> None:
+    """``hypothesis.note`` inside a test; nothing when a reproducer runs as a plain program
+    (where ``note`` raises)."""
+    with contextlib.suppress(InvalidArgument):
+        note(text)
+
+
+@dataclass(frozen=True)
+class RuleLimits:
+    """What the engine config allows the rules, read once from the client's ``config``.
+
+    Every request is sized so that ``max_model_len`` never ends it early: the oracle's LENGTH
+    means exactly ``max_tokens`` tokens. A client without a config (or without a field) gets
+    the built-in campaign's values."""
+
+    max_model_len: int = LONG_MAX_TOKENS + MAX_PROMPT
+    block_size: int = 16
+    prefix_caching: bool = False
+
+    @classmethod
+    def of(cls, config: Any) -> RuleLimits:
+        default = cls()
+        return cls(int(getattr(config, "max_model_len", default.max_model_len)),
+                   int(getattr(config, "block_size", default.block_size)),
+                   bool(getattr(config, "enable_prefix_caching", False)))
+
+    def cap(self, prompt_len: int, max_tokens: int) -> int:
+        """``max_tokens``, or what max_model_len leaves after the prompt when that is less."""
+        return max(1, min(max_tokens, self.max_model_len - prompt_len))
+
+    @property
+    def long_tokens(self) -> int:  # add_then_abort: a 3-token prompt
+        return self.cap(3, LONG_MAX_TOKENS)
+
+    @property
+    def wait_tokens(self) -> int:  # the request a wait-mode pause drains: a 3-token prompt
+        return self.cap(3, WAIT_MODE_TOKENS)
+
+    @property
+    def prefix_prompt_len(self) -> int | None:
+        """prefix_cache_hit's prompt: one full block and one token more (None: cannot run)."""
+        n = self.block_size + 1
+        return n if self.prefix_caching and n < self.max_model_len else None
+
+    def notes(self, multiprocess: bool) -> list[str]:
+        """What this config changes in the rules, in words (a campaign prints them)."""
+        out = []
+        if self.long_tokens < LONG_MAX_TOKENS:
+            judged = ("not judged: an abort can lose the race on a multi-process engine"
+                      if multiprocess and self.long_tokens < MIN_JUDGED_LONG_TOKENS
+                      else "still judged")
+            out.append(f"add_then_abort: requests of {self.long_tokens} tokens, not"
+                       f" {LONG_MAX_TOKENS} (max_model_len={self.max_model_len}); the ABORT"
+                       f" ending is {judged}")
+        if self.wait_tokens < WAIT_MODE_TOKENS:
+            out.append(f"wait_mode/sleep(wait)/pause(wait): the drained request has"
+                       f" {self.wait_tokens} tokens, not {WAIT_MODE_TOKENS}; it may finish"
+                       " before the pause lands")
+        if self.prefix_caching and self.prefix_prompt_len is None:
+            out.append(f"prefix_cache_hit skipped: a {self.block_size + 1}-token prompt does not"
+                       f" fit max_model_len={self.max_model_len}")
+        return out
 
 
 @dataclass
@@ -130,6 +205,8 @@ class CampaignStats:
     # The program of the last example that failed, one ``state.rule(...)`` line per step: the
     # reproducer when Hypothesis reports a flaky replay instead of printing a shrunk one.
     failed_program: list[str] = field(default_factory=list)
+    # How the engine config narrowed the rules (RuleLimits.notes), once per distinct note.
+    limits_notes: list[str] = field(default_factory=list)
 
     def record_failure(self, where: str = "", error: BaseException | None = None,
                        program: list[str] | None = None) -> None:
@@ -151,13 +228,18 @@ ClientFactory = Callable[..., cf.ClientUnderTest]
 
 
 def builtin_factory(kind: str, config: Any, *, faults: bool = True) -> ClientFactory:
-    """A factory for a built-in client with run-time fault arming when ``faults``."""
+    """A factory for a built-in client with run-time fault arming when ``faults``.
+
+    It meets the conformance ``ClientFactory`` contract: ``config=`` replaces ``config``,
+    ``engine_fault=`` replaces the armable plan, ``engine_startup_delay_s=`` is passed on (the
+    in-process client raises ``NotApplicable`` for the last two)."""
     from ..runtime.faults import FaultInjector, FaultPlan
 
     def factory(**options: Any) -> cf.ClientUnderTest:
+        built_with = options.pop("config", config)
         if faults and kind != "inproc":
             options.setdefault("engine_fault", FaultPlan(allow_arm=True))
-        cut = cf.open_client(kind, config, **options)
+        cut = cf.open_client(kind, built_with, **options)
         if faults and kind == "inproc":
             cut.client.engine.fault_hook = FaultInjector(FaultPlan(allow_arm=True))
         return cut
@@ -291,7 +373,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         *,
         kind: str = "sync",
         faults: bool = True,
-        exact_tokens: bool = True,
+        exact_tokens: bool | None = None,
         vocab_size: int = 512,
         pool: ClientPool | None = None,
         stats: CampaignStats | None = None,
@@ -303,7 +385,6 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         self.kind = kind
         self.faults = faults
         self.vocab_size = vocab_size
-        self.exact_tokens = exact_tokens
         self.stats = stats if stats is not None else CampaignStats()
         self.pool = pool if pool is not None else ClientPool(factory, self.stats)
         self._own_pool = pool is None
@@ -317,7 +398,25 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         except BaseException as e:  # before any draw: Hypothesis may call the run flaky
             self.stats.record_failure("engine start", e, self._program)
             raise
-        self.oracle = Oracle(exact_tokens=exact_tokens)
+        config = getattr(self.cut.client, "config", None)
+        self.limits = RuleLimits.of(config)
+        try:
+            self.exact_tokens = self._exact_tokens(exact_tokens, getattr(config, "model", None))
+            if self.limits.max_model_len < MIN_MODEL_LEN:
+                raise ValueError(f"EngineClientStateMachine needs max_model_len >= "
+                                 f"{MIN_MODEL_LEN}; the client's config has"
+                                 f" {self.limits.max_model_len}")
+        except ValueError:
+            close_and_check(self.live, check=False)
+            raise
+        for line in self.limits.notes(self.multiprocess):
+            if line not in self.stats.limits_notes:
+                self.stats.limits_notes.append(line)
+            _note(line)
+        # Tokens of prompts as the engine reported them cached (num_cached_tokens), by id.
+        self._cached: dict[str, int] = {}
+        self._prompt_lens: dict[str, int] = {}
+        self.oracle = Oracle(exact_tokens=self.exact_tokens)
         self._ids = 0
         self._busy: str | None = None
         self._orphans = 0
@@ -333,6 +432,26 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     @property
     def cut(self) -> cf.ClientUnderTest:
         return self.live.cut
+
+    @staticmethod
+    def _exact_tokens(asked: bool | None, model: str | None) -> bool:
+        """Only the null model's tokens can be predicted (``oracle.null_tokens``)."""
+        if asked is None:
+            return model == "null"
+        if asked and model is not None and model != "null":
+            raise ValueError(f"exact_tokens=True predicts the null model's tokens, but the"
+                             f" client runs model={model!r}: pass exact_tokens=False (or leave"
+                             " it None, which checks tokens for the null model only)")
+        return asked
+
+    def _token(self, t: int) -> int:
+        """A drawn token id folded into the vocabulary (ids below 3 are reserved)."""
+        if self.vocab_size <= 3:
+            return t % self.vocab_size
+        return t if t < self.vocab_size else 3 + (t - 3) % (self.vocab_size - 3)
+
+    def _prompt(self, *tokens: int) -> list[int]:
+        return [self._token(t) for t in tokens]
 
     @contextlib.contextmanager
     def _rule(self, name: str, args: dict[str, Any]) -> Iterator[None]:
@@ -358,7 +477,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         that depends on timing cannot be replayed (Hypothesis reports it as flaky)."""
         if len(self.oracle.live_ids()) + n <= MAX_LIVE:
             return False
-        note(f"{rule}: {MAX_LIVE} requests live already; skipped")
+        _note(f"{rule}: {MAX_LIVE} requests live already; skipped")
         return True
 
     def _fresh_id(self) -> str:
@@ -386,6 +505,21 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def _observe(self, batch: EngineCoreOutputs) -> None:
         if batch.outputs:
             self.oracle.observe(batch)
+            for out in batch.outputs:
+                if out.num_cached_tokens:
+                    self._check_cached(out.request_id, out.num_cached_tokens)
+
+    def _check_cached(self, rid: str, cached: int) -> None:
+        """num_cached_tokens: zero without prefix caching; else whole blocks of the prompt,
+        leaving at least one token to compute."""
+        block, n = self.limits.block_size, self._prompt_lens.get(rid)
+        if not self.limits.prefix_caching:
+            raise OracleViolation(f"{rid!r} reported num_cached_tokens={cached} with prefix"
+                                  " caching off")
+        if cached % block or (n is not None and cached >= n):
+            raise OracleViolation(f"{rid!r} reported num_cached_tokens={cached}: not whole"
+                                  f" {block}-token blocks of its {n}-token prompt, less one")
+        self._cached[rid] = max(self._cached.get(rid, 0), cached)
 
     def _poll(self, timeout: float) -> EngineCoreOutputs:
         batch = self.cut.get_output(timeout=timeout)
@@ -482,6 +616,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         expected = None
         stop_ids: list[int] = []
         stop_index = None
+        max_tokens = self.limits.cap(len(prompt), max_tokens)
+        self._prompt_lens[rid] = len(prompt)
         if self.exact_tokens:
             expected = null_tokens(seed, len(prompt), max_tokens, self.vocab_size)
             if stop_at is not None and stop_at < max_tokens:
@@ -502,13 +638,14 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         with self._rule("add", locals()):
             if self._full("add"):
                 return
+            prompt = self._prompt(*prompt)[:self.limits.max_model_len - 1]
             done = self.oracle.finished_ids
             # Reuse a finished id now and then: allowed once its request finished.
             rid = done[-1 - reuse % len(done)] if reuse < 2 and done else self._fresh_id()
             req, expected, stop_index = self._request(rid, prompt, max_tokens, seed, stop_at,
                                                       ignore_eos, temperature, top_p)
             self.cut.add_request(req)
-            self.oracle.add(rid, max_tokens, expected, stop_index)
+            self.oracle.add(rid, req.sampling_params.max_tokens, expected, stop_index)
 
     @precondition(lambda self: self.alive)
     @rule(how=st.sampled_from(["empty_prompt", "zero_max_tokens", "token_out_of_vocab"]))
@@ -529,7 +666,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             # Live as the client sees it: not yet observed finished.
             live = self.oracle.live_ids()
             if not live:  # all finished already (timing): nothing live to duplicate
-                note("add_duplicate: no request is live")
+                _note("add_duplicate: no request is live")
                 return
             rid = live[pick % len(live)]
             req = EngineCoreRequest(rid, [5, 6], SamplingParams(max_tokens=2))
@@ -562,20 +699,24 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             if self._full("add_then_abort", k):
                 return
             ids = [self._fresh_id() for _ in range(k)]
+            n = self.limits.long_tokens
+            prompt = self._prompt(7, 8, 9)
             first_add = time.monotonic()
             for rid in ids:
                 self.cut.add_request(EngineCoreRequest(
-                    rid, [7, 8, 9], SamplingParams(max_tokens=LONG_MAX_TOKENS, seed=1,
-                                                   ignore_eos=True)))
-                self.oracle.add(rid, LONG_MAX_TOKENS, null_tokens(1, 3, LONG_MAX_TOKENS,
-                                                                  self.vocab_size)
+                    rid, prompt, SamplingParams(max_tokens=n, seed=1, ignore_eos=True)))
+                self.oracle.add(rid, n, null_tokens(1, 3, n, self.vocab_size)
                                 if self.exact_tokens else None, None)
             gap = time.monotonic() - first_add
             self.cut.abort_requests(ids)
             self.oracle.abort(ids)
             self._drain(ids)
+            if self.multiprocess and n < MIN_JUDGED_LONG_TOKENS:
+                _note(f"add_then_abort: {n}-token requests (max_model_len) may outrun the"
+                     " abort; not judged")
+                return
             if gap > ABORT_GAP_S:
-                note(f"add_then_abort: {gap * 1000:.1f} ms between the sends; not judged")
+                _note(f"add_then_abort: {gap * 1000:.1f} ms between the sends; not judged")
                 return
             for rid in ids:
                 m = self.oracle.requests[rid]
@@ -681,10 +822,10 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         if mode != "wait" or self.oracle.paused or len(self.oracle.live_ids()) >= MAX_LIVE:
             return
         rid = self._fresh_id()
-        n = WAIT_MODE_TOKENS
-        req, expected, _ = self._request(rid, [5, 6, 7], n, 11, None, True, 0.0, 1.0)
+        req, expected, _ = self._request(rid, self._prompt(5, 6, 7), WAIT_MODE_TOKENS, 11, None,
+                                         True, 0.0, 1.0)
         self.cut.add_request(req)
-        self.oracle.add(rid, n, expected, None)
+        self.oracle.add(rid, req.sampling_params.max_tokens, expected, None)
 
     def _after_pause(self, mode: str, level: int | None) -> None:
         drained = self.oracle.pause(mode, level)
@@ -855,9 +996,9 @@ class EngineClientStateMachine(RuleBasedStateMachine):
 
     def _add_fixed(self, n: int) -> str:
         rid = self._fresh_id()
-        req, expected, _ = self._request(rid, [5, 6, 7], n, 13, None, True, 0.0, 1.0)
+        req, expected, _ = self._request(rid, self._prompt(5, 6, 7), n, 13, None, True, 0.0, 1.0)
         self.cut.add_request(req)
-        self.oracle.add(rid, n, expected, None)
+        self.oracle.add(rid, req.sampling_params.max_tokens, expected, None)
         return rid
 
     @precondition(lambda self: self.alive and self.kind == "inproc")
@@ -890,11 +1031,42 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                 if self.oracle.requests[rid].finish is not FinishReason.ERROR:
                     raise OracleViolation(f"{rid!r} sent again while live did not end ERROR")
             else:
-                note("engine_duplicate: nothing live in the engine")
+                _note("engine_duplicate: nothing live in the engine")
             if slept:
                 if self.cut.wake_up(None) is not True:
                     raise OracleViolation("wake_up(None) after sleep(1, keep) was not full")
                 self.oracle.wake(None)
+
+    @precondition(lambda self: self.alive and self.limits.prefix_prompt_len is not None
+                  and not self.oracle.paused)
+    @rule(first=st.integers(3, 511))
+    def prefix_cache_hit(self, first: int) -> None:
+        """With prefix caching on: a prompt of one full block and one token more, sent twice
+        with nothing else running; the second must report its block cached."""
+        with self._rule("prefix_cache_hit", locals()):
+            if self._full("prefix_cache_hit"):
+                return
+            n = self.limits.prefix_prompt_len
+            assert n is not None
+            prompt = self._prompt(*(first + i for i in range(n)))
+            self._drain()  # nothing else may claim blocks between the two
+            others = self.oracle.live_ids()
+            ids = []
+            for _ in range(2):
+                rid = self._fresh_id()
+                req, expected, _ = self._request(rid, prompt, 1, first, None, True, 0.0, 1.0)
+                self.cut.add_request(req)
+                self.oracle.add(rid, 1, expected, None)
+                self._drain([rid])
+                ids.append(rid)
+            if others:
+                _note(f"prefix_cache_hit: {others} live; the cache hit is not judged")
+                return
+            if self.alive and self._cached.get(ids[1], 0) < self.limits.block_size:
+                raise OracleViolation(
+                    f"{ids[1]!r} repeated a {n}-token prompt just computed by {ids[0]!r}, yet"
+                    f" reported num_cached_tokens={self._cached.get(ids[1], 0)}; expected its"
+                    f" {self.limits.block_size}-token block cached")
 
     @precondition(lambda self: self.kind == "inproc")
     @rule(fails=st.booleans())
@@ -910,7 +1082,13 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             config = self.cut.client.config
             trace: list[Any] = []
             if fails:
-                bad = msgspec.structs.replace(config, num_gpu_blocks_override=1)
+                # One block holds a sequence when block_size >= max_model_len: halve the
+                # block so that a sequence needs two (max_model_len >= MIN_MODEL_LEN).
+                block = config.block_size
+                if block >= config.max_model_len:
+                    block = config.max_model_len // 2
+                bad = msgspec.structs.replace(config, num_gpu_blocks_override=1,
+                                              block_size=block)
                 self._expect_raises(EngineStartupError,
                                     lambda: make_client(bad, multiprocess=False, asyncio=False,
                                                         trace=trace),
@@ -970,9 +1148,10 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             self._arm(f"step:1:{action}")
             if self.multiprocess:  # a subprocess engine steps only with work to do
                 rid = self._fresh_id()
-                self.oracle.add(rid, 4, None, None)
-                self.cut.add_request(EngineCoreRequest(rid, [3, 4],
-                                                       SamplingParams(max_tokens=4)))
+                n = self.limits.cap(2, 4)
+                self.oracle.add(rid, n, None, None)
+                self.cut.add_request(EngineCoreRequest(rid, self._prompt(3, 4),
+                                                       SamplingParams(max_tokens=n)))
         except EngineDeadError:
             # With requests running, the armed step may fire before the arm's reply (or the
             # ADD) got through: an exit does not flush the engine's output. The death is what
@@ -1078,6 +1257,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             self._finish_client(check=True)
             self.live = self.pool.acquire()
             self.oracle = Oracle(exact_tokens=self.exact_tokens)
+            self._cached.clear()
+            self._prompt_lens.clear()
             self._life = 0
 
     # -- invariants and teardown ------------------------------------------------------------
@@ -1132,7 +1313,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
     def _teardown(self) -> None:
         try:
             if self._busy is not None:
-                note(f"rule {self._busy} did not finish; discarding its client")
+                _note(f"rule {self._busy} did not finish; discarding its client")
                 self._finish_client(check=False)
                 return
             if self.oracle.phase is not Phase.ALIVE:

@@ -1,4 +1,9 @@
-"""The conformance suite (enginewire.testing.conformance) on the three built-in clients."""
+"""The conformance suite (enginewire.testing.conformance) on the three built-in clients.
+
+A scenario that cannot run on a client raises ``cf.NotApplicable`` (a ``unittest.SkipTest``),
+which pytest reports as a skip: the tests below run every scenario on every client kind and
+let the suite say where it does not apply.
+"""
 
 from __future__ import annotations
 
@@ -69,9 +74,7 @@ def test_sleep_wake(warm: cf.ClientUnderTest, level: int, mode: str) -> None:
 
 
 def test_malformed_frames(warm: cf.ClientUnderTest) -> None:
-    if not warm.multiprocess:
-        pytest.skip("no wire in-process")
-    cf.check_malformed_frames(warm)
+    cf.check_malformed_frames(warm)  # NotApplicable in-process: no wire
 
 
 @pytest.mark.parametrize("kind", cf.CLIENT_KINDS)
@@ -79,22 +82,22 @@ def test_shutdown_semantics(kind: str) -> None:
     cf.check_shutdown_semantics(cf.open_client(kind, CONFIG))
 
 
-@pytest.mark.parametrize("kind", MP_KINDS)
+@pytest.mark.parametrize("kind", cf.CLIENT_KINDS)
 def test_kill_during_get_output(kind: str) -> None:
     cf.check_kill_during_get_output(factory_for(kind))
 
 
-@pytest.mark.parametrize("kind", MP_KINDS)
+@pytest.mark.parametrize("kind", cf.CLIENT_KINDS)
 def test_kill_during_utility(kind: str) -> None:
     cf.check_kill_during_utility(factory_for(kind))
 
 
-@pytest.mark.parametrize("kind", MP_KINDS)
+@pytest.mark.parametrize("kind", cf.CLIENT_KINDS)
 def test_kill_during_handshake(kind: str) -> None:
     cf.check_kill_during_handshake(factory_for(kind))
 
 
-@pytest.mark.parametrize("kind", MP_KINDS)
+@pytest.mark.parametrize("kind", cf.CLIENT_KINDS)
 def test_engine_fatal_error(kind: str) -> None:
     cf.check_engine_fatal_error(factory_for(kind))
 
@@ -110,6 +113,20 @@ def test_client_kill_engine_exits(kind: str) -> None:
 def test_construction_failure_leaks_nothing(kind: str) -> None:
     cf.check_construction_failure_leaks_nothing(
         factory_for(kind), EngineConfig(model="no-such-model"))
+
+
+def test_inproc_scenarios_report_not_applicable() -> None:
+    """A scenario that needs an engine process says so at once on an in-process client: it
+    raises NotApplicable (a skip), neither passing silently nor waiting for an engine."""
+    import unittest
+
+    assert issubclass(cf.NotApplicable, unittest.SkipTest)
+    factory = factory_for("inproc")
+    start = time.monotonic()
+    for check in (cf.check_kill_during_handshake, cf.check_engine_fatal_error):
+        with pytest.raises(cf.NotApplicable, match="no engine process"):
+            check(factory)
+    assert time.monotonic() - start < 10
 
 
 # --- client-specific behaviour outside the shared scenarios ----------------------------------

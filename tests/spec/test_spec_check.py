@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from enginewire.testing.spec_check import SpecReport, render_report, run_spec_check
 
 
@@ -15,10 +17,12 @@ def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> 
     assert "spec check FAILED" in text
 
 
-def test_unknown_negative_control_is_a_usage_error() -> None:
+def test_unknown_negative_control_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
     lines: list[str] = []
     assert run_spec_check(negative="nope", spin=False, out=lines.append) == 2
-    assert "forget_pending_on_death" in lines[0]
+    assert not lines  # a usage error is not part of the report: it goes to stderr
+    assert "forget_pending_on_death" in capsys.readouterr().err
 
 
 def test_empty_report_renders_ok() -> None:
