@@ -206,15 +206,18 @@ class _UtilityRegistry:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def register(self, future: Any, method: str) -> int:
+    def new_id(self) -> int:
+        return next(self._ids)  # one C call: atomic under the GIL
+
+    def register(self, call_id: int, future: Any, method: str) -> None:
+        """Enter a call under an id from ``new_id``: the caller holds the id before the entry
+        exists, so it can always withdraw it (Ctrl-C may land as this returns)."""
         with self._lock:
             if self._refused is not None:
                 raise self._refused
-            call_id = next(self._ids)
             entry = _Pending(*self._machine, self._trace)
             entry.future, entry.method = future, method
             self._pending[call_id] = entry
-            return call_id
 
     def _forget(self, call_id: int, entry: _Pending, event: UtilityEvent) -> None:
         entry.fire(event)
@@ -1012,8 +1015,9 @@ class MPClient(EngineCoreClient):
 
     def _register_call(self, future: Any, method: str, args: tuple[Any, ...]) -> int:
         self.ensure_alive()
-        call_id = self._utilities.register(future, method)
+        call_id = self._utilities.new_id()
         try:
+            self._utilities.register(call_id, future, method)
             request = UtilityRequest(self.client_index, call_id, method, list(args))
             if not self._send_call(request):
                 self._send(RequestType.UTILITY, request)
@@ -1189,6 +1193,7 @@ class _SyncReader:
         self._bg_reading = False
         self._kicked = False
         self._callers = 0
+        self._waiting: set[int] = set()  # the threads counted in _callers
         self._bg_idle_checks = 0  # background's idle looks in a row with callers but no reads
         # Counts callers' reads (a counter, not a clock: this is on the round trip's path).
         self._caller_reads = 0
@@ -1262,10 +1267,16 @@ class _SyncReader:
         deadline = None if timeout is None else time.monotonic() + timeout
         cv = self.cv
         pumped = holding = False
-        cv.acquire()
-        self._reclaim_stale()
-        self._callers += 1
+        counted = False
+        self._drop_leaked_levels()
+        # Acquired inside the try: an exception raised into this thread (Ctrl-C) can land as
+        # soon as acquire() returns, and the finally must then release what it took.
         try:
+            cv.acquire()
+            self._reclaim_stale()
+            self._callers += 1
+            self._waiting.add(threading.get_ident())
+            counted = True
             while True:
                 if holding:
                     holding = False
@@ -1300,16 +1311,24 @@ class _SyncReader:
                 finally:
                     cv.acquire()
         finally:
-            # Plain stores first: an exception raised into this thread (Ctrl-C) lands at
-            # Python calls, and must not leave the socket marked as held.
-            if holding:
-                self._reading = self._bg_reading = False
-            self._callers -= 1
-            if holding:
-                self._give_back(caller=True)
-            if cv._waiters:  # type: ignore[attr-defined]
-                cv.notify_all()
-            cv.release()
+            # An exception raised into this thread (Ctrl-C) can leave Condition.wait before
+            # it took the lock back: take it, the bookkeeping below needs it.
+            if not self._lock._is_owned():  # type: ignore[attr-defined]
+                cv.acquire()
+            try:
+                # Plain stores first: such an exception lands at Python calls, and must not
+                # leave the socket marked as held.
+                if holding:
+                    self._reading = self._bg_reading = False
+                if counted:
+                    self._callers -= 1
+                    self._waiting.discard(threading.get_ident())
+                if holding:
+                    self._give_back(caller=True)
+                if cv._waiters:  # type: ignore[attr-defined]
+                    cv.notify_all()
+            finally:
+                cv.release()  # even if the wake-ups above were interrupted
 
     def wait_call(self, call: _SyncCall) -> None:
         """``wait_for(call.done, None)`` in fewer steps for the common case: the socket is
@@ -1317,6 +1336,8 @@ class _SyncReader:
         case (a reader or waiter already there or arriving, close, death) takes
         ``wait_for``."""
         cv, lock = self.cv, self._lock
+        me = threading.get_ident()
+        self._drop_leaked_levels()
         with lock:
             self._reclaim_stale()
             if self._reading or self._callers or self._closing or self._stopped:
@@ -1324,8 +1345,9 @@ class _SyncReader:
             else:
                 solo = True
                 self._callers = 1
+                self._waiting.add(me)
                 self._reading = True
-                self._holder = threading.get_ident()
+                self._holder = me
         if not solo:
             self.wait_for(call.done, None)
             return
@@ -1339,16 +1361,30 @@ class _SyncReader:
             with lock:
                 self._reading = self._bg_reading = False  # plain stores first (see wait_for)
                 self._callers -= 1
+                self._waiting.discard(me)
                 self._give_back(caller=True)
         if not call._done:
             self.wait_for(call.done, None)  # shared, closing or dead: wait there
+
+    def _drop_leaked_levels(self) -> None:
+        """A caller never holds ``cv`` between calls: levels this thread holds on entry were
+        left by a call that an exception (Ctrl-C) interrupted right after an acquire, and
+        they would lock the background reader out. Release them. Python cannot mask such
+        exceptions, so the reader repairs what they leave at the next call and at close."""
+        lock = self._lock
+        while lock._is_owned():  # type: ignore[attr-defined]
+            lock.release()
 
     def _reclaim_stale(self) -> None:
         """A thread starting a wait cannot already hold the socket: if the socket is marked
         as held by it, an exception (Ctrl-C) interrupted its last call before the mark was
         cleared; clear it. Caller holds ``cv``."""
-        if self._reading and self._holder == threading.get_ident():
+        me = threading.get_ident()
+        if self._reading and self._holder == me:
             self._reading = self._bg_reading = False
+        if me in self._waiting:  # counted by a call that never got to uncount itself
+            self._waiting.discard(me)
+            self._callers -= 1
 
     def _give_back(self, *, caller: bool) -> None:
         """The reader is done with the socket; wake whoever waits (their outcome may have
@@ -1398,7 +1434,9 @@ class _SyncReader:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop reading, wait (bounded) for the socket to be free, close it and the pipe."""
+        self._drop_leaked_levels()
         with self.cv:
+            self._reclaim_stale()
             self._closing = True
             self._kick_locked()
             self.cv.notify_all()
