@@ -1054,7 +1054,16 @@ def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]
         import torch
 
         torch.set_num_threads(int(threads))
-    code = run_engine_core(config, **kwargs)
+    # The launching client's end of a pipe: a start-up failure's reason goes back through it
+    # (the client otherwise sees only an exit code; the traceback is in this log).
+    report = kwargs.pop("startup_report", None)
+    try:
+        code = run_engine_core(config, **kwargs, raise_startup_errors=report is not None)
+    except Exception as e:
+        logger.exception("engine core failed to start")
+        with contextlib.suppress(Exception):
+            report.send(f"{type(e).__name__}: {e}")
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # os._exit skips interpreter teardown, which could block on a stuck daemon thread.

@@ -668,6 +668,7 @@ class MPClient(EngineCoreClient):
         self._pending_sends: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
         self.engine_pid: int | None = None
         self.ready_response: Any = None
+        self._startup_report: Any = None  # multiprocessing Connection while starting
         self._integrity = (
             LinkIntegrity(loss_deadline_s=DEFAULT_LOSS_DEADLINE_S) if frame_integrity else None)
         try:
@@ -683,6 +684,7 @@ class MPClient(EngineCoreClient):
                 connect=engine_connect,
             )
         except BaseException:
+            self._close_startup_report()
             self._mark_closed()
             self._finalizer()
             raise
@@ -742,7 +744,11 @@ class MPClient(EngineCoreClient):
                 heartbeat_interval_s = heartbeat_timeout_s / 4
 
             mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
+            # The engine writes why it failed to start here (EngineStartupError says it).
+            report_r, report_w = mp.Pipe(duplex=False)
+            self._startup_report = report_r
             kwargs = {
+                "startup_report": report_w,
                 "input_address": connect[0] if connect else self.input_address,
                 "output_address": connect[1] if connect else self.output_address,
                 "engine_index": self.engine_index,
@@ -759,13 +765,19 @@ class MPClient(EngineCoreClient):
                 name=f"EngineCore_{self.engine_index}",
                 daemon=True,
             )
-            proc.start()
+            try:
+                proc.start()
+            finally:
+                report_w.close()  # the child has its own copy: EOF once it exits
             res.proc = proc
             self.engine_pid = proc.pid
         elif heartbeat_timeout_s is None:
             logger.info("attached engine without a heartbeat: only its sentinel reports death")
 
-        ready = self._wait_ready(ready_timeout)
+        try:
+            ready = self._wait_ready(ready_timeout)
+        finally:
+            self._close_startup_report()
         self.ready_response = ready
         self._apply_ready(ready)
         res.last_seen[0] = time.monotonic()
@@ -857,10 +869,31 @@ class MPClient(EngineCoreClient):
                     raise EngineStartupError(f"engine handshake refused: {e}") from e
             if sentinel is not None and (sentinel in events or not res.proc.is_alive()):
                 res.proc.join(1.0)
+                how = _describe_exit(res.proc.pid, res.proc.exitcode)
+                reason = self._startup_reason()
+                if reason is None:
+                    raise EngineStartupError(
+                        f"engine core initialization failed; see the engine's log: {how}")
                 raise EngineStartupError(
-                    "engine core initialization failed; see the engine's log above: "
-                    + _describe_exit(res.proc.pid, res.proc.exitcode)
-                )
+                    f"engine core initialization failed: {reason} ({how})"
+                ) from EngineProcessDied(reason)
+
+    def _close_startup_report(self) -> None:
+        conn, self._startup_report = self._startup_report, None
+        if conn is not None:
+            conn.close()
+
+    def _startup_reason(self) -> str | None:
+        """What the launched engine reported before exiting during start-up, if anything."""
+        conn = self._startup_report
+        if conn is None:
+            return None
+        try:
+            if conn.poll(0.5):
+                return str(conn.recv())
+        except (EOFError, OSError):
+            pass
+        return None
 
     # -- death and shutdown -------------------------------------------------------------------
 

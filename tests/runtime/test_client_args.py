@@ -319,3 +319,12 @@ def test_every_concurrent_shutdown_returns_once_the_engine_is_gone() -> None:
         for t in threads:
             t.join(30)
         assert gone == [True, True, True]
+
+
+def test_an_engine_that_fails_to_start_says_why_to_the_client() -> None:
+    before = snapshot()
+    with pytest.raises(EngineStartupError, match="unknown model") as err:
+        make_client(EngineConfig(model="no-such-model"), multiprocess=True, asyncio=False)
+    assert isinstance(err.value.__cause__, mp.EngineProcessDied)
+    assert "exit code 1" in str(err.value)
+    assert_nothing_leaked(before)
