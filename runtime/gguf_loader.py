@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -157,9 +159,88 @@ def _fast_reader_class() -> type[gguf.GGUFReader]:
     return PlainViewReader
 
 
+# Rotary tables are sized by the context: a longer one is a corrupt field, not a model.
+_MAX_CONTEXT = 1 << 22
+# GGUF value types: fixed sizes of the scalars, and the two variable ones.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_MAX_DIMS = 8
+
+
+def _check_header(mm: mmap.mmap) -> None:
+    """Walk the header with every count and length checked against the bytes left, before
+    the gguf package parses it: its reader trusts them (a 100-byte file declaring a 2**60
+    item array made it loop and allocate without end)."""
+    end = len(mm)
+
+    def need(pos: int, n: int, what: str) -> int:
+        if n < 0 or pos + n > end:
+            raise ValueError(f"{what} runs past the end of the file ({end} bytes)")
+        return pos + n
+
+    def u32(pos: int) -> int:
+        need(pos, 4, "a length")
+        return int(struct.unpack_from("<I", mm, pos)[0])
+
+    def u64(pos: int) -> int:
+        need(pos, 8, "a length")
+        return int(struct.unpack_from("<Q", mm, pos)[0])
+
+    def string(pos: int, what: str) -> int:
+        return need(pos + 8, u64(pos), what)
+
+    def value(pos: int, vtype: int, what: str, depth: int = 0) -> int:
+        if vtype in _GGUF_SCALAR_BYTES:
+            return need(pos, _GGUF_SCALAR_BYTES[vtype], what)
+        if vtype == _GGUF_STRING:
+            return string(pos, what)
+        if vtype == _GGUF_ARRAY and depth < 4:
+            itype, count = u32(pos), u64(pos + 4)
+            pos += 12
+            if itype in _GGUF_SCALAR_BYTES:  # fixed size: one check for the whole array
+                return need(pos, count * _GGUF_SCALAR_BYTES[itype], f"{what} ({count} items)")
+            if count > end - pos:  # every item takes at least a byte
+                raise ValueError(f"{what} declares {count} items, more than the file holds")
+            for _ in range(count):
+                pos = value(pos, itype, what, depth + 1)
+            return pos
+        raise ValueError(f"{what} has unknown value type {vtype}")
+
+    pos = need(0, 24, "the header")
+    magic, _version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", mm, 0)
+    if magic != b"GGUF":
+        raise ValueError(f"not a GGUF file (magic {bytes(magic)!r}, expected b'GGUF')")
+    # A key/value takes at least 13 bytes, a tensor description at least 25.
+    if n_kv * 13 > end or n_tensors * 25 > end:
+        raise ValueError(f"declares {n_kv} keys and {n_tensors} tensors, more than a file of"
+                         f" {end} bytes can hold")
+    for k in range(n_kv):
+        key_end = string(pos, f"key #{k}")
+        key = bytes(mm[pos + 8:key_end]).decode("utf-8", "replace")
+        pos = value(key_end + 4, u32(key_end), f"metadata {key!r}")
+    for t in range(n_tensors):
+        pos = string(pos, f"tensor #{t}'s name")
+        n_dims = u32(pos)
+        if not 0 < n_dims <= _GGUF_MAX_DIMS:
+            raise ValueError(f"tensor #{t} declares {n_dims} dimensions")
+        pos = need(pos + 4, 8 * n_dims + 12, f"tensor #{t}'s description")
+
+
 def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """Parse a GGUF file's header (tensors stay memory-mapped until dequantized)."""
-    reader: gguf.GGUFReader = _fast_reader_class()(os.fspath(path))
+    """Parse a GGUF file's header (tensors stay memory-mapped until dequantized); a file that
+    is not a well-formed GGUF is a ValueError naming it and what is wrong."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ValueError("the file is empty")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                _check_header(mm)
+        reader: gguf.GGUFReader = _fast_reader_class()(name)
+    except (OSError, ValueError, IndexError, KeyError, TypeError, struct.error) as e:
+        if isinstance(e, OSError) and not isinstance(e, (ValueError,)):
+            raise  # a missing or unreadable file keeps its own type (FileNotFoundError ...)
+        raise ValueError(f"GGUF file {name}: {e}") from e
     return reader
 
 
@@ -217,6 +298,9 @@ def read_arch(reader: gguf.GGUFReader) -> GGUFArch:
     hidden = int(read_field(reader, f"{arch}.embedding_length"))
     heads = int(read_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(read_field(reader, f"{arch}.attention.head_count_kv", heads))
+    if min(hidden, heads, kv_heads) <= 0:
+        raise ValueError(f"non-positive sizes: hidden={hidden}, heads={heads},"
+                         f" kv_heads={kv_heads}")
     if hidden % heads or heads % kv_heads:
         raise ValueError(
             f"inconsistent head counts: hidden={hidden}, heads={heads}, kv_heads={kv_heads}"
@@ -232,21 +316,32 @@ def read_arch(reader: gguf.GGUFReader) -> GGUFArch:
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ValueError("GGUF file has no token_embd.weight tensor")
+    rows = int(embd.shape[-1])  # GGUF dims run innermost first: [hidden, vocab]
     vocab = read_field(reader, f"{arch}.vocab_size", None)
     if vocab is None:
-        vocab = int(embd.shape[-1])  # GGUF dims run innermost first: [hidden, vocab]
+        vocab = rows
+    elif int(vocab) != rows:  # a token id past the table would kill the engine mid-run
+        raise ValueError(f"{arch}.vocab_size={vocab} but token_embd.weight has {rows} rows")
+    layers = int(read_field(reader, f"{arch}.block_count"))
+    in_file = {int(m.group(1)) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))}
+    if layers <= 0 or len(in_file) != layers or in_file != set(range(layers)):
+        raise ValueError(f"{arch}.block_count={layers} but the file has tensors for"
+                         f" {len(in_file)} blocks")
+    context = int(read_field(reader, f"{arch}.context_length", 2048))
+    if not 0 < context <= _MAX_CONTEXT:
+        raise ValueError(f"{arch}.context_length={context}: expected 1..{_MAX_CONTEXT}")
 
     return GGUFArch(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(read_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(read_field(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         # llama.cpp's defaults for Llama when the keys are absent.
         rope_theta=float(read_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(read_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(read_field(reader, f"{arch}.context_length", 2048)),
+        max_position=context,
         eos_token_id=int(read_field(reader, "tokenizer.ggml.eos_token_id")),
         tie_word_embeddings="output.weight" not in tensor_names,
     )
@@ -310,15 +405,34 @@ class GGUFWeightSource:
 
     def load_tensors(self) -> tuple[GGUFArch, dict[str, torch.Tensor]]:
         """Dequantize every tensor; returns the file's architecture and an HF state dict."""
+        try:
+            return self._load_tensors()
+        except (KeyError, IndexError, TypeError, ZeroDivisionError, ValueError) as e:
+            if isinstance(e, ValueError) and self.path.name in str(e):
+                raise
+            raise ValueError(f"GGUF file {self.path}: {e}") from e
+
+    def _load_tensors(self) -> tuple[GGUFArch, dict[str, torch.Tensor]]:
+        from .model import param_shapes
+
         gguf_mod = _import_gguf()
         reader = self.reader
-        arch = read_arch(reader)
         bad = sorted({t.tensor_type.name for t in reader.tensors} - SUPPORTED_QUANT_TYPES)
         if bad:
             raise ValueError(
                 f"unsupported GGUF quantization type(s) {bad} in {self.path.name}; "
                 f"supported: {sorted(SUPPORTED_QUANT_TYPES)}"
             )
+        arch = read_arch(reader)
+        # Shapes are checked before anything is dequantized: a wrong one would otherwise load
+        # and fail at the first forward pass, killing the engine mid-run.
+        shapes = param_shapes(arch)  # type: ignore[arg-type]
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            got = tuple(int(d) for d in reversed(tensor.shape))
+            if name in shapes and got != shapes[name]:
+                raise ValueError(f"tensor {tensor.name} has shape {list(got)}, the"
+                                 f" architecture needs {list(shapes[name])}")
         state: dict[str, torch.Tensor] = {}
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
