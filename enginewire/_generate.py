@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .protocol.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from .spec.errors import EngineWireError
 
 # Random-weight models have no tokenizer: text becomes its UTF-8 bytes, shifted past the
 # tiny model's special ids (0..2), so any prompt maps to valid ids.
@@ -177,10 +178,20 @@ def run_generate(
     except FileNotFoundError as exc:
         print(f"\n{exc}", file=sys.stderr)
         return 3
-    except (RequestFailed, ValueError) as exc:
-        # Refused input: the engine's reason (a bad token id, max_tokens...) or the config's.
+    except RequestFailed as exc:  # the engine's reason (a bad token id, max_tokens...)
         print(f"enginewire generate: error: the request was refused: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a setting or a model file that cannot be used
+        print(f"enginewire generate: error: {exc}", file=sys.stderr)
+        return 2
+    except EngineWireError as exc:  # the engine failed to start or died: say why, once
+        cause = exc.__cause__
+        why = "" if cause is None or str(cause) in str(exc) else f" ({cause})"
+        print(f"enginewire generate: error: {exc}{why}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # e.g. a tokenizer the file describes but cannot be built
+        print(f"enginewire generate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print()
     print(
         f"[{client}] {len(res.token_ids)} tokens, finish={res.finish_reason}, "

@@ -1060,7 +1060,9 @@ def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]
     try:
         code = run_engine_core(config, **kwargs, raise_startup_errors=report is not None)
     except Exception as e:
-        logger.exception("engine core failed to start")
+        # The client raises this reason; the traceback is for whoever debugs the engine.
+        logger.error("engine core failed to start: %s: %s", type(e).__name__, e)
+        logger.debug("engine core start-up failure", exc_info=True)
         with contextlib.suppress(Exception):
             report.send(f"{type(e).__name__}: {e}")
         code = 1

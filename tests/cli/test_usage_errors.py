@@ -131,3 +131,12 @@ def test_engine_prints_a_key_pair_it_creates(
     main(["engine", "--input-address", "tcp://127.0.0.1:5", "--output-address",
           "tcp://127.0.0.1:6", "--curve-key", str(own), "--curve-peer", str(peers)])
     assert capsys.readouterr().out == ""
+
+
+def test_generate_with_an_unusable_model_file_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUX" + bytes(40))
+    line = _usage_line(["generate", "--model", str(bad), "--client", "inproc",
+                        "--prompt-tokens", "1,2"], capsys)
+    assert "broken.gguf" in line and "not a GGUF file" in line, line
