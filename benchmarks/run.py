@@ -226,6 +226,9 @@ def collect(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
             rows += _engine_rows(quick)
         if "model" in sel and not quick:  # real-model compute: minutes on a CPU, full run only
             rows += _model_rows(quick)
+        elif "model" in sel and only:  # asked for by name: say why it is missing
+            print("bench: the model section runs in the full run only (not with --quick)",
+                  file=sys.stderr)
     finally:
         if not was_frozen:
             gc.unfreeze()
