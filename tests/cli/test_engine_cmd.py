@@ -57,30 +57,51 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_engine_command_over_curve_tcp(tmp_path: Path) -> None:
-    """Keys from files on both sides; the engine admits only the client key it was given."""
-    client_pair = security.load_or_create_keypair(tmp_path / "client.key_secret")
-    engine_pair = security.load_or_create_keypair(tmp_path / "engine.key_secret")
+def _echo_through_curve_engine(engine_args: list[str], curve: security.CurveConfig,
+                               model: str, text: str) -> None:
+    """Run ``enginewire engine`` over tcp with ``engine_args`` (its keys), attach a client
+    with ``curve``, echo ``text`` through it, then SIGTERM the engine: it must exit 0."""
     inp = f"tcp://127.0.0.1:{_free_port()}"
     out = f"tcp://127.0.0.1:{_free_port()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "enginewire.cli", "engine", "--input-address", inp,
-         "--output-address", out, "--curve-key", str(tmp_path / "engine.key_secret"),
-         "--curve-peer", client_pair.public.decode()],
+        [sys.executable, "-m", "enginewire.cli", "engine", "--model", model,
+         "--input-address", inp, "--output-address", out, *engine_args],
     )
     try:
-        curve = security.CurveConfig(client_pair, frozenset({engine_pair.public}))
-        client = make_client(EngineConfig(model="tiny"), multiprocess=True, asyncio=False,
+        client = make_client(EngineConfig(model=model), multiprocess=True, asyncio=False,
                              launch_engine=False, input_address=inp, output_address=out,
                              curve=curve, ready_timeout_s=BOUND_S)
         with client:
-            assert client.call_utility("echo", "over curve", timeout=BOUND_S) == "over curve"
+            assert client.call_utility("echo", text, timeout=BOUND_S) == text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(BOUND_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(BOUND_S)
+
+
+def test_engine_command_over_curve_tcp(tmp_path: Path) -> None:
+    """Keys from files on both sides; the engine admits only the client key it was given."""
+    client_pair = security.load_or_create_keypair(tmp_path / "client.key_secret")
+    engine_pair = security.load_or_create_keypair(tmp_path / "engine.key_secret")
+    _echo_through_curve_engine(
+        ["--curve-key", str(tmp_path / "engine.key_secret"),
+         "--curve-peer", client_pair.public.decode()],
+        security.CurveConfig(client_pair, frozenset({engine_pair.public})), "tiny",
+        "over curve")
+
+
+def test_curve_server_key_picks_the_front_end_among_several_peers(tmp_path: Path) -> None:
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    front = security.load_or_create_keypair(peers / "front.key_secret")
+    security.load_or_create_keypair(peers / "other.key_secret")
+    engine_pair = security.load_or_create_keypair(tmp_path / "engine.key_secret")
+    _echo_through_curve_engine(
+        ["--curve-key", str(tmp_path / "engine.key_secret"), "--curve-peer", str(peers),
+         "--curve-server-key", str(peers / "front.key")],
+        security.CurveConfig(front, frozenset({engine_pair.public})), "null", "two peers")
 
 
 def test_engine_command_refuses_half_configured_curve(tmp_path: Path) -> None:

@@ -100,12 +100,19 @@ def test_engine_unknown_model_is_one_line(capsys: pytest.CaptureFixture[str],
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
-def test_engine_several_peer_keys_need_a_server_key(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def two_peers(tmp_path: Path) -> Path:
+    """A directory of two peer public keys: more than an engine can pick its front end from."""
     peers = tmp_path / "peers"
     peers.mkdir()
     for name in ("a", "b"):
         security.load_or_create_keypair(peers / f"{name}.key_secret")
+    return peers
+
+
+def test_engine_several_peer_keys_need_a_server_key(
+        tmp_path: Path, two_peers: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    peers = two_peers
     own = tmp_path / "engine.key_secret"
     line = _usage_line(["engine", "--input-address", "tcp://127.0.0.1:5", "--output-address",
                         "tcp://127.0.0.1:6", "--curve-key", str(own), "--curve-peer",
@@ -114,12 +121,9 @@ def test_engine_several_peer_keys_need_a_server_key(
 
 
 def test_engine_prints_a_key_pair_it_creates(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, two_peers: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Stops at the peer-list check, after the key pair was made: no engine starts.
-    peers = tmp_path / "peers"
-    peers.mkdir()
-    for name in ("a", "b"):
-        security.load_or_create_keypair(peers / f"{name}.key_secret")
+    peers = two_peers
     own = tmp_path / "engine.key_secret"
     assert main(["engine", "--input-address", "tcp://127.0.0.1:5", "--output-address",
                  "tcp://127.0.0.1:6", "--curve-key", str(own), "--curve-peer",
