@@ -27,7 +27,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from ..protocol.codec import (
     Encoder,
@@ -64,6 +64,8 @@ __all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client"]
 MAX_WAIT_SLICE_S = 1 << 20
 
 SLEEP_MODES = ("abort", "wait", "keep")
+# Utility methods whose successful reply moves the client's lifecycle (sleep, wake).
+POWER_METHODS = frozenset({"sleep", "pause_scheduler", "wake_up", "resume_scheduler"})
 
 _FINISH_EVENTS = {
     FinishReason.STOP: ClientRequestEvent.FINISH_STOP,
@@ -331,6 +333,19 @@ class EngineCoreClient(abc.ABC):
     def _new_utility_lifecycle(self) -> Lifecycle[Any, UtilityEvent]:
         return UTILITY.lifecycle(trace=self.trace)
 
+    def _on_power_reply(self, method: str, result: Any) -> None:
+        """Follow a successful reply of a ``POWER_METHODS`` call; ``SpecViolation`` if the
+        spec forbids it. Runs where the reply is routed, in the order the engine replied: two
+        threads calling ``sleep()`` and ``wake_up()`` at once leave the client in the engine's
+        state, whichever caller resumes first (and so does a raw ``call_utility("sleep")``)."""
+        if method == "wake_up":
+            self._after_wake(bool(result))
+        elif method == "resume_scheduler":
+            # Only a paused (level-0) engine accepts a resume: it is then fully awake.
+            self._after_wake(True)
+        else:
+            self._after_sleep()
+
     def _after_sleep(self) -> None:
         with self._state_lock:
             if self.lifecycle.can(ClientEvent.SLEEP_ACKED):
@@ -363,12 +378,6 @@ class SyncClientMixin:
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         raise NotImplementedError
 
-    if TYPE_CHECKING:  # provided by EngineCoreClient, which follows in the MRO
-
-        def _after_sleep(self) -> None: ...
-
-        def _after_wake(self, fully_awake: bool) -> None: ...
-
     def echo(self, value: Any, timeout: float | None = None) -> Any:
         return self.call_utility("echo", value, timeout=timeout)
 
@@ -400,23 +409,20 @@ class SyncClientMixin:
     def get_stats(self) -> Any:
         return self.call_utility("get_stats")
 
+    # The client's lifecycle follows these replies where they are routed (_on_power_reply).
+
     def pause_scheduler(self, mode: str = "abort") -> None:
         self.call_utility("pause_scheduler", mode)
-        self._after_sleep()
 
     def resume_scheduler(self) -> None:
         self.call_utility("resume_scheduler")
-        self._after_wake(not self.is_sleeping())
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         _check_sleep_args(level, mode)
         self.call_utility("sleep", level, mode)
-        self._after_sleep()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        fully = bool(self.call_utility("wake_up", check_wake_tags(tags)))
-        self._after_wake(fully)
-        return fully
+        return bool(self.call_utility("wake_up", check_wake_tags(tags)))
 
     def is_sleeping(self) -> bool:
         return bool(self.call_utility("is_sleeping"))
@@ -523,6 +529,8 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             message = utility_output(0, method, error=e).failure_message or str(e)
             raise UtilityError(method, message) from e
         lc.fire(UtilityEvent.REPLY_OK)
+        if wired.method in POWER_METHODS:
+            self._on_power_reply(wired.method, result)
         return result
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:

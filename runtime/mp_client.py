@@ -87,6 +87,7 @@ from ..spec.errors import (
     EngineStartupError,
     EngineWireError,
     ProtocolError,
+    SpecViolation,
     UtilityError,
     UtilityTimeoutError,
 )
@@ -95,6 +96,7 @@ from ..spec.utility import UTILITY, UtilityEvent, UtilityState
 from . import _mutants
 from .client import (
     MAX_WAIT_SLICE_S,
+    POWER_METHODS,
     EngineCoreClient,
     SyncClientMixin,
     _check_sleep_args,
@@ -200,6 +202,9 @@ class _UtilityRegistry:
             collections.OrderedDict()
         )
         self._refused: BaseException | None = None
+        # The client's ``_on_power_reply``, weakly (the client owns this registry): replies to
+        # POWER_METHODS move its lifecycle here, where replies are routed in arrival order.
+        self.power: weakref.WeakMethod[Callable[[str, Any], None]] | None = None
         # One call's lifecycle is made per round trip: the machine's parts, looked up once.
         self._machine = (UTILITY.name, UTILITY.initial, UTILITY.compiled())
 
@@ -244,36 +249,66 @@ class _UtilityRegistry:
             if entry is not None:
                 entry.fire(event)
 
+    def _follow(self, method: str, result: Any) -> SpecViolation | None:
+        """Move the client's lifecycle after a successful ``method`` reply (a POWER_METHODS
+        one); the ``SpecViolation`` if the spec forbids it. Called outside the lock."""
+        power = self.power() if self.power is not None else None
+        if power is None:
+            return None
+        try:
+            power(method, result)
+        except SpecViolation as e:
+            return e
+        return None
+
     def resolve(self, reply: UtilityOutput) -> tuple[Any, BaseException | None, Any] | None:
         """Match a reply to its entry: ``(future, error, result)``, or None if dropped."""
         ok = reply.failure_message is None
         event = UtilityEvent.REPLY_OK if ok else UtilityEvent.REPLY_ERROR
+        unheard: str | None = None  # a power method whose caller stopped waiting
         with self._lock:
             entry = self._pending.pop(reply.call_id, None)
             if entry is None:
                 late = self._late.pop(reply.call_id, None)
                 if late is not None:
                     late.fire(event)  # loops in CANCELLED / TIMED_OUT: dropped
+                    if ok and isinstance(late, _Pending):
+                        unheard = late.method
                 else:
                     logger.debug("utility reply for unknown call id %s dropped", reply.call_id)
-                return None
-            if entry.future.done():
+            elif entry.future.done():
                 # Cancelled by its caller before it could withdraw the entry.
                 entry.fire(UtilityEvent.CANCEL)
                 entry.fire(event)
-                return None
-            if not ok:
+                if ok:
+                    unheard = entry.method
+            elif not ok:
                 entry.fire(event)
                 return entry.future, UtilityError(entry.method, reply.failure_message or ""), None
-            result = reply.result
-            try:
-                if type(result) not in _PLAIN_RESULTS:
-                    result = decode_utility_result(result)
-            except ProtocolError as e:
-                entry.fire(UtilityEvent.REPLY_ERROR)
-                return entry.future, UtilityError(entry.method, str(e)), None
-            entry.fire(event)
-            return entry.future, None, result
+            else:
+                result = reply.result
+                try:
+                    if type(result) not in _PLAIN_RESULTS:
+                        result = decode_utility_result(result)
+                except ProtocolError as e:
+                    entry.fire(UtilityEvent.REPLY_ERROR)
+                    return entry.future, UtilityError(entry.method, str(e)), None
+                entry.fire(event)
+                method = entry.method
+        if unheard is not None:
+            # Nobody waits for this reply, but the engine did sleep or wake.
+            if unheard in POWER_METHODS:
+                violation = self._follow(unheard, reply.result)
+                if violation is not None:
+                    logger.error("late %s reply: %s", unheard, violation)
+            return None
+        if entry is None or entry.future.done():
+            return None
+        if method in POWER_METHODS:
+            violation = self._follow(method, result)
+            if violation is not None:
+                return entry.future, violation, None
+        return entry.future, None, result
 
     def settle(self, reply: UtilityOutput) -> None:
         """``resolve`` and set the future's outcome (after the lock: a future's callbacks may
@@ -285,10 +320,15 @@ class _UtilityRegistry:
                 if entry is not None and not entry.future.done():
                     del self._pending[reply.call_id]
                     entry.fire(UtilityEvent.REPLY_OK)
-                    fut = entry.future
+                    fut, method = entry.future, entry.method
                 else:
                     fut = None  # late, unknown or cancelled: ``resolve`` records each case
             if fut is not None:
+                if method in POWER_METHODS:
+                    violation = self._follow(method, reply.result)
+                    if violation is not None:
+                        _set_future(fut, violation, None)
+                        return
                 try:
                     fut.set_result(reply.result)
                 except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
@@ -655,6 +695,7 @@ class MPClient(EngineCoreClient):
         self.client_index = client_index
         self.identity = engine_index.to_bytes(2, "little")
         self._utilities = _UtilityRegistry(trace)
+        self._utilities.power = weakref.WeakMethod(self._on_power_reply)
         # Only a heartbeat deadline reads when the engine was last heard from.
         self._stamp_seen = bool(engine_heartbeat_timeout_s)
         self._encoder = Encoder()
@@ -1794,23 +1835,20 @@ class AsyncMPClient(MPClient):
     async def get_stats_async(self) -> Any:
         return await self.call_utility_async("get_stats")
 
+    # The client's lifecycle follows these replies where they are routed (_on_power_reply).
+
     async def pause_scheduler_async(self, mode: str = "abort") -> None:
         await self.call_utility_async("pause_scheduler", mode)
-        self._after_sleep()
 
     async def resume_scheduler_async(self) -> None:
         await self.call_utility_async("resume_scheduler")
-        self._after_wake(not await self.is_sleeping_async())
 
     async def sleep_async(self, level: int = 1, mode: str = "abort") -> None:
         _check_sleep_args(level, mode)
         await self.call_utility_async("sleep", level, mode)
-        self._after_sleep()
 
     async def wake_up_async(self, tags: list[str] | None = None) -> bool:
-        fully = bool(await self.call_utility_async("wake_up", check_wake_tags(tags)))
-        self._after_wake(fully)
-        return fully
+        return bool(await self.call_utility_async("wake_up", check_wake_tags(tags)))
 
     async def is_sleeping_async(self) -> bool:
         return bool(await self.call_utility_async("is_sleeping"))
