@@ -11,7 +11,7 @@ import numbers
 
 import msgspec
 
-__all__ = ["DTYPES", "SCHEDULING_POLICIES", "EngineConfig"]
+__all__ = ["BUILTIN_MODELS", "DTYPES", "SCHEDULING_POLICIES", "EngineConfig"]
 
 # Sizes and counts travel to the engine process in msgpack and size tensors: anything past
 # this is a typo, not a setting, and would fail later as an overflow far from its field.
@@ -19,6 +19,9 @@ _MAX_INT = (1 << 62) - 1
 _MAX_SEED = (1 << 64) - 1  # seeds are msgpack uint64
 
 DTYPES = ("float32", "float16", "bfloat16")
+# The model names every engine knows, stored lowercased however they were written
+# ("SmolLM2-135M" is how the model's card spells it). Paths and registered names keep theirs.
+BUILTIN_MODELS = ("tiny", "null", "smollm2", "smollm2-135m", "smollm2-135m-instruct")
 SCHEDULING_POLICIES = ("priority", "fcfs")
 
 
@@ -59,6 +62,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
         if not isinstance(self.model, str) or not self.model:
             raise bad("model", "must be a non-empty string")
+        if self.model != self.model.lower() and self.model.lower() in BUILTIN_MODELS:
+            msgspec.structs.force_setattr(self, "model", self.model.lower())
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda")
             or (self.device.startswith("cuda:") and self.device[5:].isdigit())

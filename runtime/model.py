@@ -13,6 +13,7 @@ tokens' K/V at their slots, then every sequence gathers its context through its 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -159,16 +160,36 @@ def register_weight_source(name: str, factory: Callable[[str, int], WeightSource
 
 
 def resolve_weight_source(model: str, seed: int) -> WeightSource:
+    """The source ``model`` names: an exact name, else a name or path suffix matched
+    case-insensitively (``SMOLLM2``, ``x.GGUF``)."""
     factory = _SOURCES.get(model)
     if factory is None:
+        folded = model.lower()
         for key, fac in _SOURCES.items():
-            if key.startswith(".") and model.endswith(key):
+            if key.lower() == folded or (key.startswith(".") and folded.endswith(key.lower())):
                 factory = fac
                 break
     if factory is None:
         known = [*sorted(k for k in _SOURCES), "null"]
-        raise ValueError(f"EngineConfig.model={model!r}: unknown model; known: {known}")
+        raise ValueError(f"EngineConfig.model={model!r}: unknown model{_unknown_hint(model)};"
+                         f" known: {known}")
     return factory(model, seed)
+
+
+def _unknown_hint(model: str) -> str:
+    """Why a name that looks like a checkpoint is not one we load, when it can be said."""
+    if "://" in model:
+        return " (nothing is downloaded: fetch the .gguf file and pass its path)"
+    if os.path.isdir(model):
+        return (" (a directory: checkpoint folders such as safetensors or PyTorch ones are not"
+                " loaded; pass a .gguf file, or register_weight_source() a loader for them)")
+    if os.path.isfile(model):
+        return (" (a file without the .gguf suffix: only GGUF files are loaded; register a"
+                " WeightSource for other formats)")
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return (" (it looks like a Hugging Face repo id: nothing is downloaded; pass a local"
+                " .gguf file)")
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------

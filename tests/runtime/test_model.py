@@ -4,6 +4,7 @@ reference, weight naming and sources, and the null model's token function."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +118,31 @@ def test_weight_source_registry() -> None:
     register_weight_source(".tinyw", lambda model, seed: TinyRandomSource(seed, small, model))
     src = resolve_weight_source("/x/y.tinyw", 5)
     assert src.load()[0] == small and src.name == "/x/y.tinyw"
+    # Names and suffixes match whatever their case.
+    assert isinstance(resolve_weight_source("TINY", 1), TinyRandomSource)
+    assert resolve_weight_source("/x/Y.TINYW", 5).load()[0] == small
+
+
+def test_builtin_model_names_are_stored_lowercased() -> None:
+    assert EngineConfig(model="SmolLM2-135M").model == "smollm2-135m"
+    assert EngineConfig(model="NULL") == EngineConfig(model="null")
+    assert EngineConfig(model="/models/My.gguf").model == "/models/My.gguf"  # paths kept
+
+
+@pytest.mark.parametrize(("model", "hint"), [
+    ("https://huggingface.co/x/y.bin", "nothing is downloaded"),
+    ("HuggingFaceTB/SmolLM2-135M", "Hugging Face repo id"),
+    ("{dir}", "checkpoint folders"),
+    ("{dir}/model.safetensors", "only GGUF files"),
+    ("no-such-model", "known: "),
+])
+def test_an_unknown_model_says_why_when_it_looks_like_a_checkpoint(
+        model: str, hint: str, tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    model = model.format(dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown model") as err:
+        resolve_weight_source(model, 0)
+    assert hint in str(err.value) and repr(model) in str(err.value)
 
 
 def test_null_token_matches_null_worker_and_avoids_eos() -> None:
