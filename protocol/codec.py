@@ -525,6 +525,8 @@ class Decoder(Generic[T]):
             raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
         else:  # aux frame: share it; the tensor keeps the frame alive
             raw = torch.frombuffer(buf, dtype=torch.uint8)
+        if dtype is torch.bool and int(raw.max()) > 1:
+            raise _bad_bool()
         return raw.view(dtype).reshape(header.shape)
 
     def _numpy(self, header: _ArrayHeader) -> Any:
@@ -533,7 +535,14 @@ class Decoder(Generic[T]):
         dtype = _numpy_dtype(header.dtype)
         buf = self._buffer(header, dtype.itemsize)
         arr = np.frombuffer(buf, dtype=dtype).reshape(header.shape)
+        if dtype.kind == "b" and arr.size and int(arr.view(np.uint8).max()) > 1:
+            raise _bad_bool()
         return arr.copy() if isinstance(buf, bytes) else arr
+
+
+def _bad_bool() -> ProtocolError:
+    # Any other byte is a bool neither library defines (numpy and torch read it differently).
+    return ProtocolError("expected bool array bytes of 0 or 1")
 
 
 # What ``dtype.str`` produces for plain dtypes: byte order, kind, item size, datetime unit.

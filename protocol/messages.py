@@ -113,7 +113,8 @@ torch tensors and numpy arrays, and registered Structs, travel as msgpack ext va
   the message's aux frames; aux 0 is the frame right after the payload frame (on the input
   socket, after the type byte + payload frame). Senders here inline arrays under 256 bytes
   and put larger ones in aux frames, zero-copy; a receiver takes either form at any size. The
-  byte count must equal the product of ``shape`` times the item size.
+  byte count must equal the product of ``shape`` times the item size; a bool array's bytes
+  are each 0 or 1.
 
 Arrays may appear in the ``Any`` fields: ``UtilityRequest.args``, ``UtilityOutput.result``,
 ``EngineCoreRequest.tensors``. Decoding is strict: the typed decoders refuse every ext code

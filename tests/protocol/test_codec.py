@@ -114,6 +114,22 @@ def test_numpy_arrays_round_trip(name: str, threshold: int) -> None:
     assert n_aux == (1 if threshold == 0 else 0)
 
 
+@pytest.mark.parametrize("threshold", [0, 1 << 30], ids=["aux", "inline"])
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_bool_array_bytes_other_than_0_or_1_are_refused(kind: str, threshold: int) -> None:
+    """torch and numpy read such a byte differently (and 2 & 1 is False): refused."""
+    value: Any = torch.zeros(300, dtype=torch.bool) if kind == "torch" else np.zeros(300, bool)
+    frames = list(Encoder(size_threshold=threshold).encode(UtilityRequest(0, 1, "m", [value])))
+    if threshold == 0:
+        raw = bytearray(frames[1])
+        raw[17] = 2
+        frames[1] = raw
+    else:  # the array's bytes end the payload: the last one is the array's last element
+        frames[0] = bytes(frames[0])[:-1] + b"\x02"
+    with pytest.raises(ProtocolError, match="bool array bytes of 0 or 1"):
+        Decoder(UtilityRequest).decode(frames)
+
+
 def test_numpy_scalar_travels_as_0d_array() -> None:
     got, _ = _round_trip(np.float32(1.25))
     assert got.shape == () and got.dtype == np.float32 and got == np.float32(1.25)
