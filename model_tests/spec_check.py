@@ -271,7 +271,8 @@ def render_report(report: SpecReport) -> str:
             lines.append(f"UNREACHABLE in {m.machine}: {t}")
     if report.spin:
         lines.append("")
-        srow = "{:<26} {:<8} {:>7} {:>9} {:>8}"
+        w = max(len("SPIN property"), *(len(r.prop) for r in report.spin))
+        srow = "{:<" + str(w) + "} {:<8} {:>7} {:>9} {:>8}"
         lines.append(srow.format("SPIN property", "kind", "errors", "states", "time"))
         kinds = {p.name: p.kind for p in PROPERTIES}
         for r in report.spin:
@@ -283,7 +284,8 @@ def render_report(report: SpecReport) -> str:
         lines.append(f"SPIN: {report.spin_skipped}")
     if report.controls:
         lines.append("")
-        crow = "{:<26} {:<44} {:<8} {:<8}"
+        w = max(len("negative control"), *(len(c.bug) for c in report.controls))
+        crow = "{:<" + str(w) + "} {:<44} {:<8} {:<8}"
         lines.append(crow.format("negative control", "must break", "explorer", "SPIN"))
         for c in report.controls:
             exp = "rejects" if set(c.targets) <= set(c.explorer_broke) else "MISSES"

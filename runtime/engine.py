@@ -17,7 +17,8 @@ which case they are preempted and recompute after wake); ``wait`` lets the reque
 that moment finish first (DRAINING; new arrivals queue) and returns a ``Future`` that the step
 which drains them completes. ``sleep(level, mode)`` pauses, then at level >= 1 releases memory
 (level 1: weights to host, KV dropped; level 2: both dropped, weights reloaded from their
-source). ``wake_up(tags)`` restores tags; scheduling resumes only when all are resident.
+source). ``wake_up(tags)`` restores tags; scheduling resumes only when all are resident. A
+wake-up while a ``wait`` still drains ends it: scheduling goes on, the deferred call fails.
 """
 
 from __future__ import annotations
@@ -574,11 +575,24 @@ class EngineCore:
             if executor.sleeping:
                 lc.fire(E.WAKE_UP, PARTIAL)
                 return False
-        if st is S.SLEEPING or st is S.PAUSED:
+        if st is S.DRAINING:
+            # A sleep/pause(wait) still draining: the wake-up wins. Scheduling goes on as
+            # before the pause and the deferred call is answered with an error.
+            lc.fire(E.WAKE_UP, HAS_WORK if self.scheduler.requests else NO_WORK)
+            self._end_drain()
+            self._fail_deferred(UtilityError(
+                "sleep", "ended by wake_up() before the engine drained: it did not pause"))
+        elif st is S.SLEEPING or st is S.PAUSED:
             lc.fire(E.WAKE_UP, HAS_WORK if self.scheduler.requests else NO_WORK)
         else:
-            lc.fire(E.WAKE_UP)  # no-op when active; SpecViolation while draining
+            lc.fire(E.WAKE_UP)  # not asleep: a no-op
         return True
+
+    def _end_drain(self) -> None:
+        sched = self.scheduler
+        sched.drain_only = False
+        for r in sched.requests.values():
+            r.draining = False
 
     def is_sleeping(self) -> bool:
         return self.lifecycle.state in _PAUSED

@@ -94,6 +94,7 @@ BUGS = (
     "abort_ack_before_flush",
     "abort_unanswered",
     "reply_before_drain",
+    "wake_ignored_while_draining",
     "partial_wake_clears_flag",
     "input_reorders",
     "shutdown_skips_join",
@@ -293,8 +294,13 @@ class Composition:
             s.w[SLEEP_FLAG] = 0
         elif e in (E_IDLE, E_RUNNING):
             s.fire(E, self.t_engine, EE.WAKE_UP)
-        else:  # draining: not asleep yet, the deferred sleep still completes later
-            s.fire(E, self.t_engine, EE.WAKE_UP)
+        elif self.bug == "wake_ignored_while_draining":
+            pass  # the old no-op: the deferred sleep completes after this "fully awake"
+        else:  # draining: the wake-up ends the pending sleep(wait), which is answered an error
+            s.fire(E, self.t_engine, EE.WAKE_UP, "has_work" if self._has_work(s) else "no_work")
+            s.w[DRAIN_REPLY] = 0
+        if s.w[E] not in (E_IDLE, E_RUNNING):
+            s.flag("wake_reply_when_awake")
         s.push_out(O_WOKE_FULL)
 
     def _check_seq(self, s: _Step, msg: int) -> None:

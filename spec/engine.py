@@ -16,7 +16,8 @@ finish first (DRAINING) and only then pauses, so the pause reply means "idle". S
 followed by releasing memory: level 0 releases nothing (the engine stays PAUSED), level 1
 offloads weights and frees the KV cache, level 2 frees both (SLEEPING). ``wake_up`` restores
 tags; scheduling resumes only once every tag is resident, into IDLE or RUNNING depending on
-whether parked requests remain. Any fatal error sends the engine-dead sentinel (DEAD).
+whether parked requests remain; a wake-up while DRAINING ends the pending wait (its reply is
+an error) and resumes scheduling. Any fatal error sends the engine-dead sentinel (DEAD).
 SHUTDOWN is reached by a shutdown request or process exit; DEAD and SHUTDOWN are sticky.
 """
 
@@ -122,9 +123,13 @@ ENGINE: Machine[EngineState, EngineEvent] = Machine(
         Transition(S.PAUSED, E.WAKE_UP, S.IDLE, guard=NO_WORK),
         Transition(S.IDLE, E.WAKE_UP, S.IDLE, note="not asleep: no-op"),
         Transition(S.RUNNING, E.WAKE_UP, S.RUNNING, note="not asleep: no-op"),
-        # Found by the composed model: a wake-up can overtake a sleep(wait) that is still
-        # draining; the engine is not asleep yet, so it is a no-op and the sleep completes.
-        Transition(S.DRAINING, E.WAKE_UP, S.DRAINING, note="not asleep yet: no-op"),
+        # A wake-up can overtake a sleep(wait) that is still draining (the caller timed out,
+        # or another thread woke the engine): it ends the drain and resumes scheduling, and
+        # the pending sleep's reply is an error. As a no-op it answered "fully awake" and the
+        # engine fell asleep afterwards (property wake_reply_when_awake).
+        Transition(S.DRAINING, E.WAKE_UP, S.RUNNING, guard=HAS_WORK,
+                   note="ends the pending sleep/pause(wait): its reply is an error"),
+        Transition(S.DRAINING, E.WAKE_UP, S.IDLE, guard=NO_WORK),
         *(Transition(s, E.FATAL_ERROR, S.DEAD) for s in (S.CONSTRUCTING, *_LIVE)),
         Transition(S.DEAD, E.FATAL_ERROR, S.DEAD),
         *(Transition(s, E.SHUTDOWN, S.SHUTDOWN) for s in (S.CONSTRUCTING, *_LIVE, S.DEAD)),

@@ -155,7 +155,7 @@ bit weights_asleep; bit kv_asleep; bit sleep_flag; bit drain_reply; bit closing;
 byte budget = BUDGET; byte faults = FAULTS; bit monitor_seen;
 /* safety flags set by the model where a property is a statement about one step */
 bit v_spec_conformance; bit v_no_output_after_finish; bit v_sleep_reply_when_idle;
-bit v_frames_in_order;
+bit v_frames_in_order; bit v_wake_reply_when_awake;
 /* scratch, reset to 0 after every use so it does not split states */
 byte msg; byte kind; byte e0; bit partial; bit was_draining; byte nxt;
 hidden short ti;
@@ -230,7 +230,18 @@ inline wake(wake_all) {
               if :: ereq_live -> fire_engine(ENGINE_E_WAKE_UP, G_HAS_WORK)
                  :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK) fi;
               sleep_flag = 0
+           :: e0 == ENGINE_S_DRAINING ->
+#ifdef BUG_WAKE_IGNORED_WHILE_DRAINING
+              skip
+#else
+              /* ends the pending sleep(wait): its reply is an error */
+              if :: ereq_live -> fire_engine(ENGINE_E_WAKE_UP, G_HAS_WORK)
+                 :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK) fi;
+              drain_reply = 0
+#endif
            :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NONE) fi;
+        if :: engine != ENGINE_S_IDLE && engine != ENGINE_S_RUNNING -> v_wake_reply_when_awake = 1
+           :: else -> skip fi;
         push_out(O_WOKE_FULL)
      :: else -> skip fi;
   e0 = 0; partial = 0

@@ -107,6 +107,14 @@ SAFETY: tuple[Property, ...] = (
         _flag("sleep_reply_when_idle"),
     ),
     _safety(
+        "wake_reply_when_awake",
+        "A wake-up reply says 'fully awake' only when the engine schedules again (idle or "
+        "running): a wake-up ends a sleep or pause still waiting for requests to drain.",
+        ("wake_ignored_while_draining",),
+        "!v_wake_reply_when_awake",
+        _flag("wake_reply_when_awake"),
+    ),
+    _safety(
         "is_sleeping_iff",
         "The engine's is_sleeping answer is true exactly when it is paused or any memory tag is "
         "asleep.",

@@ -103,3 +103,27 @@ def test_a_sleep_reply_after_its_caller_timed_out_still_moves_the_client() -> No
             client.get_output(timeout=0.05)  # routes the late reply
         assert client.is_sleeping() is True
         assert client.live_requests() == []
+
+
+def test_a_wake_up_after_a_timed_out_sleep_wait_keeps_the_engine_awake() -> None:
+    """The audit's serving-stack case: sleep(mode='wait') times out while a request drains,
+    wake_up() says "fully awake", and the engine must then really be scheduling (it used to
+    fall asleep once drained, and every new request waited for good)."""
+    slow = EngineConfig(model="null", null_step_delay_s=0.002)
+    with make_client(slow, multiprocess=True, asyncio=False) as client:
+        client.add_request(EngineCoreRequest(
+            "long", [1, 2], SamplingParams(max_tokens=300, ignore_eos=True)))
+        with pytest.raises(UtilityTimeoutError):
+            client.call_utility("sleep", 1, "wait", timeout=0.05)
+        assert client.wake_up() is True
+        assert client.is_sleeping() is False
+        client.add_request(EngineCoreRequest(
+            "new", [1], SamplingParams(max_tokens=3, ignore_eos=True)))
+        finished: set[str] = set()
+        deadline = time.monotonic() + 30
+        while finished != {"long", "new"}:
+            assert time.monotonic() < deadline, (finished, client.live_requests())
+            finished |= {o.request_id for o in client.get_output(timeout=0.1).outputs
+                         if o.finished}
+        assert client.is_sleeping() is False
+        assert client.lifecycle.state is ClientState.RUNNING

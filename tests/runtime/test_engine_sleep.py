@@ -14,7 +14,14 @@ from enginewire.protocol.messages import EngineCoreRequest, FinishReason, Sampli
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore
 from enginewire.runtime.model import TinyRandomSource, dense_greedy, null_token
-from enginewire.spec import ENGINE, ENGINE_REQUEST, EngineState, SpecViolation, validate_trace
+from enginewire.spec import (
+    ENGINE,
+    ENGINE_REQUEST,
+    EngineState,
+    SpecViolation,
+    UtilityError,
+    validate_trace,
+)
 
 torch.set_num_threads(1)
 
@@ -240,6 +247,28 @@ def test_sleep_wait_releases_memory_once_drained() -> None:
     assert c.fin["d"] is FinishReason.LENGTH and len(c.toks["d"]) == 6
     assert eng.lifecycle.state is EngineState.SLEEPING and resident_bytes(eng)[0] == 0
     assert eng.wake_up() is True and eng.lifecycle.state is EngineState.IDLE
+
+
+@pytest.mark.parametrize("call", [["sleep", [1, "wait"]], ["pause_scheduler", ["wait"]]])
+def test_a_wake_up_while_draining_ends_the_wait(call: list) -> None:  # type: ignore[type-arg]
+    """It used to be a no-op answered "fully awake", after which the engine drained and fell
+    asleep anyway, leaving new requests queued for good."""
+    trace: list = []  # type: ignore[type-arg]
+    eng = EngineCore(TINY, trace=trace)
+    c = Collector(eng)
+    eng.add_request(req("d", [5, 6], max_tokens=6, ignore_eos=True))
+    c.step()
+    fut = eng.call_utility(*call)
+    assert isinstance(fut, Future) and eng.lifecycle.state is EngineState.DRAINING
+    eng.add_request(req("queued", [7], max_tokens=2, ignore_eos=True))  # waits for the drain
+    assert eng.wake_up() is True
+    assert eng.lifecycle.state is EngineState.RUNNING and not eng.is_sleeping()
+    with pytest.raises(UtilityError, match="ended by wake_up"):
+        fut.result(timeout=0)
+    c.drain()
+    assert c.fin == {"d": FinishReason.LENGTH, "queued": FinishReason.LENGTH}
+    assert eng.lifecycle.state is EngineState.IDLE and resident_bytes(eng)[1] == 0
+    validate_trace(ENGINE, trace)
 
 
 def test_level0_sleep_is_a_pause() -> None:
