@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .client import EngineCoreClient, InprocClient, make_client
+from .client import EngineCoreClient, InprocClient, make_client, make_client_async
 from .engine_proc import EngineCoreProc, run_engine_core
 from .ipc import IpcDir, cleanup_stale_dirs
 from .mp_client import (
@@ -25,5 +25,6 @@ __all__ = [
     "SyncMPClient",
     "cleanup_stale_dirs",
     "make_client",
+    "make_client_async",
     "run_engine_core",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import collections
 import concurrent.futures
+import functools
 import itertools
 import math
 import numbers
@@ -27,7 +28,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import (
     Encoder,
@@ -56,7 +57,10 @@ from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestStat
 from ..spec.utility import UTILITY, UtilityEvent
 from . import _mutants
 
-__all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client"]
+if TYPE_CHECKING:
+    from .mp_client import AsyncMPClient
+
+__all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client", "make_client_async"]
 
 # The longest wait handed to a blocking primitive at once: pyzmq's poll and RCVTIMEO take
 # int32 milliseconds and Condition.wait overflows past threading.TIMEOUT_MAX, so a longer
@@ -572,3 +576,32 @@ def make_client(
         return AsyncMPClient(config, **options)
     return SyncMPClient(config, **options)
 
+
+
+async def make_client_async(config: Any, **options: Any) -> AsyncMPClient:
+    """``make_client(config, multiprocess=True, asyncio=True)`` for code on an event loop.
+
+    Starting the engine process and waiting for its ready handshake takes from half a second
+    (``null``) to minutes (real weights); built on the loop, every other task would stall that
+    long. Here the client is built in a worker thread. Cancelling the await shuts the client
+    down as soon as it is built, so nothing leaks.
+    """
+    import asyncio as aio  # the module; ``asyncio`` is a parameter name in this file
+
+    from .mp_client import AsyncMPClient
+
+    loop = aio.get_running_loop()
+    fut = loop.run_in_executor(None, functools.partial(AsyncMPClient, config, **options))
+    try:
+        return await aio.shield(fut)
+    except aio.CancelledError:
+        def reclaim(done: aio.Future[AsyncMPClient]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            try:
+                loop.run_in_executor(None, done.result().shutdown)
+            except RuntimeError:  # the loop is closing: tear down here
+                done.result().shutdown()
+
+        fut.add_done_callback(reclaim)
+        raise

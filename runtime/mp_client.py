@@ -402,6 +402,11 @@ class BackgroundResources:
     # Set when a teardown has run to its end; ``torn_by`` is the thread running it.
     finished: threading.Event = field(default_factory=threading.Event)
     torn_by: int = 0
+    # The reader loop's thread is blocked in ``wait_finished`` (a sync shutdown() there while
+    # a shutdown_async() tears down): the teardown then cannot hand the socket's close to
+    # the loop and does it itself. ``loop_gate`` wakes a teardown already waiting for the loop.
+    loop_blocked: bool = False
+    loop_gate: threading.Event | None = None
 
     def __call__(self) -> None:
         if self.done:
@@ -416,8 +421,24 @@ class BackgroundResources:
     def wait_finished(self, timeout: float) -> None:
         """Return once the teardown another thread started has ended (bounded); at once on
         the tearing thread itself (a signal handler there must not wait for itself)."""
-        if self.torn_by != threading.get_ident():
+        if self.torn_by == threading.get_ident():
+            return
+        loop = self.reader_loop
+        try:
+            on_loop = loop is not None and asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:
             self.finished.wait(timeout)
+            return
+        self.loop_blocked = True  # before reading the gate: see _close_async
+        gate = self.loop_gate
+        if gate is not None:
+            gate.set()
+        try:
+            self.finished.wait(timeout)
+        finally:
+            self.loop_blocked = False
 
     def _tear_down(self) -> None:
         stages: list[Callable[[], None]] = [self._stop_monitor, self._stop_process]
@@ -514,7 +535,16 @@ class BackgroundResources:
         self.reader_fd = None
         assert sock is not None
 
+        once = threading.Lock()
+        closed = False
+
         def close() -> None:
+            # Once only: a second remove_reader could hit the fd reused by another socket.
+            nonlocal closed
+            with once:
+                if closed:
+                    return
+                closed = True
             if fd is not None and loop is not None and not loop.is_closed():
                 loop.remove_reader(fd)
             sock.close(linger=0)
@@ -527,7 +557,10 @@ class BackgroundResources:
         if loop is None or on_loop or loop.is_closed() or not loop.is_running():
             close()
             return
-        done = threading.Event()
+        done = self.loop_gate = threading.Event()
+        if self.loop_blocked:  # after setting the gate: see wait_finished
+            close()  # the loop's thread waits for this teardown: it cannot run a callback
+            return
 
         def close_and_signal() -> None:
             try:
@@ -542,7 +575,7 @@ class BackgroundResources:
             return
         if not done.wait(5.0):
             logger.warning("event loop did not close the output socket; closing it here")
-            close()
+        close()  # a no-op once the loop did; else the loop's thread is blocked (or stuck)
 
     def _term_context(self) -> None:
         ctx = self.ctx
@@ -1862,4 +1895,4 @@ class AsyncMPClient(MPClient):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.shutdown()
+        await self.shutdown_async()  # the teardown must not stall the loop's other tasks

@@ -386,6 +386,21 @@ def test_registered_struct_results_come_back_typed() -> None:
     )
 
 
+def test_results_of_scalars_are_not_walked() -> None:
+    """Big results are handed back as decoded (no per-element rebuild on the event loop);
+    a Struct deeper down is still rebuilt."""
+    flat, table = list(range(100_000)), {str(i): i for i in range(1000)}
+    assert decode_utility_result(flat) is flat and decode_utility_result(table) is table
+    nested = [[1, "x", None], {"s": StructResult(_name(Stats), {"name": "n", "counts": []})}]
+    assert decode_utility_result(nested) == [[1, "x", None], {"s": Stats("n", [])}]
+
+
+def _name(cls: type) -> str:
+    reply = _through_wire(utility_output(1, "m", result=cls("n", [])))
+    assert isinstance(reply.result, StructResult)
+    return reply.result.name
+
+
 def test_unregistered_tag_on_the_client_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="register_result_type"):
         decode_utility_result(StructResult("nope.Missing", {}))
