@@ -823,6 +823,10 @@ class EngineCoreProc:
                     payload.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}")]))
         elif kind is RequestType.ABORT:
             self.engine.abort_requests(list(payload))
+            # The input thread put these ids there too, for a step that might be running;
+            # none is (this is the loop), so they are stale: an idle engine that takes
+            # millions of aborts must not keep them until its next step.
+            self.engine.mid_step_aborts.clear()
         elif kind is RequestType.UTILITY:
             self._call_utility(payload)
         else:

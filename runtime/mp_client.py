@@ -350,6 +350,16 @@ class _UtilityRegistry:
             return [e.future for e in entries]
 
 
+def _drain(q: Any) -> list[Any]:
+    """Everything in a ``queue.Queue`` or ``asyncio.Queue``, taken without blocking."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except (queue.Empty, asyncio.QueueEmpty):
+            return out
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -992,6 +1002,15 @@ class MPClient(EngineCoreClient):
         """Registry entries still waiting for an outcome (0 once all calls ended)."""
         return len(self._utilities)
 
+    def queued_outputs(self) -> int:
+        """Batches received and not yet taken by ``get_output``: nothing throttles the
+        engine, so a front end that reads slower than it produces sees this grow."""
+        q: queue.Queue[Any] | asyncio.Queue[Any] | None = getattr(self, "_outputs", None)
+        n = 0 if q is None else q.qsize()
+        if n and (self.is_dead or self.is_closed):
+            n -= 1  # the death or shutdown marker that wakes readers
+        return n
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine (SIGTERM, then SIGKILL after ``timeout`` s; ``inf`` never kills)
         and free everything."""
@@ -1013,6 +1032,38 @@ class MPClient(EngineCoreClient):
         if timeout is not None:
             self.resources.shutdown_timeout = timeout
         self._finalizer()
+        self._pending_sends.clear()  # the sockets are closed: libzmq holds what it still needs
+        self._drop_backlog()
+
+    def _drop_backlog(self) -> None:
+        """After teardown (nothing arrives any more): let go of batches nobody can read now
+        (``get_output`` raises once closed), not when the client object goes: an unread
+        backlog can be hundreds of MB. The markers that wake readers stay."""
+        q: Any = getattr(self, "_outputs", None)
+        if q is None:
+            return
+        if isinstance(q, queue.Queue):
+            with q.mutex:  # atomically: a reader never finds it empty in between
+                kept = [x for x in q.queue if x is _DEAD or x is _CLOSED]
+                q.queue.clear()
+                q.queue.extend(kept)
+            return
+
+        def drop() -> None:
+            kept = [x for x in _drain(q) if x is _DEAD or x is _CLOSED]
+            for x in kept:
+                q.put_nowait(x)
+
+        loop = getattr(self, "_loop", None)  # an asyncio.Queue: touched on its loop only
+        try:
+            on_loop = loop is not None and asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if loop is not None and not on_loop and loop.is_running():
+            with contextlib.suppress(RuntimeError):  # closed in between
+                loop.call_soon_threadsafe(drop)
+            return
+        drop()
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -1045,8 +1096,7 @@ class MPClient(EngineCoreClient):
             # Aux frames are zero-copy views of the caller's arrays: keep them (and their
             # trackers) until libzmq is done, so the memory outlives the send.
             pending = self._pending_sends
-            while pending and all(t.done for t in pending[0][0]):
-                pending.popleft()
+            self._reclaim_sends()
             trackers = []
             last = len(frames) - 1
             try:
@@ -1058,6 +1108,13 @@ class MPClient(EngineCoreClient):
                 _end_message(sock)
                 raise
             pending.append((trackers, frames))
+
+    def _reclaim_sends(self) -> None:
+        """Drop the arrays of multi-frame sends libzmq is done with. Also run when reading
+        outputs, so the last big request's memory is not pinned until the next one."""
+        pending = self._pending_sends
+        while pending and all(t.done for t in pending[0][0]):
+            pending.popleft()
 
     def _send_call(self, request: UtilityRequest) -> bool:
         """``_send`` of a utility call in fewer steps; False (nothing sent) when the call
@@ -1602,6 +1659,9 @@ class SyncMPClient(SyncClientMixin, MPClient):
         timeout = check_timeout(timeout)
         if self.is_closed:
             raise ClientClosedError("the client was shut down")
+        if self._pending_sends:
+            with self.resources.send_lock:
+                self._reclaim_sends()
         outputs = self._outputs
         reader = self._reader
         if reader is not None and not self.is_dead and outputs.empty():
@@ -1782,6 +1842,9 @@ class AsyncMPClient(MPClient):
         timeout = check_timeout(timeout)
         if self.is_closed:
             raise ClientClosedError("the client was shut down")
+        if self._pending_sends:
+            with self.resources.send_lock:
+                self._reclaim_sends()
         self._ensure_reader()
         q = self._outputs
         assert q is not None

@@ -125,6 +125,10 @@ class Request:
 # write-back touches every request (the cost the batch exists to avoid), so it should be rare;
 # the buffer is column-major, so a step writes one contiguous column.
 _BATCH_COLUMNS = 128
+# Finished requests leave the waiting heap lazily (skipped when they reach its top); once
+# stale entries outnumber live ones by this much the heap is rebuilt, so aborting requests
+# that never run (a paused engine, a burst of cancels) cannot grow it without bound.
+_WAITING_SLACK = 1024
 
 
 class DecodeBatch:
@@ -301,6 +305,12 @@ class Scheduler:
         self.num_waiting += 1
         heapq.heappush(self._waiting, (req.sort_key, req))
 
+    def _compact_waiting(self) -> None:
+        # In place: ``_admit`` holds the list while it may finish requests.
+        waiting = self._waiting
+        waiting[:] = [e for e in waiting if e[1].in_waiting and not e[1].finished]
+        heapq.heapify(waiting)
+
     def add(self, req: Request) -> None:
         req.lifecycle.fire(RE.ADD)
         self.requests[req.request_id] = req
@@ -324,6 +334,8 @@ class Scheduler:
         if req.in_waiting:  # its heap entry is skipped lazily
             req.in_waiting = False
             self.num_waiting -= 1
+            if len(self._waiting) > 2 * self.num_waiting + _WAITING_SLACK:
+                self._compact_waiting()
         self.kv.free(req)
         del self.requests[req.request_id]
         return EngineCoreOutput(req.request_id, new_token_ids or [], reason, stop_reason,

@@ -152,6 +152,18 @@ def test_abort_right_after_add_is_never_lost(served: Any) -> None:
     assert done == {f"r{i}": FinishReason.ABORT for i in range(5)}
 
 
+def test_aborts_to_an_idle_engine_are_not_kept_for_a_step(served: Any) -> None:
+    """Each ABORT's ids were also kept for a step that might be running; an idle engine never
+    stepped, so millions of no-op aborts grew it by ~120 B per id."""
+    peer, proc, _trace = served
+    for i in range(300):
+        peer.send(RequestType.ABORT, [f"nope-{i}-{j}" for j in range(20)])
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 7, "echo", ["after"]))
+    reply = peer.until(lambda b: b.utility_output is not None)[-1].utility_output
+    assert reply is not None and reply.result == "after"  # queued behind every abort
+    assert len(proc.engine.mid_step_aborts) == 0
+
+
 def test_malformed_frames_never_kill_the_input_thread(served: Any) -> None:
     peer, proc, _trace = served
     peer.send_raw(b"\x09junk")
