@@ -71,8 +71,13 @@ class LinkIntegrity:
         self._received = 0
         self._loss_deadline = loss_deadline_s
         self._lock = threading.Lock()
-        # (seq, monotonic send time) not yet acknowledged; kept only with a loss deadline.
-        self._unacked: collections.deque[tuple[int, float]] = collections.deque()
+        # Sent and not yet acknowledged, kept only with a loss deadline, as runs of messages
+        # [last seq, first send time, last send time]: a run spans at most 1/8 of the
+        # deadline, so an engine that sends nothing for a long while (no heartbeat) costs one
+        # entry per run, not one per message. A run counts as lost once its last message is
+        # overdue: never early, at most 1/8 of the deadline late.
+        self._unacked: collections.deque[list[Any]] = collections.deque()
+        self._run_span = (loss_deadline_s or 0.0) / 8
 
     def seal(self, frames: Sequence[Any]) -> bytes:
         """The trailer frame to append to ``frames``."""
@@ -80,7 +85,13 @@ class LinkIntegrity:
             self._sent += 1
             seq = self._sent
             if self._loss_deadline is not None:
-                self._unacked.append((seq, self._clock()))
+                now = self._clock()
+                runs = self._unacked
+                if runs and now - runs[-1][1] <= self._run_span:
+                    run = runs[-1]
+                    run[0], run[2] = seq, now
+                else:
+                    runs.append([seq, now, now])
         head = _HEAD.pack(TRAILER_MAGIC, seq, self._received)
         return _TRAILER.pack(TRAILER_MAGIC, seq, self._received, _crc(frames, head))
 
@@ -112,7 +123,8 @@ class LinkIntegrity:
                 raise ProtocolError(f"peer acknowledged message {ack}, only {self._sent} sent")
             while self._unacked and self._unacked[0][0] <= ack:
                 self._unacked.popleft()
-            if self._unacked and now - self._unacked[0][1] > self._loss_deadline:
-                seq, sent_at = self._unacked[0]
+            if self._unacked and now - self._unacked[0][2] > self._loss_deadline:
+                sent_at = self._unacked[0][2]
                 raise ProtocolError(
-                    f"message {seq} sent {now - sent_at:.1f} s ago never reached the engine")
+                    f"message {ack + 1} (or one after it, the last sent {now - sent_at:.1f} s"
+                    " ago) never reached the engine")

@@ -78,6 +78,33 @@ def test_an_input_the_engine_never_acknowledges_is_lost() -> None:
         client.open(sealed(engine, b"beat"))
 
 
+def test_unacknowledged_inputs_cost_one_entry_per_run_not_per_message() -> None:
+    """An idle engine without heartbeats acks nothing: 300k aborts used to keep 300k entries."""
+    clock = FakeClock()
+    client = LinkIntegrity(loss_deadline_s=2.0, clock=clock)
+    engine = LinkIntegrity()
+    for _ in range(1000):  # 0.5 s of sends, one per 0.5 ms: runs of 0.25 s
+        engine.open(sealed(client, b"abort"))
+        clock.now += 0.0005
+    assert len(client._unacked) <= 3
+    client.open(sealed(engine, b"beat"))  # acks all 1000
+    assert not client._unacked
+
+
+def test_a_loss_inside_a_run_is_reported_on_time_never_early() -> None:
+    clock = FakeClock()
+    client = LinkIntegrity(loss_deadline_s=2.0, clock=clock)
+    engine = LinkIntegrity()
+    engine.open(sealed(client, b"add"))  # arrives
+    clock.now += 0.2
+    client.seal([b"abort"])  # same run, lost on the way
+    clock.now += 1.9  # the lost one is 1.9 s old: no verdict yet
+    client.open(sealed(engine, b"beat"))  # acks only the first
+    clock.now += 0.3  # 2.2 s old: lost
+    with pytest.raises(ProtocolError, match="never reached the engine"):
+        client.open(sealed(engine, b"beat"))
+
+
 def test_acknowledged_inputs_are_forgotten() -> None:
     clock = FakeClock()
     client = LinkIntegrity(loss_deadline_s=2.0, clock=clock)
