@@ -18,7 +18,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-__all__ = ["SECTIONS", "TARGETS", "collect", "run_bench"]
+__all__ = ["SECTIONS", "TARGETS", "collect", "main", "run_bench"]
 
 SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model")
 
@@ -359,13 +359,34 @@ def plot(rows: list[dict[str, Any]], path: str, machine: dict[str, Any]) -> None
     plt.close(fig)
 
 
+def _check_output(path: str) -> None:
+    """``path`` names a file this process can write: its directory exists and is writable."""
+    f = os.path.abspath(os.path.expanduser(path))
+    parent = os.path.dirname(f)
+    if os.path.isdir(f):
+        raise ValueError(f"{path}: is a directory, expected a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{path}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(f)
+                                                     and not os.access(f, os.W_OK)):
+        raise ValueError(f"{path}: not writable")
+
+
 def run_bench(
     quick: bool = False,
     json_out: str | None = None,
     plot_out: str | None = None,
     only: list[str] | None = None,
 ) -> int:
-    """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed."""
+    """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed.
+
+    The output paths (and matplotlib, for a plot) are checked before anything runs: ValueError
+    for a path that cannot be written, ImportError without matplotlib."""
+    for path in (json_out, plot_out):
+        if path:
+            _check_output(path)
+    if plot_out:
+        import matplotlib  # noqa: F401  (raises ImportError now, not after the run)
     t0 = time.perf_counter()
     machine = _machine()
     rows = collect(quick, only)
@@ -393,22 +414,20 @@ def run_bench(
                 default=float,
             )
     if plot_out:
-        try:
-            plot(rows, plot_out, machine)
-        except ImportError:
-            print("matplotlib is not installed: no plot written", file=sys.stderr)
+        plot(rows, plot_out, machine)
     missed = [r["name"] for r in rows if r.get("counted") and not r["pass"]]
     if missed:
         print(f"bars missed: {len(missed)}: " + "; ".join(missed), file=sys.stderr)
     return 0 if ok else 1
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m enginewire.benchmarks.run [ARGS]``: exactly ``enginewire bench [ARGS]``, through
+    the CLI's own parser and up-front checks (one parser, so the two cannot drift apart)."""
+    from enginewire.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    sys.exit(
-        run_bench(
-            quick="--quick" in args,
-            json_out=args[args.index("--json") + 1] if "--json" in args else None,
-            plot_out=args[args.index("--plot") + 1] if "--plot" in args else None,
-        )
-    )
+    sys.exit(main())

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import __version__
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
 Handler = Callable[[argparse.Namespace], int]
@@ -30,6 +32,31 @@ _MAX_SEED = (1 << 64) - 1
 
 class UsageError(Exception):
     """Bad usage found by a handler: ``main`` prints it as one line and exits 2."""
+
+
+class MissingError(Exception):
+    """Something the job needs is not installed: ``main`` prints it as one line and exits 3."""
+
+
+# Optional packages -> the extra that installs them (pyproject's optional-dependencies).
+_EXTRAS = {"hypothesis": "test", "transitions": "test", "matplotlib": "docs",
+           "gguf": "gguf", "tokenizers": "gguf"}
+
+
+def _require(package: str, purpose: str) -> None:
+    """Import ``package`` now, so a job that needs it fails before it starts, in one line."""
+    import importlib
+
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise MissingError(_missing_line(package, purpose)) from None
+
+
+def _missing_line(package: str, purpose: str) -> str:
+    extra = _EXTRAS.get(package)
+    how = f"pip install 'enginewire[{extra}]'" if extra else f"pip install {package}"
+    return f"{purpose} needs the `{package}` package, which is not installed: {how}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,8 +124,14 @@ def _writable_file(flag: str, path: str) -> None:
 
 
 def _spec_check(args: argparse.Namespace) -> int:
-    from .testing.spec_check import run_spec_check
+    from .spec.compose import BUGS
+    from .testing.spec_check import run_spec_check, spin_available
 
+    known = args.negative is None or args.negative in BUGS  # else run_spec_check says usage
+    if known and not args.no_spin and os.environ.get("CI") and not spin_available():
+        # CI must not pass on the explorer alone: liveness is SPIN's job.
+        raise MissingError("SPIN and gcc are required when CI is set (liveness is checked by "
+                           "SPIN): install them (apt-get install spin gcc) or pass --no-spin")
     return int(run_spec_check(
         negative=args.negative,
         spin=False if args.no_spin else None,
@@ -116,11 +149,17 @@ def _spec_diagrams(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: {exc}") from None
     for path in paths:
         print(path)
+    print(f"wrote {len(paths)} diagram files to {out.resolve()}", file=sys.stderr)
     return EXIT_OK
 
 
 def _generate(args: argparse.Namespace) -> int:
     from ._generate import run_generate
+
+    name = args.model.lower()
+    if name.endswith(".gguf") or name.startswith("smollm2"):
+        for package in ("gguf", "tokenizers"):
+            _require(package, f"--model {args.model}")
 
     return run_generate(
         model=args.model,
@@ -134,28 +173,33 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 _ENGINE_SCHEMES = ("tcp://", "ipc://")
+# sockaddr_un.sun_path holds 108 bytes on Linux (104 on the BSDs), its NUL included.
+_IPC_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+# The characters libzmq's connect() accepts in a tcp endpoint (socket_base.cpp's sanity
+# check): host names, IPv4, [IPv6] with %zone, and its "source;destination" form.
+_TCP_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-:%;[]_")
 
 
 def _check_address(flag: str, address: str) -> None:
-    """An address an engine in another process can connect to, as libzmq will parse it."""
+    """An address an engine in another process can connect to, checked as text only.
+
+    Nothing is connected: a trial connect() over tcp reaches the front end, and a CURVE front
+    end then logs a refused peer (a failed handshake) per address per engine start."""
     if not address.startswith(_ENGINE_SCHEMES):
         raise UsageError(f"{flag} {address!r}: expected tcp://HOST:PORT or ipc://PATH")
-    if address.startswith("tcp://"):
-        host, sep, port = address.removeprefix("tcp://").rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise UsageError(f"{flag} {address!r}: expected tcp://HOST:PORT, port in [1, 65535]")
-    import zmq
-
-    # libzmq has the last word on syntax; connect is lazy, so this sends nothing.
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(address)
-    except zmq.ZMQError as exc:
-        raise UsageError(f"{flag} {address!r}: {exc.strerror}") from None
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    if address.startswith("ipc://"):
+        path = address.removeprefix("ipc://")
+        if not path:
+            raise UsageError(f"{flag} {address!r}: expected ipc://PATH, the path is empty")
+        if len(path.encode()) > _IPC_PATH_MAX:
+            raise UsageError(f"{flag} {address!r}: the path is longer than {_IPC_PATH_MAX} "
+                             "bytes, the most a unix socket path holds")
+        return
+    endpoint = address.removeprefix("tcp://")
+    host, sep, port = endpoint.rpartition(":")
+    if not (sep and host and host[0] != ";" and set(host) <= _TCP_CHARS
+            and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise UsageError(f"{flag} {address!r}: expected tcp://HOST:PORT, port in [1, 65535]")
 
 
 def _engine_curve(args: argparse.Namespace) -> Any:
@@ -249,6 +293,7 @@ def _campaign(args: argparse.Namespace) -> int:
             raise UsageError(f"--mutant {args.mutant}: no such mutant; the bank has "
                              + ", ".join(sorted(_mutants.BANK)))
     _writable_dir("--results-dir", args.results_dir)
+    _require("hypothesis", "enginewire campaign")
     return int(run_campaign(
         client=args.client,
         examples=args.examples,
@@ -285,6 +330,7 @@ def _bench(args: argparse.Namespace) -> int:
         _writable_file("--json", args.json)
     if args.plot:
         _writable_file("--plot", args.plot)
+        _require("matplotlib", "--plot")
     return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only))
 
 
@@ -299,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage (one line on stderr: a bad value, "
         "an unknown name, an output path that cannot be written), 3 missing tool or file.",
     )
+    parser.add_argument("--version", action="version", version=f"enginewire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     spec = sub.add_parser("spec", help="check the lifecycle state machines or draw them")
@@ -331,7 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write Mermaid and DOT diagrams of every machine",
         description="Render every machine's diagram (Mermaid and DOT) into a directory.",
     )
-    diagrams.add_argument("--out", default="docs/diagrams", help="output directory")
+    diagrams.add_argument(
+        "--out",
+        default="docs/diagrams",
+        metavar="DIR",
+        help="output directory, created if missing (default: %(default)s, relative to the "
+        "current directory)",
+    )
     diagrams.set_defaults(handler=_spec_diagrams)
 
     camp = sub.add_parser(
@@ -517,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prog(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    words = [args.command, getattr(args, "spec_command", None),
+             getattr(args, "faults_command", None)]
+    return " ".join([parser.prog, *(w for w in words if w)])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -524,11 +583,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except UsageError as exc:
-        words = [args.command, getattr(args, "spec_command", None),
-                 getattr(args, "faults_command", None)]
-        prog = " ".join([parser.prog, *(w for w in words if w)])
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{_prog(parser, args)}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except MissingError as exc:
+        print(f"{_prog(parser, args)}: error: {exc}", file=sys.stderr)
+        return EXIT_ENV
+    except ModuleNotFoundError as exc:
+        # The safety net behind _require: an optional package a job reached for late.
+        if exc.name is None or exc.name.partition(".")[0] not in _EXTRAS:
+            raise
+        print(f"{_prog(parser, args)}: error: "
+              f"{_missing_line(exc.name.partition('.')[0], 'this command')}", file=sys.stderr)
+        return EXIT_ENV
     except KeyboardInterrupt:
         return 130
 

@@ -50,6 +50,8 @@ CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")
 # Per-mutant bound on the child campaign (it stops at the first failure).
 MUTANT_TIMEOUT_S = 300.0
+# A single ``mutant`` run whose child crashed has no verdict: neither 0 (not detected) nor 1.
+MUTANT_ERROR = 3
 _THREADS_ENV = "ENGINEWIRE_ENGINE_THREADS"
 
 # Every spec transition a campaign never reaches, and why: exact (machine, source, event,
@@ -88,6 +90,9 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
     ("engine", "CONSTRUCTING", "SHUTDOWN", "SHUTDOWN"):
         _IN_ENGINE_PROCESS + " (a stop request during start-up); in-process, EngineCore"
         " cannot be shut down before its constructor returned",
+    ("engine", "DRAINING", "WAKE_UP", "IDLE"):
+        "unreachable by this runtime: the end of the last draining request drains the engine"
+        " at once (DRAINED), so a wake-up never finds it DRAINING with no request left",
     ("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN"):
         "unreachable by this runtime: EngineCore.shutdown() returns early once shut down",
     **{("engine_request", f, e, t): _FORGOTTEN_ENGINE for f in _FINISHED
@@ -397,6 +402,9 @@ def run_campaign(
     if mutant is not None and _mutants.ACTIVE != mutant:
         row = _run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
                           model=model, results_dir=out_dir)
+        if row.get("error"):
+            print(f"mutant {mutant}: ERROR ({row['detail']})", file=sys.stderr)
+            return MUTANT_ERROR
         verdict = ("DETECTED" if row["detected"] else "not detected" if row["applicable"]
                    else "not applicable")
         print(f"mutant {mutant}: {verdict} ({row['detail']})")
@@ -421,6 +429,7 @@ def run_campaign(
         import torch
 
         torch.set_num_threads(1)
+    saved_home = _hypothesis_home(out_dir)
     try:
         return _run_kinds(kinds, client=client, examples=examples, steps=steps, seed=seed,
                           faults=faults, duration=duration, model=model, profile=profile,
@@ -428,6 +437,21 @@ def run_campaign(
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
+        from hypothesis.configuration import set_hypothesis_home_dir
+
+        set_hypothesis_home_dir(saved_home)
+
+
+def _hypothesis_home(out_dir: Path) -> Path | None:
+    """Point Hypothesis' storage (its constants cache, any default database) at
+    ``out_dir/.hypothesis`` rather than the current directory; return the home to restore.
+    A ``HYPOTHESIS_STORAGE_DIRECTORY`` the user set wins, as Hypothesis documents."""
+    from hypothesis.configuration import set_hypothesis_home_dir, storage_directory
+
+    previous = storage_directory(intent_to_write=False).home_directory
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        set_hypothesis_home_dir(out_dir / ".hypothesis")
+    return previous
 
 
 def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
@@ -548,6 +572,12 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
         report_path.unlink()
     failing = [c for c in report.get("clients", []) if c.get("failure")]
     detected = rc == 1 and bool(failing)
+    if rc is not None and not detected and (rc != 0 or not report):
+        # The child crashed (an import error, a bug in the harness): no verdict either way.
+        return {"mutant": name, "applicable": True, "detected": False, "error": True,
+                "examples": None, "seconds": round(seconds, 1),
+                "detail": f"the campaign crashed (exit status {rc}): {_last_line(log)}; "
+                          f"see {log}", "log": str(log)}
     if detected:
         first = failing[0]
         ff = first.get("first_failure") or [first["examples"], seconds]
@@ -559,6 +589,15 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
     return {"mutant": name, "applicable": True, "detected": False, "examples": None,
             "seconds": round(seconds, 1),
             "detail": f"{why}; see {log}", "log": str(log)}
+
+
+def _last_line(log: Path) -> str:
+    """The child's last words (a traceback ends with the exception), for the one-line detail."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1][:200] if lines else "no output"
 
 
 def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int | None,
@@ -580,12 +619,16 @@ def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int 
     path.write_text(json.dumps(rows, indent=2))
     applicable = [r for r in rows if r["applicable"]]
     undetected = [r["mutant"] for r in applicable if not r["detected"]]
+    errors = sum(1 for r in applicable if r.get("error"))
     skipped = len(rows) - len(applicable)
     print(f"{len(applicable) - len(undetected)}/{len(applicable)} mutants detected"
+          + (f", {errors} crashed (ERROR: see their logs)" if errors else "")
           + (f" ({skipped} n/a: no requested client can show them)" if skipped else "")
           + f"; table: {path}")
     return 1 if undetected else 0
 
 
 def _verdict(row: dict[str, Any]) -> str:
-    return "n/a" if not row["applicable"] else "yes" if row["detected"] else "NO"
+    if not row["applicable"]:
+        return "n/a"
+    return "yes" if row["detected"] else "ERROR" if row.get("error") else "NO"

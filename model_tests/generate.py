@@ -3,6 +3,10 @@
 ``python -m enginewire.testing.generate`` rewrites them; ``--check`` writes nothing and exits
 1 naming each stale or missing file (trio's ``gen_exports.py --test``). The generators
 themselves are pure functions in ``enginewire.spec``; only this module touches files.
+
+The generated files belong to a source checkout. In an editable install the checkout is found
+from this file; in a wheel install this file sits in site-packages, so the default root is
+refused (exit 3, nothing written) and ``--root PATH`` names the checkout.
 """
 
 from __future__ import annotations
@@ -20,15 +24,44 @@ from enginewire.spec.promela import render_promela
 
 __all__ = [
     "ROOT",
+    "NotACheckoutError",
     "check_generated",
     "generated_files",
+    "is_checkout",
     "main",
     "write_diagrams",
     "write_generated",
 ]
 
-# The repository root: model_tests/ sits directly under it (editable install).
+# The repository root: model_tests/ sits directly under it (editable install). In a wheel
+# install this is site-packages/enginewire, which is not a checkout (see _checkout_root).
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class NotACheckoutError(FileNotFoundError):
+    """The default root is not an enginewire source checkout (a wheel install)."""
+
+
+def is_checkout(root: Path) -> bool:
+    """``root`` holds enginewire's pyproject.toml next to spec/ and docs/."""
+    try:
+        pyproject = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return ('name = "enginewire"' in pyproject and (root / "spec").is_dir()
+            and (root / "docs").is_dir())
+
+
+def _checkout_root(root: Path | None) -> Path:
+    """``root`` as given, or the default ROOT when it is a checkout; never site-packages."""
+    if root is not None:
+        return root
+    if not is_checkout(ROOT):
+        raise NotACheckoutError(
+            f"{ROOT} is not an enginewire source checkout (no pyproject.toml naming enginewire "
+            "next to spec/ and docs/): the generated files live in a checkout; "
+            "use --root PATH to point at one")
+    return ROOT
 
 
 def _diagrams() -> dict[str, str]:
@@ -59,8 +92,10 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
     return files
 
 
-def check_generated(root: Path = ROOT) -> list[Path]:
-    """The generated files that are missing or differ from what the tables produce now."""
+def check_generated(root: Path | None = None) -> list[Path]:
+    """The generated files that are missing or differ from what the tables produce now.
+    ``root`` defaults to the checkout this module was loaded from (NotACheckoutError if none)."""
+    root = _checkout_root(root)
     stale: list[Path] = []
     for path, text in generated_files(root).items():
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
@@ -68,8 +103,10 @@ def check_generated(root: Path = ROOT) -> list[Path]:
     return stale
 
 
-def write_generated(root: Path = ROOT) -> list[Path]:
-    """Rewrite every stale generated file; returns the paths written."""
+def write_generated(root: Path | None = None) -> list[Path]:
+    """Rewrite every stale generated file; returns the paths written. ``root`` defaults as in
+    ``check_generated``: nothing is ever written into an installed package."""
+    root = _checkout_root(root)
     written: list[Path] = []
     for path in check_generated(root):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,21 +127,39 @@ def write_diagrams(out: Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m enginewire.testing.generate")
+    parser = argparse.ArgumentParser(
+        prog="python -m enginewire.testing.generate",
+        description="Rewrite (or, with --check, verify) every file generated from the spec "
+        "tables in an enginewire source checkout.",
+    )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
-    parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--root",
+        type=Path,
+        metavar="PATH",
+        help="the source checkout to check or write (default: the checkout this module runs "
+        "from; required when enginewire is installed from a wheel)",
+    )
     args = parser.parse_args(argv)
+    if args.root is not None and not args.root.is_dir():
+        print(f"{parser.prog}: error: --root {args.root}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        root = _checkout_root(args.root)
+    except NotACheckoutError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 3
     if args.check:
-        stale = check_generated(args.root)
+        stale = check_generated(root)
         for path in stale:
-            print(f"stale: {path.relative_to(args.root)}", file=sys.stderr)
+            print(f"stale: {path.relative_to(root)}", file=sys.stderr)
         if stale:
             print("Generated files are outdated; run `python -m enginewire.testing.generate`.",
                   file=sys.stderr)
             return 1
         return 0
-    for path in write_generated(args.root):
-        print(f"wrote {path.relative_to(args.root)}")
+    for path in write_generated(root):
+        print(f"wrote {path.relative_to(root)}")
     return 0
 
 

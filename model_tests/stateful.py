@@ -949,8 +949,12 @@ class EngineClientStateMachine(RuleBasedStateMachine):
             if fut is not None:
                 if then == "add":  # DRAINING -WORK_ARRIVED: queued, not drained
                     self._add_fixed(8)
-                elif then == "wake":  # nothing is released: the drain goes on
-                    engine.wake_up(None)
+                elif then == "wake":  # the wake-up ends the wait: scheduling goes on
+                    if engine.wake_up(None) is not True:
+                        raise OracleViolation("wake_up(None) while draining was not full")
+                    self._expect_failed(waiters, UtilityError, "pause(wait) ended by wake_up")
+                    self.oracle.wake(None)
+                    return
                 elif then == "wait":
                     again = engine.pause_scheduler("wait")
                     if again is None:

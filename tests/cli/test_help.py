@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,33 @@ def test_help_exits_zero_and_bad_usage_exits_two(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as bad:
         main(["no-such-command"])
     assert bad.value.code == 2
+
+
+def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    import enginewire
+
+    with pytest.raises(SystemExit) as ok:
+        main(["--version"])
+    assert ok.value.code == 0
+    assert capsys.readouterr().out.strip() == f"enginewire {enginewire.__version__}"
+    res = subprocess.run([sys.executable, "-m", "enginewire", "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout.strip()) == (0, f"enginewire {enginewire.__version__}")
+
+
+def test_diagrams_help_shows_the_default_and_the_run_says_where_it_wrote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["spec", "diagrams", "--help"])
+    assert "default: docs/diagrams" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.chdir(tmp_path)
+    assert main(["spec", "diagrams"]) == 0
+    out, err = capsys.readouterr()
+    target = tmp_path / "docs" / "diagrams"
+    assert f"to {target}" in err
+    assert sorted(p.name for p in target.iterdir()) == sorted(Path(ln).name
+                                                              for ln in out.split())
