@@ -37,6 +37,7 @@ _LAZY = {
     "InprocClient": "client",
     "SyncMPClient": "mp_client",
     "make_client": "client",
+    "make_client_async": "client",
     "run_engine_core": "engine_proc",
 }
 
@@ -73,5 +74,6 @@ __all__ = [
     "UtilityTimeoutError",
     "__version__",
     "make_client",
+    "make_client_async",
     "run_engine_core",
 ]

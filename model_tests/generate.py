@@ -52,9 +52,39 @@ def is_checkout(root: Path) -> bool:
             and (root / "docs").is_dir())
 
 
+def _imported_sources_differ(root: Path) -> list[str]:
+    """The declaration files of checkout ``root`` that differ from the ones this process
+    imported: the generated files are a function of the imported ones, so writing or checking
+    them against another checkout's sources would be wrong (a wheel run against a changed
+    checkout)."""
+    import enginewire.protocol as protocol_pkg
+    import enginewire.spec as spec_pkg
+
+    differ: list[str] = []
+    for pkg, name in ((spec_pkg, "spec"), (protocol_pkg, "protocol")):
+        here = Path(pkg.__file__ or "").resolve().parent
+        there = root / name
+        names = {p.name for p in here.glob("*.py")} | {p.name for p in there.glob("*.py")}
+        for src in sorted(names):
+            if src == "_tables.py":  # generated itself
+                continue
+            a, b = here / src, there / src
+            if not (a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()):
+                differ.append(f"{name}/{src}")
+    return differ
+
+
 def _checkout_root(root: Path | None) -> Path:
     """``root`` as given, or the default ROOT when it is a checkout; never site-packages."""
     if root is not None:
+        if is_checkout(root) and root.resolve() != ROOT:
+            differ = _imported_sources_differ(root)
+            if differ:
+                raise NotACheckoutError(
+                    f"{root}'s declarations differ from the imported enginewire's"
+                    f" ({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}): the files"
+                    f" are generated from what is imported; install that checkout"
+                    f" (pip install -e {root}) and run its generator")
         return root
     if not is_checkout(ROOT):
         raise NotACheckoutError(

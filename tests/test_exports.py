@@ -11,6 +11,7 @@ EXPECTED = {
     "InprocClient",
     "SyncMPClient",
     "make_client",
+    "make_client_async",
     "run_engine_core",
     "ClientClosedError",
     "EngineCoreOutput",
