@@ -4,9 +4,13 @@ What runs:
 1. each machine alone (BFS): an unreachable state or transition is a failure;
 2. the composed model (BFS): every safety property after each step, every liveness
    obligation at each quiescent world; a counterexample is printed as its shortest run;
-3. SPIN on the committed ``spec/enginewire.pml``: every property as LTL, ``pan -a -f``
-   (acceptance cycles under weak fairness); ``pan`` exits 0 even on a violation, so the
-   verdict is parsed from ``errors: N``;
+   every table row must be exercised or declared unexercised with a reason
+   (``compose.UNEXERCISED``), and a declared row that became exercised fails too;
+3. SPIN on the Promela model rendered afresh from the tables (``render_promela()``, the text
+   of the committed ``spec/enginewire.pml`` when ``generate --check`` passes): every property
+   as LTL, ``pan -a -f`` (acceptance cycles under weak fairness); ``pan`` exits 0 even on a
+   violation, so the verdict is parsed from ``errors: N``, and the trail is replayed with
+   ``spin -t`` into the actor steps that lead to it;
 4. every negative control in both checkers: each must break every property it names, else
    that property is vacuous and the check fails.
 
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from enginewire.spec import MACHINES
-from enginewire.spec.compose import BUGS
+from enginewire.spec.compose import BUGS, UNEXERCISED
 from enginewire.spec.explore import (
     ExploreResult,
     MachineReport,
@@ -45,6 +49,7 @@ __all__ = [
     "ControlResult",
     "SpecReport",
     "SpinResult",
+    "coverage_gaps",
     "main",
     "render_report",
     "run_spec_check",
@@ -86,6 +91,9 @@ class SpecReport:
     machines: list[MachineReport] = field(default_factory=list)
     composed: ExploreResult | None = None
     uncovered: dict[str, list[str]] = field(default_factory=dict)
+    # rows neither exercised nor declared; declared rows that are exercised after all
+    undeclared: list[str] = field(default_factory=list)
+    stale_declared: list[str] = field(default_factory=list)
     spin: list[SpinResult] = field(default_factory=list)
     spin_skipped: str = ""
     controls: list[ControlResult] = field(default_factory=list)
@@ -96,6 +104,8 @@ class SpecReport:
         return (
             all(m.ok for m in self.machines)
             and (self.composed is None or self.composed.ok)
+            and not self.undeclared
+            and not self.stale_declared
             and all(r.errors == 0 for r in self.spin)
             and all(c.ok for c in self.controls)
         )
@@ -130,6 +140,38 @@ _NUM = {
 }
 
 
+_STEP = re.compile(r"\s*(\d+):\s+proc\s+\d+ \((\w+):\d+\) enginewire\.pml:(\d+) ")
+
+
+def replay_trail(workdir: Path, prop: str, defines: Sequence[str]) -> str:
+    """``spin -t`` over the trail pan left in ``workdir``, cut down to one line per action.
+
+    SPIN 6.5 has no option naming a claim for a replay, so the replay compiles only ``prop``'s
+    claim (claims are not numbered processes: the trail's steps still match). An action is an
+    ``atomic`` block; its source line (the guard) names it.
+    """
+    only = [d for d in defines if not d.startswith("LTL_")] + ["LTL_ONLY", f"LTL_{prop}"]
+    text = _sh(["spin", *(f"-D{d}" for d in only), "-t", "-p", "enginewire.pml"], workdir)
+    pml = (workdir / "enginewire.pml").read_text(encoding="utf-8").splitlines()
+    actions = {i + 1 for i, line in enumerate(pml) if ":: atomic {" in line}
+    steps: list[str] = []
+    seen: set[tuple[str, str]] = set()  # (depth, line): an action's guard may be two statements
+    for line in text.splitlines():
+        hit = _STEP.match(line)
+        key = (hit.group(1), hit.group(3)) if hit else ("", "")
+        if hit is None or int(key[1]) not in actions or key in seen:
+            continue
+        seen.add(key)
+        at = int(key[1])
+        src = pml[at - 1].strip().removeprefix(":: atomic {").strip()
+        if src.endswith("->") and at < len(pml):  # the guard alone does not say what ran
+            src += " " + pml[at].strip()
+        steps.append(f"  {len(steps) + 1:3d}. {hit.group(2):<9} {src[:150]}")
+    tail = [line for line in text.splitlines() if "never claim" in line.lower()
+            or "acceptance cycle" in line.lower() or "assertion violated" in line.lower()]
+    return "\n".join([f"SPIN trail for {prop}: {len(steps)} actions", *steps, *tail[-2:]])
+
+
 def _run_pan(workdir: Path, prop: str, bug: str | None, defines: Sequence[str]) -> SpinResult:
     t0 = time.perf_counter()
     out = _sh(["./pan", "-a", "-f", "-E", "-m50000", "-N", prop], workdir)
@@ -139,10 +181,7 @@ def _run_pan(workdir: Path, prop: str, bug: str | None, defines: Sequence[str]) 
     errors = int(found["errors"].group(1))
     if errors:
         try:  # best effort: the replay is for the reader, the verdict is already known
-            replay = _sh(["spin", *(f"-D{d}" for d in defines), "-t", "-ltl", prop, "-p", "-g",
-                          "enginewire.pml"], workdir)
-            steps = sum(1 for line in replay.splitlines() if re.match(r"\s*\d+:\s+proc", line))
-            out += f"\nSPIN trail: {steps} steps\n" + replay[-3000:]
+            out += "\n" + replay_trail(workdir, prop, defines)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             out += f"\n(replay failed: {exc})"
     return SpinResult(
@@ -182,6 +221,16 @@ def run_spin(props: Sequence[str], bug: str | None = None, *, pml: str | None = 
 
 # ---- the whole check -------------------------------------------------------------------------
 
+def coverage_gaps(uncovered: dict[str, list[str]]) -> tuple[list[str], list[str]]:
+    """``(undeclared, stale)``: rows neither exercised nor in ``compose.UNEXERCISED``, and
+    rows listed there that the model exercises after all (so the list stays true)."""
+    missing = {(mach, row) for mach, rows in uncovered.items() for row in rows}
+    undeclared = sorted(f"{mach}: {row}" for mach, row in missing - set(UNEXERCISED))
+    stale = sorted(f"{mach}: {row}" for mach, row in set(UNEXERCISED) - missing
+                   if mach in uncovered)
+    return undeclared, stale
+
+
 def _explorer_control(bug: str, targets: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
     res = explore(bug, stop_when=frozenset(targets))
     broke = tuple(p for p in targets if p in res.violations)
@@ -217,6 +266,8 @@ def run_spec_check(
     report.machines = [explore_machine(mach) for mach in MACHINES]
     report.composed = explore(negative)
     report.uncovered = uncovered_rows(report.composed, MACHINES)
+    if negative is None:  # a control changes what runs; the declarations are about the spec
+        report.undeclared, report.stale_declared = coverage_gaps(report.uncovered)
     if spin:
         report.spin = run_spin([p.name for p in PROPERTIES], negative)
     else:
@@ -269,6 +320,17 @@ def render_report(report: SpecReport) -> str:
     for m in report.machines:
         for t in (*m.unreachable_states, *m.unreachable_transitions):
             lines.append(f"UNREACHABLE in {m.machine}: {t}")
+    declared = [(mach, row) for mach, rows in report.uncovered.items() for row in rows
+                if (mach, row) in UNEXERCISED]
+    if declared:
+        lines.append("")
+        lines.append(f"table rows the composed model does not exercise ({len(declared)}, "
+                     "compose.UNEXERCISED):")
+        lines += [f"  {mach}: {row}  -- {UNEXERCISED[mach, row]}" for mach, row in declared]
+    for row in report.undeclared:
+        lines.append(f"NOT EXERCISED and not declared in compose.UNEXERCISED: {row}")
+    for row in report.stale_declared:
+        lines.append(f"EXERCISED but declared in compose.UNEXERCISED (remove it): {row}")
     if report.spin:
         lines.append("")
         w = max(len("SPIN property"), *(len(r.prop) for r in report.spin))
@@ -278,8 +340,9 @@ def render_report(report: SpecReport) -> str:
         for r in report.spin:
             took = f"{r.seconds:.1f}s"
             lines.append(srow.format(r.prop, kinds[r.prop], r.errors, r.states, took))
-            if r.errors:
-                lines.append(r.output[-2000:])
+            if r.errors:  # the replay when there is one, else pan's own last words
+                at = r.output.find("SPIN trail for")
+                lines.append(r.output[at:] if at >= 0 else r.output[-2000:])
     elif report.spin_skipped:
         lines.append(f"SPIN: {report.spin_skipped}")
     if report.controls:

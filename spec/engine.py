@@ -126,7 +126,7 @@ ENGINE: Machine[EngineState, EngineEvent] = Machine(
         # A wake-up can overtake a sleep(wait) that is still draining (the caller timed out,
         # or another thread woke the engine): it ends the drain and resumes scheduling, and
         # the pending sleep's reply is an error. As a no-op it answered "fully awake" and the
-        # engine fell asleep afterwards (property wake_reply_when_awake).
+        # engine fell asleep afterwards (property awake_when_asked).
         Transition(S.DRAINING, E.WAKE_UP, S.RUNNING, guard=HAS_WORK,
                    note="ends the pending sleep/pause(wait): its reply is an error"),
         Transition(S.DRAINING, E.WAKE_UP, S.IDLE, guard=NO_WORK),

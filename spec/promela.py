@@ -151,13 +151,14 @@ byte creq = CLIENT_REQUEST_S_UNKNOWN;
 byte ereq = ENGINE_REQUEST_S_UNKNOWN;
 byte toks; bit preempted; byte sent; byte applied;
 short util = NO_UTIL; byte util_ends;
-bit weights_asleep; bit kv_asleep; bit sleep_flag; bit drain_reply; bit closing;
+bit weights_asleep; bit kv_asleep; bit sleep_flag; byte drain_waiters; bit closing;
 byte budget = BUDGET; byte faults = FAULTS; bit monitor_seen;
+byte power_pending; bit asked_awake;
 /* safety flags set by the model where a property is a statement about one step */
 bit v_spec_conformance; bit v_no_output_after_finish; bit v_sleep_reply_when_idle;
-bit v_frames_in_order; bit v_wake_reply_when_awake;
+bit v_frames_in_order;
 /* scratch, reset to 0 after every use so it does not split states */
-byte msg; byte kind; byte e0; bit partial; bit was_draining; byte nxt;
+byte msg; byte kind; byte e0; bit partial; byte nxt;
 hidden short ti;
 
 $fire_inlines
@@ -176,7 +177,8 @@ inline on_death() {
   if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_ENGINE_DIED, G_NONE); util_ends++
      :: else -> skip fi;
 #endif
-  fire_creq(CLIENT_REQUEST_E_ENGINE_DIED, G_NONE)
+  fire_creq(CLIENT_REQUEST_E_ENGINE_DIED, G_NONE);
+  power_pending = 0
 }
 
 inline reply_slept() {
@@ -204,11 +206,16 @@ inline abort_live() {
      :: else -> skip fi
 }
 
+/* each deferred sleep(wait) releases memory and is answered */
+inline complete_waiters() {
+  do :: drain_waiters > 0 -> release(); reply_slept(); drain_waiters--
+     :: else -> break od
+}
+
 inline settle() {
   if :: engine == ENGINE_S_RUNNING && !ereq_live -> fire_engine(ENGINE_E_ALL_FINISHED, G_NONE)
      :: engine == ENGINE_S_DRAINING && !ereq_live ->
-        fire_engine(ENGINE_E_DRAINED, G_NONE); sleep_flag = 1;
-        if :: drain_reply -> release(); drain_reply = 0; reply_slept() :: else -> skip fi
+        fire_engine(ENGINE_E_DRAINED, G_NONE); complete_waiters()
      :: else -> skip fi
 }
 
@@ -234,17 +241,32 @@ inline wake(wake_all) {
 #ifdef BUG_WAKE_IGNORED_WHILE_DRAINING
               skip
 #else
-              /* ends the pending sleep(wait): its reply is an error */
+              /* ends the pending sleep(wait)s: each reply is an error */
               if :: ereq_live -> fire_engine(ENGINE_E_WAKE_UP, G_HAS_WORK)
                  :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK) fi;
-              drain_reply = 0
+              sleep_flag = 0;
+#ifndef BUG_CANCELLED_WAIT_UNANSWERED
+              do :: drain_waiters > 0 -> push_out(O_POWER_ERR); drain_waiters--
+                 :: else -> break od;
+#endif
+              drain_waiters = 0
 #endif
            :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NONE) fi;
-        if :: engine != ENGINE_S_IDLE && engine != ENGINE_S_RUNNING -> v_wake_reply_when_awake = 1
-           :: else -> skip fi;
         push_out(O_WOKE_FULL)
      :: else -> skip fi;
   e0 = 0; partial = 0
+}
+
+/* the client reads a successful resume like a full wake-up */
+inline resume() {
+  if :: engine == ENGINE_S_PAUSED ->
+        if :: ereq_live -> fire_engine(ENGINE_E_RESUME, G_HAS_WORK)
+           :: else -> fire_engine(ENGINE_E_RESUME, G_NO_WORK) fi;
+        sleep_flag = 0; push_out(O_WOKE_FULL)
+     :: engine == ENGINE_S_IDLE || engine == ENGINE_S_RUNNING ->
+        fire_engine(ENGINE_E_RESUME, G_NONE); push_out(O_WOKE_FULL)
+     :: else -> push_out(O_POWER_ERR) /* draining or asleep: the call fails, nothing changes */
+  fi
 }
 
 inline check_seq(x) {
@@ -253,6 +275,7 @@ inline check_seq(x) {
 }
 
 inline user_send(x) { budget--; push_in(x) }
+inline user_power(x) { budget--; power_pending++; push_in(x) }
 
 proctype User() {
 end: do
@@ -270,11 +293,16 @@ end: do
        budget--; fire_util(UTILITY_E_CANCEL, G_NONE); util_ends++ }
   :: atomic { OWNER_MAY_CALL && util == UTILITY_S_PENDING ->
        budget--; fire_util(UTILITY_E_TIMEOUT, G_NONE); util_ends++ }
-  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_SLEEP_ABORT) }
-  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_SLEEP_WAIT) }
-  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_PAUSE_KEEP) }
-  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_WAKE_WEIGHTS) }
-  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_send(I_WAKE_ALL) }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP ->
+       user_power(I_SLEEP_ABORT); asked_awake = 0 }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP ->
+       user_power(I_SLEEP_WAIT); asked_awake = 0 }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP ->
+       user_power(I_PAUSE_KEEP); asked_awake = 0 }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_power(I_WAKE_WEIGHTS) }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP ->
+       user_power(I_WAKE_ALL); asked_awake = 1 }
+  :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_power(I_RESUME) }
   :: atomic { OWNER_MAY_CALL && (client_live || client == CLIENT_S_DEAD) ->
        budget--; closing = 1;
        if :: !proc_exited && inq_len < IN_CAP -> push_in(I_SHUTDOWN) :: else -> skip fi }
@@ -294,9 +322,13 @@ end: do
        fire_client(CLIENT_E_SHUTDOWN, G_NONE);
        if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_CLIENT_SHUTDOWN, G_NONE); util_ends++
           :: else -> skip fi;
-       if :: creq_live -> fire_creq(CLIENT_REQUEST_E_FINISH_ERROR, G_NONE) :: else -> skip fi }
-  :: atomic { client == CLIENT_S_CONSTRUCTING && faults > 0 && !parent_dead ->
-       faults--; fire_client(CLIENT_E_CONSTRUCTION_FAILED, G_NONE); proc_exited = 1 }
+       if :: creq_live -> fire_creq(CLIENT_REQUEST_E_FINISH_ERROR, G_NONE) :: else -> skip fi;
+       power_pending = 0 }
+#ifndef BUG_NO_STARTUP_DEADLINE
+  /* ready_timeout_s: a timer, not a fault, so it also ends a hung construction */
+  :: atomic { client == CLIENT_S_CONSTRUCTING && !parent_dead ->
+       fire_client(CLIENT_E_CONSTRUCTION_FAILED, G_NONE); proc_exited = 1 }
+#endif
   :: atomic { outq_len > 0 && !parent_dead && client != CLIENT_S_DEAD
               && client != CLIENT_S_SHUTDOWN ->
        pop_out(msg);
@@ -327,9 +359,14 @@ end: do
              skip
           :: else -> v_spec_conformance = 1
           fi
-       :: msg == O_SLEPT -> fire_client(CLIENT_E_SLEEP_ACKED, G_NONE)
-       :: msg == O_WOKE_FULL -> fire_client(CLIENT_E_WAKE_ACKED, G_FULLY_AWAKE)
-       :: msg == O_WOKE_PART -> fire_client(CLIENT_E_WAKE_ACKED, G_PARTIALLY_AWAKE)
+       :: msg == O_SLEPT || msg == O_WOKE_FULL || msg == O_WOKE_PART || msg == O_POWER_ERR ->
+          if :: power_pending == 0 -> v_spec_conformance = 1 /* a reply nobody asked for */
+             :: else -> power_pending-- fi;
+          if :: msg == O_SLEPT -> fire_client(CLIENT_E_SLEEP_ACKED, G_NONE)
+             :: msg == O_WOKE_FULL -> fire_client(CLIENT_E_WAKE_ACKED, G_FULLY_AWAKE)
+             :: msg == O_WOKE_PART -> fire_client(CLIENT_E_WAKE_ACKED, G_PARTIALLY_AWAKE)
+             :: else -> skip /* O_POWER_ERR: the call raises; the client's state stays */
+          fi
        :: msg == O_DEAD -> on_death()
        :: msg == O_CORRUPT -> on_death(); proc_exited = 1
        fi;
@@ -381,27 +418,28 @@ end: do
 #endif
           fi
        :: kind == I_SLEEP_ABORT ->
-          abort_live(); fire_engine(ENGINE_E_PAUSE_ABORT, G_NONE); drain_reply = 0;
+          abort_live(); fire_engine(ENGINE_E_PAUSE_ABORT, G_NONE);
+          complete_waiters(); /* the abort ended their wait */
           release(); reply_slept()
        :: kind == I_SLEEP_WAIT ->
           fire_engine(ENGINE_E_PAUSE_WAIT, G_NONE);
           if :: engine == ENGINE_S_DRAINING ->
+                sleep_flag = 1;
 #ifdef BUG_REPLY_BEFORE_DRAIN
-                drain_reply = 0; reply_slept()
+                reply_slept()
 #else
-                drain_reply = 1
+                drain_waiters++
 #endif
              :: else -> release(); reply_slept() fi
        :: kind == I_PAUSE_KEEP ->
           if :: ereq == ENGINE_REQUEST_S_RUNNING -> fire_ereq(ENGINE_REQUEST_E_PREEMPT, G_NONE)
              :: else -> skip fi;
-          was_draining = (engine == ENGINE_S_DRAINING);
           fire_engine(ENGINE_E_PAUSE_KEEP, G_NONE); sleep_flag = 1;
-          if :: was_draining && drain_reply -> drain_reply = 0; release(); reply_slept()
-             :: else -> skip fi;
-          reply_slept(); was_draining = 0
+          complete_waiters(); /* earlier sleep(wait)s stop waiting: answered first */
+          reply_slept()
        :: kind == I_WAKE_WEIGHTS -> wake(0)
        :: kind == I_WAKE_ALL -> wake(1)
+       :: kind == I_RESUME -> resume()
        :: kind == I_SHUTDOWN -> fire_engine(ENGINE_E_SHUTDOWN, G_NONE); proc_exited = 1
        :: kind == I_CORRUPT ->
           fire_engine(ENGINE_E_FATAL_ERROR, G_NONE); push_out(O_DEAD); proc_exited = 1
@@ -489,8 +527,9 @@ def render_promela() -> str:
     header = (
         "/* AUTOGENERATED by `python -m enginewire.testing.generate`; ALL EDITS WILL BE LOST.\n"
         f" * stamp {stamp}; tables {sources}\n"
-        " * Check one property: spin -a enginewire.pml && gcc -O2 -o pan pan.c"
-        " && ./pan -a -f -N <name>\n"
+        " * Check one property: spin -a enginewire.pml && gcc -O2 -DNFAIR=3 -o pan pan.c"
+        " && ./pan -a -f -E -m50000 -N <name>\n"
+        " * Replay its trail (only that claim): spin -DLTL_ONLY -DLTL_<name> -t -p enginewire.pml\n"
         " * Negative control: add -DBUG_<NAME> to spin (see enginewire.spec.compose.BUGS). */\n"
     )
     return header + body

@@ -7,7 +7,8 @@ explorer checks it after each step and prints the shortest run that breaks it. A
 property is a hot obligation ``trigger -> eventually (goal or excuse)``: SPIN checks it as LTL
 under weak fairness, and the explorer checks it at every quiescent world (no actor can move),
 which is complete here because every action consumes a bounded resource (owner budget, fault
-budget, a queued frame, a token) so the bounded model has no infinite runs.
+budget, a queued frame, a token) or leaves a state for good (the start-up deadline ends
+construction), so the bounded model has no infinite runs.
 Rule 2: every property names at least one negative control (``compose.BUGS``) that must break
 it, in both checkers; a property that nothing can break is vacuous and fails the check.
 
@@ -59,6 +60,8 @@ def _live(
 
 _C_DEAD, _C_SHUTDOWN = m.C_DEAD, m.C_SHUTDOWN
 _SLEEPY = (m.E_PAUSED, m.E_SLEEPING)
+_REPORTS_SLEEPING = " || ".join(f"engine == {e}" for e in sorted(m.E_SLEEPY))
+_AWAKE = " || ".join(f"engine == {e}" for e in sorted(m.E_AWAKE))
 
 SAFETY: tuple[Property, ...] = (
     _safety(
@@ -107,22 +110,15 @@ SAFETY: tuple[Property, ...] = (
         _flag("sleep_reply_when_idle"),
     ),
     _safety(
-        "wake_reply_when_awake",
-        "A wake-up reply says 'fully awake' only when the engine schedules again (idle or "
-        "running): a wake-up ends a sleep or pause still waiting for requests to drain.",
-        ("wake_ignored_while_draining",),
-        "!v_wake_reply_when_awake",
-        _flag("wake_reply_when_awake"),
-    ),
-    _safety(
         "is_sleeping_iff",
-        "The engine's is_sleeping answer is true exactly when it is paused or any memory tag is "
-        "asleep.",
+        "The engine's is_sleeping answer is true exactly when it is draining for a pause, "
+        "paused or asleep, or any memory tag is asleep (as in vLLM, a paused scheduler reports "
+        "sleeping).",
         ("partial_wake_clears_flag",),
-        f"!engine_in_loop || (sleep_flag == (engine == {_SLEEPY[0]} || engine == {_SLEEPY[1]}"
-        " || weights_asleep || kv_asleep))",
+        f"!engine_in_loop || (sleep_flag == ({_REPORTS_SLEEPING} || weights_asleep "
+        "|| kv_asleep))",
         lambda w: w[m.E] not in m.E_LOOP
-        or bool(w[m.SLEEP_FLAG]) == (w[m.E] in _SLEEPY or bool(w[m.WA]) or bool(w[m.KVA])),
+        or bool(w[m.SLEEP_FLAG]) == (w[m.E] in m.E_SLEEPY or bool(w[m.WA]) or bool(w[m.KVA])),
     ),
     _safety(
         "frames_in_order",
@@ -151,6 +147,36 @@ LIVENESS: tuple[Property, ...] = (
         (f"!creq_live || hung || parent_dead || engine == {_SLEEPY[0]} || engine == {_SLEEPY[1]}",
          lambda w: w[m.CREQ] not in m.Q_LIVE or bool(w[m.HUNG] or w[m.PARENT_DEAD])
          or w[m.E] in _SLEEPY),
+    ),
+    _live(
+        "power_call_terminates",
+        "Every sleep, pause, wake_up and resume_scheduler call eventually gets its reply, one "
+        "per call, a deferred sleep(wait) included (unless the engine hangs or the owner died; "
+        "the engine's death and shutdown() fail pending calls).",
+        ("cancelled_wait_unanswered",),
+        ("power_pending > 0", lambda w: w[m.POWER_PENDING] > 0),
+        ("power_pending == 0 || hung || parent_dead",
+         lambda w: w[m.POWER_PENDING] == 0 or bool(w[m.HUNG] or w[m.PARENT_DEAD])),
+    ),
+    _live(
+        "awake_when_asked",
+        "After the owner asks for a full wake-up (and no sleep or pause since), the engine "
+        "eventually schedules again, idle or running, even if a sleep(wait) was still draining "
+        "(unless the engine died, exited or hangs, or the owner died).",
+        ("wake_ignored_while_draining",),
+        ("asked_awake", lambda w: bool(w[m.ASKED_AWAKE])),
+        (f"{_AWAKE} || !engine_in_loop || proc_exited || hung || parent_dead",
+         lambda w: w[m.E] in m.E_AWAKE or w[m.E] not in m.E_LOOP
+         or bool(w[m.PROC_EXITED] or w[m.HUNG] or w[m.PARENT_DEAD])),
+    ),
+    _live(
+        "construction_ends",
+        "The client's constructor always ends, ready or failed, even when the engine hangs "
+        "during start-up (the ready deadline fires), unless the owner died.",
+        ("no_startup_deadline",),
+        (f"client == {m.C_CONSTRUCTING}", lambda w: w[m.C] == m.C_CONSTRUCTING),
+        (f"client != {m.C_CONSTRUCTING} || parent_dead",
+         lambda w: w[m.C] != m.C_CONSTRUCTING or bool(w[m.PARENT_DEAD])),
     ),
     _live(
         "shutdown_completes",

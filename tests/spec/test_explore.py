@@ -8,8 +8,9 @@ from enum import Enum
 import pytest
 
 from enginewire.spec import MACHINES, Machine, Transition
-from enginewire.spec.compose import BUGS, Composition
-from enginewire.spec.explore import ExploreResult, explore, explore_machine
+from enginewire.spec import compose as c
+from enginewire.spec.compose import BUGS, Composition, World
+from enginewire.spec.explore import ExploreResult, explore, explore_machine, uncovered_rows
 from enginewire.spec.properties import PROPERTIES, control_targets
 
 
@@ -83,3 +84,89 @@ def _replay_breaks(bug: str, trace: tuple[str, ...], prop_name: str) -> bool:
 def test_unknown_negative_control_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="forget_pending_on_death"):
         Composition("no_such_bug")
+
+
+# ---- power calls: every call answered as the runtime answers it -------------------------------
+
+def _follow(trace: tuple[str, ...], bug: str | None = None) -> set[World]:
+    """Every world reached by the labelled steps (a label may match several successors)."""
+    comp = Composition(bug)
+    frontier = {comp.initial()}
+    for label in trace:
+        frontier = {nxt for w in frontier for lab, nxt in comp.successors(w) if lab == label}
+        assert frontier, f"step {label} not enabled"
+    return frontier
+
+
+def _outq(w: World) -> list[str]:
+    return [c.OUT_MSGS[msg - 1] for msg in w[c.OUTQ]]
+
+
+_READY = ("engine_start", "receive_output")
+_DRAINING = (*_READY, "add_request", "engine_receive", "sleep_wait", "engine_receive")
+
+
+def test_each_deferred_sleep_wait_gets_its_own_reply_when_drained() -> None:
+    # The runtime defers each sleep(wait) while draining and completes every one.
+    worlds = _follow((*_DRAINING, "sleep_wait", "engine_receive", "engine_schedule", "engine_stop"))
+    for w in worlds:
+        assert _outq(w) == ["FIN_STOP", "SLEPT", "SLEPT"]
+        assert w[c.E] == c.E_SLEEPING and w[c.POWER_PENDING] == 2 and w[c.DRAIN_WAITERS] == 0
+
+
+def test_abort_during_drain_answers_the_waiter_and_itself() -> None:
+    # tests/runtime/test_engine_sleep.py::test_abort_during_drain_completes_the_waiters
+    for w in _follow((*_DRAINING, "sleep_abort", "engine_receive")):
+        assert _outq(w) == ["FIN_ABORT", "SLEPT", "SLEPT"]
+        assert w[c.DRAIN_WAITERS] == 0
+
+
+def test_wake_during_drain_fails_the_waiter_and_schedules_again() -> None:
+    worlds = _follow((*_DRAINING, "wake_all", "engine_receive"))
+    for w in worlds:
+        assert _outq(w) == ["POWER_ERR", "WOKE_FULL"]
+        assert w[c.E] == c.E_RUNNING and not w[c.SLEEP_FLAG] and w[c.ASKED_AWAKE]
+    for w in _follow((*_DRAINING, "wake_all", "engine_receive", "receive_output",
+                      "receive_output")):
+        assert w[c.POWER_PENDING] == 0 and w[c.C] == c.C_RUNNING  # the error changes no state
+
+
+def test_a_draining_engine_reports_sleeping_as_the_runtime_does() -> None:
+    for w in _follow(_DRAINING):
+        assert w[c.E] == c.E_DRAINING and w[c.SLEEP_FLAG] == 1
+
+
+def test_resume_wakes_a_paused_engine_and_fails_on_a_sleeping_one() -> None:
+    paused = (*_READY, "pause_keep", "engine_receive", "receive_output")
+    for w in _follow((*paused, "resume_scheduler", "engine_receive", "receive_output")):
+        assert w[c.E] == c.E_IDLE and w[c.C] == c.C_RUNNING and w[c.POWER_PENDING] == 0
+    asleep = (*_READY, "sleep_abort", "engine_receive", "resume_scheduler", "engine_receive")
+    for w in _follow(asleep):
+        assert w[c.E] == c.E_SLEEPING and _outq(w) == ["SLEPT", "POWER_ERR"]
+
+
+def test_dropping_every_power_reply_breaks_power_call_terminates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reviewer's mutation: before power_call_terminates no property noticed it.
+    push_out = c._Step.push_out
+
+    def drop(self: c._Step, msg: int, front: bool = False) -> None:
+        if msg not in c.O_POWER_REPLIES:
+            push_out(self, msg, front)
+
+    monkeypatch.setattr(c._Step, "push_out", drop)
+    res = explore(stop_when=frozenset({"power_call_terminates"}))
+    assert "power_call_terminates" in res.violations
+
+
+def test_the_startup_deadline_is_not_a_fault_so_a_hung_start_still_ends() -> None:
+    for w in _follow(("engine_hangs", "handshake_deadline")):
+        assert w[c.C] == c.C_SHUTDOWN and w[c.HUNG] and w[c.PROC_EXITED]
+
+
+def test_declared_unexercised_rows_are_exactly_the_rows_the_model_misses(
+        composed: ExploreResult) -> None:
+    missing = {(mach, row) for mach, rows in uncovered_rows(composed, MACHINES).items()
+               for row in rows}
+    assert missing == set(c.UNEXERCISED)
+    assert all(reason.strip() for reason in c.UNEXERCISED.values())

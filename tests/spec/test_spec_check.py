@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from enginewire.testing.spec_check import SpecReport, render_report, run_spec_check
+from enginewire.spec.compose import UNEXERCISED
+from enginewire.testing.spec_check import SpecReport, coverage_gaps, render_report, run_spec_check
 
 
 def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> None:
@@ -27,3 +28,25 @@ def test_unknown_negative_control_is_a_usage_error(
 
 def test_empty_report_renders_ok() -> None:
     assert "spec check OK" in render_report(SpecReport())
+
+
+def test_coverage_gaps_name_undeclared_and_stale_rows() -> None:
+    declared = sorted(UNEXERCISED)
+    (mach, row), rest = declared[0], declared[1:]
+    uncovered: dict[str, list[str]] = {m: [] for m, _ in declared}  # as uncovered_rows gives
+    for m, r in rest:
+        uncovered.setdefault(m, []).append(r)
+    uncovered.setdefault("engine", []).append("IDLE --NEW_EVENT--> IDLE")
+    undeclared, stale = coverage_gaps(uncovered)
+    assert undeclared == ["engine: IDLE --NEW_EVENT--> IDLE"]
+    assert stale == [f"{mach}: {row}"]  # now exercised: the declaration must go
+
+
+def test_a_gap_fails_the_report_and_is_named() -> None:
+    report = SpecReport(undeclared=["engine: IDLE --NEW_EVENT--> IDLE"])
+    text = render_report(report)
+    assert not report.ok
+    assert "NOT EXERCISED and not declared in compose.UNEXERCISED: engine: IDLE" in text
+    assert "spec check FAILED" in text
+    stale = SpecReport(stale_declared=["engine: READY --SHUTDOWN--> SHUTDOWN"])
+    assert not stale.ok and "remove it" in render_report(stale)

@@ -6,13 +6,16 @@ The full sweep of negative controls runs in ``enginewire spec check`` and under 
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 
 import pytest
 
 from enginewire.spec.compose import BUGS
 from enginewire.spec.explore import ExploreResult
 from enginewire.spec.properties import PROPERTIES, control_targets
+from enginewire.testing import spec_check
 from enginewire.testing.generate import ROOT
 from enginewire.testing.spec_check import run_spin, spin_available
 
@@ -24,7 +27,8 @@ if not spin_available():
 PML = (ROOT / "spec" / "enginewire.pml").read_text()
 # One control per kind of breakage in the default run: a safety flag, a state invariant and
 # two liveness obligations; the rest are marked slow.
-QUICK = ("late_reply_resolves", "forget_pending_on_death", "drop_failed_reply", "shutdown_no_kill")
+QUICK = ("late_reply_resolves", "forget_pending_on_death", "drop_failed_reply", "shutdown_no_kill",
+         "cancelled_wait_unanswered")
 
 
 def test_spin_proves_every_property_of_the_committed_model(composed: ExploreResult) -> None:
@@ -45,3 +49,13 @@ def test_spin_rejects_each_negative_control(bug: str) -> None:
     results = run_spin(list(targets), bug, pml=PML, jobs=1)
     for r in results:
         assert r.errors > 0, f"SPIN accepts {bug} for {r.prop}: the property is vacuous"
+        # The trail replays (spin -t) into the actor steps that lead to the violation.
+        assert f"SPIN trail for {r.prop}:" in r.output, r.output[-2000:]
+        assert re.search(r"\n\s+1\. \w+ ", r.output), r.output[-2000:]
+
+
+def test_the_header_command_names_the_fairness_bound_pan_needs() -> None:
+    # pan's default NFAIR=2 cannot hold the seven processes ("too many processes").
+    header = PML.split("*/", 1)[0]
+    assert "gcc -O2 -DNFAIR=3 -o pan pan.c" in header
+    assert "-DNFAIR=3" in inspect.getsource(spec_check._compile)
