@@ -209,6 +209,10 @@ def _engine_curve(args: argparse.Namespace) -> Any:
     from .runtime import security
 
     key = args.curve_key
+    if (key is None) != (not args.curve_peer) or (args.curve_server_key and key is None):
+        # A usage mistake (exit 2), not an unusable key file (exit 3).
+        raise UsageError("CURVE needs both --curve-key FILE and at least one --curve-peer"
+                         " KEY|FILE|DIR")
     secret = None if key is None else Path(key).expanduser()
     created = secret is not None and not secret.exists()
     curve = security.curve_from_options(key, args.curve_peer or [],
@@ -576,9 +580,33 @@ def _prog(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     return " ".join([parser.prog, *(w for w in words if w)])
 
 
+# Options whose value may be a Z85 public key: 40 characters, which may start with "-".
+_KEY_OPTIONS = frozenset({"--curve-peer", "--curve-server-key"})
+_Z85_KEY_LEN = 40
+
+
+def _attach_key_values(argv: Sequence[str]) -> list[str]:
+    """``--curve-peer -k3y...`` as ``--curve-peer=-k3y...``: argparse takes a value that starts
+    with "-" for an option (one random key in ~70 does), and says the option has no value."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if (arg in _KEY_OPTIONS and nxt is not None and nxt.startswith("-")
+                and len(nxt) == _Z85_KEY_LEN and not nxt.startswith("--")):
+            out.append(f"{arg}={nxt}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_key_values(sys.argv[1:] if argv is None else argv))
     handler: Handler = args.handler
     try:
         return handler(args)

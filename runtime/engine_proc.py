@@ -59,6 +59,7 @@ from ..protocol.codec import (
     Limits,
     backend_send,
     decode_input,
+    peek_call_id,
     peek_request_id,
     recv_rest,
     send_frames,
@@ -263,19 +264,6 @@ def _send_reconnecting(
             return send()
         except zmq.Again:
             continue
-
-
-def _salvage_call_id(frame: Any) -> int | None:
-    """Call id of a utility request that failed to decode, so its caller is not left hanging."""
-    try:
-        value = msgspec.msgpack.decode(memoryview(frame))
-    except Exception:
-        return None
-    if isinstance(value, list) and len(value) >= 2:
-        call_id = value[1]
-        if isinstance(call_id, int) and not isinstance(call_id, bool):
-            return call_id
-    return None
 
 
 class EngineCoreProc:
@@ -601,7 +589,7 @@ class EngineCoreProc:
             )
             self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(outputs=[out])))
             return
-        call_id = _salvage_call_id(body) if type_byte == RequestType.UTILITY.value else None
+        call_id = peek_call_id(rest) if type_byte == RequestType.UTILITY.value else None
         if type_byte == RequestType.UTILITY.value and call_id is not None:
             logger.warning("rejected malformed utility call %r: %s", call_id, error)
             reply = UtilityOutput(call_id=call_id, failure_message=f"malformed call: {error}")

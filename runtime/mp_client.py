@@ -143,6 +143,10 @@ _DEAD = object()  # output-queue marker: the engine died
 _CLOSED = object()  # output-queue marker: the client was shut down
 
 
+# The ready handshake is a few hundred bytes; anything near this is not one.
+_MAX_HANDSHAKE_BYTES = 1 << 20
+
+
 def _ready_timeout(option: float | None) -> float:
     if option is not None:
         seconds = check_option_seconds(option, "ready_timeout_s")
@@ -804,12 +808,17 @@ class MPClient(EngineCoreClient):
         # An engine that reconnects (e.g. after refusing an oversized frame) keeps its
         # identity; without handover the stale pipe would keep it unreachable.
         inp.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # What an engine sends is bounded too (a peer with a stolen engine key): libzmq
+        # refuses a larger frame from its header, before allocating it. Only the ready
+        # handshake arrives here; outputs may be as large as the engine's own frame bound.
+        inp.setsockopt(zmq.MAXMSGSIZE, _MAX_HANDSHAKE_BYTES)
         res.guard.serve(inp, "input")
         _bind(inp, input_address, "input_address")
         self.input_address = inp.getsockopt_string(zmq.LAST_ENDPOINT)
         out = self._make_output_socket(res.ctx)
         out.setsockopt(zmq.LINGER, 0)
         out.setsockopt(zmq.RCVHWM, 0)
+        out.setsockopt(zmq.MAXMSGSIZE, DEFAULT_LIMITS.max_frame_bytes)  # what decode_outputs takes
         res.guard.serve(out, "output")
         _bind(out, output_address, "output_address")
         self.output_address = out.getsockopt_string(zmq.LAST_ENDPOINT)

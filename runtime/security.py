@@ -71,6 +71,16 @@ _monitor_ids = itertools.count()
 _LOG_WINDOW_S = 10.0
 _MAX_REFUSALS_KEPT = 256
 
+# A bound socket drops a connection that has not completed its handshake by then (libzmq's
+# default is 30 s): half-open connections from a scanner hold a file descriptor each, and
+# a real peer handshakes in milliseconds.
+HANDSHAKE_DEADLINE_MS = 10_000
+
+# What a protocol-error code in a handshake-failed event means (libzmq reports ZMTP codes
+# there, not errnos).
+_PROTOCOL_ERRORS = {int(getattr(zmq, n)): n.removeprefix("PROTOCOL_ERROR_")
+                    for n in dir(zmq) if n.startswith("PROTOCOL_ERROR_")}
+
 # Handshake outcomes worth a warning: each is a peer turned away at the socket layer.
 _REFUSAL_EVENTS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
@@ -137,6 +147,8 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
         raise ValueError(f"{path}: a symbolic link to nothing; point it at a key file or"
                          " remove it")
     if path.exists():
+        if not path.is_file():  # a FIFO would block the read for good, a directory fails late
+            raise ValueError(f"{path}: not a regular file; a key file is expected here")
         _check_private(path)
         public, secret = zmq.auth.load_certificate(path)
         if secret is None:
@@ -144,19 +156,29 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
         return KeyPair(public, secret)
     if not create:
         raise FileNotFoundError(f"{path}: no such key file")
+    pub = public_key_file(path)
+    if pub.is_symlink() or (pub.exists() and not pub.is_file()):
+        # Checked first: a half-made pair (a secret without its public twin) must not remain.
+        raise ValueError(f"{pub}: the public key's place holds a link or a non-file; remove"
+                         " it, then create the key pair again")
+    # A fresh home has no ~/.config/enginewire yet: made private, like the key.
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     pair = generate_keypair()
     # O_EXCL with mode 0600: never widen or follow an existing file; fchmod undoes umask.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(_certificate("**Secret**", pair.public, pair.secret))
-    # 0644 whatever the umask: a world-writable public key could be swapped before a peer
-    # copies it; never follow a link planted in its place.
-    fd = os.open(public_key_file(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                 0o644)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o644)
-        f.write(_certificate("Public", pair.public, None))
+    try:
+        # 0644 whatever the umask: a world-writable public key could be swapped before a
+        # peer copies it; never follow a link planted in its place.
+        fd = os.open(pub, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(_certificate("Public", pair.public, None))
+    except BaseException:
+        path.unlink(missing_ok=True)  # no secret without its public twin
+        raise
     logger.info("generated a CURVE key pair in %s (public key %s)", path,
                 pair.public.decode("ascii"))
     return pair
@@ -307,6 +329,16 @@ def restrict_ipc_socket(address: str) -> None:
             os.chmod(address.removeprefix("ipc://"), 0o600)
 
 
+def _detail(event: int, value: int) -> str:
+    """The value of a handshake-failed event, named: a ZMTP protocol-error code, a ZAP
+    status code or an errno depending on the event."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return _PROTOCOL_ERRORS.get(int(value), f"protocol error {value:#x}")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"ZAP status {value}"
+    return os.strerror(int(value))
+
+
 class _AllowList:
     """ZAP callback: admit listed keys; log every refusal (pyzmq logs them at DEBUG only)."""
 
@@ -378,7 +410,9 @@ class TransportGuard:
             sock.curve_publickey = self.curve.keypair.public
             sock.curve_server = True
             sock.zap_domain = ZAP_DOMAIN.encode()
-            self.watch(sock, name)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_DEADLINE_MS)
+        if self.curve is not None:
+            self.watch(sock, name, accepts=True)
 
     def connect_as_client(self, sock: zmq.Socket[Any], name: str, *,
                           on_drop: Callable[[], None] | None = None) -> None:
@@ -399,14 +433,18 @@ class TransportGuard:
             self.watch(sock, name, on_drop=on_drop)
 
     def watch(self, sock: zmq.Socket[Any], name: str, *,
-              on_drop: Callable[[], None] | None = None) -> None:
+              on_drop: Callable[[], None] | None = None, accepts: bool = False) -> None:
         """Log refused handshakes (and, with ``on_drop``, report them and dropped connections)
-        of ``sock``. Call from the thread that owns ``sock``, before it binds or connects."""
+        of ``sock``; with ``accepts``, failed accepts of a bound socket too (out of file
+        descriptors: libzmq retries in a loop and says nothing). Call from the thread that
+        owns ``sock``, before it binds or connects."""
         events = zmq.EVENT_MONITOR_STOPPED
         for ev in _REFUSAL_EVENTS:
             events |= ev
         if on_drop is not None:
             events |= zmq.EVENT_DISCONNECTED
+        if accepts:
+            events |= zmq.EVENT_ACCEPT_FAILED
         # A plain PAIR even for an asyncio socket (whose get_monitor_socket would return an
         # asyncio socket, unusable from this thread).
         address = f"inproc://enginewire-monitor-{id(self):x}-{next(_monitor_ids)}"
@@ -441,8 +479,16 @@ class TransportGuard:
                     if on_drop is not None:
                         on_drop()
                     continue
+                if event == zmq.EVENT_ACCEPT_FAILED:
+                    err = int(msg["value"])
+                    self._warn_once(
+                        f"accept {name}", "%s %s: accepting a connection at %s failed (%s):"
+                        " too many open connections? Each holds a file descriptor until its"
+                        " handshake completes or times out (%d s)", self.side, name, endpoint,
+                        os.strerror(err), HANDSHAKE_DEADLINE_MS // 1000)
+                    continue
                 why = _REFUSAL_EVENTS.get(event, f"event {event}")
-                self._refused(f"{name} at {endpoint}: {why} (errno {msg['value']})")
+                self._refused(f"{name} at {endpoint}: {why} ({_detail(event, msg['value'])})")
                 if on_drop is not None:
                     on_drop()
         except zmq.ZMQError:

@@ -144,3 +144,15 @@ def test_generate_with_an_unusable_model_file_is_one_line(
     line = _usage_line(["generate", "--model", str(bad), "--client", "inproc",
                         "--prompt-tokens", "1,2"], capsys)
     assert "broken.gguf" in line and "not a GGUF file" in line, line
+
+
+def test_a_public_key_that_starts_with_a_dash_is_taken_as_a_value() -> None:
+    """Z85 keys may start with "-" (one random key in ~70): argparse read such a key as an
+    option and failed the command ("expected one argument")."""
+    from enginewire.cli import _attach_key_values
+
+    key = "-" + "a" * 39
+    assert _attach_key_values(["engine", "--curve-peer", key, "--curve-server-key", key]) == [
+        "engine", f"--curve-peer={key}", f"--curve-server-key={key}"]
+    assert _attach_key_values(["engine", "--curve-peer", "--model"]) == [
+        "engine", "--curve-peer", "--model"]  # a real option stays one

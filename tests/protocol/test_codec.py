@@ -688,3 +688,63 @@ def test_client_side_decoders_raise_only_protocol_errors(frames: Any) -> None:
         with pytest.raises(ProtocolError):
             decode(frames)
     assert is_dead_sentinel(frames) is False
+
+
+# --- hostile payloads a peer with a valid key can send (red-team audit) ------------------------
+
+_MAPS = 4_000_000  # empty maps: 1 byte each on the wire, ~64 bytes each decoded untyped
+
+
+def _peak_bytes(fn: Any) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _array_of_maps(n: int) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+
+
+def test_salvaging_ids_of_refused_messages_never_decodes_them_whole() -> None:
+    from enginewire.protocol.codec import peek_call_id, peek_request_id
+
+    call = b"\x94\x00\x07" + msgspec.msgpack.encode("echo") + _array_of_maps(_MAPS)
+    add = b"\x92" + msgspec.msgpack.encode("rid") + _array_of_maps(_MAPS)
+    assert peek_call_id([call]) == 7 and peek_request_id([add]) == "rid"
+    assert _peak_bytes(lambda: peek_call_id([call])) < 1 << 20
+    assert _peak_bytes(lambda: peek_request_id([add])) < 1 << 20
+    assert peek_call_id([b"\x92\x00\xc3"]) is None  # a bool is not a call id
+
+
+def test_a_large_add_whose_tensors_are_not_arrays_is_refused_before_decoding() -> None:
+    payload = (b"\x96" + msgspec.msgpack.encode("r") + b"\x91\x01\x90" + b"\xcb" + bytes(8)
+               + b"\x00" + b"\x81\xa1x" + _array_of_maps(_MAPS))
+
+    def decode() -> None:
+        with pytest.raises(ProtocolError, match="tensors to map names to arrays"):
+            decode_input([RequestType.ADD.value + payload])
+
+    assert _peak_bytes(decode) < 3 * len(payload)  # the frame copy, not 64 bytes per map
+    # A large legitimate ADD (a long prompt, arrays in tensors) decodes as before.
+    req = EngineCoreRequest("big", list(range(300_000)),
+                            tensors={"e": torch.ones(3), "n": np.zeros(2)})
+    _, got = decode_input(encode_input(Encoder(), RequestType.ADD, req))
+    assert isinstance(got, EngineCoreRequest) and len(got.prompt_token_ids) == 300_000
+    assert got.tensors is not None and torch.equal(got.tensors["e"], torch.ones(3))
+
+
+def test_a_ready_frame_is_not_decoded_untyped() -> None:
+    from enginewire.protocol.codec import decode_ready
+
+    frame = b"\x92\x01" + _array_of_maps(_MAPS)
+
+    def decode() -> None:
+        with pytest.raises(ProtocolError):
+            decode_ready(frame)
+
+    assert _peak_bytes(decode) < 1 << 20

@@ -8,6 +8,7 @@ import gc
 import time
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,20 @@ def test_queued_outputs_is_zero_when_read(multiprocess: bool) -> None:
         while not any(o.finished for o in client.get_output(timeout=5).outputs):
             pass
         assert client.queued_outputs() == 0
+
+
+def test_the_front_end_bounds_what_an_engine_sends() -> None:
+    """A peer holding an engine key used to be able to send the front end frames of any
+    size: libzmq now refuses them from their header, before allocating."""
+    import zmq
+
+    from enginewire.protocol.codec import DEFAULT_LIMITS
+
+    with make_client(NULL, multiprocess=True, asyncio=False) as client:
+        res = client.resources
+        assert res.input_socket is not None and res.sync_reader is not None
+        assert res.input_socket.getsockopt(zmq.MAXMSGSIZE) == 1 << 20  # the handshake only
+        out = res.sync_reader._out  # type: ignore[attr-defined]
+        assert out.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_LIMITS.max_frame_bytes
+        big = np.ones(1 << 20)  # an 8 MiB reply: legitimate outputs still pass
+        assert np.array_equal(client.call_utility("echo", big), big)

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import zmq
 
+from enginewire.runtime import security
 from enginewire.runtime.ipc import IpcDir, cleanup_stale_dirs
 from enginewire.runtime.security import (
     CurveConfig,
@@ -242,6 +244,7 @@ def test_peer_without_the_right_key_is_refused_and_logged(
                 bad.send(b"let me in", zmq.NOBLOCK)
             _wait_refusals(listener.guard, 1)
         assert "refused a peer" in caplog.text
+        assert "errno" not in caplog.text  # a protocol-error code is named, not an errno
         if who == "unknown_key":
             assert "not on the allow-list" in caplog.text
         good = _dealer(ctx, listener.address, engine_curve.keypair,
@@ -253,6 +256,26 @@ def test_peer_without_the_right_key_is_refused_and_logged(
         assert not listener.router.poll(200)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_half_open_connections_are_dropped_at_the_handshake_deadline(
+    keys: tuple[CurveConfig, CurveConfig], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection that never handshakes holds a file descriptor until libzmq's deadline
+    (30 s by default): a scanner's idle connections exhausted the front end's fds."""
+    assert security.HANDSHAKE_DEADLINE_MS < 30_000
+    monkeypatch.setattr(security, "HANDSHAKE_DEADLINE_MS", 300)
+    lis = Listener(keys[0])
+    try:
+        host, port = lis.address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=BOUND_S) as idle:
+            idle.settimeout(BOUND_S)
+            t0 = time.monotonic()
+            while idle.recv(4096):  # the server's greeting, then EOF when it drops us
+                pass
+            assert time.monotonic() - t0 < 5.0
+    finally:
+        lis.close()
 
 
 def test_guard_threads_do_not_outlive_close(keys: tuple[CurveConfig, CurveConfig]) -> None:
@@ -312,3 +335,28 @@ def test_refusal_log_memory_is_bounded() -> None:
         guard.close()
     finally:
         ctx.term()
+
+
+def test_a_link_at_the_public_key_place_leaves_no_half_made_pair(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("not a key")
+    (tmp_path / "n.key").symlink_to(target)
+    for _ in range(2):  # the second call used to succeed silently, without a public key
+        with pytest.raises(ValueError, match="public key's place"):
+            load_or_create_keypair(tmp_path / "n.key_secret")
+    assert not (tmp_path / "n.key_secret").exists() and target.read_text() == "not a key"
+
+
+def test_a_key_in_a_directory_that_does_not_exist_yet_is_created(tmp_path: Path) -> None:
+    secret = tmp_path / "home" / ".config" / "enginewire" / "client.key_secret"
+    pair = load_or_create_keypair(secret)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert secret.parent.stat().st_mode & 0o777 == 0o700
+    assert load_or_create_keypair(secret) == pair
+
+
+def test_a_fifo_at_the_secret_key_place_is_refused_not_read(tmp_path: Path) -> None:
+    fifo = tmp_path / "f.key_secret"
+    os.mkfifo(fifo, 0o600)  # reading it would block for good
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_or_create_keypair(fifo)
