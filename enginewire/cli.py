@@ -521,10 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bound the given input and output addresses (like vLLM's headless engines).",
         epilog="Exit codes: 0 stopped by SIGTERM/SIGINT, 1 a fatal error while serving, 2 bad "
         "usage (a bad flag value or address, an unknown model, plain tcp without "
-        "--allow-insecure-tcp), 3 unusable key files, or no front end at --input-address within "
-        "the handshake deadline (30 s).",
+        "--allow-insecure-tcp), 3 unusable key files, or (CURVE only) no front end at "
+        "--input-address within the handshake deadline (30 s); a plain engine waits for its "
+        "front end.",
     )
-    eng.add_argument("--model", default="tiny", help="engine model: tiny, null")
+    eng.add_argument(
+        "--model", default="tiny", help="engine model: tiny, null, smollm2-135m or a .gguf path"
+    )
     eng.add_argument("--input-address", required=True, help="front end's ROUTER address")
     eng.add_argument("--output-address", required=True, help="front end's PULL address")
     eng.add_argument(

@@ -21,7 +21,10 @@ The front end binds both sockets; the engine connects to them.
    front end puts it first on every message it sends; the ROUTER strips it, so the engine's
    DEALER sees ``[type byte + payload, aux...]``.
 3. The front end checks ``protocol_version`` and refuses one it does not know (see
-   Versioning). An engine that no front end has taken the ready from within 30 s exits.
+   Versioning). A plain (ipc, insecure tcp) engine queues its ready on the connection and
+   waits for its front end however long that takes. A CURVE engine queues only on an
+   authenticated connection (``ZMQ_IMMEDIATE``: a message queued towards an impostor would be
+   lost), so one that no front end has taken the ready from within 30 s exits.
 
 Socket options worth copying: ``ROUTER_HANDOVER=1`` (after an oversized frame libzmq drops
 the engine's connection and the engine connects again under the same identity; without

@@ -398,38 +398,41 @@ class SyncClientMixin:
         )
         return result
 
-    def profile(self, is_start: bool = True, path: str | None = None) -> str | None:
+    def profile(self, is_start: bool = True, path: str | None = None, *,
+                timeout: float | None = None) -> str | None:
         """Start the engine's profiler, or stop it and get the trace file's path."""
-        result = self.call_utility("profile", "start" if is_start else "stop", path)
+        result = self.call_utility("profile", "start" if is_start else "stop", path,
+                                   timeout=timeout)
         return None if result is None else str(result)
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.call_utility("reset_prefix_cache"))
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> bool:
+        return bool(self.call_utility("reset_prefix_cache", timeout=timeout))
 
-    def save_sharded_state(self, path: str) -> list[str]:
+    def save_sharded_state(self, path: str, *, timeout: float | None = None) -> list[str]:
         """Write the weights under ``path`` (on the engine's host); return the files."""
-        return list(self.call_utility("save_sharded_state", path))
+        return list(self.call_utility("save_sharded_state", path, timeout=timeout))
 
-    def get_stats(self) -> Any:
-        return self.call_utility("get_stats")
+    def get_stats(self, *, timeout: float | None = None) -> Any:
+        return self.call_utility("get_stats", timeout=timeout)
 
     # The client's lifecycle follows these replies where they are routed (_on_power_reply).
 
-    def pause_scheduler(self, mode: str = "abort") -> None:
-        self.call_utility("pause_scheduler", mode)
+    def pause_scheduler(self, mode: str = "abort", *, timeout: float | None = None) -> None:
+        self.call_utility("pause_scheduler", mode, timeout=timeout)
 
-    def resume_scheduler(self) -> None:
-        self.call_utility("resume_scheduler")
+    def resume_scheduler(self, *, timeout: float | None = None) -> None:
+        self.call_utility("resume_scheduler", timeout=timeout)
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    def sleep(self, level: int = 1, mode: str = "abort", *,
+              timeout: float | None = None) -> None:
         _check_sleep_args(level, mode)
-        self.call_utility("sleep", level, mode)
+        self.call_utility("sleep", level, mode, timeout=timeout)
 
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        return bool(self.call_utility("wake_up", check_wake_tags(tags)))
+    def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> bool:
+        return bool(self.call_utility("wake_up", check_wake_tags(tags), timeout=timeout))
 
-    def is_sleeping(self) -> bool:
-        return bool(self.call_utility("is_sleeping"))
+    def is_sleeping(self, *, timeout: float | None = None) -> bool:
+        return bool(self.call_utility("is_sleeping", timeout=timeout))
 
 
 class InprocClient(SyncClientMixin, EngineCoreClient):
@@ -537,19 +540,24 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             self._on_power_reply(wired.method, result)
         return result
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    def sleep(self, level: int = 1, mode: str = "abort", *,
+              timeout: float | None = None) -> None:
         _check_sleep_args(level, mode)
         if mode == "wait":
             raise ValueError(
                 "sleep(mode='wait') is not supported in-process: nothing steps the engine"
                 " while the call waits; use mode='abort' or 'keep'"
             )
-        super().sleep(level, mode)
+        super().sleep(level, mode, timeout=timeout)
 
-    def pause_scheduler(self, mode: str = "abort") -> None:
+    def pause_scheduler(self, mode: str = "abort", *, timeout: float | None = None) -> None:
         if mode == "wait":
             raise ValueError("pause_scheduler(mode='wait') is not supported in-process")
-        super().pause_scheduler(mode)
+        super().pause_scheduler(mode, timeout=timeout)
+
+    def queued_outputs(self) -> int:
+        """Batches stepped while a deferred call was driven, not yet taken by get_output."""
+        return len(self._buffered)
 
     def shutdown(self, timeout: float | None = None) -> None:
         if self._mark_closed() and self._finalizer.detach() is not None:

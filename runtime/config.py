@@ -17,6 +17,7 @@ __all__ = ["BUILTIN_MODELS", "DTYPES", "SCHEDULING_POLICIES", "EngineConfig"]
 # this is a typo, not a setting, and would fail later as an overflow far from its field.
 _MAX_INT = (1 << 62) - 1
 _MAX_SEED = (1 << 64) - 1  # seeds are msgpack uint64
+MAX_NUM_SEQS = 1 << 15
 
 DTYPES = ("float32", "float16", "bfloat16")
 # The model names every engine knows, stored lowercased however they were written
@@ -78,6 +79,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise bad(name, f"must be a positive integer (at most {_MAX_INT})")
         if self.block_size > 1024:
             raise bad("block_size", "must be at most 1024")
+        if self.max_num_seqs > MAX_NUM_SEQS:
+            # One step's outputs (one per running request) and the ABORTs of a pause share a
+            # batch a client decodes (at most Limits.max_batch = 65536 outputs).
+            raise bad("max_num_seqs", f"must be at most {MAX_NUM_SEQS}")
         if not is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
             raise bad("seed", f"must be a non-negative integer (at most {_MAX_SEED})")
         if not is_real(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from ..protocol.codec import DEFAULT_LIMITS
 from ..protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -67,6 +68,8 @@ SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = (*MEMORY_TAGS, "scheduling")
 _PAUSE_EVENT = {"abort": E.PAUSE_ABORT, "keep": E.PAUSE_KEEP, "wait": E.PAUSE_WAIT}
 _SCHEDULABLE = frozenset({S.IDLE, S.RUNNING, S.DRAINING})
+# The most outputs one EngineCoreOutputs may carry: what every client's decoder accepts.
+_MAX_BATCH = DEFAULT_LIMITS.max_batch
 _PAUSED = frozenset({S.PAUSED, S.DRAINING, S.SLEEPING})
 _WORK_QUEUES = frozenset({S.IDLE, S.PAUSED, S.SLEEPING, S.DRAINING})
 
@@ -322,7 +325,13 @@ class EngineCore:
         finished: list[str] | None = None
         stream: tuple[list[str], list[int]] | None = ([], []) if self.stream_outputs else None
         if outs:
-            self._pending = []
+            # A batch carries at most max_batch outputs (what a client decodes): room is
+            # kept for this step's own, and the rest of a huge abort goes out next step.
+            cap = _MAX_BATCH - self.config.max_num_seqs
+            if len(outs) > cap:
+                outs, self._pending = outs[:cap], outs[cap:]
+            else:
+                self._pending = []
             finished = [o.request_id for o in outs]
         sched = self.scheduler
         if st in _SCHEDULABLE and sched.requests:
@@ -615,8 +624,9 @@ class EngineCore:
         self.lifecycle.fire(E.SHUTDOWN)
 
     def take_final_outputs(self) -> EngineCoreOutputs | None:
-        """Outputs produced by ``shutdown()`` (ABORTs of live requests), once."""
+        """Outputs produced by ``shutdown()`` (ABORTs of live requests), a batch of at most
+        max_batch at a time; None once all were taken."""
         if not self._final:
             return None
-        outs, self._final = self._final, []
+        outs, self._final = self._final[:_MAX_BATCH], self._final[_MAX_BATCH:]
         return EngineCoreOutputs(0, outs, time.monotonic(), [o.request_id for o in outs])

@@ -895,8 +895,7 @@ class EngineCoreProc:
                 self._flush_replies()  # calls that completed before the shutdown
                 self.engine.shutdown()
                 # Live requests end with ABORT on shutdown: let their owners know.
-                final = self.engine.take_final_outputs()
-                if final is not None:
+                while (final := self.engine.take_final_outputs()) is not None:
                     self._emit(final)
                 # Deferred calls the shutdown failed get no reply: to the front end the
                 # engine went away under them, and it says so (EngineDeadError) once it sees

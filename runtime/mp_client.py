@@ -1181,8 +1181,12 @@ class MPClient(EngineCoreClient):
         if not ids or self.is_dead:
             return
         ids = self._track_abort(ids)
+        # In messages the engine takes (Limits.max_batch ids each): a longer list used to be
+        # refused whole by the engine, so a live request in it never got its ABORT.
+        step = (self._security[4] or DEFAULT_LIMITS).max_batch
         try:
-            self._send(RequestType.ABORT, ids)
+            for i in range(0, len(ids), step):
+                self._send(RequestType.ABORT, ids[i:i + step])
         except EngineDeadError:
             pass
 
@@ -1927,36 +1931,43 @@ class AsyncMPClient(MPClient):
         )
         return result
 
-    async def profile_async(self, is_start: bool = True, path: str | None = None) -> str | None:
-        result = await self.call_utility_async("profile", "start" if is_start else "stop", path)
+    async def profile_async(self, is_start: bool = True, path: str | None = None, *,
+                            timeout: float | None = None) -> str | None:
+        result = await self.call_utility_async("profile", "start" if is_start else "stop", path,
+                                               timeout=timeout)
         return None if result is None else str(result)
 
-    async def reset_prefix_cache_async(self) -> bool:
-        return bool(await self.call_utility_async("reset_prefix_cache"))
+    async def reset_prefix_cache_async(self, *, timeout: float | None = None) -> bool:
+        return bool(await self.call_utility_async("reset_prefix_cache", timeout=timeout))
 
-    async def save_sharded_state_async(self, path: str) -> list[str]:
-        return list(await self.call_utility_async("save_sharded_state", path))
+    async def save_sharded_state_async(self, path: str, *,
+                                       timeout: float | None = None) -> list[str]:
+        return list(await self.call_utility_async("save_sharded_state", path, timeout=timeout))
 
-    async def get_stats_async(self) -> Any:
-        return await self.call_utility_async("get_stats")
+    async def get_stats_async(self, *, timeout: float | None = None) -> Any:
+        return await self.call_utility_async("get_stats", timeout=timeout)
 
     # The client's lifecycle follows these replies where they are routed (_on_power_reply).
 
-    async def pause_scheduler_async(self, mode: str = "abort") -> None:
-        await self.call_utility_async("pause_scheduler", mode)
+    async def pause_scheduler_async(self, mode: str = "abort", *,
+                                    timeout: float | None = None) -> None:
+        await self.call_utility_async("pause_scheduler", mode, timeout=timeout)
 
-    async def resume_scheduler_async(self) -> None:
-        await self.call_utility_async("resume_scheduler")
+    async def resume_scheduler_async(self, *, timeout: float | None = None) -> None:
+        await self.call_utility_async("resume_scheduler", timeout=timeout)
 
-    async def sleep_async(self, level: int = 1, mode: str = "abort") -> None:
+    async def sleep_async(self, level: int = 1, mode: str = "abort", *,
+                          timeout: float | None = None) -> None:
         _check_sleep_args(level, mode)
-        await self.call_utility_async("sleep", level, mode)
+        await self.call_utility_async("sleep", level, mode, timeout=timeout)
 
-    async def wake_up_async(self, tags: list[str] | None = None) -> bool:
-        return bool(await self.call_utility_async("wake_up", check_wake_tags(tags)))
+    async def wake_up_async(self, tags: list[str] | None = None, *,
+                            timeout: float | None = None) -> bool:
+        return bool(await self.call_utility_async("wake_up", check_wake_tags(tags),
+                                                  timeout=timeout))
 
-    async def is_sleeping_async(self) -> bool:
-        return bool(await self.call_utility_async("is_sleeping"))
+    async def is_sleeping_async(self, *, timeout: float | None = None) -> bool:
+        return bool(await self.call_utility_async("is_sleeping", timeout=timeout))
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
         """``shutdown`` off the event loop's thread: the engine's grace period (and the joins)

@@ -328,3 +328,29 @@ def test_an_engine_that_fails_to_start_says_why_to_the_client() -> None:
     assert isinstance(err.value.__cause__, mp.EngineProcessDied)
     assert "exit code 1" in str(err.value)
     assert_nothing_leaked(before)
+
+
+_WRAPPERS: list[tuple[str, tuple[Any, ...]]] = [
+    ("echo", (1,)), ("collective_rpc", ("report_memory",)), ("get_stats", ()),
+    ("reset_prefix_cache", ()), ("is_sleeping", ()), ("pause_scheduler", ("abort",)),
+    ("resume_scheduler", ()), ("sleep", (0, "abort")), ("wake_up", (None,)),
+]
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "sync"])
+def test_every_utility_wrapper_takes_a_timeout(multiprocess: bool) -> None:
+    """Only echo and collective_rpc did: sleep(..., timeout=5) was a TypeError."""
+    with make_client(NULL, multiprocess=multiprocess, asyncio=False) as client:
+        for name, args in _WRAPPERS:
+            getattr(client, name)(*args, timeout=30)
+        with pytest.raises(ValueError):  # checked as call_utility checks it
+            client.get_stats(timeout=math.nan)
+
+
+def test_every_async_utility_wrapper_takes_a_timeout() -> None:
+    async def main() -> None:
+        async with make_client(NULL, multiprocess=True, asyncio=True) as client:
+            for name, args in _WRAPPERS:
+                await getattr(client, f"{name}_async")(*args, timeout=30)
+
+    asyncio.run(main())

@@ -68,7 +68,7 @@ def test_a_sent_requests_array_is_not_pinned_until_the_next_big_send() -> None:
             gc.collect()
 
 
-@pytest.mark.parametrize("multiprocess", [True])
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "sync"])
 def test_queued_outputs_is_zero_when_read(multiprocess: bool) -> None:
     with make_client(NULL, multiprocess=multiprocess, asyncio=False) as client:
         client.add_request(EngineCoreRequest("a", [1], SamplingParams(max_tokens=2)))
@@ -92,3 +92,22 @@ def test_the_front_end_bounds_what_an_engine_sends() -> None:
         assert out.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_LIMITS.max_frame_bytes
         big = np.ones(1 << 20)  # an 8 MiB reply: legitimate outputs still pass
         assert np.array_equal(client.call_utility("echo", big), big)
+
+
+def test_an_abort_of_more_ids_than_a_message_holds_still_ends_the_live_request() -> None:
+    """r1 among 70,000 ids: the engine refused the whole list (at most Limits.max_batch ids
+    a message), so r1 ran to its end and the client heard of no error."""
+    from enginewire.protocol.codec import DEFAULT_LIMITS
+
+    slow = EngineConfig(model="null", null_step_delay_s=0.01)  # r1 runs for 2 s
+    with make_client(slow, multiprocess=True, asyncio=False) as client:
+        client.add_request(_long("r1"))
+        client.abort_requests(["r1", *(f"x{i}" for i in range(DEFAULT_LIMITS.max_batch + 4000))])
+        deadline = time.monotonic() + 30
+        ended = None
+        while ended is None:
+            assert time.monotonic() < deadline
+            for o in client.get_output(timeout=0.1).outputs:
+                if o.request_id == "r1" and o.finished:
+                    ended = o.finish_reason
+        assert ended.name == "ABORT"

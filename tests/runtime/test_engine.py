@@ -561,3 +561,42 @@ def test_cached_token_counts_stay_in_structs() -> None:
             seen += b.expanded().outputs
         assert sum(len(o.new_token_ids) for o in seen) == 4
     eng.shutdown()
+
+
+def test_a_pause_that_aborts_more_than_a_batch_holds_sends_them_over_several_steps() -> None:
+    """70,000 live requests aborted at once made one batch a client refuses (at most
+    Limits.max_batch outputs): the front end declared a healthy engine dead."""
+    from enginewire.protocol.codec import DEFAULT_LIMITS
+
+    eng = EngineCore(EngineConfig(model="null", device="cpu", max_num_seqs=8))
+    n = DEFAULT_LIMITS.max_batch + 4000
+    for i in range(n):
+        eng.add_request(EngineCoreRequest(f"r{i}", [1], SamplingParams(max_tokens=2)))
+    eng.pause_scheduler("abort")
+    seen: list[str] = []
+    while eng.has_pending_outputs():
+        batch = eng.step()
+        assert len(batch.outputs) <= DEFAULT_LIMITS.max_batch
+        assert batch.finished_requests is not None
+        assert len(batch.finished_requests) <= DEFAULT_LIMITS.max_batch
+        seen += [o.request_id for o in batch.outputs if o.finish_reason is FinishReason.ABORT]
+    assert len(seen) == n == len(set(seen))
+
+
+def test_final_outputs_of_a_shutdown_come_in_batches_a_client_takes() -> None:
+    from enginewire.protocol.codec import DEFAULT_LIMITS
+
+    eng = EngineCore(EngineConfig(model="null", device="cpu"))
+    n = DEFAULT_LIMITS.max_batch + 10
+    for i in range(n):
+        eng.add_request(EngineCoreRequest(f"r{i}", [1], SamplingParams(max_tokens=2)))
+    eng.shutdown()
+    sizes = []
+    while (final := eng.take_final_outputs()) is not None:
+        sizes.append(len(final.outputs))
+    assert sizes == [DEFAULT_LIMITS.max_batch, 10]
+
+
+def test_max_num_seqs_is_bounded_by_what_a_batch_holds() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=1 << 16)
