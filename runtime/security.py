@@ -339,20 +339,36 @@ def _detail(event: int, value: int) -> str:
     return os.strerror(int(value))
 
 
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP handler, noting each request's peer address for the callback: pyzmq hands
+    a CURVE callback only the domain and the key, and a refusal nobody can trace to a host
+    is little use. Requests are handled one at a time on the handler's thread."""
+
+    peer_address = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self.peer_address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+        await super().handle_zap_message(msg)
+
+
 class _AllowList:
     """ZAP callback: admit listed keys; log every refusal (pyzmq logs them at DEBUG only)."""
 
-    def __init__(self, keys: frozenset[bytes], guard: TransportGuard) -> None:
+    def __init__(self, keys: frozenset[bytes], guard: TransportGuard,
+                 auth: _Authenticator | None = None) -> None:
         self.keys = keys
         self.guard = guard
+        self.auth = auth
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
+        peer = self.auth.peer_address if self.auth is not None else ""
         # One log key for every unknown key: a scanner with fresh keys must not get a warning
         # (and a remembered entry) per key.
-        self.guard._refused(f"CURVE public key {key.decode('ascii', 'replace')} is not on the"
-                            " allow-list", log_key="allow-list")
+        self.guard._refused(f"CURVE public key {key.decode('ascii', 'replace')}"
+                            f"{f' from {peer}' if peer else ''} is not on the allow-list",
+                            log_key="allow-list")
         return False
 
 
@@ -402,9 +418,10 @@ class TransportGuard:
         """Make a socket that will bind a CURVE server (if configured) and watch it."""
         if self.curve is not None:
             if self._auth is None:
-                auth = ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
+                auth = _Authenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
                 auth.start()
-                auth.configure_curve_callback(ZAP_DOMAIN, _AllowList(self.curve.peer_keys, self))
+                auth.configure_curve_callback(
+                    ZAP_DOMAIN, _AllowList(self.curve.peer_keys, self, auth))
                 self._auth = auth
             sock.curve_secretkey = self.curve.keypair.secret
             sock.curve_publickey = self.curve.keypair.public

@@ -245,8 +245,8 @@ def test_peer_without_the_right_key_is_refused_and_logged(
             _wait_refusals(listener.guard, 1)
         assert "refused a peer" in caplog.text
         assert "errno" not in caplog.text  # a protocol-error code is named, not an errno
-        if who == "unknown_key":
-            assert "not on the allow-list" in caplog.text
+        if who == "unknown_key":  # with the peer's address, so it can be traced
+            assert "from 127.0.0.1 is not on the allow-list" in caplog.text
         good = _dealer(ctx, listener.address, engine_curve.keypair,
                        engine_curve.remote_server_key())
         good.send(b"engine")
