@@ -354,13 +354,13 @@ class _UtilityRegistry:
             return [e.future for e in entries]
 
 
-def _drain(q: Any) -> list[Any]:
-    """Everything in a ``queue.Queue`` or ``asyncio.Queue``, taken without blocking."""
+def _drain(q: asyncio.Queue[Any]) -> list[Any]:
+    """Everything in ``q``, taken without blocking."""
     out = []
     while True:
         try:
             out.append(q.get_nowait())
-        except (queue.Empty, asyncio.QueueEmpty):
+        except asyncio.QueueEmpty:
             return out
 
 
@@ -1048,31 +1048,7 @@ class MPClient(EngineCoreClient):
         """After teardown (nothing arrives any more): let go of batches nobody can read now
         (``get_output`` raises once closed), not when the client object goes: an unread
         backlog can be hundreds of MB. The markers that wake readers stay."""
-        q: Any = getattr(self, "_outputs", None)
-        if q is None:
-            return
-        if isinstance(q, queue.Queue):
-            with q.mutex:  # atomically: a reader never finds it empty in between
-                kept = [x for x in q.queue if x is _DEAD or x is _CLOSED]
-                q.queue.clear()
-                q.queue.extend(kept)
-            return
-
-        def drop() -> None:
-            kept = [x for x in _drain(q) if x is _DEAD or x is _CLOSED]
-            for x in kept:
-                q.put_nowait(x)
-
-        loop = getattr(self, "_loop", None)  # an asyncio.Queue: touched on its loop only
-        try:
-            on_loop = loop is not None and asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if loop is not None and not on_loop and loop.is_running():
-            with contextlib.suppress(RuntimeError):  # closed in between
-                loop.call_soon_threadsafe(drop)
-            return
-        drop()
+        raise NotImplementedError
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -1656,6 +1632,13 @@ class SyncMPClient(SyncClientMixin, MPClient):
         if marker is _DEAD and _mutants.active("sync_get_output_not_woken_on_kill"):
             return
         self._outputs.put(marker)
+
+    def _drop_backlog(self) -> None:
+        q = self._outputs
+        with q.mutex:  # atomically: a reader never finds it empty in between
+            kept = [x for x in q.queue if x is _DEAD or x is _CLOSED]
+            q.queue.clear()
+            q.queue.extend(kept)
         reader = self._reader
         if reader is not None:
             reader.wake()
@@ -1818,6 +1801,22 @@ class AsyncMPClient(MPClient):
 
     def _wake_waiters(self, marker: object) -> None:
         self._call_on_loop(lambda: self._outputs.put_nowait(marker) if self._outputs else None)
+
+    def _drop_backlog(self) -> None:
+        q = self._outputs
+        if q is None:
+            return
+
+        def drop() -> None:  # on the loop: an asyncio.Queue is not thread-safe
+            kept = [x for x in _drain(q) if x is _DEAD or x is _CLOSED]
+            for x in kept:
+                q.put_nowait(x)
+
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            self._call_on_loop(drop)
+        else:
+            drop()  # no loop runs it: nothing else touches the queue
 
     def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
         if futures:
