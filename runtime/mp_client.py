@@ -1632,6 +1632,9 @@ class SyncMPClient(SyncClientMixin, MPClient):
         if marker is _DEAD and _mutants.active("sync_get_output_not_woken_on_kill"):
             return
         self._outputs.put(marker)
+        reader = self._reader
+        if reader is not None:
+            reader.wake()
 
     def _drop_backlog(self) -> None:
         q = self._outputs
@@ -1639,9 +1642,6 @@ class SyncMPClient(SyncClientMixin, MPClient):
             kept = [x for x in q.queue if x is _DEAD or x is _CLOSED]
             q.queue.clear()
             q.queue.extend(kept)
-        reader = self._reader
-        if reader is not None:
-            reader.wake()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send_add(request)
