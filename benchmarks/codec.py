@@ -63,6 +63,7 @@ class _BaseOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     utility_output: Any = None
     stream_ids: list[str] = []
     stream_tokens: list[int] = []
+    session: bytes | None = None
 
 
 class _BaseBlob(msgspec.Struct, frozen=True, array_like=True, gc=False):

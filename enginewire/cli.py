@@ -518,7 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
         "engine",
         help="run an engine process that connects to a front end's addresses",
         description="Start an engine core in this process and connect it to a front end that "
-        "bound the given input and output addresses (like vLLM's headless engines).",
+        "bound the given input and output addresses (like vLLM's headless engines). It serves "
+        "front ends one after another: the next one to bind the addresses takes it over, and "
+        "what the previous one left running is dropped.",
         epilog="Exit codes: 0 stopped by SIGTERM/SIGINT, 1 a fatal error while serving, 2 bad "
         "usage (a bad flag value or address, an unknown model, plain tcp without "
         "--allow-insecure-tcp), 3 unusable key files, or (CURVE only) no front end at "

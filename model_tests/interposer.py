@@ -65,6 +65,7 @@ class FrameKind(enum.StrEnum):
     ABORT = "abort"
     UTILITY = "utility"  # a call (to the engine) or its reply (to the client)
     READY = "ready"  # the engine's handshake (to the client, on the input pair)
+    ATTACH = "attach"  # a front end's ATTACH (to the engine) or the engine's marker (back)
     TOKENS = "tokens"  # outputs carrying request outputs
     HEARTBEAT = "heartbeat"  # outputs with nothing in them
     SENTINEL = "sentinel"
@@ -108,7 +109,8 @@ class FrameRule(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _TYPE_KINDS = {RequestType.ADD.value: FrameKind.ADD, RequestType.ABORT.value: FrameKind.ABORT,
-               RequestType.UTILITY.value: FrameKind.UTILITY}
+               RequestType.UTILITY.value: FrameKind.UTILITY,
+               RequestType.ATTACH.value: FrameKind.ATTACH}
 _shallow = msgspec.msgpack.Decoder()
 
 
@@ -124,10 +126,12 @@ def _kind_to_client(frames: list[bytes], handshake: bool) -> FrameKind:
     if not isinstance(value, list):
         return FrameKind.OTHER
     # EngineCoreOutputs is positional: [engine_index, outputs, timestamp, finished, stats,
-    # utility_output, stream_ids, stream_tokens]; trailing defaults are omitted. Tokens come
-    # as output structs, as the columnar stream lists, or both.
+    # utility_output, stream_ids, stream_tokens, session]; trailing defaults are omitted.
+    # Tokens come as output structs, as the columnar stream lists, or both.
     if len(value) >= 6 and value[5] is not None:
         return FrameKind.UTILITY
+    if len(value) >= 9 and value[8] is not None:
+        return FrameKind.ATTACH
     if (len(value) >= 2 and value[1]) or (len(value) >= 7 and value[6]):
         return FrameKind.TOKENS
     return FrameKind.HEARTBEAT
@@ -291,7 +295,6 @@ class Interposer:
             timed: list[tuple[float, int, Direction, list[bytes]]] = []
             held: dict[Direction, list[bytes] | None] = {d: None for d in Direction}
             order = itertools.count()
-            handshake_done = False
 
             def send(direction: Direction, frames: list[bytes]) -> None:
                 if direction is Direction.TO_ENGINE:
@@ -336,10 +339,9 @@ class Interposer:
                     _, _, d, frames = heapq.heappop(timed)
                     send(d, frames)
                 if eng_in in events:
+                    # Only the ready travels this way (again after each reconnection).
                     _ident, *frames = eng_in.recv_multipart()
-                    kind = FrameKind.READY if not handshake_done else FrameKind.OTHER
-                    handshake_done = True
-                    forward(Direction.TO_CLIENT, frames, kind)
+                    forward(Direction.TO_CLIENT, frames, FrameKind.READY)
                 if eng_out in events:
                     frames = eng_out.recv_multipart()
                     forward(Direction.TO_CLIENT, frames, _kind_to_client(frames, False))

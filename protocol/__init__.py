@@ -25,6 +25,8 @@ from .codec import (
 from .messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
+    SESSION_BYTES,
+    AttachRequest,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -41,6 +43,8 @@ __all__ = [
     "DEFAULT_LIMITS",
     "ENGINE_DEAD_SENTINEL",
     "PROTOCOL_VERSION",
+    "SESSION_BYTES",
+    "AttachRequest",
     "BufferPool",
     "Decoder",
     "Encoder",

@@ -16,6 +16,7 @@ _INBOUND: tuple[type[msgspec.Struct], ...] = (
     m.EngineCoreRequest,
     m.SamplingParams,
     m.UtilityRequest,
+    m.AttachRequest,
 )
 _OUTBOUND: tuple[type[msgspec.Struct], ...] = (
     m.EngineCoreOutputs,
@@ -81,6 +82,7 @@ def render_protocol_page() -> str:
         m.RequestType.ADD: "`EngineCoreRequest`",
         m.RequestType.ABORT: "array of request-id strings",
         m.RequestType.UTILITY: "`UtilityRequest`",
+        m.RequestType.ATTACH: "`AttachRequest`",
     }
     for kind in m.RequestType:
         out.append(f"| `0x{kind.value.hex()}` | `{kind.name}` | {payloads[kind]} |")

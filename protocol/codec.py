@@ -39,6 +39,7 @@ from ..spec.errors import ProtocolError, UtilityError
 from .messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
+    AttachRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
     ReadyResponse,
@@ -625,6 +626,7 @@ _INPUT_TYPES: dict[bytes, tuple[RequestType, Any]] = {
     RequestType.ADD.value: (RequestType.ADD, EngineCoreRequest),
     RequestType.ABORT.value: (RequestType.ABORT, list[str]),
     RequestType.UTILITY.value: (RequestType.UTILITY, UtilityRequest),
+    RequestType.ATTACH.value: (RequestType.ATTACH, AttachRequest),
 }
 
 
@@ -650,7 +652,7 @@ def split_input(first: Frame) -> tuple[bytes, memoryview]:
 
 def decode_input(
     frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS
-) -> tuple[RequestType, EngineCoreRequest | list[str] | UtilityRequest]:
+) -> tuple[RequestType, EngineCoreRequest | list[str] | UtilityRequest | AttachRequest]:
     """Engine side: ``[type byte + payload, aux...]`` (the engine DEALER's view of a
     message), or ``ProtocolError``."""
     if not frames:
@@ -659,8 +661,8 @@ def decode_input(
     entry = _INPUT_TYPES.get(type_byte)
     if entry is None:
         raise ProtocolError(
-            "expected a request-type byte 0x00 (ADD), 0x01 (ABORT) or 0x03 (UTILITY),"
-            f" got {type_byte!r}"
+            "expected a request-type byte 0x00 (ADD), 0x01 (ABORT), 0x03 (UTILITY) or"
+            f" 0x04 (ATTACH), got {type_byte!r}"
         )
     kind, type_ = entry
     return kind, _decoder(type_, limits).decode([payload, *frames[1:]])

@@ -26,6 +26,27 @@ The front end binds both sockets; the engine connects to them.
    authenticated connection (``ZMQ_IMMEDIATE``: a message queued towards an impostor would be
    lost), so one that no front end has taken the ready from within 30 s exits.
 
+4. The engine sends its ready again every time its input connection is made anew: after a
+   dropped link (the same front end sees a second ready, which it ignores) and when a new
+   front end binds the addresses of one that went away.
+
+## Attaching: one front end at a time
+
+An engine started on its own (``enginewire engine``) outlives its front ends, so a front end
+may find it busy with work a previous one left, and that work's outputs still on their way.
+After the ready, a front end sends ``ATTACH`` with a random 16-byte ``session``; the engine
+answers on the output socket with the *attach marker*: an ``EngineCoreOutputs`` whose
+``session`` field is that session and nothing else but ``engine_index`` and ``timestamp``.
+Everything the front end receives before the marker belongs to an earlier front end and is
+dropped unread; everything after it is its own. If ``session`` differs from the last one the
+engine saw, the engine first ends the previous front end's work: live and parked requests
+are dropped (their ABORT outputs precede the marker), deferred calls fail, completed replies
+not yet sent are dropped, and the engine wakes up (all tags) or resumes if it was asleep or
+paused, so the new front end finds it as after start-up: awake, scheduling, no request (the
+prefix cache is emptied too). The first ``ATTACH`` an engine sees starts its first session
+and drops nothing. ``ATTACH`` is optional for the front end that takes an engine's first
+ready (nothing can precede it); ``MPClient`` always sends it.
+
 Socket options worth copying: ``ROUTER_HANDOVER=1`` (after an oversized frame libzmq drops
 the engine's connection and the engine connects again under the same identity; without
 handover the stale pipe keeps it unreachable) and ``SNDHWM=0`` on the ROUTER (one at its
@@ -42,6 +63,7 @@ the table below), so a transport can route on the first byte without decoding.
 * ``ABORT``: each live request named ends with an ``ABORT`` output; unknown or finished ids
   are no-ops. Aborts are applied in order with ADDs (never before their ADD), at the next
   step boundary.
+* ``ATTACH``: ``AttachRequest``; answered by the attach marker (above).
 * ``UTILITY``: exactly one reply, an ``EngineCoreOutputs`` whose ``utility_output`` carries
   the same ``call_id`` (chosen by the front end). ``failure_message`` is set when the call
   failed: an unknown method (the message lists the allowed ones), bad arguments, a result
@@ -145,14 +167,16 @@ as a broken engine (``MPClient`` declares it dead).
 ## Frame integrity (optional)
 
 Off unless both ends are told (engine: ``run_engine_core(integrity=True)`` or ``enginewire
-engine --integrity``). Then every message except the ready and the sentinel ends with one
-24-byte trailer frame::
+engine --integrity``). Then every message except the ready, ``ATTACH`` and the sentinel ends
+with one 24-byte trailer frame::
 
     b"EWS1" | seq (u64 LE) | ack (u64 LE) | crc32 (u32 LE)
 
 ``seq`` counts this direction's messages from 1; ``ack`` is the last ``seq`` received the
-other way. The CRC-32 (zlib's) runs over every frame before the trailer in order, then over
-the trailer's first 20 bytes. It never covers the identity frame: the front end seals
+other way. A session starts both counts afresh: the engine expects ``seq`` 1 from the first
+message after an ``ATTACH`` and seals the attach marker with ``seq`` 1. The CRC-32 (zlib's)
+runs over every frame before the trailer in order, then over the trailer's first 20 bytes.
+It never covers the identity frame: the front end seals
 ``[type byte + payload, aux...]``, what the engine's DEALER receives, and adds the identity
 in front when sending. The engine treats a missing trailer, a bad CRC or an unexpected
 ``seq`` as fatal (sentinel, exit 1).
@@ -173,6 +197,7 @@ its own (older) types.
 |---|---|
 | 1 | initial layout; ``stream_ids``/``stream_tokens`` appended later in version 1 |
 | 2 | the type byte leads the payload in one frame (version 1 sent it as its own frame) |
+| 3 | ``ATTACH``, the attach marker (``EngineCoreOutputs.session``), a ready per connection |
 
 The stream columns came without a version bump, so a version-1 engine may send them to a
 version-1 front end that drops them: one more reason to refuse any other version.
@@ -182,13 +207,15 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 __all__ = [
     "ENGINE_DEAD_SENTINEL",
     "PROTOCOL_VERSION",
+    "SESSION_BYTES",
+    "AttachRequest",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
@@ -202,7 +229,7 @@ __all__ = [
 ]
 
 # Bumped on any incompatible change; checked in the ready handshake.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # One frame, exactly these bytes. A msgpack-encoded message starts with an array header
 # (0x90-0x9f, 0xdc, 0xdd), never with 'E' (0x45), so the two cannot be confused.
@@ -215,6 +242,7 @@ class RequestType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
+    ATTACH = b"\x04"
 
 
 class FinishReason(enum.IntEnum):
@@ -295,6 +323,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     # ``expanded()`` batches, so ``outputs`` is all they ever read.
     stream_ids: list[str] = []
     stream_tokens: list[int] = []
+    # Set only on the attach marker: the session of the front end whose ATTACH it answers.
+    session: bytes | None = None
 
     @staticmethod
     def now() -> float:
@@ -310,6 +340,16 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
         if self.outputs:
             outputs += self.outputs
         return msgspec.structs.replace(self, outputs=outputs, stream_ids=[], stream_tokens=[])
+
+
+# A front end's session id: random, long enough that two front ends never pick the same one.
+SESSION_BYTES = 16
+
+
+class AttachRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A front end taking over the engine; the engine answers with the attach marker."""
+
+    session: Annotated[bytes, msgspec.Meta(min_length=SESSION_BYTES, max_length=SESSION_BYTES)]
 
 
 class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -19,6 +19,8 @@ which drains them completes. ``sleep(level, mode)`` pauses, then at level >= 1 r
 (level 1: weights to host, KV dropped; level 2: both dropped, weights reloaded from their
 source). ``wake_up(tags)`` restores tags; scheduling resumes only when all are resident. A
 wake-up while a ``wait`` still drains ends it: scheduling goes on, the deferred call fails.
+``start_session()`` is for a new front end taking over: it ends the previous one's requests
+and calls, and wakes or resumes the engine.
 """
 
 from __future__ import annotations
@@ -596,6 +598,26 @@ class EngineCore:
         else:
             lc.fire(E.WAKE_UP)  # not asleep: a no-op
         return True
+
+    def start_session(self) -> int:
+        """A new front end took this engine over (an engine started on its own outlives its
+        front ends): end everything the previous one started and leave the engine as after
+        start-up, awake and scheduling with no request. Returns how many requests it dropped.
+
+        Only existing transitions: the requests end with ABORT (their outputs are dropped:
+        nobody who asked for them is listening), deferred calls fail, and an engine asleep,
+        paused or draining wakes up (every tag) into IDLE; a running one settles into IDLE."""
+        self._check_alive()
+        self._fail_deferred(UtilityError("deferred call", "its front end was replaced"))
+        dropped = len(self.scheduler.abort_all())
+        self._pending = []
+        self.mid_step_aborts.clear()
+        if self.lifecycle.state in _PAUSED:
+            self.wake_up()
+        else:
+            self._settle()
+        self.kv.reset_prefix_cache()
+        return dropped
 
     def _end_drain(self) -> None:
         sched = self.scheduler

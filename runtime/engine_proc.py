@@ -125,6 +125,12 @@ _STOP = object()  # output-queue item: flush and exit
 
 
 _UTILITY_BYTE = RequestType.UTILITY.value
+_ATTACH_BYTE = RequestType.ATTACH.value
+
+
+def _is_marker(item: Any) -> bool:
+    """The attach marker: the first message of a session (runtime/integrity.py)."""
+    return type(item) is EngineCoreOutputs and item.session is not None
 
 
 class _Encoded:
@@ -312,6 +318,8 @@ class EngineCoreProc:
         self._replies: list[UtilityOutput] = []
         self._input_ready = threading.Event()
         self._input_error: BaseException | None = None
+        # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
+        self._session: bytes | None = None
         self.engine: Any = None
         self._overlap = True  # the output thread can encode while a step runs
         # Fault points (runtime/faults.py); None: no plan, every point is a no-op.
@@ -413,6 +421,10 @@ class EngineCoreProc:
                     if dropped.is_set():
                         dropped.clear()
                         _reconnect(sock, address)
+                        # Whoever is bound there now (the same front end back, or a new one
+                        # that took over the address) learns of this engine only from it.
+                        _send_reconnecting(sock, address, dropped, functools.partial(
+                            sock.send_multipart, ready_frames, copy=False))
                     continue
                 try:
                     if not (self._fast_calls and self._serve_plain(first)):
@@ -460,6 +472,9 @@ class EngineCoreProc:
         if self._integrity is not None:
             if sock.get(ZMQ_RCVMORE):
                 recv_rest(sock, frames)  # the trailer, and aux frames before it
+            if first[:1] == _ATTACH_BYTE:
+                self._accept_attach(frames)  # unsealed: it starts the counts afresh
+                return
             try:
                 frames = self._integrity.open(frames)
             except ProtocolError as e:
@@ -499,6 +514,18 @@ class EngineCoreProc:
         elif kind is RequestType.UTILITY and self._serve_idle_call(
                 cast(UtilityRequest, payload)):
             return
+        self.input_queue.put((kind, payload))
+
+    def _accept_attach(self, frames: list[Any]) -> None:
+        """An ATTACH with frame integrity on: the new session's first sealed message is
+        ``seq`` 1, so the receiving count restarts here, before the next message is opened."""
+        try:
+            kind, payload = decode_input(frames, self.limits)
+        except ProtocolError as e:
+            self._reject(frames[0], e)
+            return
+        assert self._integrity is not None
+        self._integrity.restart_receiving()
         self.input_queue.put((kind, payload))
 
     def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
@@ -657,12 +684,13 @@ class EngineCoreProc:
                 send_frames, sock, item.frames))
             self._last_send = time.monotonic()
             return
-        self._fault(FaultPoint.OUTPUT_SEND)
+        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
+            self.faults(FaultPoint.OUTPUT_SEND)
         pool = self._out_pool
         buf = pool.acquire()
         frames = self._out_encoder.encode_into(item, buf)
         if self._integrity is not None:
-            frames = [*frames, self._integrity.seal(frames)]
+            frames = [*frames, self._integrity.seal(frames, restart=_is_marker(item))]
         # The payload's own tracker decides when ``buf`` may be reused.
         tracker = _send_reconnecting(sock, address, dropped, functools.partial(
             send_frames, sock, frames, track=True))
@@ -706,12 +734,13 @@ class EngineCoreProc:
         if self._reuse_early:  # the mutant reuses pooled buffers on every path
             self._send_locked(item)
             return None
-        self._fault(FaultPoint.OUTPUT_SEND)
+        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
+            self.faults(FaultPoint.OUTPUT_SEND)
         # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps
         # a reference to it until libzmq is done (above), and nothing else writes to it.
         frames = self._out_encoder.encode(item)
         if self._integrity is not None:
-            frames = [*frames, self._integrity.seal(frames)]
+            frames = [*frames, self._integrity.seal(frames, restart=_is_marker(item))]
         try:
             # NOBLOCK on the first frame decides for the whole message: once libzmq has
             # taken the first part of a multipart message, it takes the rest.
@@ -817,9 +846,24 @@ class EngineCoreProc:
             self.engine.mid_step_aborts.clear()
         elif kind is RequestType.UTILITY:
             self._call_utility(payload)
+        elif kind is RequestType.ATTACH:
+            self._attach(payload.session)
         else:
             logger.error("engine: unknown input kind %r dropped", kind)
         return True
+
+    def _attach(self, session: bytes) -> None:
+        """A front end attaches: a new session ends what came before it; then the marker,
+        after which the front end reads everything as its own."""
+        if session != self._session:
+            dropped = self.engine.start_session()
+            self._replies.clear()  # replies owed to the previous front end (or failed above)
+            if self._session is not None or dropped:
+                logger.info("a new front end attached; %d request(s) of the previous one were"
+                            " dropped", dropped)
+            self._session = session
+        self._put_output(EngineCoreOutputs(engine_index=self.engine_index, session=session,
+                                           timestamp=EngineCoreOutputs.now()), direct=True)
 
     def _call_utility(self, call: UtilityRequest) -> None:
         reply = self._run_utility(call)

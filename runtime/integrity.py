@@ -3,14 +3,17 @@
 Why: ZMQ over ipc neither loses, reorders nor corrupts, so the base protocol carries no such
 checks, and a frame mangled anyway (a proxy, a bug, the fault harness's interposer) could
 stall a request or deliver a wrong token *silently*. With integrity on, every message except
-the engine-dead sentinel and the ready handshake ends with one 24-byte trailer frame::
+the engine-dead sentinel, the ready handshake and ``ATTACH`` ends with one 24-byte trailer
+frame::
 
     b"EWS1" | seq (u64 LE) | ack (u64 LE) | crc32 (u32 LE)
 
-``seq`` counts this direction's messages from 1; ``ack`` is the last ``seq`` received the
-other way; the CRC covers every frame before the trailer and the trailer's first 20 bytes.
-The receiver strips the trailer and raises ``ProtocolError`` on a missing trailer, a bad CRC
-(corruption, truncation) or a ``seq`` other than the next one (loss, duplication, reorder).
+``seq`` counts this direction's messages from 1 (from 1 again in each session: ``ATTACH``
+restarts the engine's receiving count, the attach marker its sending count); ``ack`` is the
+last ``seq`` received the other way; the CRC covers every frame before the trailer and the
+trailer's first 20 bytes. The receiver strips the trailer and raises ``ProtocolError`` on a
+missing trailer, a bad CRC (corruption, truncation) or a ``seq`` other than the next one
+(loss, duplication, reorder).
 The client also watches the engine's ``ack``: a message the engine has not acknowledged
 within ``loss_deadline_s`` while later outputs (heartbeats) arrive was lost on the way in.
 
@@ -79,9 +82,13 @@ class LinkIntegrity:
         self._unacked: collections.deque[list[Any]] = collections.deque()
         self._run_span = (loss_deadline_s or 0.0) / 8
 
-    def seal(self, frames: Sequence[Any]) -> bytes:
-        """The trailer frame to append to ``frames``."""
+    def seal(self, frames: Sequence[Any], *, restart: bool = False) -> bytes:
+        """The trailer frame to append to ``frames``; ``restart``: the first message of a new
+        session (its ``seq`` is 1 again, and nothing sent before it is awaited any more)."""
         with self._lock:
+            if restart:
+                self._sent = 0
+                self._unacked.clear()
             self._sent += 1
             seq = self._sent
             if self._loss_deadline is not None:
@@ -94,6 +101,10 @@ class LinkIntegrity:
                     runs.append([seq, now, now])
         head = _HEAD.pack(TRAILER_MAGIC, seq, self._received)
         return _TRAILER.pack(TRAILER_MAGIC, seq, self._received, _crc(frames, head))
+
+    def restart_receiving(self) -> None:
+        """A new session begins on the receiving side: the next message is ``seq`` 1."""
+        self._received = 0
 
     def open(self, frames: Sequence[Any]) -> list[Any]:
         """``frames`` without the trailer, or ``ProtocolError``."""

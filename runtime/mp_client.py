@@ -6,7 +6,10 @@ Theory of operation
 output PULL on ``ipc://`` paths inside a private 0700 directory, starts the engine process
 (spawn: safe with CUDA) and waits for the engine's ``ReadyResponse`` on the ROUTER. That wait
 has a deadline (``ready_timeout_s``) and also watches the process sentinel, so an engine that
-dies while starting fails construction at once instead of at the deadline.
+dies while starting fails construction at once instead of at the deadline. Then the client
+attaches under a fresh session (``ATTACH``; the engine answers with a marker on the output
+stream): an engine started elsewhere may have served another front end, and the reader drops
+what arrives before the marker.
 
 Everything outside Python objects (process, sockets, context, ipc directory, monitor thread)
 is held by ``BackgroundResources``, attached with ``weakref.finalize`` *before* anything is
@@ -74,6 +77,8 @@ from ..protocol.codec import (
 )
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
+    SESSION_BYTES,
+    AttachRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -136,6 +141,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _LATE_MEMORY = 256
 
 _UTILITY_BYTE = RequestType.UTILITY.value
+# Longest a shutdown waits for libzmq to hand an attached engine the ABORT of what it runs.
+_ABORT_LINGER_MS = 1000
 # Replies up to this size may take the short decode (``MPClient._on_message``).
 _PLAIN_REPLY_BYTES = 1 << 16
 
@@ -407,6 +414,8 @@ class BackgroundResources:
     monitor_pipe: tuple[int, int] | None = None
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     shutdown_timeout: float | None = None
+    # Kept above 0 only to deliver the ABORT a front end sends an attached engine at shutdown.
+    input_linger_ms: int = 0
     guard: TransportGuard | None = None  # ZAP handler and socket monitors (security.py)
     last_seen: list[float] = field(default_factory=lambda: [time.monotonic()])
     # ipc socket files bound at addresses the caller gave (ours live in ipc_dir): removed
@@ -532,7 +541,7 @@ class BackgroundResources:
     def _close_sockets(self) -> None:
         with self.send_lock:
             if self.input_socket is not None:
-                self.input_socket.close(linger=0)
+                self.input_socket.close(linger=self.input_linger_ms)
                 self.input_socket = None
         if self.output_socket is not None:  # never handed to a reader
             self.output_socket.close(linger=0)
@@ -745,6 +754,9 @@ class MPClient(EngineCoreClient):
         self._utilities.power = weakref.WeakMethod(self._on_power_reply)
         # Only a heartbeat deadline reads when the engine was last heard from.
         self._stamp_seen = bool(engine_heartbeat_timeout_s)
+        # This front end's session until the engine's attach marker arrives, then None.
+        self._attaching: bytes | None = None
+        self._stale = 0  # messages dropped before the marker
         self._encoder = Encoder()
         # Round-trip paths: a utility call is encoded plainly when it can be (no arrays), and
         # a one-frame reply is decoded by this client's own decoder. Each is used under the
@@ -873,6 +885,7 @@ class MPClient(EngineCoreClient):
             self._close_startup_report()
         self.ready_response = ready
         self._apply_ready(ready)
+        self._attach()
         res.last_seen[0] = time.monotonic()
 
         stop_r, stop_w = os.pipe()
@@ -961,15 +974,65 @@ class MPClient(EngineCoreClient):
                 except ProtocolError as e:
                     raise EngineStartupError(f"engine handshake refused: {e}") from e
             if sentinel is not None and (sentinel in events or not res.proc.is_alive()):
-                res.proc.join(1.0)
-                how = _describe_exit(res.proc.pid, res.proc.exitcode)
-                reason = self._startup_reason()
-                if reason is None:
-                    raise EngineStartupError(
-                        f"engine core initialization failed; see the engine's log: {how}")
-                raise EngineStartupError(
-                    f"engine core initialization failed: {reason} ({how})"
-                ) from EngineProcessDied(reason)
+                raise self._startup_exit()
+
+    def _startup_exit(self) -> EngineStartupError:
+        """The error for a launched engine that exited during start-up."""
+        proc = self.resources.proc
+        assert proc is not None
+        proc.join(1.0)
+        how = _describe_exit(proc.pid, proc.exitcode)
+        reason = self._startup_reason()
+        if reason is None:
+            return EngineStartupError(
+                f"engine core initialization failed; see the engine's log: {how}")
+        err = EngineStartupError(f"engine core initialization failed: {reason} ({how})")
+        err.__cause__ = EngineProcessDied(reason)
+        return err
+
+    def _attach(self) -> None:
+        """Take the engine over under a fresh session (protocol/messages.py, "Attaching"):
+        ATTACH goes out first, and the reader drops whatever arrives before the engine's
+        marker (a previous front end's outputs) unread."""
+        res = self.resources
+        assert res.input_socket is not None
+        session = os.urandom(SESSION_BYTES)
+        self._attaching = session
+        # Unsealed even with frame integrity: it starts the engine's counts afresh.
+        res.input_socket.send_multipart(
+            [self.identity, *encode_input(self._encoder, RequestType.ATTACH,
+                                          AttachRequest(session))])
+
+    def _before_marker(self, first: bytes, sock: zmq.Socket[Any]) -> None:
+        """``_on_message`` until the attach marker: only the marker and the sentinel count."""
+        frames = recv_rest(sock, [first]) if sock.get(ZMQ_RCVMORE) else [first]
+        if self._stamp_seen:
+            self.resources.last_seen[0] = time.monotonic()  # a message: the engine is alive
+        if is_dead_sentinel(frames):
+            raise EngineProcessDied(
+                "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+        session = self._attaching
+        if session is not None and self._is_marker(frames, session):
+            self._attaching = None
+            if self._stale:
+                logger.info("dropped %d message(s) sent before this front end attached",
+                            self._stale)
+        else:
+            self._stale += 1
+
+    def _is_marker(self, frames: list[bytes], session: bytes) -> bool:
+        """Whether ``frames`` is the attach marker for ``session``; anything else before it
+        is not this front end's, so it is neither checked nor read further."""
+        integrity = self._integrity
+        body = frames[:-1] if integrity is not None and len(frames) > 1 else frames
+        try:
+            if decode_outputs(body).session != session:
+                return False
+        except ProtocolError:
+            return False
+        if integrity is not None:
+            integrity.open(frames)  # the session's first sealed message: seq 1
+        return True
 
     def _close_startup_report(self) -> None:
         conn, self._startup_report = self._startup_report, None
@@ -1026,6 +1089,7 @@ class MPClient(EngineCoreClient):
         if timeout is not None:  # checked before anything changes: a bad one leaks nothing
             checked = check_timeout(timeout)
             timeout = math.inf if checked is None else checked
+        self._abort_left_behind()
         if not self._mark_closed():
             # A second caller returns when the first one's teardown has ended, not before:
             # "shutdown returned" means the engine is gone, for every caller.
@@ -1043,6 +1107,24 @@ class MPClient(EngineCoreClient):
         self._finalizer()
         self._pending_sends.clear()  # the sockets are closed: libzmq holds what it still needs
         self._drop_backlog()
+
+    def _abort_left_behind(self) -> None:
+        """An attached engine outlives this front end: abort what it still runs for us, so it
+        stops spending steps on that before the next front end attaches (which would drop
+        it). A launched engine is stopped instead."""
+        res = self.resources
+        if res.proc is not None or self.is_closed or self.is_dead:
+            return
+        live = self.live_requests()
+        if not live:
+            return
+        try:
+            self._send_abort(live)
+        except EngineWireError:  # closed or dead in between: nothing left to stop
+            return
+        # A close with linger 0 would discard the ABORT if it is still queued; with no
+        # engine connected the ROUTER has already dropped it, and nothing waits.
+        res.input_linger_ms = _ABORT_LINGER_MS
 
     def _drop_backlog(self) -> None:
         """After teardown (nothing arrives any more): let go of batches nobody can read now
@@ -1216,6 +1298,9 @@ class MPClient(EngineCoreClient):
         follows. A part that a one-frame message should not have arrives as a message of its
         own and fails to decode there: the engine is then declared dead, as for any frame
         that does not decode."""
+        if self._attaching is not None:
+            self._before_marker(first, sock)
+            return None
         if self._integrity is None:
             if len(first) <= _PLAIN_REPLY_BYTES:
                 # A utility reply, the round trip's own message, in the fewest steps: it

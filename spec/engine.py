@@ -19,6 +19,9 @@ tags; scheduling resumes only once every tag is resident, into IDLE or RUNNING d
 whether parked requests remain; a wake-up while DRAINING ends the pending wait (its reply is
 an error) and resumes scheduling. Any fatal error sends the engine-dead sentinel (DEAD).
 SHUTDOWN is reached by a shutdown request or process exit; DEAD and SHUTDOWN are sticky.
+A new front end attaching to an engine started on its own needs no state of its own: the
+previous front end's requests end (ABORT) and the engine settles (ALL_FINISHED) or wakes up
+(WAKE_UP, every tag) into IDLE through the transitions below.
 """
 
 from __future__ import annotations

@@ -22,19 +22,24 @@ def test_engine_command_serves_an_attached_client(tmp_path: Path) -> None:
          "--input-address", inp, "--output-address", out, "--heartbeat-interval", "0.2"],
     )
     try:
-        client = make_client(EngineConfig(model="tiny"), multiprocess=True, asyncio=False,
-                             launch_engine=False, input_address=inp, output_address=out,
-                             engine_heartbeat_timeout_s=5.0, ready_timeout_s=BOUND_S)
-        with client:
-            client.add_request(EngineCoreRequest("e1", [5, 6, 7], SamplingParams(max_tokens=6)))
-            tokens: list[int] = []
-            finished = False
-            while not finished:
-                for o in client.get_output(timeout=BOUND_S).outputs:
-                    tokens += o.new_token_ids
-                    finished = finished or o.finished
-            assert len(tokens) == 6
-            assert client.call_utility("echo", "ping", timeout=BOUND_S) == "ping"
+        # One front end after another: the engine outlives each (it keeps its weights).
+        for n in range(2):
+            client = make_client(EngineConfig(model="tiny"), multiprocess=True, asyncio=False,
+                                 launch_engine=False, input_address=inp, output_address=out,
+                                 engine_heartbeat_timeout_s=5.0, ready_timeout_s=BOUND_S)
+            with client:
+                rid = f"e{n}"
+                client.add_request(EngineCoreRequest(rid, [5, 6, 7],
+                                                     SamplingParams(max_tokens=6)))
+                tokens: list[int] = []
+                finished = False
+                while not finished:
+                    for o in client.get_output(timeout=BOUND_S).outputs:
+                        assert o.request_id == rid
+                        tokens += o.new_token_ids
+                        finished = finished or o.finished
+                assert len(tokens) == 6
+                assert client.call_utility("echo", "ping", timeout=BOUND_S) == "ping"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(BOUND_S) == 0
     finally:
@@ -58,9 +63,10 @@ def _free_port() -> int:
 
 
 def _echo_through_curve_engine(engine_args: list[str], curve: security.CurveConfig,
-                               model: str, text: str) -> None:
+                               model: str, text: str, front_ends: int = 1) -> None:
     """Run ``enginewire engine`` over tcp with ``engine_args`` (its keys), attach a client
-    with ``curve``, echo ``text`` through it, then SIGTERM the engine: it must exit 0."""
+    with ``curve`` (``front_ends`` clients, one after the other), echo ``text`` through it,
+    then SIGTERM the engine: it must exit 0."""
     inp = f"tcp://127.0.0.1:{_free_port()}"
     out = f"tcp://127.0.0.1:{_free_port()}"
     proc = subprocess.Popen(
@@ -68,11 +74,12 @@ def _echo_through_curve_engine(engine_args: list[str], curve: security.CurveConf
          "--input-address", inp, "--output-address", out, *engine_args],
     )
     try:
-        client = make_client(EngineConfig(model=model), multiprocess=True, asyncio=False,
-                             launch_engine=False, input_address=inp, output_address=out,
-                             curve=curve, ready_timeout_s=BOUND_S)
-        with client:
-            assert client.call_utility("echo", text, timeout=BOUND_S) == text
+        for _ in range(front_ends):
+            client = make_client(EngineConfig(model=model), multiprocess=True, asyncio=False,
+                                 launch_engine=False, input_address=inp, output_address=out,
+                                 curve=curve, ready_timeout_s=BOUND_S)
+            with client:
+                assert client.call_utility("echo", text, timeout=BOUND_S) == text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(BOUND_S) == 0
     finally:
@@ -89,7 +96,7 @@ def test_engine_command_over_curve_tcp(tmp_path: Path) -> None:
         ["--curve-key", str(tmp_path / "engine.key_secret"),
          "--curve-peer", client_pair.public.decode()],
         security.CurveConfig(client_pair, frozenset({engine_pair.public})), "tiny",
-        "over curve")
+        "over curve", front_ends=2)
 
 
 def test_curve_server_key_picks_the_front_end_among_several_peers(tmp_path: Path) -> None:

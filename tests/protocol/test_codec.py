@@ -262,7 +262,7 @@ def test_limits_are_enforced() -> None:
     assert decode_input(_msg(b"\x01", enc.encode(["a", "b"])), limits)[1] == ["a", "b"]
 
 
-@pytest.mark.parametrize("type_byte", [b"\x02", b"\x04", b"R", b"\x91"])
+@pytest.mark.parametrize("type_byte", [b"\x02", b"\x05", b"R", b"\x91"])
 def test_unknown_request_type_byte_is_refused(type_byte: bytes) -> None:
     with pytest.raises(ProtocolError, match="request-type byte"):
         decode_input(_msg(type_byte, [msgspec.msgpack.encode(["a"])]))

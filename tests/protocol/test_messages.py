@@ -20,6 +20,8 @@ from hypothesis.extra import numpy as hnp
 
 from enginewire.protocol import (
     PROTOCOL_VERSION,
+    SESSION_BYTES,
+    AttachRequest,
     Decoder,
     Encoder,
     EngineCoreOutput,
@@ -64,8 +66,9 @@ LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     ),
     EngineCoreOutputs: (
         "engine_index", "outputs", "timestamp", "finished_requests", "scheduler_stats",
-        "utility_output", "stream_ids", "stream_tokens",
+        "utility_output", "stream_ids", "stream_tokens", "session",
     ),
+    AttachRequest: ("session",),
     ReadyResponse: (
         "protocol_version", "engine_index", "num_gpu_blocks", "block_size", "max_model_len",
         "model", "device",
@@ -89,6 +92,7 @@ def test_request_type_bytes_and_finish_reasons_are_pinned() -> None:
         "ADD": b"\x00",
         "ABORT": b"\x01",
         "UTILITY": b"\x03",
+        "ATTACH": b"\x04",
     }
     assert {f.name: int(f) for f in FinishReason} == {
         "STOP": 0,
@@ -242,6 +246,8 @@ def test_input_round_trips_through_type_byte(kind: RequestType, data: st.DataObj
         RequestType.ADD: requests,
         RequestType.ABORT: abort_ids,
         RequestType.UTILITY: utility_requests,
+        RequestType.ATTACH: st.builds(
+            AttachRequest, st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)),
     }[kind]
     msg = data.draw(strategy)
     got_kind, got = decode_input(encode_input(Encoder(), kind, msg))

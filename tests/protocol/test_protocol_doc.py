@@ -49,6 +49,8 @@ PROSE = (
     "| ext code | carries | ext body (msgpack) |",
     "aux 0 is the frame right after the payload frame",
     "``echo(x)`` returns ``x``",
+    "a front end sends ``ATTACH`` with a random 16-byte ``session``",
+    "``EngineCoreOutputs`` whose\n``session`` field is that session",
     "must refuse\nany ``protocol_version`` it does not know",
 )
 
@@ -155,6 +157,7 @@ class FrontEnd:
         self.finished_ids: set[str] = set()
         self.replies: dict[int, list[Any]] = {}
         self.heartbeats = 0
+        self.markers: list[bytes] = []
 
     def close(self) -> None:
         self.router.close(0)
@@ -186,7 +189,10 @@ class FrontEnd:
         toks = get("EngineCoreOutputs", batch, "stream_tokens")
         outputs = get("EngineCoreOutputs", batch, "outputs")
         finished = get("EngineCoreOutputs", batch, "finished_requests")
-        if reply is None and not (ids or outputs or finished):
+        session = get("EngineCoreOutputs", batch, "session")
+        if session is not None:
+            self.markers.append(session)
+        elif reply is None and not (ids or outputs or finished):
             self.heartbeats += 1
         assert len(ids) == len(toks)
         # Expanded as the page says: the column entries first, then ``outputs``.
@@ -253,7 +259,7 @@ def test_the_page_states_what_the_front_end_relies_on() -> None:
     text = " ".join(DOC.split())  # line breaks are the generator's, not facts
     missing = [fact for fact in PROSE if " ".join(fact.split()) not in text]
     assert not missing, f"docs/protocol.md no longer says: {missing}"
-    assert set(TYPE_BYTES) == {"ADD", "ABORT", "UTILITY"}
+    assert set(TYPE_BYTES) == {"ADD", "ABORT", "UTILITY", "ATTACH"}
     assert {"STOP", "LENGTH", "ABORT", "ERROR"} <= set(FINISH)
     assert set(EXT) == {"torch tensor", "numpy array"}
     for name in ("EngineCoreRequest", "SamplingParams", "UtilityRequest", "EngineCoreOutputs",
@@ -278,6 +284,10 @@ def _drive(proc: subprocess.Popen[bytes], fe: FrontEnd) -> None:
     assert get("ReadyResponse", ready, "engine_index") == ENGINE_INDEX
     assert fe.identity == ENGINE_INDEX.to_bytes(2, "little")
     max_model_len = get("ReadyResponse", ready, "max_model_len")
+    # Attach under a fresh session: the marker comes back on the PULL.
+    session = os.urandom(16)
+    fe.send("ATTACH", pack("AttachRequest", session=session))
+    fe.receive_until(lambda: session in fe.markers, "the attach marker")
     # With an interval set, a heartbeat arrives before anything was asked.
     fe.receive_until(lambda: fe.heartbeats >= 1, "the first heartbeat")
 

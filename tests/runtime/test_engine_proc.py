@@ -496,22 +496,51 @@ def test_outputs_queued_before_death_are_delivered_first() -> None:
 
 
 class FakeEngine:
-    """A hand-driven engine peer for an attached client (vLLM's fake-engine utility tests)."""
+    """A hand-driven engine peer for an attached client (vLLM's fake-engine utility tests).
+    After ``ready()`` a thread answers the client's ATTACH with the marker (the client's
+    construction waits for it); ``dealer`` and ``push`` are the test's once it has."""
 
     def __init__(self, tmp: Path) -> None:
         self.input_address = f"ipc://{tmp}/fin"
         self.output_address = f"ipc://{tmp}/fout"
         self.ctx = zmq.Context()
-        self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
-        self.dealer.connect(self.input_address)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(self.output_address)
+        self._dealer = self.ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+        self._dealer.connect(self.input_address)
+        self._push = self.ctx.socket(zmq.PUSH)
+        self._push.connect(self.output_address)
         self.encoder = Encoder()
+        self._attacher: threading.Thread | None = None
 
     def ready(self, version: int = PROTOCOL_VERSION) -> None:
-        self.dealer.send(msgspec.msgpack.encode(
+        self._dealer.send(msgspec.msgpack.encode(
             ReadyResponse(version, 0, 64, CONFIG.block_size, 128, "fake", "cpu")))
+        if version == PROTOCOL_VERSION:
+            self._attacher = threading.Thread(target=self._answer_attach, daemon=True)
+            self._attacher.start()
+
+    def _answer_attach(self) -> None:
+        if not self._dealer.poll(int(BOUND_S * 1000)):
+            return
+        first = self._dealer.recv()
+        assert first[:1] == RequestType.ATTACH.value
+        (session,) = msgspec.msgpack.decode(first[1:])
+        self._push.send_multipart(self.encoder.encode(EngineCoreOutputs(session=session)))
+
+    def _attached(self) -> None:
+        if self._attacher is not None:
+            self._attacher.join(BOUND_S)
+            self._attacher = None
+
+    @property
+    def dealer(self) -> zmq.Socket[bytes]:
+        self._attached()
+        return self._dealer
+
+    @property
+    def push(self) -> zmq.Socket[bytes]:
+        self._attached()
+        return self._push
 
     def recv_input(self) -> tuple[bytes, Any]:
         assert self.dealer.poll(int(BOUND_S * 1000))
@@ -522,8 +551,9 @@ class FakeEngine:
         self.push.send_multipart(self.encoder.encode(outputs))
 
     def close(self) -> None:
-        self.dealer.close(linger=0)
-        self.push.close(linger=0)
+        self._attached()
+        self._dealer.close(linger=0)
+        self._push.close(linger=0)
         self.ctx.term()
 
 
@@ -736,3 +766,25 @@ def test_shutdown_fails_pending_utility_with_client_closed(fake: FakeEngine) -> 
     t.join(BOUND_S)
     assert len(errors) == 1 and isinstance(errors[0], ClientClosedError)
     client.shutdown()  # idempotent
+
+
+def test_shutdown_aborts_what_an_attached_engine_still_runs(fake: FakeEngine) -> None:
+    """An attached engine outlives its front end: at shutdown the client aborts the requests
+    it still has there (only those), so the engine stops working for nobody."""
+    fake.ready()
+    client = _attach(fake)
+    try:
+        client.add_request(request("left", 5))
+        client.add_request(request("done", 5))
+        assert [fake.recv_input()[0] for _ in range(2)] == [RequestType.ADD.value] * 2
+        fake.send_outputs(EngineCoreOutputs(
+            outputs=[EngineCoreOutput("done", [1], FinishReason.LENGTH)],
+            finished_requests=["done"]))
+        deadline = time.monotonic() + BOUND_S
+        while "done" in client.live_requests():
+            assert time.monotonic() < deadline
+            client.get_output(timeout=1.0)
+    finally:
+        client.shutdown()
+    kind, ids = fake.recv_input()
+    assert kind == RequestType.ABORT.value and ids == ["left"]

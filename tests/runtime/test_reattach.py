@@ -1,0 +1,258 @@
+"""An engine started on its own serves one front end after another (protocol "Attaching").
+
+A new front end attaches under a fresh session: whatever the previous one left (live and
+parked requests, a pending sleep, queued outputs, an engine asleep) is dropped or undone
+before the attach marker, and nothing of it reaches the new front end.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from enginewire import make_client
+from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
+from enginewire.runtime.config import EngineConfig
+from enginewire.runtime.engine import EngineCore
+from enginewire.runtime.engine_proc import _process_main
+from enginewire.runtime.model import TinyRandomSource, dense_greedy
+from enginewire.spec import ENGINE, EngineState, UtilityError, validate_trace
+
+torch.set_num_threads(1)
+
+TINY = EngineConfig(model="tiny", device="cpu", max_model_len=64, block_size=4,
+                    kv_cache_memory_bytes=1 << 20)
+# Slow enough that a long request is still running when its front end goes.
+SLOW_NULL = EngineConfig(model="null", device="cpu", null_step_delay_s=0.01)
+BOUND_S = 30.0
+
+
+def req(rid: str, prompt: list[int], n: int) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+# -- the engine core: start_session from every state ------------------------------------------
+
+
+def _idle(eng: EngineCore) -> None:
+    pass
+
+
+def _running(eng: EngineCore) -> None:
+    eng.add_request(req("a", [1, 2, 3], 20))
+    eng.step()
+
+
+def _paused_keep(eng: EngineCore) -> None:
+    _running(eng)
+    eng.pause_scheduler("keep")
+
+
+def _draining(eng: EngineCore) -> Future[Any]:
+    _running(eng)
+    fut = eng.sleep(1, "wait")
+    assert isinstance(fut, Future)
+    return fut
+
+
+def _asleep(level: int) -> Any:
+    def setup(eng: EngineCore) -> None:
+        _running(eng)
+        eng.sleep(level, "keep")
+    return setup
+
+
+@pytest.mark.parametrize("setup, state, live", [
+    (_idle, EngineState.IDLE, 0),
+    (_running, EngineState.RUNNING, 1),
+    (_paused_keep, EngineState.PAUSED, 1),
+    (_draining, EngineState.DRAINING, 1),
+    (_asleep(1), EngineState.SLEEPING, 1),
+    (_asleep(2), EngineState.SLEEPING, 1),
+], ids=["idle", "running", "paused", "draining", "sleep1", "sleep2"])
+def test_start_session_leaves_the_engine_as_after_start_up(
+        setup: Any, state: EngineState, live: int) -> None:
+    trace: list[Any] = []
+    eng = EngineCore(TINY, trace=trace)
+    arch, params = TinyRandomSource(seed=0).load()
+    deferred = setup(eng)
+    assert eng.lifecycle.state is state
+    assert eng.start_session() == live
+    assert eng.lifecycle.state is EngineState.IDLE
+    assert not eng.is_sleeping() and not eng.executor.sleeping  # type: ignore[union-attr]
+    assert eng.num_live_requests() == 0 and not eng.has_pending_outputs()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks  # no block kept by a dropped request
+    if deferred is not None:
+        with pytest.raises(UtilityError, match="front end was replaced"):
+            deferred.result(0)
+    # Serves the new front end as a fresh engine would, same tokens.
+    eng.add_request(req("b", [9, 8, 7], 5))
+    toks: list[int] = []
+    for _ in range(100):
+        toks += [t for o in eng.step().outputs for t in o.new_token_ids]
+        if not eng.has_unfinished_requests():
+            break
+    assert toks == dense_greedy(arch, params, [9, 8, 7], 5)
+    validate_trace(ENGINE, trace)
+
+
+# -- an engine process, front end after front end ---------------------------------------------
+
+
+@contextmanager
+def standalone_engine(tmp: Path, config: EngineConfig = SLOW_NULL,
+                      **kwargs: Any) -> Iterator[tuple[str, str, Any]]:
+    """An engine process that outlives its front ends (what ``enginewire engine`` runs)."""
+    inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    mp = multiprocessing.get_context("spawn")
+    proc = mp.Process(target=_process_main, args=(type(config), msgspec.msgpack.encode(config),
+                      {"input_address": inp, "output_address": out,
+                       "heartbeat_interval_s": 0.1, **kwargs}), daemon=True)
+    proc.start()
+    try:
+        yield inp, out, proc
+        assert proc.is_alive(), "the engine did not survive its front ends"
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(BOUND_S)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(BOUND_S)
+
+
+def front_end(inp: str, out: str, config: EngineConfig = SLOW_NULL, *, asyncio: bool = False,
+              **options: Any) -> Any:
+    return make_client(config, multiprocess=True, asyncio=asyncio, launch_engine=False,
+                       input_address=inp, output_address=out, engine_heartbeat_timeout_s=5.0,
+                       ready_timeout_s=BOUND_S, **options)
+
+
+def collect(client: Any, rid: str) -> tuple[list[int], set[str]]:
+    """``rid``'s tokens, and every request id seen on the way."""
+    toks: list[int] = []
+    seen: set[str] = set()
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        for o in client.get_output(timeout=1.0).outputs:
+            seen.add(o.request_id)
+            if o.request_id == rid:
+                toks += o.new_token_ids
+                if o.finished:
+                    return toks, seen
+    raise AssertionError(f"{rid} did not finish")
+
+
+def leave_work_behind(client: Any) -> None:
+    """Requests running and parked, a sleep pending on them, outputs unread."""
+    client.add_request(req("old-run", [1, 2], 10_000))
+    client.add_request(req("old-more", [3, 4], 10_000))
+    assert collect_some(client, "old-run")
+
+
+def collect_some(client: Any, rid: str) -> bool:
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        if any(o.request_id == rid for o in client.get_output(timeout=1.0).outputs):
+            return True
+    return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
+def test_front_ends_take_turns_on_one_engine(tmp_path: Path, integrity: bool) -> None:
+    with standalone_engine(tmp_path, integrity=integrity) as (inp, out, _):
+        a = front_end(inp, out, frame_integrity=integrity)
+        leave_work_behind(a)
+        a.shutdown()  # leaves its requests on the engine, and their outputs on the way
+
+        b = front_end(inp, out, frame_integrity=integrity)
+        with b:
+            # The engine is as after start-up: awake, nothing of a's running.
+            assert b.is_sleeping(timeout=BOUND_S) is False
+            assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
+            b.add_request(req("new", [5, 6, 7], 8))
+            toks, seen = collect(b, "new")
+            assert len(toks) == 8 and seen == {"new"}
+            # b leaves the engine asleep with work parked; the next one finds it awake.
+            b.add_request(req("parked", [1], 10_000))
+            assert collect_some(b, "parked")
+            b.sleep(1, "keep", timeout=BOUND_S)
+
+        c = front_end(inp, out, frame_integrity=integrity)
+        with c:
+            assert c.is_sleeping(timeout=BOUND_S) is False
+            c.add_request(req("last", [2, 3], 4))
+            toks, seen = collect(c, "last")
+            assert len(toks) == 4 and seen == {"last"}
+            assert c.call_utility("echo", "ping", timeout=BOUND_S) == "ping"
+
+
+@pytest.mark.timeout(120)
+def test_a_pending_sleep_of_the_previous_front_end_is_ended(tmp_path: Path) -> None:
+    """a's sleep(wait) still drains when a goes: the next front end finds the engine awake
+    and scheduling, and an async front end attaches the same way."""
+    with standalone_engine(tmp_path) as (inp, out, _):
+        a = front_end(inp, out)
+        leave_work_behind(a)
+        with pytest.raises(Exception):  # noqa: B017 - any timeout error: the wait goes on
+            a.sleep(1, "wait", timeout=0.2)
+        a.shutdown()
+
+        async def use_b() -> tuple[list[int], bool]:
+            b = front_end(inp, out, asyncio=True)
+            async with b:
+                asleep = await b.is_sleeping_async(timeout=BOUND_S)
+                await b.add_request_async(req("b", [4, 5], 6))
+                toks: list[int] = []
+                while True:
+                    batch = await b.get_output_async(timeout=BOUND_S)
+                    assert {o.request_id for o in batch.outputs} <= {"b"}
+                    toks += [t for o in batch.outputs for t in o.new_token_ids]
+                    if any(o.finished for o in batch.outputs):
+                        return toks, asleep
+
+        import asyncio
+        toks, asleep = asyncio.run(use_b())
+        assert len(toks) == 6 and asleep is False
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_front_end_is_replaced(tmp_path: Path) -> None:
+    """A front end that dies without a word (SIGKILL) leaves its requests running; the next
+    one attaches, and the engine stops spending steps on them."""
+    with standalone_engine(tmp_path) as (inp, out, _):
+        mp = multiprocessing.get_context("spawn")
+        ready = mp.Event()
+        child = mp.Process(target=_front_end_that_hangs, args=(inp, out, ready), daemon=True)
+        child.start()
+        try:
+            assert ready.wait(BOUND_S)
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            child.join(BOUND_S)
+        finally:
+            if child.is_alive():
+                child.kill()
+        with front_end(inp, out) as b:
+            assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
+            b.add_request(req("after", [1], 3))
+            toks, seen = collect(b, "after")
+            assert len(toks) == 3 and seen == {"after"}
+
+
+def _front_end_that_hangs(inp: str, out: str, ready: Any) -> None:
+    client = front_end(inp, out)
+    leave_work_behind(client)
+    ready.set()
+    time.sleep(BOUND_S)
