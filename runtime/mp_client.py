@@ -418,9 +418,11 @@ class BackgroundResources:
     input_linger_ms: int = 0
     guard: TransportGuard | None = None  # ZAP handler and socket monitors (security.py)
     last_seen: list[float] = field(default_factory=lambda: [time.monotonic()])
-    # ipc socket files bound at addresses the caller gave (ours live in ipc_dir): removed
-    # once the context is gone, so a later bind there is not refused or confused.
-    bound_ipc_paths: list[str] = field(default_factory=list)
+    # ipc socket files bound at addresses the caller gave (ours live in ipc_dir), with what
+    # identifies the file (``_file_id``): removed once the context is gone, so a later bind
+    # there is not refused or confused, unless another front end bound the path since (a
+    # handover to it).
+    bound_ipc_paths: list[tuple[str, tuple[int, int, int]]] = field(default_factory=list)
     done: bool = False
     # Set when a teardown has run to its end; ``torn_by`` is the thread running it.
     finished: threading.Event = field(default_factory=threading.Event)
@@ -491,9 +493,10 @@ class BackgroundResources:
             ipc_dir, self.ipc_dir = self.ipc_dir, None
             ipc_dir.remove()
         paths, self.bound_ipc_paths = self.bound_ipc_paths, []
-        for path in paths:
-            with contextlib.suppress(OSError):  # already gone, or not ours any more
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
+        for path, ours in paths:
+            with contextlib.suppress(OSError):  # already gone
+                st = os.lstat(path)
+                if stat.S_ISSOCK(st.st_mode) and _file_id(st) == ours:
                     os.unlink(path)
 
     def _stop_monitor(self) -> None:
@@ -678,6 +681,11 @@ def _end_message(sock: zmq.Socket[Any]) -> None:
         sock.send(b"")
 
 
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    """A file's identity: the inode of an unlinked file is soon reused, its ctime is not."""
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
 def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
     try:
         sock.bind(address)
@@ -839,7 +847,9 @@ class MPClient(EngineCoreClient):
         for address in (self.input_address, self.output_address):
             if address.startswith("ipc://") and (
                     res.ipc_dir is None or not address.startswith(f"ipc://{res.ipc_dir.path}/")):
-                res.bound_ipc_paths.append(address.removeprefix("ipc://"))
+                path = address.removeprefix("ipc://")
+                with contextlib.suppress(OSError):  # gone already: nothing to remove later
+                    res.bound_ipc_paths.append((path, _file_id(os.lstat(path))))
 
         if launch_engine:
             from .engine_proc import _process_main

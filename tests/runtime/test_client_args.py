@@ -297,8 +297,10 @@ def test_ipc_socket_files_at_given_addresses_are_removed_at_shutdown(tmp_path: A
     assert not inp.exists() and not out.exists()
     keep = tmp_path / "keep"  # a regular file is never touched, whatever address named it
     keep.write_text("x")
+    st = keep.stat()
     client = make_client(NULL, multiprocess=True, asyncio=False)
-    client.resources.bound_ipc_paths.append(str(keep))  # type: ignore[attr-defined]
+    client.resources.bound_ipc_paths.append(  # type: ignore[attr-defined]
+        (str(keep), (st.st_dev, st.st_ino, st.st_ctime_ns)))
     client.shutdown()
     assert keep.read_text() == "x"
 

@@ -256,3 +256,40 @@ def _front_end_that_hangs(inp: str, out: str, ready: Any) -> None:
     leave_work_behind(client)
     ready.set()
     time.sleep(BOUND_S)
+
+
+@pytest.mark.timeout(120)
+def test_a_front_end_waiting_at_the_same_ipc_paths_takes_over(tmp_path: Path) -> None:
+    """A handover over ipc: b binds a's paths while a still serves (the engine stays with
+    a); a's shutdown leaves b's socket files alone, so the engine comes to b."""
+    import threading
+
+    with standalone_engine(tmp_path) as (inp, out, _):
+        a = front_end(inp, out)
+        leave_work_behind(a)
+        # b has bound once the paths are sockets other than a's.
+        paths = [p.removeprefix("ipc://") for p in (inp, out)]
+
+        def file_id(path: str) -> tuple[int, int] | None:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # between libzmq's unlink and bind
+                return None
+            return st.st_ino, st.st_ctime_ns  # an inode number is soon reused
+
+        mine = [file_id(p) for p in paths]
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(front_end(inp, out)))
+        t.start()
+        deadline = time.monotonic() + BOUND_S
+        while any(file_id(p) in (ours, None) for p, ours in zip(paths, mine, strict=True)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert a.call_utility("echo", "still a", timeout=BOUND_S) == "still a"
+        a.shutdown()
+        t.join(BOUND_S)
+        (b,) = got
+        with b:
+            b.add_request(req("b", [1, 2], 3))
+            toks, seen = collect(b, "b")
+            assert len(toks) == 3 and seen == {"b"}
