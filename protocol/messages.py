@@ -38,14 +38,13 @@ After the ready, a front end sends ``ATTACH`` with a random 16-byte ``session``;
 answers on the output socket with the *attach marker*: an ``EngineCoreOutputs`` whose
 ``session`` field is that session and nothing else but ``engine_index`` and ``timestamp``.
 Everything the front end receives before the marker belongs to an earlier front end and is
-dropped unread; everything after it is its own. If ``session`` differs from the last one the
-engine saw, the engine first ends the previous front end's work: live and parked requests
-are dropped (their ABORT outputs precede the marker), deferred calls fail, completed replies
-not yet sent are dropped, and the engine wakes up (all tags) or resumes if it was asleep or
-paused, so the new front end finds it as after start-up: awake, scheduling, no request (the
-prefix cache is emptied too). The first ``ATTACH`` an engine sees starts its first session
-and drops nothing. ``ATTACH`` is optional for the front end that takes an engine's first
-ready (nothing can precede it); ``MPClient`` always sends it.
+dropped unread; everything after it is its own. If ``session`` differs from the engine's
+current one (a fresh engine has none), the engine first ends whatever came before it: live
+and parked requests are dropped without outputs (nobody who asked for them is listening),
+deferred calls and replies not yet sent are dropped, the prefix cache is emptied, and an
+engine asleep or paused wakes up (every tag) or resumes. The new front end finds it as after
+start-up: awake, scheduling, no request. ``ATTACH`` is optional for the front end that takes
+an engine's first ready (nothing can precede it); ``MPClient`` always sends it.
 
 Socket options worth copying: ``ROUTER_HANDOVER=1`` (after an oversized frame libzmq drops
 the engine's connection and the engine connects again under the same identity; without
