@@ -746,12 +746,15 @@ _call_head = msgspec.msgpack.Decoder(_CallHead)
 
 
 def peek_request_id(frames: Sequence[Frame]) -> str | None:
-    """Best-effort request id of an ADD that failed to decode, to fail just that request."""
+    """Best-effort request id of an ADD that failed to decode, to fail just that request.
+
+    Any id the typed peek reads is returned, however long: the frame holding it is already
+    bounded (libzmq's max message size, ``Limits``), and a request whose id went unanswered
+    would stay live at its client forever. Callers shorten it for log lines themselves."""
     try:
-        rid = _add_head.decode(frames[0]).request_id
+        return _add_head.decode(frames[0]).request_id
     except Exception:
         return None
-    return rid if len(rid) <= 4096 else None
 
 
 def peek_call_id(frames: Sequence[Frame]) -> int | None:

@@ -607,7 +607,8 @@ class EngineCoreProc:
         rest = [body]
         request_id = peek_request_id(rest) if type_byte == RequestType.ADD.value else None
         if type_byte == RequestType.ADD.value and request_id is not None:
-            logger.warning("rejected malformed ADD for %r: %s", request_id, error)
+            # Answered whatever its length; only the log line is shortened.
+            logger.warning("rejected malformed ADD for %.80r: %.500s", request_id, error)
             out = EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=[],
@@ -835,7 +836,7 @@ class EngineCoreProc:
                 if self.engine.lifecycle.state is EngineState.DEAD:
                     raise
                 # Request-scoped: this request fails, the engine serves on.
-                logger.exception("engine refused request %r", payload.request_id)
+                logger.exception("engine refused request %.80r", payload.request_id)
                 self._emit(EngineCoreOutputs(outputs=[EngineCoreOutput(
                     payload.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}")]))
         elif kind is RequestType.ABORT:

@@ -739,6 +739,7 @@ class MPClient(EngineCoreClient):
         engine_startup_delay_s = check_option_seconds(
             engine_startup_delay_s, "engine_startup_delay_s", allow_zero=True) or 0.0
         ready_timeout = _ready_timeout(ready_timeout_s)
+        self._ready_timeout = ready_timeout
         # A fault spec is parsed here, not first in the spawned engine: a typo is a ValueError
         # from the constructor instead of an engine that dies while starting.
         engine_fault = as_plan(engine_fault)
@@ -765,6 +766,7 @@ class MPClient(EngineCoreClient):
         # This front end's session until the engine's attach marker arrives, then None.
         self._attaching: bytes | None = None
         self._stale = 0  # messages dropped before the marker
+        self._attach_deadline = math.inf  # the marker is overdue after this (monotonic)
         self._encoder = Encoder()
         # Round-trip paths: a utility call is encoded plainly when it can be (no arrays), and
         # a one-frame reply is decoded by this client's own decoder. Each is used under the
@@ -1008,6 +1010,7 @@ class MPClient(EngineCoreClient):
         assert res.input_socket is not None
         session = os.urandom(SESSION_BYTES)
         self._attaching = session
+        self._attach_deadline = time.monotonic() + self._ready_timeout
         # Unsealed even with frame integrity: it starts the engine's counts afresh.
         res.input_socket.send_multipart(
             [self.identity, *encode_input(self._encoder, RequestType.ATTACH,
@@ -1027,8 +1030,14 @@ class MPClient(EngineCoreClient):
             if self._stale:
                 logger.info("dropped %d message(s) sent before this front end attached",
                             self._stale)
-        else:
-            self._stale += 1
+            return
+        self._stale += 1
+        if time.monotonic() > self._attach_deadline:
+            # The engine speaks, but not to us: the ATTACH was lost (a link that dropped
+            # just then) or the engine ignores it. Everything would be dropped for good.
+            raise ProtocolError(
+                f"no attach marker within {self._ready_timeout:g} s (ready_timeout_s) of this"
+                f" front end's ATTACH, though the engine sent {self._stale} other message(s)")
 
     def _is_marker(self, frames: list[bytes], session: bytes) -> bool:
         """Whether ``frames`` is the attach marker for ``session``; anything else before it

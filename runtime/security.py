@@ -166,18 +166,27 @@ def load_or_create_keypair(secret_file: str | os.PathLike[str], *, create: bool 
     pair = generate_keypair()
     # O_EXCL with mode 0600: never widen or follow an existing file; fchmod undoes umask.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(_certificate("**Secret**", pair.public, pair.secret))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(_certificate("**Secret**", pair.public, pair.secret))
+    except BaseException:
+        # An empty or partial secret would be loaded next time and fail there, or worse.
+        path.unlink(missing_ok=True)
+        raise
+    opened = False
     try:
         # 0644 whatever the umask: a world-writable public key could be swapped before a
         # peer copies it; never follow a link planted in its place.
         fd = os.open(pub, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        opened = True
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o644)
             f.write(_certificate("Public", pair.public, None))
     except BaseException:
         path.unlink(missing_ok=True)  # no secret without its public twin
+        if opened:  # nor an empty or partial public key file a peer could copy
+            pub.unlink(missing_ok=True)
         raise
     logger.info("generated a CURVE key pair in %s (public key %s)", path,
                 pair.public.decode("ascii"))

@@ -123,3 +123,21 @@ def test_an_ack_beyond_what_was_sent_is_refused() -> None:
     rogue._received = 5  # claims to have seen five messages
     with pytest.raises(ProtocolError, match="only 1 sent"):
         client.open(sealed(rogue, b"x"))
+
+
+@pytest.mark.parametrize("sent", [0, 1, 3])
+def test_an_ack_one_past_the_last_sent_is_refused_an_ack_of_it_is_not(sent: int) -> None:
+    """The boundary: acknowledging the last message sent is normal; acknowledging the next one,
+    never sent, means the peer's counters belong to another session (or it lies)."""
+    for ack, ok in ((sent, True), (sent + 1, False)):
+        client = LinkIntegrity(loss_deadline_s=2.0)
+        for _ in range(sent):
+            client.seal([b"add"])
+        peer = LinkIntegrity()
+        peer._received = ack  # the peer's ack rides in every trailer it seals
+        if ok:
+            assert client.open(sealed(peer, b"x")) == [b"x"]
+            assert not client._unacked  # everything sent is acknowledged
+        else:
+            with pytest.raises(ProtocolError, match=f"acknowledged message {ack}, only {sent}"):
+                client.open(sealed(peer, b"x"))

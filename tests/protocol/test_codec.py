@@ -748,3 +748,33 @@ def test_a_ready_frame_is_not_decoded_untyped() -> None:
             decode_ready(frame)
 
     assert _peak_bytes(decode) < 1 << 20
+
+
+def test_a_message_of_exactly_max_frames_frames_decodes_one_more_is_refused() -> None:
+    """max_frames is inclusive: an ADD whose tensors fill the bound exactly must reach the
+    engine; the engine's frame count bound is the one thing between a peer and N frames."""
+    req = EngineCoreRequest("r", [1, 2], tensors={"a": np.zeros(512, np.float32),
+                                                  "b": np.ones(512, np.float32)})
+    frames = encode_input(Encoder(), RequestType.ADD, req)
+    n = len(frames)
+    assert n == 3  # the payload and one aux frame per tensor
+    kind, obj = decode_input(frames, Limits(max_frames=n))
+    assert kind is RequestType.ADD and np.array_equal(obj.tensors["b"], req.tensors["b"])
+    with pytest.raises(ProtocolError, match=f"at most {n - 1} frames, got {n}"):
+        decode_input(frames, Limits(max_frames=n - 1))
+
+
+def test_sender_and_engine_agree_at_exactly_max_call_bytes() -> None:
+    """The client's check_sendable must refuse exactly what the engine's decoder refuses: a call
+    of max_call_bytes (the type byte not counted) passes both, one byte over fails both."""
+    frames = encode_input(Encoder(), RequestType.UTILITY,
+                          UtilityRequest(0, 1, "echo", ["x" * 1000]))
+    payload = len(frames[0]) - 1  # the msgpack payload behind the type byte
+    at = Limits(max_call_bytes=payload)
+    check_sendable(RequestType.UTILITY, frames, at)
+    assert decode_input(frames, at)[1].args == ["x" * 1000]
+    under = Limits(max_call_bytes=payload - 1)
+    with pytest.raises(ValueError, match=f"payload of {payload} bytes"):
+        check_sendable(RequestType.UTILITY, frames, under)
+    with pytest.raises(ProtocolError, match="max_call_bytes"):
+        decode_input(frames, under)

@@ -356,3 +356,15 @@ def test_every_async_utility_wrapper_takes_a_timeout() -> None:
                 await getattr(client, f"{name}_async")(*args, timeout=30)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("raw", ["0", "0.0", "-0"])
+def test_a_zero_ready_timeout_in_the_environment_is_named_before_any_spawn(
+        monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """A zero wait for the engine could only ever end in EngineStartupError after a spawn: it is
+    a configuration error, named as such, and no engine is started for it."""
+    before = snapshot()
+    monkeypatch.setenv(mp.READY_TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match=f"{mp.READY_TIMEOUT_ENV}={raw!r}: must be"):
+        make_client(NULL, multiprocess=True, asyncio=False)
+    assert_nothing_leaked(before)

@@ -600,3 +600,36 @@ def test_final_outputs_of_a_shutdown_come_in_batches_a_client_takes() -> None:
 def test_max_num_seqs_is_bounded_by_what_a_batch_holds() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=1 << 16)
+
+
+def test_outputs_answered_just_before_shutdown_are_among_its_final_outputs() -> None:
+    """An ABORT or ERROR queued for the next step when shutdown() comes is the only answer
+    its request will get: the final outputs must carry it, or its owner waits forever."""
+    eng = EngineCore(NULL)
+    eng.add_request(req("live", [5], max_tokens=10))
+    eng.abort_requests(["live"])  # ABORT output pending, no step taken
+    eng.add_request(req("bad", []))  # ERROR output pending (empty prompt)
+    assert eng.has_pending_outputs()
+    eng.shutdown()
+    outs: list[EngineCoreOutput] = []
+    while (final := eng.take_final_outputs()) is not None:
+        outs += final.outputs
+    assert sorted((o.request_id, o.finish_reason) for o in outs) == [
+        ("bad", FinishReason.ERROR), ("live", FinishReason.ABORT)]
+
+
+def test_abort_of_a_bare_string_is_that_one_id() -> None:
+    """abort_requests("ab") aborts request "ab"; iterated per character it would abort "a"
+    (and "b") instead and leave "ab" running."""
+    eng = EngineCore(NULL)
+    for rid in ("ab", "a", "b"):
+        eng.add_request(req(rid, [5], max_tokens=10))
+    eng.abort_requests("ab")
+    aborted = [o.request_id for o in eng.step().outputs if o.finish_reason is not None]
+    assert aborted == ["ab"]
+    assert eng.has_unfinished_requests()
+    eng.abort_requests(["a", "b"])
+    fin = drain(eng)[1]
+    assert {rid: o.finish_reason for rid, o in fin.items()} == {
+        "a": FinishReason.ABORT, "b": FinishReason.ABORT}
+    eng.shutdown()

@@ -788,3 +788,111 @@ def test_shutdown_aborts_what_an_attached_engine_still_runs(fake: FakeEngine) ->
         client.shutdown()
     kind, ids = fake.recv_input()
     assert kind == RequestType.ABORT.value and ids == ["left"]
+
+
+# -- request-scoped and fatal failures, shutdown's last outputs, long ids ---------------------
+
+NULL_CONFIG = EngineConfig(model="null", device="cpu")
+
+
+def test_a_request_the_engine_raises_on_ends_with_error_and_the_engine_serves_on(
+        served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception from EngineCore.add_request is request-scoped: that request
+    gets an ERROR output naming it (else its owner waits for it forever) and others run."""
+    peer, proc, _trace = served
+    validate = proc.engine._validate
+
+    def failing(req: Any) -> Any:
+        if list(req.prompt_token_ids) == [7, 7, 7]:
+            raise RuntimeError("simulated request-scoped failure")
+        return validate(req)
+
+    monkeypatch.setattr(proc.engine, "_validate", failing)
+    peer.send(RequestType.ADD, request("bad", 3, prompt=[7, 7, 7]))
+    peer.send(RequestType.ADD, request("ok", 3))
+    fin: dict[str, EngineCoreOutput] = {}
+    deadline = time.monotonic() + BOUND_S
+    while len(fin) < 2:
+        batch = peer.recv(max(0.01, deadline - time.monotonic()))
+        fin.update((o.request_id, o) for o in batch.outputs if o.finished)
+    assert fin["bad"].finish_reason is FinishReason.ERROR
+    assert "simulated request-scoped failure" in (fin["bad"].error or "")
+    assert fin["ok"].finish_reason is FinishReason.LENGTH
+    assert all(t.is_alive() for t in proc._threads)
+
+
+def test_a_dead_input_thread_is_a_fatal_error(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its input thread the engine hears nothing: the busy loop must end with an
+    error (run_engine_core then sends the dead sentinel, so the client raises
+    EngineDeadError) instead of running on deaf, every call a UtilityTimeoutError."""
+    peer = Peer(tmp_path)
+    proc = EngineCoreProc(NULL_CONFIG, input_address=peer.input_address,
+                          output_address=peer.output_address)
+    failure: list[BaseException] = []
+
+    def loop() -> None:  # run_engine_core's handling of a fatal error, on a thread
+        try:
+            proc.run_busy_loop()
+        except Exception as e:
+            failure.append(e)
+            proc.send_engine_dead()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    try:
+        peer.router.recv_multipart()  # the ready handshake
+        # Looked up per message by the input thread: its next frame kills it (a BaseException
+        # no per-frame handler catches).
+        def dies(first: bytes, *_: Any) -> Any:
+            raise SystemExit("simulated fatal failure in the input thread")
+
+        monkeypatch.setattr(proc, "_serve_plain", dies)
+        monkeypatch.setattr(proc, "_accept", dies)
+        thread.start()
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 1, "echo", ["boom"]))
+        thread.join(10.0)
+        assert not thread.is_alive(), "engine kept running without its input thread"
+        assert len(failure) == 1 and isinstance(failure[0].__cause__, SystemExit)
+        assert peer.pull.poll(int(BOUND_S * 1000))
+        assert peer.pull.recv_multipart() == [ENGINE_DEAD_SENTINEL]
+    finally:
+        if thread.is_alive():
+            proc.input_queue.put((_Control.SHUTDOWN, None))
+            thread.join(BOUND_S)
+        proc.close()
+        peer.close()
+    assert not thread.is_alive()
+
+
+def test_an_engine_terminated_from_outside_aborts_its_parked_requests_first() -> None:
+    """SIGTERM (an orchestrator stopping the engine) with a request still live: the docs say
+    a live request always ends with an ABORT output, so the client gets it before it sees
+    the engine gone; its owner otherwise never learns the request ended."""
+    with open_client("sync", NULL_CONFIG) as cut:
+        cut.client.pause_scheduler("keep")
+        cut.add_request(request("r", 5))  # parked: the scheduler is paused
+        assert cut.client.live_requests() == ["r"]
+        assert cut.engine_pid is not None
+        os.kill(cut.engine_pid, signal.SIGTERM)
+        seen: list[tuple[str, FinishReason]] = []
+        deadline = time.monotonic() + BOUND_S
+        with pytest.raises(EngineDeadError):
+            while time.monotonic() < deadline:
+                seen += [(o.request_id, FinishReason(o.finish_reason))
+                         for o in cut.get_output(timeout=5.0).outputs if o.finished]
+        assert seen == [("r", FinishReason.ABORT)]
+
+
+def test_a_refused_add_with_a_long_request_id_still_ends_with_error() -> None:
+    """An ADD the engine's decoder refuses (here over engine_limits.max_prompt_tokens) ends
+    with an ERROR output whatever its id's length: a 5000-char id is a valid id, and once
+    went unanswered (the salvaged id was dropped over 4096 chars), live forever."""
+    from enginewire.testing.conformance import collect
+
+    with open_client("sync", NULL_CONFIG, engine_limits=Limits(max_prompt_tokens=10)) as cut:
+        for rid in ("short", "L" * 5000):
+            cut.add_request(request(rid, 1, prompt=[5] * 20))
+            fin = collect(cut, [rid], timeout=BOUND_S)[rid]
+            assert fin.reason is FinishReason.ERROR and fin.tokens == []
+            assert "prompt tokens" in (fin.error or "")
+        assert cut.client.live_requests() == []

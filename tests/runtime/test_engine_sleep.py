@@ -291,3 +291,34 @@ def test_bad_sleep_arguments() -> None:
     with pytest.raises(ValueError, match="wake_up tag"):
         eng.wake_up(["gpu"])
     assert eng.lifecycle.state is EngineState.IDLE
+
+
+def test_sleep_discards_the_prefix_cache_with_the_kv_it_indexed() -> None:
+    """Sleep (level 1) frees the KV storage, so the prefix cache that indexed it must go too:
+    a prompt repeated after wake_up that "reused" cached blocks would read discarded KV and
+    generate different tokens than before the sleep."""
+    cfg = EngineConfig(model="tiny", device="cpu", max_model_len=128, block_size=4,
+                       enable_prefix_caching=True, kv_cache_memory_bytes=2 << 20)
+    eng = EngineCore(cfg)
+    arch, params = TinyRandomSource(seed=0).load()
+    prompt = list(range(1, 40))
+    c = Collector(eng)
+    cached: dict[str, int] = {}
+    for rid in ("before", "after"):
+        eng.add_request(req(rid, prompt, max_tokens=8, ignore_eos=True))
+        for _ in range(200):
+            if rid in c.fin:
+                break
+            for o in eng.step().outputs:
+                c.toks[o.request_id] += o.new_token_ids
+                if o.finish_reason is not None:
+                    c.fin[o.request_id] = o.finish_reason
+                    cached[o.request_id] = o.num_cached_tokens
+        assert c.fin.get(rid) is FinishReason.LENGTH
+        if rid == "before":
+            assert eng.sleep(1) is None
+            assert eng.wake_up() is True
+    assert c.toks["before"] == dense_greedy(arch, params, prompt, 8)
+    assert c.toks["after"] == c.toks["before"]
+    assert cached == {"before": 0, "after": 0}
+    eng.shutdown()

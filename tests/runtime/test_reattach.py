@@ -293,3 +293,43 @@ def test_a_front_end_waiting_at_the_same_ipc_paths_takes_over(tmp_path: Path) ->
             b.add_request(req("b", [1, 2], 3))
             toks, seen = collect(b, "b")
             assert len(toks) == 3 and seen == {"b"}
+
+
+def test_an_unanswered_attach_is_engine_death_not_a_silent_drop(tmp_path: Path) -> None:
+    """An engine that keeps talking but never sends this front end's marker (its ATTACH was
+    lost, or the engine ignores it) would have every output dropped for good: once the ready
+    deadline has passed since the ATTACH, the next message declares the engine dead."""
+    import zmq
+
+    from enginewire import EngineDeadError, ProtocolError
+    from enginewire.protocol.codec import Encoder
+    from enginewire.protocol.messages import PROTOCOL_VERSION, EngineCoreOutputs, ReadyResponse
+
+    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    ctx = zmq.Context()
+    dealer, push = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+    try:
+        dealer.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+        dealer.connect(inp)
+        push.connect(out)
+        dealer.send(msgspec.msgpack.encode(
+            ReadyResponse(PROTOCOL_VERSION, 0, 64, 16, 128, "fake", "cpu")))
+        client = make_client(SLOW_NULL, multiprocess=True, asyncio=False, launch_engine=False,
+                             input_address=inp, output_address=out, ready_timeout_s=0.5)
+        with client:
+            assert dealer.poll(int(BOUND_S * 1000))
+            assert dealer.recv()[:1] == b"\x04"  # the ATTACH, left unanswered
+            beat = Encoder().encode(EngineCoreOutputs(timestamp=1.0))
+            push.send_multipart(beat)  # within the deadline: dropped, nothing else
+            assert client.get_output(timeout=0.2).outputs == []
+            deadline = time.monotonic() + BOUND_S
+            with pytest.raises(EngineDeadError) as info:
+                while time.monotonic() < deadline:
+                    push.send_multipart(beat)
+                    client.get_output(timeout=0.2)
+            assert isinstance(info.value.__cause__, ProtocolError)
+            assert "no attach marker" in str(info.value.__cause__)
+    finally:
+        dealer.close(0)
+        push.close(0)
+        ctx.term()

@@ -360,3 +360,74 @@ def test_a_fifo_at_the_secret_key_place_is_refused_not_read(tmp_path: Path) -> N
     os.mkfifo(fifo, 0o600)  # reading it would block for good
     with pytest.raises(ValueError, match="not a regular file"):
         load_or_create_keypair(fifo)
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o620, 0o604, 0o700])
+def test_a_secret_key_open_to_the_group_or_others_is_refused(tmp_path: Path, mode: int) -> None:
+    """Any group or other bit on the secret (not only world-readable) gives its CURVE identity
+    to another account: refused, naming the fix, never loaded."""
+    path = tmp_path / "g.key_secret"
+    load_or_create_keypair(path)
+    os.chmod(path, mode)
+    if mode & 0o077:
+        with pytest.raises(PermissionError, match="chmod 600"):
+            load_or_create_keypair(path)
+    else:  # owner-only bits (here execute) do not widen who can read it
+        assert load_or_create_keypair(path).public
+
+
+def test_a_secret_key_owned_by_another_user_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key file another account owns (and so can read or replace) is not ours to trust."""
+    path = tmp_path / "o.key_secret"
+    load_or_create_keypair(path)
+    if os.geteuid() == 0:
+        os.chown(path, 4242, 4242)  # really someone else's file
+    else:  # cannot give a file away: look at it as another uid would
+        monkeypatch.setattr(security.os, "getuid", lambda: path.stat().st_uid + 1)
+    with pytest.raises(PermissionError, match="must belong to uid"):
+        load_or_create_keypair(path)
+
+
+def test_a_failed_public_key_write_leaves_neither_half_of_the_pair(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full while writing the public twin: a lone secret would be loaded next time and the
+    public key peers need never written; an empty public file would be copied to peers as a
+    key. Neither may remain, and the next try makes a whole pair."""
+    real = security._certificate
+
+    def failing(kind: str, public: bytes, secret: bytes | None) -> bytes:
+        if kind == "Public":
+            raise OSError(28, "No space left on device")
+        cert: bytes = real(kind, public, secret)
+        return cert
+
+    secret = tmp_path / "h.key_secret"
+    monkeypatch.setattr(security, "_certificate", failing)
+    with pytest.raises(OSError, match="No space left"):
+        load_or_create_keypair(secret)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(security, "_certificate", real)
+    pair = load_or_create_keypair(secret)
+    assert load_public_keys([tmp_path / "h.key"]) == {pair.public}
+
+
+def test_a_failed_secret_key_write_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full while writing the secret itself: the empty file it leaves would be loaded
+    next time (and fail there, naming no cause); nothing may remain."""
+    real = security._certificate
+
+    def failing(kind: str, public: bytes, secret: bytes | None) -> bytes:
+        if secret is not None:
+            raise OSError(28, "No space left on device")
+        cert: bytes = real(kind, public, secret)
+        return cert
+
+    secret = tmp_path / "s.key_secret"
+    monkeypatch.setattr(security, "_certificate", failing)
+    with pytest.raises(OSError, match="No space left"):
+        load_or_create_keypair(secret)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(security, "_certificate", real)
+    assert load_or_create_keypair(secret).public in load_public_keys([tmp_path / "s.key"])
