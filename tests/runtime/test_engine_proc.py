@@ -872,6 +872,9 @@ def test_an_engine_terminated_from_outside_aborts_its_parked_requests_first() ->
         cut.client.pause_scheduler("keep")
         cut.add_request(request("r", 5))  # parked: the scheduler is paused
         assert cut.client.live_requests() == ["r"]
+        # The engine holds it before the signal (a call is answered after the ADD before it):
+        # a SIGTERM that overtook the ADD would leave nothing to abort.
+        assert cut.client.get_stats(timeout=BOUND_S)["num_live"] == 1
         assert cut.engine_pid is not None
         os.kill(cut.engine_pid, signal.SIGTERM)
         seen: list[tuple[str, FinishReason]] = []
