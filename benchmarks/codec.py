@@ -64,6 +64,7 @@ class _BaseOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     stream_ids: list[str] = []
     stream_tokens: list[int] = []
     session: bytes | None = None
+    refusal: str | None = None
 
 
 class _BaseBlob(msgspec.Struct, frozen=True, array_like=True, gc=False):

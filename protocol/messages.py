@@ -46,6 +46,11 @@ engine asleep or paused wakes up (every tag) or resumes. The new front end finds
 start-up: awake, scheduling, no request. ``ATTACH`` is optional for the front end that takes
 an engine's first ready (nothing can precede it); ``MPClient`` always sends it.
 
+An ``ATTACH`` whose ``integrity`` differs from the engine's own setting is refused: the marker
+then carries ``refusal`` (why), is never sealed, ends nothing, and the engine drops every
+message but another ``ATTACH`` until one it accepts: a misconfigured front end cannot take
+down an engine that serves others.
+
 Socket options worth copying: ``ROUTER_HANDOVER=1`` (after an oversized frame libzmq drops
 the engine's connection and the engine connects again under the same identity; without
 handover the stale pipe keeps it unreachable) and ``SNDHWM=0`` on the ROUTER (one at its
@@ -322,8 +327,10 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     # ``expanded()`` batches, so ``outputs`` is all they ever read.
     stream_ids: list[str] = []
     stream_tokens: list[int] = []
-    # Set only on the attach marker: the session of the front end whose ATTACH it answers.
+    # Set only on the attach marker: the session of the front end whose ATTACH it answers,
+    # and why the engine refused that front end (then it ignores it until another ATTACH).
     session: bytes | None = None
+    refusal: str | None = None
 
     @staticmethod
     def now() -> float:
@@ -349,6 +356,9 @@ class AttachRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A front end taking over the engine; the engine answers with the attach marker."""
 
     session: Annotated[bytes, msgspec.Meta(min_length=SESSION_BYTES, max_length=SESSION_BYTES)]
+    # Whether this front end seals its messages (frame integrity): the engine refuses a
+    # front end that does not match its own setting instead of failing on its first message.
+    integrity: bool = False
 
 
 class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):

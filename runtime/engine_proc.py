@@ -32,6 +32,7 @@ import ctypes
 import enum
 import functools
 import gc
+import itertools
 import logging
 import math
 import multiprocessing
@@ -69,6 +70,7 @@ from ..protocol.codec import (
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
+    AttachRequest,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
@@ -131,6 +133,14 @@ _ATTACH_BYTE = RequestType.ATTACH.value
 def _is_marker(item: Any) -> bool:
     """The attach marker: the first message of a session (runtime/integrity.py)."""
     return type(item) is EngineCoreOutputs and item.session is not None
+
+
+def _seal_mode(item: Any) -> bool | None:
+    """None: send unsealed (a refusal marker: its front end may not seal); True: seal as
+    the first message of a session (the marker); False: seal as usual."""
+    if type(item) is not EngineCoreOutputs or item.session is None:
+        return False
+    return None if item.refusal is not None else True
 
 
 class _Encoded:
@@ -320,6 +330,9 @@ class EngineCoreProc:
         self._input_error: BaseException | None = None
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
+        # A front end was refused at its ATTACH: its messages are dropped until another
+        # ATTACH is accepted (input thread only).
+        self._refused = False
         self.engine: Any = None
         self._overlap = True  # the output thread can encode while a step runs
         # Fault points (runtime/faults.py); None: no plan, every point is a no-op.
@@ -401,12 +414,21 @@ class EngineCoreProc:
         sock.setsockopt(zmq.RCVTIMEO, int(IDLE_WAKE_S * 1000))
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
         dropped = threading.Event()
-        self._guard.connect_as_client(sock, "input", on_drop=dropped.set)
+        # Every connection that completes its handshake may be a new front end, which learns
+        # of this engine only from a ready (a duplicate to the same front end is ignored).
+        connects = itertools.count(1)
+        connected = [0]  # handshakes so far (counted by the monitor thread)
+
+        def on_connect() -> None:
+            connected[0] = next(connects)
+
+        self._guard.connect_as_client(sock, "input", on_drop=dropped.set, on_connect=on_connect)
         try:
             sock.connect(address)
             ready_frames = Encoder().encode(ready)
             _send_reconnecting(sock, address, dropped,
                                functools.partial(sock.send_multipart, ready_frames, copy=False))
+            readied = connected[0]  # the handshake count when the ready was last sent
             self._input_ready.set()
             recv = sock.recv
             while True:
@@ -421,8 +443,8 @@ class EngineCoreProc:
                     if dropped.is_set():
                         dropped.clear()
                         _reconnect(sock, address)
-                        # Whoever is bound there now (the same front end back, or a new one
-                        # that took over the address) learns of this engine only from it.
+                    if connected[0] != readied:
+                        readied = connected[0]
                         _send_reconnecting(sock, address, dropped, functools.partial(
                             sock.send_multipart, ready_frames, copy=False))
                     continue
@@ -452,7 +474,7 @@ class EngineCoreProc:
         False when the message takes the general path (``_accept``), which decodes again
         and reports any error. A call served here is one frame: its payload decoded without
         aux frames (a part its sender added after it is read as a message of its own)."""
-        if first[:1] != _UTILITY_BYTE:
+        if first[:1] != _UTILITY_BYTE or self._refused:
             return False
         if len(first) > self._max_call_frame:
             return False  # the general path refuses it, naming the bound
@@ -469,12 +491,15 @@ class EngineCoreProc:
         parts (aux frames, the integrity trailer) when it has them: parts of one message
         arrive together, so that never waits."""
         frames: list[Any] = [first]
+        if self._refused or first[:1] == _ATTACH_BYTE:
+            if sock.get(ZMQ_RCVMORE):
+                recv_rest(sock, frames)  # the whole message, whatever it is
+            if first[:1] == _ATTACH_BYTE:
+                self._accept_attach(frames)  # unsealed: it starts the counts afresh
+            return
         if self._integrity is not None:
             if sock.get(ZMQ_RCVMORE):
                 recv_rest(sock, frames)  # the trailer, and aux frames before it
-            if first[:1] == _ATTACH_BYTE:
-                self._accept_attach(frames)  # unsealed: it starts the counts afresh
-                return
             try:
                 frames = self._integrity.open(frames)
             except ProtocolError as e:
@@ -517,15 +542,30 @@ class EngineCoreProc:
         self.input_queue.put((kind, payload))
 
     def _accept_attach(self, frames: list[Any]) -> None:
-        """An ATTACH with frame integrity on: the new session's first sealed message is
-        ``seq`` 1, so the receiving count restarts here, before the next message is opened."""
+        """An ATTACH: accepted, or refused when the front end's frame integrity differs from
+        this engine's (its messages would fail here, or its outputs there). With integrity,
+        the new session's first sealed message is ``seq`` 1: the count restarts here, before
+        the next message is opened."""
         try:
             kind, payload = decode_input(frames, self.limits)
         except ProtocolError as e:
             self._reject(frames[0], e)
             return
-        assert self._integrity is not None
-        self._integrity.restart_receiving()
+        attach = cast(AttachRequest, payload)
+        ours = self._integrity is not None
+        if attach.integrity != ours:
+            self._refused = True
+            reason = (f"frame integrity is {'on' if attach.integrity else 'off'} at this front"
+                      f" end and {'on' if ours else 'off'} at the engine; set the same on both"
+                      " (client option frame_integrity, enginewire engine --integrity)")
+            logger.error("refused a front end: %s", reason)
+            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(
+                engine_index=self.engine_index, session=attach.session, refusal=reason,
+                timestamp=EngineCoreOutputs.now())))
+            return
+        self._refused = False
+        if self._integrity is not None:
+            self._integrity.restart_receiving()
         self.input_queue.put((kind, payload))
 
     def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
@@ -690,8 +730,8 @@ class EngineCoreProc:
         pool = self._out_pool
         buf = pool.acquire()
         frames = self._out_encoder.encode_into(item, buf)
-        if self._integrity is not None:
-            frames = [*frames, self._integrity.seal(frames, restart=_is_marker(item))]
+        if self._integrity is not None and (mode := _seal_mode(item)) is not None:
+            frames = [*frames, self._integrity.seal(frames, restart=mode)]
         # The payload's own tracker decides when ``buf`` may be reused.
         tracker = _send_reconnecting(sock, address, dropped, functools.partial(
             send_frames, sock, frames, track=True))
@@ -740,8 +780,8 @@ class EngineCoreProc:
         # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps
         # a reference to it until libzmq is done (above), and nothing else writes to it.
         frames = self._out_encoder.encode(item)
-        if self._integrity is not None:
-            frames = [*frames, self._integrity.seal(frames, restart=_is_marker(item))]
+        if self._integrity is not None and (mode := _seal_mode(item)) is not None:
+            frames = [*frames, self._integrity.seal(frames, restart=mode)]
         try:
             # NOBLOCK on the first frame decides for the whole message: once libzmq has
             # taken the first part of a multipart message, it takes the rest.
@@ -828,7 +868,10 @@ class EngineCoreProc:
         if kind is _Control.WAKE:
             pass
         elif kind is _Control.OUTPUTS:
-            self._emit(payload)
+            if _is_marker(payload):  # a refusal: nothing else in it, sent all the same
+                self._put_output(payload, direct=True)
+            else:
+                self._emit(payload)
         elif kind is RequestType.ADD:
             try:
                 self.engine.add_request(payload)

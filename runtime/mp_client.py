@@ -961,9 +961,15 @@ class MPClient(EngineCoreClient):
         if sentinel is not None:
             poller.register(sentinel, zmq.POLLIN)
         deadline = time.monotonic() + timeout
+        strangers: set[int] = set()  # engine indexes heard from that are not ours
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if strangers:
+                    raise EngineStartupError(
+                        f"timed out after {timeout:g} s: the engine that answered has"
+                        f" engine_index {sorted(strangers)}, this client expects"
+                        f" {self.engine_index} (set the same index on both sides)")
                 refused = list(res.guard.refusals) if res.guard is not None else []
                 if refused:  # the engine may well be up: its handshake was turned away
                     raise EngineStartupError(
@@ -980,6 +986,8 @@ class MPClient(EngineCoreClient):
                 identity, *frames = res.input_socket.recv_multipart()
                 if identity != self.identity:
                     logger.warning("ignoring a message from unknown engine %r", identity)
+                    strangers.add(int.from_bytes(identity, "little") if len(identity) == 2
+                                  else -1)
                     continue
                 try:
                     return decode_ready(frames)
@@ -1012,9 +1020,9 @@ class MPClient(EngineCoreClient):
         self._attaching = session
         self._attach_deadline = time.monotonic() + self._ready_timeout
         # Unsealed even with frame integrity: it starts the engine's counts afresh.
+        attach = AttachRequest(session, integrity=self._integrity is not None)
         res.input_socket.send_multipart(
-            [self.identity, *encode_input(self._encoder, RequestType.ATTACH,
-                                          AttachRequest(session))])
+            [self.identity, *encode_input(self._encoder, RequestType.ATTACH, attach)])
 
     def _before_marker(self, first: bytes, sock: zmq.Socket[Any]) -> None:
         """``_on_message`` until the attach marker: only the marker and the sentinel count."""
@@ -1045,10 +1053,13 @@ class MPClient(EngineCoreClient):
         integrity = self._integrity
         body = frames[:-1] if integrity is not None and len(frames) > 1 else frames
         try:
-            if decode_outputs(body).session != session:
-                return False
+            marker = decode_outputs(body)
         except ProtocolError:
             return False
+        if marker.session != session:
+            return False
+        if marker.refusal is not None:  # never sealed: read whatever this side's setting
+            raise ProtocolError(f"the engine refused this front end: {marker.refusal}")
         if integrity is not None:
             integrity.open(frames)  # the session's first sealed message: seq 1
         return True

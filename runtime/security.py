@@ -441,12 +441,14 @@ class TransportGuard:
             self.watch(sock, name, accepts=True)
 
     def connect_as_client(self, sock: zmq.Socket[Any], name: str, *,
-                          on_drop: Callable[[], None] | None = None) -> None:
+                          on_drop: Callable[[], None] | None = None,
+                          on_connect: Callable[[], None] | None = None) -> None:
         """Make a socket that will connect a CURVE client (if configured) and watch it.
 
         ``on_drop`` is called when a connection drops or a handshake fails: after a protocol
         error (a refused handshake, a frame over MAXMSGSIZE) libzmq never reconnects, so the
-        socket's owner must connect again.
+        socket's owner must connect again. ``on_connect`` is called each time a connection
+        completes its handshake (a peer, maybe a new one, is there to talk to).
         """
         if self.curve is not None:
             sock.curve_secretkey = self.curve.keypair.secret
@@ -455,11 +457,12 @@ class TransportGuard:
             # Queue only on authenticated connections: a message queued on a connection
             # whose handshake then fails (an impostor listener) would be lost silently.
             sock.immediate = True
-        if self.curve is not None or on_drop is not None:
-            self.watch(sock, name, on_drop=on_drop)
+        if self.curve is not None or on_drop is not None or on_connect is not None:
+            self.watch(sock, name, on_drop=on_drop, on_connect=on_connect)
 
     def watch(self, sock: zmq.Socket[Any], name: str, *,
-              on_drop: Callable[[], None] | None = None, accepts: bool = False) -> None:
+              on_drop: Callable[[], None] | None = None, accepts: bool = False,
+              on_connect: Callable[[], None] | None = None) -> None:
         """Log refused handshakes (and, with ``on_drop``, report them and dropped connections)
         of ``sock``; with ``accepts``, failed accepts of a bound socket too (out of file
         descriptors: libzmq retries in a loop and says nothing). Call from the thread that
@@ -471,20 +474,22 @@ class TransportGuard:
             events |= zmq.EVENT_DISCONNECTED
         if accepts:
             events |= zmq.EVENT_ACCEPT_FAILED
+        if on_connect is not None:
+            events |= zmq.EVENT_HANDSHAKE_SUCCEEDED
         # A plain PAIR even for an asyncio socket (whose get_monitor_socket would return an
         # asyncio socket, unusable from this thread).
         address = f"inproc://enginewire-monitor-{id(self):x}-{next(_monitor_ids)}"
         sock.monitor(address, events)
         mon: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
         mon.connect(address)
-        t = threading.Thread(target=self._monitor, args=(mon, name, on_drop),
+        t = threading.Thread(target=self._monitor, args=(mon, name, on_drop, on_connect),
                              name=f"EngineWireMonitor-{name}", daemon=True)
         t.start()
         with self._lock:
             self._monitors.append(t)
 
-    def _monitor(self, mon: zmq.Socket[Any], name: str,
-                 on_drop: Callable[[], None] | None) -> None:
+    def _monitor(self, mon: zmq.Socket[Any], name: str, on_drop: Callable[[], None] | None,
+                 on_connect: Callable[[], None] | None = None) -> None:
         try:
             while not self._stop.is_set():
                 if not mon.poll(_MONITOR_POLL_MS):
@@ -494,6 +499,10 @@ class TransportGuard:
                 endpoint = msg["endpoint"].decode("utf-8", "replace")
                 if event == zmq.EVENT_MONITOR_STOPPED:
                     return
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if on_connect is not None:
+                        on_connect()
+                    continue
                 if event == zmq.EVENT_DISCONNECTED:
                     with self._lock:
                         self.disconnects += 1

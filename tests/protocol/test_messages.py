@@ -66,9 +66,9 @@ LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     ),
     EngineCoreOutputs: (
         "engine_index", "outputs", "timestamp", "finished_requests", "scheduler_stats",
-        "utility_output", "stream_ids", "stream_tokens", "session",
+        "utility_output", "stream_ids", "stream_tokens", "session", "refusal",
     ),
-    AttachRequest: ("session",),
+    AttachRequest: ("session", "integrity"),
     ReadyResponse: (
         "protocol_version", "engine_index", "num_gpu_blocks", "block_size", "max_model_len",
         "model", "device",
@@ -247,7 +247,8 @@ def test_input_round_trips_through_type_byte(kind: RequestType, data: st.DataObj
         RequestType.ABORT: abort_ids,
         RequestType.UTILITY: utility_requests,
         RequestType.ATTACH: st.builds(
-            AttachRequest, st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)),
+            AttachRequest, st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES),
+            st.booleans()),
     }[kind]
     msg = data.draw(strategy)
     got_kind, got = decode_input(encode_input(Encoder(), kind, msg))

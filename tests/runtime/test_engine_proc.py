@@ -524,7 +524,7 @@ class FakeEngine:
             return
         first = self._dealer.recv()
         assert first[:1] == RequestType.ATTACH.value
-        (session,) = msgspec.msgpack.decode(first[1:])
+        session = msgspec.msgpack.decode(first[1:])[0]
         self._push.send_multipart(self.encoder.encode(EngineCoreOutputs(session=session)))
 
     def _attached(self) -> None:

@@ -333,3 +333,44 @@ def test_an_unanswered_attach_is_engine_death_not_a_silent_drop(tmp_path: Path) 
         dealer.close(0)
         push.close(0)
         ctx.term()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine_integrity", [True, False], ids=["engine-seals", "engine-plain"])
+def test_a_front_end_with_the_other_integrity_setting_is_refused_not_fatal(
+        tmp_path: Path, engine_integrity: bool) -> None:
+    """A deploy typo (frame integrity on one side only) used to kill an --integrity engine at
+    the front end's first message, for every front end after it. The engine now refuses that
+    front end at its ATTACH, says why, and serves the next one."""
+    from enginewire import EngineDeadError, ProtocolError
+
+    with standalone_engine(tmp_path, integrity=engine_integrity) as (inp, out, proc):
+        wrong = front_end(inp, out, frame_integrity=not engine_integrity)
+        with wrong, pytest.raises(EngineDeadError) as info:
+            wrong.add_request(req("w", [1], 3))
+            deadline = time.monotonic() + BOUND_S
+            while time.monotonic() < deadline:
+                wrong.get_output(timeout=1.0)
+        cause = info.value.__cause__
+        assert isinstance(cause, ProtocolError) and "refused this front end" in str(cause)
+        assert "frame integrity" in str(cause)
+        assert proc.is_alive()
+        with front_end(inp, out, frame_integrity=engine_integrity) as right:
+            right.add_request(req("r", [2, 3], 4))
+            toks, seen = collect(right, "r")
+            assert len(toks) == 4 and seen == {"r"}
+
+
+@pytest.mark.timeout(60)
+def test_a_front_end_expecting_another_engine_index_is_told_so(tmp_path: Path) -> None:
+    """An engine answered, under another index: the start-up error says which, instead of
+    blaming slow weight loading."""
+    from enginewire import EngineStartupError
+
+    with standalone_engine(tmp_path) as (inp, out, _):
+        with pytest.raises(EngineStartupError, match=r"engine_index \[0\].*expects 1"):
+            make_client(SLOW_NULL, multiprocess=True, asyncio=False, launch_engine=False,
+                        input_address=inp, output_address=out, engine_index=1,
+                        ready_timeout_s=1.5)
+        with front_end(inp, out) as c:  # the engine serves the right one after it
+            assert c.call_utility("echo", "ok", timeout=BOUND_S) == "ok"
