@@ -389,15 +389,17 @@ def test_a_secret_key_owned_by_another_user_is_refused(
         load_or_create_keypair(path)
 
 
-def test_a_failed_public_key_write_leaves_neither_half_of_the_pair(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Disk full while writing the public twin: a lone secret would be loaded next time and the
-    public key peers need never written; an empty public file would be copied to peers as a
-    key. Neither may remain, and the next try makes a whole pair."""
+@pytest.mark.parametrize("half", ["public", "secret"])
+def test_a_failed_key_write_leaves_neither_half_of_the_pair(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, half: str) -> None:
+    """Disk full while writing either file of a new pair. A lone or empty secret would be
+    loaded next time (and fail there, naming no cause) and the public key peers need never
+    written; an empty public file would be copied to peers as a key. Nothing may remain, and
+    the next try makes a whole pair."""
     real = security._certificate
 
     def failing(kind: str, public: bytes, secret: bytes | None) -> bytes:
-        if kind == "Public":
+        if (secret is None) == (half == "public"):
             raise OSError(28, "No space left on device")
         cert: bytes = real(kind, public, secret)
         return cert
@@ -410,24 +412,3 @@ def test_a_failed_public_key_write_leaves_neither_half_of_the_pair(
     monkeypatch.setattr(security, "_certificate", real)
     pair = load_or_create_keypair(secret)
     assert load_public_keys([tmp_path / "h.key"]) == {pair.public}
-
-
-def test_a_failed_secret_key_write_leaves_no_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Disk full while writing the secret itself: the empty file it leaves would be loaded
-    next time (and fail there, naming no cause); nothing may remain."""
-    real = security._certificate
-
-    def failing(kind: str, public: bytes, secret: bytes | None) -> bytes:
-        if secret is not None:
-            raise OSError(28, "No space left on device")
-        cert: bytes = real(kind, public, secret)
-        return cert
-
-    secret = tmp_path / "s.key_secret"
-    monkeypatch.setattr(security, "_certificate", failing)
-    with pytest.raises(OSError, match="No space left"):
-        load_or_create_keypair(secret)
-    assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(security, "_certificate", real)
-    assert load_or_create_keypair(secret).public in load_public_keys([tmp_path / "s.key"])
