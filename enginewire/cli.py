@@ -400,9 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     camp.add_argument(
         "--client",
-        choices=("inproc", "sync", "async", "all"),
+        choices=("inproc", "sync", "async", "standalone", "all"),
         default="all",
-        help="which client to drive (default: all three)",
+        help="which client to drive (default: all: inproc, sync and async); standalone: sync"
+        " and async front ends taking turns on one engine started on its own",
     )
     camp.add_argument("--examples", type=_int_in(1), default=10,
                       help="Hypothesis examples per client (>= 1)")

@@ -44,9 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "run_campaign"]
+__all__ = ["ALL_CLIENTS", "CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "run_campaign"]
 
-CLIENTS = ("inproc", "sync", "async")
+# "standalone": sync and async front ends taking turns on one engine started on its own
+# (stateful.StandaloneEngineStateMachine). Not in "all": every handover waits for the engine
+# to notice its new front end (up to 0.5 s, engine_proc.IDLE_WAKE_S), and a duration run
+# splits its time between the clients. No mutant names it.
+CLIENTS = ("inproc", "sync", "async", "standalone")
+ALL_CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")
 # Per-mutant bound on the child campaign (it stops at the first failure).
 MUTANT_TIMEOUT_S = 300.0
@@ -205,16 +210,31 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
     head = [
         "# Reproducer printed by `enginewire campaign`; paste it into a test.",
         "from enginewire.testing.campaign import _config",
-        "from enginewire.testing.stateful import EngineClientStateMachine, builtin_factory",
-        "",
-        f"factory = builtin_factory({kind!r}, _config({model!r}), faults={faults!r})",
     ]
-    out = []
-    for ln in body:
-        if ln.startswith("state = EngineClientStateMachine("):
-            ln = (f"state = EngineClientStateMachine(factory, kind={kind!r}, faults={faults!r},"
-                  f" exact_tokens={model == 'null'!r})")
-        out.append(ln)
+    if kind == "standalone":
+        head += [
+            "from enginewire.testing.stateful import (",
+            "    AttachPool, CampaignStats, StandaloneEngine, StandaloneEngineStateMachine)",
+            "",
+            "# In a script, under `if __name__ == '__main__':` (the engine process is spawned).",
+            f"pool = AttachPool(StandaloneEngine(_config({model!r}), faults={faults!r}),"
+            " CampaignStats())",
+        ]
+        made = (f"state = StandaloneEngineStateMachine(pool, faults={faults!r},"
+                f" exact_tokens={model == 'null'!r})")
+        first = "state = StandaloneEngineStateMachine("
+    else:
+        head += [
+            "from enginewire.testing.stateful import EngineClientStateMachine, builtin_factory",
+            "",
+            f"factory = builtin_factory({kind!r}, _config({model!r}), faults={faults!r})",
+        ]
+        made = (f"state = EngineClientStateMachine(factory, kind={kind!r}, faults={faults!r},"
+                f" exact_tokens={model == 'null'!r})")
+        first = "state = EngineClientStateMachine("
+    out = [made if ln.startswith(first) else ln for ln in body]
+    if kind == "standalone":
+        out.append("pool.close()")
     return "\n".join(head + out)
 
 
@@ -227,9 +247,12 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
 
     from .stateful import (
         ORPHAN_MIN_LIFE,
+        AttachPool,
         CampaignStats,
         ClientPool,
         EngineClientStateMachine,
+        StandaloneEngine,
+        StandaloneEngineStateMachine,
         builtin_factory,
     )
 
@@ -237,8 +260,14 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     stats = CampaignStats()
     if progress is not None:
         stats.on_step = progress
-    factory = builtin_factory(kind, config, faults=faults)
-    pool = ClientPool(factory, stats)
+    pool: ClientPool
+    if kind == "standalone":
+        start = time.monotonic()
+        pool = AttachPool(StandaloneEngine(config, faults=faults), stats)
+        stats.engines_started += 1
+        stats.seconds["(engine start)"] += time.monotonic() - start
+    else:
+        pool = ClientPool(builtin_factory(kind, config, faults=faults), stats)
     orphan = None
     if kind == "sync" and faults:
         orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
@@ -251,7 +280,12 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     orphan_min_life = ORPHAN_MIN_LIFE if steps <= 25 else steps * 3 // 4
 
     def make() -> EngineClientStateMachine:
-        return EngineClientStateMachine(factory, kind=kind, faults=faults,
+        if isinstance(pool, AttachPool):
+            return StandaloneEngineStateMachine(pool, faults=faults,
+                                                exact_tokens=model == "null",
+                                                vocab_size=TINY_ARCH.vocab_size, stats=stats,
+                                                min_life=min_life)
+        return EngineClientStateMachine(pool.factory, kind=kind, faults=faults,
                                         exact_tokens=model == "null",
                                         vocab_size=TINY_ARCH.vocab_size, pool=pool,
                                         stats=stats, orphan_config=orphan, min_life=min_life,
@@ -313,11 +347,11 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
 def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: Any) -> None:
     w = out.write
     w("\nenginewire campaign\n")
-    w(f"{'client':<8} {'examples':>8} {'steps':>7} {'seconds':>8} {'steps/s':>8} "
+    w(f"{'client':<10} {'examples':>8} {'steps':>7} {'seconds':>8} {'steps/s':>8} "
       f"{'warm/s':>8} {'engines':>7}  result\n")
     for r in results:
         verdict = "ok" if r.failure is None else "FAILED"
-        w(f"{r.client:<8} {r.examples:>8} {r.steps:>7} {r.seconds:>8.1f} {r.steps_per_s:>8.1f}"
+        w(f"{r.client:<10} {r.examples:>8} {r.steps:>7} {r.seconds:>8.1f} {r.steps_per_s:>8.1f}"
           f" {r.steps_per_s_warm:>8.1f} {r.engines_started:>7}  {verdict}\n")
     faults: dict[str, int] = {}
     for r in results:
@@ -395,7 +429,7 @@ def run_campaign(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise PermissionError(f"results_dir {results_dir!r} is not writable")
-    kinds = list(CLIENTS) if client == "all" else [client]
+    kinds = list(ALL_CLIENTS) if client == "all" else [client]
     if mutants_all:
         return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
                                  results_dir=out_dir)

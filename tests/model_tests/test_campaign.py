@@ -4,6 +4,7 @@ nothing)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -193,3 +194,54 @@ def test_mutant_is_detected(name: str, tmp_path: Path) -> None:
     report = _report(tmp_path, f"mutant-{name}-*.json")
     failing = [c for c in report["clients"] if c["failure"]]
     assert failing and "state = EngineClientStateMachine(factory" in failing[0]["reproducer"]
+
+
+# --- front ends taking turns on an engine started on its own -----------------------------------
+
+
+def test_bounded_campaign_on_a_standalone_engine(tmp_path: Path) -> None:
+    """The campaign's rules on attached front ends, with handovers mid-program: one engine
+    serves every example and is stopped cleanly at the end (its exit and leaks are judged)."""
+    assert run_campaign(client="standalone", examples=CI_EXAMPLES, steps=CI_STEPS,
+                        results_dir=str(tmp_path)) == 0
+    (res,) = _report(tmp_path, "campaign-*.json")["clients"]
+    assert res["client"] == "standalone" and res["failure"] is None
+    assert res["engines_started"] == 1 and res["examples"] >= CI_EXAMPLES
+    rules = res["rules"]
+    assert rules.get("handover_after_shutdown", 0) + rules.get("handover_after_vanish", 0) >= 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["shutdown", "vanish"])
+def test_handover_program(how: str) -> None:
+    """Each way a front end can leave the engine (running, asleep, paused, a read and a
+    deferred call pending), then a sync or an async front end carries on: a fixed program,
+    so every case runs whatever the campaign draws."""
+    from enginewire.testing.campaign import _config
+    from enginewire.testing.stateful import (
+        AttachPool,
+        CampaignStats,
+        StandaloneEngine,
+        StandaloneEngineStateMachine,
+    )
+
+    stats = CampaignStats()
+    pool = AttachPool(StandaloneEngine(_config("null")), stats)
+    try:
+        state = StandaloneEngineStateMachine(pool, stats=stats, exact_tokens=True)
+        handover = getattr(state, f"handover_after_{how}")
+        try:
+            for then, kind in [("running", "async"), ("pending", "async"), ("asleep", "sync"),
+                               ("paused", "sync"), ("pending", "sync")]:
+                state.add(prompt=[5, 6], max_tokens=4, seed=1, stop_at=None, ignore_eos=True,
+                          temperature=0.0, top_p=1.0, reuse=7)
+                handover(left=3, then=then, next_kind=kind)
+                state.client_state_matches_model()
+                state.drain()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                state.teardown()  # as Hypothesis would: lets the failed rule's client go
+            raise
+        state.teardown()
+    finally:
+        pool.close()  # stops the engine: its exit status and every leak are judged
