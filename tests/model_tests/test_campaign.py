@@ -168,6 +168,13 @@ def test_reproducer_falls_back_to_the_recorded_program() -> None:
                          "null", True, recorded)
     assert "Not shrunk" not in shrunk and shrunk.splitlines()[-1] == "state.poll()"
     compile(text, "<reproducer>", "exec")  # valid Python as printed
+    # A standalone run's program builds its engine and pool, and stops the engine at the end.
+    lone = _reproducer(["state = StandaloneEngineStateMachine()",
+                        "state.handover_after_vanish(left=1, then='asleep', next_kind='async')"],
+                       "standalone", "null", True)
+    assert "state = StandaloneEngineStateMachine(pool, faults=True" in lone
+    assert lone.splitlines()[-1] == "pool.close()"
+    compile(lone, "<reproducer>", "exec")
 
 
 # --- bounded campaigns on the real engine ------------------------------------------------------
