@@ -44,7 +44,10 @@ and parked requests are dropped without outputs (nobody who asked for them is li
 deferred calls and replies not yet sent are dropped, the prefix cache is emptied, and an
 engine asleep or paused wakes up (every tag) or resumes. The new front end finds it as after
 start-up: awake, scheduling, no request. ``ATTACH`` is optional for the front end that takes
-an engine's first ready (nothing can precede it); ``MPClient`` always sends it.
+an engine's first ready (nothing can precede it); ``MPClient`` always sends it, and declares
+the engine dead if the marker has not come within its ready deadline (``ready_timeout_s``)
+of the ``ATTACH``, on a timer: a lost ``ATTACH`` would otherwise leave it dropping every
+reply, or waiting for one, for good.
 
 An ``ATTACH`` whose ``integrity`` differs from the engine's own setting is refused: the marker
 then carries ``refusal`` (why), is never sealed, ends nothing, and the engine drops every

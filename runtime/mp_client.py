@@ -22,7 +22,9 @@ others are closed with linger 0 before the context terminates.
 Engine death is seen on every path, within a second:
 
 * the **monitor thread** waits on the process sentinel (and, for attached engines, a
-  heartbeat deadline): a SIGKILLed engine sends nothing, yet its exit is seen at once;
+  heartbeat deadline): a SIGKILLed engine sends nothing, yet its exit is seen at once. Until
+  the attach marker arrives it also holds the marker's deadline, so an ATTACH that was lost
+  is engine death even if the engine then says nothing;
 * the **reader** treats the engine-dead sentinel frame, or an undecodable frame, as death;
 * on death the client fires ENGINE_DIED, fails *every* pending utility future with
   ``EngineDeadError`` (vLLM leaves them hanging) and wakes every blocked ``get_output``.
@@ -50,7 +52,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -418,6 +420,9 @@ class BackgroundResources:
     input_linger_ms: int = 0
     guard: TransportGuard | None = None  # ZAP handler and socket monitors (security.py)
     last_seen: list[float] = field(default_factory=lambda: [time.monotonic()])
+    # When the attach marker is overdue (monotonic); inf once the reader has accepted it.
+    # Shared like ``last_seen``: the monitor wakes at it, the reader disarms it.
+    attach_deadline: list[float] = field(default_factory=lambda: [math.inf])
     # ipc socket files bound at addresses the caller gave (ours live in ipc_dir), with what
     # identifies the file (``_file_id``): removed once the context is gone, so a later bind
     # there is not refused or confused, unless another front end bound the path since (a
@@ -617,19 +622,26 @@ class BackgroundResources:
             logger.warning("zmq context did not terminate; a socket was left open")
 
 
+class _MarkerOverdue(Exception):
+    """What ``_watch_engine`` returns when the attach marker is overdue: the client words
+    the cause (``MPClient._marker_overdue``, which knows what it dropped meanwhile)."""
+
+
 def _monitor_engine(
     client_ref: weakref.ReferenceType[MPClient],
     proc: Any,
     stop_fd: int,
     heartbeat_timeout_s: float | None,
     last_seen: list[float],
+    attach_deadline: Sequence[float] = (math.inf,),
 ) -> None:
-    """Wait for the engine process to exit (or go silent) and report it to the client.
+    """Wait for the engine process to exit (or go silent, or leave the ATTACH unanswered)
+    and report it to the client.
 
     If the watch itself fails, death could no longer be seen and every wait on the engine
     could hang: the client is told the engine is dead, with the failure as the cause."""
     try:
-        cause = _watch_engine(proc, stop_fd, heartbeat_timeout_s, last_seen)
+        cause = _watch_engine(proc, stop_fd, heartbeat_timeout_s, last_seen, attach_deadline)
     except Exception as e:
         logger.exception("engine monitor failed")
         cause = EngineProcessDied(f"the engine monitor failed ({e!r}): death can no longer"
@@ -638,24 +650,37 @@ def _monitor_engine(
         return
     client = client_ref()
     if client is not None:
+        if isinstance(cause, _MarkerOverdue):
+            cause = client._marker_overdue()
         client._on_engine_dead(cause)
 
 
 def _watch_engine(
-    proc: Any, stop_fd: int, heartbeat_timeout_s: float | None, last_seen: list[float]
+    proc: Any,
+    stop_fd: int,
+    heartbeat_timeout_s: float | None,
+    last_seen: list[float],
+    attach_deadline: Sequence[float],
 ) -> BaseException | None:
-    """Block until the engine exits or goes silent (its cause) or the client stops (None)."""
+    """Block until the engine exits or goes silent or its attach marker is overdue (the
+    cause), or the client stops or nothing is left to watch (None)."""
     waitables: list[Any] = [stop_fd]
     if proc is not None:
         waitables.append(proc.sentinel)
     while True:
-        # Wake at the deadline itself rather than on a polling grid: a silent engine is then
-        # declared dead at its last message + heartbeat_timeout_s (plus scheduling), not up to
-        # a poll period later (timeout/4 polling measured 0.8-1.25 s with a 1 s deadline).
-        wait_s = None
+        # Wake at the deadlines themselves rather than on a polling grid: a silent engine is
+        # then declared dead at its last message + heartbeat_timeout_s (plus scheduling), not
+        # up to a poll period later (timeout/4 polling measured 0.8-1.25 s with a 1 s
+        # deadline). The reader disarms the marker's deadline without waking this thread:
+        # it wakes once more at the old deadline, finds it gone, and goes on.
+        now = time.monotonic()
+        wait_s = attach_deadline[0] - now
         if heartbeat_timeout_s:
-            wait_s = max(0.0, last_seen[0] + heartbeat_timeout_s - time.monotonic())
-        ready = multiprocessing.connection.wait(waitables, timeout=wait_s)
+            wait_s = min(wait_s, last_seen[0] + heartbeat_timeout_s - now)
+        if math.isinf(wait_s) and proc is None:
+            return None  # an attached engine without a heartbeat: only the marker was due
+        ready = multiprocessing.connection.wait(
+            waitables, timeout=None if math.isinf(wait_s) else max(0.0, wait_s))
         if stop_fd in ready:
             return None
         if proc is not None and proc.sentinel in ready:
@@ -665,6 +690,8 @@ def _watch_engine(
             if proc.exitcode is None:
                 continue
             return EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
+        if time.monotonic() >= attach_deadline[0]:  # inf once the reader took the marker
+            return _MarkerOverdue()
         if heartbeat_timeout_s and time.monotonic() - last_seen[0] >= heartbeat_timeout_s:
             return EngineProcessDied(
                 f"no message from the engine for {heartbeat_timeout_s:g} s"
@@ -766,7 +793,6 @@ class MPClient(EngineCoreClient):
         # This front end's session until the engine's attach marker arrives, then None.
         self._attaching: bytes | None = None
         self._stale = 0  # messages dropped before the marker
-        self._attach_deadline = math.inf  # the marker is overdue after this (monotonic)
         self._encoder = Encoder()
         # Round-trip paths: a utility call is encoded plainly when it can be (no arrays), and
         # a one-frame reply is decoded by this client's own decoder. Each is used under the
@@ -902,14 +928,17 @@ class MPClient(EngineCoreClient):
 
         stop_r, stop_w = os.pipe()
         res.monitor_pipe = (stop_r, stop_w)
-        if res.proc is not None or heartbeat_timeout_s:
-            res.monitor_thread = threading.Thread(
-                target=_monitor_engine,
-                args=(weakref.ref(self), res.proc, stop_r, heartbeat_timeout_s, res.last_seen),
-                name="EngineCoreMonitor",
-                daemon=True,
-            )
-            res.monitor_thread.start()
+        # Always started: the marker's deadline is watched even for an attached engine
+        # without a heartbeat, whose monitor, with nothing else to watch, ends at that
+        # deadline once the marker is in (waking it sooner would take another pipe).
+        res.monitor_thread = threading.Thread(
+            target=_monitor_engine,
+            args=(weakref.ref(self), res.proc, stop_r, heartbeat_timeout_s, res.last_seen,
+                  res.attach_deadline),
+            name="EngineCoreMonitor",
+            daemon=True,
+        )
+        res.monitor_thread.start()
         self._start_reader()
         with self._state_lock:
             if self.lifecycle.state is ClientState.DEAD:
@@ -1018,7 +1047,7 @@ class MPClient(EngineCoreClient):
         assert res.input_socket is not None
         session = os.urandom(SESSION_BYTES)
         self._attaching = session
-        self._attach_deadline = time.monotonic() + self._ready_timeout
+        res.attach_deadline[0] = time.monotonic() + self._ready_timeout
         # Unsealed even with frame integrity: it starts the engine's counts afresh.
         attach = AttachRequest(session, integrity=self._integrity is not None)
         res.input_socket.send_multipart(
@@ -1035,17 +1064,25 @@ class MPClient(EngineCoreClient):
         session = self._attaching
         if session is not None and self._is_marker(frames, session):
             self._attaching = None
+            self.resources.attach_deadline[0] = math.inf  # the monitor stops watching it
             if self._stale:
                 logger.info("dropped %d message(s) sent before this front end attached",
                             self._stale)
             return
         self._stale += 1
-        if time.monotonic() > self._attach_deadline:
-            # The engine speaks, but not to us: the ATTACH was lost (a link that dropped
-            # just then) or the engine ignores it. Everything would be dropped for good.
-            raise ProtocolError(
-                f"no attach marker within {self._ready_timeout:g} s (ready_timeout_s) of this"
-                f" front end's ATTACH, though the engine sent {self._stale} other message(s)")
+        if time.monotonic() > self.resources.attach_deadline[0]:
+            # Seen here at once when the engine speaks; the monitor sees it when it does not.
+            raise self._marker_overdue()
+
+    def _marker_overdue(self) -> ProtocolError:
+        """The cause of death when the marker has not come within ``ready_timeout_s``: the
+        ATTACH was lost (a link that dropped just then) or the engine ignores it or hangs.
+        Everything would be dropped (or awaited) for good."""
+        said = (f"though the engine sent {self._stale} other message(s)" if self._stale
+                else "and the engine sent nothing else")
+        return ProtocolError(
+            f"no attach marker within {self._ready_timeout:g} s (ready_timeout_s) of this"
+            f" front end's ATTACH, {said}")
 
     def _is_marker(self, frames: list[bytes], session: bytes) -> bool:
         """Whether ``frames`` is the attach marker for ``session``; anything else before it
