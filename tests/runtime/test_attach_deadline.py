@@ -172,11 +172,14 @@ def test_async_client_is_dead_once_the_marker_is_overdue(tmp_path: Path) -> None
         client = make_client(NULL, multiprocess=True, asyncio=True, launch_engine=False,
                              input_address=engine.inp, output_address=engine.out,
                              ready_timeout_s=FAKE_READY_S)
+        tasks: list[asyncio.Future[Any]] = []
         try:
             await asyncio.to_thread(engine.recv, RequestType.ATTACH)
             call = asyncio.ensure_future(client.call_utility_async("echo", 1))
+            tasks.append(call)
             await asyncio.to_thread(engine.recv, RequestType.UTILITY)
             read = asyncio.ensure_future(client.get_output_async())  # no timeout
+            tasks.append(read)
             done, _ = await asyncio.wait([call, read], timeout=BOUND_S)
             assert done == {call, read}, "a call or get_output still waits: no deadline fired"
             assert time.monotonic() - start >= FAKE_READY_S
@@ -186,7 +189,8 @@ def test_async_client_is_dead_once_the_marker_is_overdue(tmp_path: Path) -> None
             with pytest.raises(EngineDeadError):
                 await client.get_output_async()
         finally:
-            await client.shutdown_async()
+            await client.shutdown_async()  # ends whatever still waits (a failing run)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     with fake_engine(tmp_path) as engine:
         asyncio.run(main(engine))
@@ -255,14 +259,15 @@ def test_a_launched_engine_whose_attach_was_lost_is_dead_and_reaped(
 
         async def use_async_client() -> tuple[BaseException | None, BaseException | None]:
             client = make_client(NULL, asyncio=True, **options)
+            call = asyncio.ensure_future(client.call_utility_async("echo", 1))
+            read = asyncio.ensure_future(client.get_output_async())
             try:
-                call = asyncio.ensure_future(client.call_utility_async("echo", 1))
-                read = asyncio.ensure_future(client.get_output_async())
                 await asyncio.wait([call, read], timeout=BOUND_S)
                 assert call.done() and read.done(), "still waiting: no deadline fired"
                 return call.exception(), read.exception()
             finally:
                 await client.shutdown_async()
+                await asyncio.gather(call, read, return_exceptions=True)
 
         if use_async:
             call_error, read_error = asyncio.run(use_async_client())
