@@ -15,9 +15,22 @@ actor: the owner (``user``), the client's output thread (``client``), the engine
 (``engine``), the client's process monitor (``monitor``), the engine's parent-death watcher
 (``watchdog``) and the fault injector (``fault``). Faults are ordinary actions: a crash with
 or without the dead sentinel (also during the handshake), a hang, a corrupted input or output
-frame, and the death of the parent. The client's start-up deadline (``ready_timeout_s``) is
-not a fault: it may fire at any time during construction, so a hung or slow engine still ends
-the constructor.
+frame, a lost ATTACH, and the death of the parent. The client's start-up deadline
+(``ready_timeout_s``) is not a fault: it may fire at any time during construction, so a hung
+or slow engine still ends the constructor.
+
+The engine's first move also decides how it was deployed: *launched* by this client (a
+subprocess it owns, stops and reaps) or *standalone* (started on its own, already serving a
+previous front end: still running its request, of the same id as this client's, or asleep
+with that request parked). Every client attaches after the ready handshake (``ATTACH``; the
+engine ends the previous session and answers with a marker) and drops everything read before
+the marker; a marker overdue by ``ready_timeout_s`` declares the engine dead (a timer, which
+the model fires only when the marker is not on its way: the engine hangs or the ATTACH was
+lost; firing earlier is a slow engine, which ends like any death). A client leaving a
+standalone engine aborts what the engine still runs for it and does not stop the engine; once
+no front end is connected the engine's outputs are dropped. The monitor stands for the
+heartbeat deadline there (a standalone engine is not this client's child), and the
+parent-death watchdog applies only to launched engines.
 
 Power calls (sleep, pause, wake_up, resume_scheduler) are counted from the owner's send to the
 client's reading of their reply (``power_pending``), as the runtime answers each: every
@@ -71,17 +84,20 @@ TOKENS = 1  # tokens a request may emit before its length limit
 # ---- messages (kind in the low 4 bits, request-frame sequence number above) -----------------
 IN_MSGS = (
     "ADD", "ABORT", "UTIL", "SLEEP_ABORT", "SLEEP_WAIT", "PAUSE_KEEP",
-    "WAKE_WEIGHTS", "WAKE_ALL", "RESUME", "SHUTDOWN", "CORRUPT",
+    "WAKE_WEIGHTS", "WAKE_ALL", "RESUME", "SHUTDOWN", "CORRUPT", "ATTACH",
 )
 OUT_MSGS = (
     "HS", "TOK", "FIN_STOP", "FIN_LENGTH", "FIN_ABORT", "FIN_ERROR",
     "UREPLY_OK", "UREPLY_ERR", "SLEPT", "WOKE_FULL", "WOKE_PART", "DEAD", "CORRUPT",
-    "POWER_ERR",
+    "POWER_ERR", "STALE", "MARKER",
 )
 (I_ADD, I_ABORT, I_UTIL, I_SLEEP_ABORT, I_SLEEP_WAIT, I_PAUSE_KEEP,
- I_WAKE_WEIGHTS, I_WAKE_ALL, I_RESUME, I_SHUTDOWN, I_CORRUPT) = range(1, len(IN_MSGS) + 1)
+ I_WAKE_WEIGHTS, I_WAKE_ALL, I_RESUME, I_SHUTDOWN, I_CORRUPT, I_ATTACH) = range(1, len(IN_MSGS) + 1)
 (O_HS, O_TOK, O_FIN_STOP, O_FIN_LENGTH, O_FIN_ABORT, O_FIN_ERROR, O_UREPLY_OK, O_UREPLY_ERR,
- O_SLEPT, O_WOKE_FULL, O_WOKE_PART, O_DEAD, O_CORRUPT, O_POWER_ERR) = range(1, len(OUT_MSGS) + 1)
+ O_SLEPT, O_WOKE_FULL, O_WOKE_PART, O_DEAD, O_CORRUPT, O_POWER_ERR, O_STALE,
+ O_MARKER) = range(1, len(OUT_MSGS) + 1)
+# O_STALE: any output of a previous front end's request (token or finish); O_MARKER: the
+# engine's answer to this client's ATTACH.
 # Replies that end one power call (sleep, pause, wake_up, resume_scheduler).
 O_POWER_REPLIES = frozenset({O_SLEPT, O_WOKE_FULL, O_WOKE_PART, O_POWER_ERR})
 
@@ -90,14 +106,19 @@ FIELDS = (
     "client", "engine", "proc_exited", "hung", "parent_dead", "inq", "outq", "creq", "ereq",
     "toks", "preempted", "sent", "applied", "util", "util_ends", "weights_asleep",
     "kv_asleep", "sleep_flag", "drain_waiters", "closing", "budget", "faults", "monitor_seen",
-    "power_pending", "asked_awake", "bad",
+    "power_pending", "asked_awake", "standalone", "stale", "attached", "left_work", "bad",
 )
 (C, E, PROC_EXITED, HUNG, PARENT_DEAD, INQ, OUTQ, CREQ, EREQ, TOKS, PREEMPTED, SENT, APPLIED,
  UTIL, UTIL_ENDS, WA, KVA, SLEEP_FLAG, DRAIN_WAITERS, CLOSING, BUDGET_LEFT, FAULTS_LEFT,
- MONITOR_SEEN, POWER_PENDING, ASKED_AWAKE, BAD) = range(len(FIELDS))
+ MONITOR_SEEN, POWER_PENDING, ASKED_AWAKE, STANDALONE, STALE, ATTACHED, LEFT,
+ BAD) = range(len(FIELDS))
 # drain_waiters: deferred sleep(wait) calls, each answered once; bounded by BUDGET.
 # power_pending: power calls sent whose reply the client has not read; bounded by BUDGET.
 # asked_awake: the owner's latest power call was a full wake-up.
+# standalone: the engine was started on its own (not this client's child).
+# stale: the engine's request is a previous front end's (until it ends or the attach drops it).
+# attached: the client has read its attach marker.
+# left_work: the client shut down owing a standalone engine the abort of a live request.
 NO_UTIL = -1  # ``util`` before the one call is made
 World = tuple[Any, ...]
 
@@ -119,11 +140,19 @@ BUGS = (
     "ignore_parent_death",
     "drop_failed_reply",
     "add_before_ready",
+    "reader_keeps_stale",
+    "attach_keeps_work",
+    "no_attach_deadline",
+    "shutdown_leaves_work",
 )
 
 # Table rows no run of this model fires, each with why (machine, row as explore prints it).
 # ``enginewire spec check`` fails when a row is neither exercised nor listed here, and when a
 # listed row becomes exercised, so this list stays true.
+# How a standalone engine can find the previous front end's session: still running its
+# request, or asleep with it parked (engine_start's alternatives).
+_STANDALONE_STARTS: tuple[str, ...] = ("busy", "parked")
+
 _REJECT = "not modelled: the engine rejects an invalid add (tested in tests/runtime)"
 UNEXERCISED: dict[tuple[str, str], str] = {
     ("client", "SHUTDOWN --SHUTDOWN--> SHUTDOWN"):
@@ -490,7 +519,16 @@ class Composition:
                 s = _Step(self, w)
                 s.w[BUDGET_LEFT] -= 1
                 s.w[CLOSING] = 1
-                if not s.w[PROC_EXITED] and len(s.w[INQ]) < IN_CAP:
+                if s.w[STANDALONE]:
+                    # The engine outlives this client: abort what it still runs for it (a
+                    # dead client sends nothing). Past IN_CAP: the last frame, sent once.
+                    if w[C] in C_LIVE and s.w[CREQ] in Q_LIVE:
+                        s.w[LEFT] = 1
+                        if bug != "shutdown_leaves_work":
+                            s.push_in(I_ABORT | s.w[SENT] << 4)
+                            s.w[SENT] += 1
+                            s.fire(CREQ, self.t_creq, QE.ABORT_SENT)
+                elif not s.w[PROC_EXITED] and len(s.w[INQ]) < IN_CAP:
                     s.push_in(I_SHUTDOWN)
                 yield "shutdown", s.freeze()
 
@@ -499,14 +537,14 @@ class Composition:
         def _kill(w: World) -> Iterator[tuple[str, World]]:
             # The grace period ran out: terminate, then kill, the engine process.
             if (bug != "shutdown_no_kill" and w[CLOSING] and not w[PROC_EXITED]
-                    and not w[PARENT_DEAD]):
+                    and not w[PARENT_DEAD] and not w[STANDALONE]):
                 s = _Step(self, w)
                 s.w[PROC_EXITED] = 1
                 yield "shutdown_kill", s.freeze()
 
         @action("client", "shutdown_finish")
         def _finish(w: World) -> Iterator[tuple[str, World]]:
-            joined = w[PROC_EXITED] or bug == "shutdown_skips_join"
+            joined = w[PROC_EXITED] or w[STANDALONE] or bug == "shutdown_skips_join"
             if w[CLOSING] and joined and w[C] != C_SHUTDOWN and not w[PARENT_DEAD]:
                 s = _Step(self, w)
                 s.fire(C, self.t_client, CE.SHUTDOWN)
@@ -524,17 +562,48 @@ class Composition:
             if w[C] == C_CONSTRUCTING and not w[PARENT_DEAD] and bug != "no_startup_deadline":
                 s = _Step(self, w)
                 s.fire(C, self.t_client, CE.CONSTRUCTION_FAILED)
-                s.w[PROC_EXITED] = 1  # the constructor kills and reaps the engine
+                if not s.w[STANDALONE]:
+                    s.w[PROC_EXITED] = 1  # the constructor kills and reaps its engine
                 yield "handshake_deadline", s.freeze()
+
+        @action("client", "attach_deadline")
+        def _attach_deadline(w: World) -> Iterator[tuple[str, World]]:
+            # The marker is overdue (ready_timeout_s after the ATTACH): a timer, so a hung
+            # engine or a lost ATTACH cannot leave the client waiting. Modelled as firing only
+            # when the marker is not on its way (ATTACH queued or marker queued, engine not
+            # hung): firing while it is in flight is a slow engine, which ends like any death.
+            on_way = not w[HUNG] and (I_ATTACH in w[INQ] or O_MARKER in w[OUTQ])
+            if (bug != "no_attach_deadline" and w[C] in C_LIVE and not w[ATTACHED]
+                    and not on_way and not w[CLOSING] and not w[PARENT_DEAD]):
+                s = _Step(self, w)
+                self._on_death(s)
+                yield "attach_deadline", s.freeze()
 
         @action("client", "receive_output")
         def _rx(w: World) -> Iterator[tuple[str, World]]:
-            if not w[OUTQ] or w[PARENT_DEAD] or w[C] in (C_DEAD, C_SHUTDOWN):
+            if not w[OUTQ] or w[PARENT_DEAD] or w[C] == C_DEAD:
+                return
+            if w[C] == C_SHUTDOWN:
+                if w[STANDALONE]:  # no front end connected: the engine's outputs are dropped
+                    s = _Step(self, w)
+                    s.w[OUTQ] = s.w[OUTQ][1:]
+                    yield "output_dropped", s.freeze()
                 return
             s = _Step(self, w)
             msg, s.w[OUTQ] = s.w[OUTQ][0], s.w[OUTQ][1:]
             if msg == O_HS:
                 s.fire(C, self.t_client, CE.HANDSHAKE_OK)
+                s.push_in(I_ATTACH)  # sent by the constructor, ahead of any owner call
+            elif (not s.w[ATTACHED] and msg != O_DEAD
+                    and (msg == O_MARKER or bug != "reader_keeps_stale")):
+                # Before its marker only the marker and the dead sentinel count; the rest
+                # (a previous front end's outputs, an undecodable frame) is dropped unread.
+                if msg == O_MARKER:
+                    s.w[ATTACHED] = 1
+            elif msg == O_STALE:
+                s.flag("no_foreign_output")
+            elif msg == O_MARKER:
+                s.flag("spec_conformance")  # one marker per session
             elif msg == O_TOK or msg in _FIN_EVENT:
                 if s.w[CREQ] not in Q_LIVE:
                     s.flag("no_output_after_finish")
@@ -569,7 +638,8 @@ class Composition:
                 self._on_death(s)
             else:  # O_CORRUPT: undecodable frame -> ProtocolError, engine unusable: kill it
                 self._on_death(s)
-                s.w[PROC_EXITED] = 1
+                if not s.w[STANDALONE]:  # a standalone engine is not this client's to kill
+                    s.w[PROC_EXITED] = 1
             yield "receive_output", s.freeze()
 
         @action("monitor", "process_exit_noticed")
@@ -602,6 +672,30 @@ class Composition:
                 s.push_out(O_HS)
                 s.fire(E, self.t_engine, EE.LOOP_STARTED)
                 yield "engine_start", s.freeze()
+                if w[C] != C_CONSTRUCTING:
+                    return
+                # Or the engine was started on its own and a previous front end used it: it
+                # answers this client's connection with its ready, in one of these states.
+                for label in _STANDALONE_STARTS:
+                    s = _Step(self, w)
+                    s.w[STANDALONE] = 1
+                    s.fire(E, self.t_engine, EE.BUILT, "subprocess")
+                    s.fire(E, self.t_engine, EE.HANDSHAKE_SENT)
+                    s.fire(E, self.t_engine, EE.LOOP_STARTED)
+                    # A request of the same id as this client's; a running one outputs more,
+                    # maybe before this client reads the ready.
+                    s.fire(EREQ, self.t_ereq, RE.ADD)
+                    s.fire(E, self.t_engine, EE.WORK_ARRIVED)
+                    s.fire(EREQ, self.t_ereq, RE.SCHEDULE)
+                    s.w[TOKS] = TOKENS
+                    s.w[STALE] = 1
+                    if label == "parked":  # sleep(level=1, mode="keep")
+                        s.fire(EREQ, self.t_ereq, RE.PREEMPT)
+                        s.w[PREEMPTED] = 1
+                        s.fire(E, self.t_engine, EE.PAUSE_KEEP)
+                        self._release(s)
+                    s.push_out(O_HS)
+                    yield f"engine_standalone_{label}", s.freeze()
 
         @action("engine", "receive_input")
         def _recv(w: World) -> Iterator[tuple[str, World]]:
@@ -667,6 +761,22 @@ class Composition:
             elif kind == I_SHUTDOWN:
                 s.fire(E, self.t_engine, EE.SHUTDOWN)
                 s.w[PROC_EXITED] = 1
+            elif kind == I_ATTACH:
+                if bug != "attach_keeps_work":  # EngineCore.start_session()
+                    if s.w[STALE]:
+                        if s.w[EREQ] in R_LIVE:
+                            s.fire(EREQ, self.t_ereq, RE.ABORT)  # dropped: nobody listens
+                        s.w[STALE] = 0
+                    if s.w[E] in (E_PAUSED, E_SLEEPING, E_DRAINING):
+                        s.w[WA] = s.w[KVA] = 0
+                        s.fire(E, self.t_engine, EE.WAKE_UP,
+                               "has_work" if self._has_work(s) else "no_work")
+                        s.w[SLEEP_FLAG] = 0
+                    self._settle(s)
+                if (s.w[E] != E_IDLE or s.w[EREQ] in R_LIVE or s.w[STALE] or s.w[WA]
+                        or s.w[KVA] or s.w[SLEEP_FLAG]):
+                    s.flag("session_starts_fresh")
+                s.push_out(O_MARKER)
             else:  # I_CORRUPT: the input thread fails the engine loudly, never silently
                 s.fire(E, self.t_engine, EE.FATAL_ERROR)
                 s.push_out(O_DEAD)
@@ -685,6 +795,14 @@ class Composition:
                 yield "engine_schedule", s.freeze()
                 return
             if r != R_RUNNING:
+                return
+            if w[STALE]:  # a previous front end's request: how it ends is nobody's business
+                s = _Step(self, w)
+                s.fire(EREQ, self.t_ereq, RE.STOP)
+                s.w[STALE] = 0
+                s.push_out(O_STALE)
+                self._settle(s)
+                yield "engine_stale_finish", s.freeze()
                 return
             choices: list[tuple[str, EngineRequestEvent | None, int]] = []
             if w[TOKS] > 0:
@@ -710,7 +828,8 @@ class Composition:
 
         @action("watchdog", "parent_gone")
         def _watchdog(w: World) -> Iterator[tuple[str, World]]:
-            if bug != "ignore_parent_death" and w[PARENT_DEAD] and not w[PROC_EXITED]:
+            if (bug != "ignore_parent_death" and w[PARENT_DEAD] and not w[PROC_EXITED]
+                    and not w[STANDALONE]):
                 s = _Step(self, w)
                 if s.w[E] != E_SHUTDOWN:
                     s.fire(E, self.t_engine, EE.SHUTDOWN)
@@ -755,6 +874,14 @@ class Composition:
                 s.w[FAULTS_LEFT] -= 1
                 s.push_out(O_CORRUPT)
                 yield "corrupt_output_frame", s.freeze()
+            # A link that drops just as the client attaches loses its ATTACH: the engine goes
+            # on serving, with no marker. (Not over a previous front end's live request: the
+            # model's single id would collide; the runtime refuses such an add, tested apart.)
+            if w[INQ] and w[INQ][0] == I_ATTACH and not w[STALE]:
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                s.w[INQ] = s.w[INQ][1:]
+                yield "attach_lost", s.freeze()
             if not w[PARENT_DEAD]:
                 s = _Step(self, w)
                 s.w[FAULTS_LEFT] -= 1

@@ -102,15 +102,16 @@ def _set_macro(name: str, var: str, ixs: frozenset[int]) -> str:
 
 def _queue_inlines() -> list[str]:
     n_out = m.OUT_CAP + 2  # headroom for the dead sentinel pushed past the cap
+    n_in = m.IN_CAP + 1  # headroom for the abort a client leaving a standalone engine sends
     shift_left = "; ".join(f"outq[{i}] = outq[{i + 1}]" for i in range(n_out - 1))
     shift_right = "; ".join(f"outq[{i}] = outq[{i - 1}]" for i in range(n_out - 1, 0, -1))
     return [
         f"#define OUTQ_SIZE {n_out}",
-        f"byte inq[{m.IN_CAP}]; byte inq_len; byte outq[OUTQ_SIZE]; byte outq_len;",
+        f"byte inq[{n_in}]; byte inq_len; byte outq[OUTQ_SIZE]; byte outq_len;",
         "inline push_in(x) { inq[inq_len] = x; inq_len++ }",
         "inline pop_in_head(x) { x = inq[0]; "
-        + "; ".join(f"inq[{i}] = inq[{i + 1}]" for i in range(m.IN_CAP - 1))
-        + f"; inq[{m.IN_CAP - 1}] = 0; inq_len-- }}",
+        + "; ".join(f"inq[{i}] = inq[{i + 1}]" for i in range(n_in - 1))
+        + f"; inq[{n_in - 1}] = 0; inq_len-- }}",
         "inline pop_in_tail(x) { x = inq[inq_len - 1]; inq[inq_len - 1] = 0; inq_len-- }",
         "inline push_out(x) { assert(outq_len < OUTQ_SIZE); outq[outq_len] = x; outq_len++ }",
         f"inline push_out_front(x) {{ assert(outq_len < OUTQ_SIZE); {shift_right}; "
@@ -138,6 +139,10 @@ def _constants() -> list[str]:
         _set_macro("ereq_queued", "ereq", m.R_QUEUED),
         _set_macro("engine_in_loop", "engine", m.E_LOOP),
         _set_macro("client_live", "client", m.C_LIVE),
+        "#define attach_queued (" + " || ".join(
+            f"inq[{i}] == I_ATTACH" for i in range(m.IN_CAP + 1)) + ")",
+        "#define marker_queued (" + " || ".join(
+            f"outq[{i}] == O_MARKER" for i in range(m.OUT_CAP + 2)) + ")",
     ]
     return out
 
@@ -153,10 +158,10 @@ byte toks; bit preempted; byte sent; byte applied;
 short util = NO_UTIL; byte util_ends;
 bit weights_asleep; bit kv_asleep; bit sleep_flag; byte drain_waiters; bit closing;
 byte budget = BUDGET; byte faults = FAULTS; bit monitor_seen;
-byte power_pending; bit asked_awake;
+byte power_pending; bit asked_awake; bit standalone; bit stale; bit attached; bit left_work;
 /* safety flags set by the model where a property is a statement about one step */
 bit v_spec_conformance; bit v_no_output_after_finish; bit v_sleep_reply_when_idle;
-bit v_frames_in_order;
+bit v_frames_in_order; bit v_no_foreign_output; bit v_session_starts_fresh;
 /* scratch, reset to 0 after every use so it does not split states */
 byte msg; byte kind; byte e0; bit partial; byte nxt;
 hidden short ti;
@@ -169,6 +174,11 @@ $fire_inlines
 #define ADD_OK client_live
 #endif
 #define OWNER_MAY_CALL (!parent_dead && !closing && budget > 0)
+#ifdef BUG_READER_KEEPS_STALE
+#define DROPS_STALE 0
+#else
+#define DROPS_STALE 1
+#endif
 #define ENGINE_RUNS (!proc_exited && !hung)
 
 inline on_death() {
@@ -305,19 +315,30 @@ end: do
   :: atomic { OWNER_MAY_CALL && client_live && inq_len < IN_CAP -> user_power(I_RESUME) }
   :: atomic { OWNER_MAY_CALL && (client_live || client == CLIENT_S_DEAD) ->
        budget--; closing = 1;
-       if :: !proc_exited && inq_len < IN_CAP -> push_in(I_SHUTDOWN) :: else -> skip fi }
+       if :: standalone ->
+             /* the engine outlives this client: abort what it still runs for it */
+             if :: client_live && creq_live ->
+                   left_work = 1
+#ifndef BUG_SHUTDOWN_LEAVES_WORK
+                   ; push_in(I_ABORT | (sent << 4)); sent++;
+                   fire_creq(CLIENT_REQUEST_E_ABORT_SENT, G_NONE)
+#endif
+                :: else -> skip fi
+          :: !standalone && !proc_exited && inq_len < IN_CAP -> push_in(I_SHUTDOWN)
+          :: else -> skip fi }
   od
 }
 
 proctype Client() {
 end: do
 #ifndef BUG_SHUTDOWN_NO_KILL
-  :: atomic { closing && !proc_exited && !parent_dead -> proc_exited = 1 }
+  :: atomic { closing && !proc_exited && !parent_dead && !standalone -> proc_exited = 1 }
 #endif
 #ifdef BUG_SHUTDOWN_SKIPS_JOIN
   :: atomic { closing && client != CLIENT_S_SHUTDOWN && !parent_dead ->
 #else
-  :: atomic { closing && proc_exited && client != CLIENT_S_SHUTDOWN && !parent_dead ->
+  :: atomic { closing && (proc_exited || standalone) && client != CLIENT_S_SHUTDOWN
+              && !parent_dead ->
 #endif
        fire_client(CLIENT_E_SHUTDOWN, G_NONE);
        if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_CLIENT_SHUTDOWN, G_NONE); util_ends++
@@ -327,13 +348,29 @@ end: do
 #ifndef BUG_NO_STARTUP_DEADLINE
   /* ready_timeout_s: a timer, not a fault, so it also ends a hung construction */
   :: atomic { client == CLIENT_S_CONSTRUCTING && !parent_dead ->
-       fire_client(CLIENT_E_CONSTRUCTION_FAILED, G_NONE); proc_exited = 1 }
+       fire_client(CLIENT_E_CONSTRUCTION_FAILED, G_NONE);
+       if :: !standalone -> proc_exited = 1 :: else -> skip fi }
 #endif
+#ifndef BUG_NO_ATTACH_DEADLINE
+  /* the attach marker is overdue: a timer, modelled as firing when it is not on its way */
+  :: atomic { client_live && !attached && (hung || !(attach_queued || marker_queued))
+              && !closing && !parent_dead -> on_death() }
+#endif
+  /* no front end connected to a standalone engine: its outputs are dropped */
+  :: atomic { outq_len > 0 && !parent_dead && client == CLIENT_S_SHUTDOWN && standalone ->
+       pop_out(msg); msg = 0 }
   :: atomic { outq_len > 0 && !parent_dead && client != CLIENT_S_DEAD
               && client != CLIENT_S_SHUTDOWN ->
        pop_out(msg);
        if
-       :: msg == O_HS -> fire_client(CLIENT_E_HANDSHAKE_OK, G_NONE)
+       :: msg == O_HS -> fire_client(CLIENT_E_HANDSHAKE_OK, G_NONE); push_in(I_ATTACH)
+       :: msg != O_HS && !attached && msg != O_DEAD && (msg == O_MARKER || DROPS_STALE) ->
+          /* before its marker only the marker and the dead sentinel count */
+          if :: msg == O_MARKER -> attached = 1 :: else -> skip fi
+       :: else ->
+       if
+       :: msg == O_STALE -> v_no_foreign_output = 1
+       :: msg == O_MARKER -> v_spec_conformance = 1 /* one marker per session */
        :: msg >= O_TOK && msg <= O_FIN_ERROR ->
           if
           :: !creq_live -> v_no_output_after_finish = 1
@@ -368,7 +405,9 @@ end: do
              :: else -> skip /* O_POWER_ERR: the call raises; the client's state stays */
           fi
        :: msg == O_DEAD -> on_death()
-       :: msg == O_CORRUPT -> on_death(); proc_exited = 1
+       :: msg == O_CORRUPT -> on_death();
+          if :: !standalone -> proc_exited = 1 :: else -> skip fi
+       fi
        fi;
        msg = 0; kind = 0 }
   od
@@ -392,7 +431,20 @@ proctype Engine() {
 end: do
   :: atomic { ENGINE_RUNS && engine == ENGINE_S_CONSTRUCTING ->
        fire_engine(ENGINE_E_BUILT, G_SUBPROCESS); fire_engine(ENGINE_E_HANDSHAKE_SENT, G_NONE);
-       push_out(O_HS); fire_engine(ENGINE_E_LOOP_STARTED, G_NONE) }
+       fire_engine(ENGINE_E_LOOP_STARTED, G_NONE);
+       if :: true -> skip /* launched by this client */
+          :: client == CLIENT_S_CONSTRUCTING ->
+             /* started on its own, a previous front end's request of the same id running,
+                or parked by a sleep(level=1, mode="keep") */
+             standalone = 1; stale = 1; toks = TOKENS;
+             fire_ereq(ENGINE_REQUEST_E_ADD, G_NONE); fire_engine(ENGINE_E_WORK_ARRIVED, G_NONE);
+             fire_ereq(ENGINE_REQUEST_E_SCHEDULE, G_NONE);
+             if :: true -> skip
+                :: true -> fire_ereq(ENGINE_REQUEST_E_PREEMPT, G_NONE); preempted = 1;
+                   fire_engine(ENGINE_E_PAUSE_KEEP, G_NONE); release()
+             fi
+       fi;
+       push_out(O_HS) }
   :: atomic { ENGINE_RUNS && inq_len > 0 && engine_in_loop && outq_len <= 1 ->
 #ifdef BUG_INPUT_REORDERS
        if :: inq_len > 1 -> pop_in_tail(msg) :: else -> pop_in_head(msg) fi;
@@ -441,6 +493,26 @@ end: do
        :: kind == I_WAKE_ALL -> wake(1)
        :: kind == I_RESUME -> resume()
        :: kind == I_SHUTDOWN -> fire_engine(ENGINE_E_SHUTDOWN, G_NONE); proc_exited = 1
+       :: kind == I_ATTACH ->
+#ifndef BUG_ATTACH_KEEPS_WORK
+          /* EngineCore.start_session() */
+          if :: stale ->
+                if :: ereq_live -> fire_ereq(ENGINE_REQUEST_E_ABORT, G_NONE) :: else -> skip fi;
+                stale = 0
+             :: else -> skip fi;
+          if :: engine == ENGINE_S_PAUSED || engine == ENGINE_S_SLEEPING
+                || engine == ENGINE_S_DRAINING ->
+                weights_asleep = 0; kv_asleep = 0;
+                if :: ereq_live -> fire_engine(ENGINE_E_WAKE_UP, G_HAS_WORK)
+                   :: else -> fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK) fi;
+                sleep_flag = 0
+             :: else -> skip fi;
+          settle();
+#endif
+          if :: engine != ENGINE_S_IDLE || ereq_live || stale || weights_asleep || kv_asleep
+                || sleep_flag -> v_session_starts_fresh = 1
+             :: else -> skip fi;
+          push_out(O_MARKER)
        :: kind == I_CORRUPT ->
           fire_engine(ENGINE_E_FATAL_ERROR, G_NONE); push_out(O_DEAD); proc_exited = 1
        fi;
@@ -451,11 +523,14 @@ end: do
   :: atomic { ENGINE_RUNS && (engine == ENGINE_S_RUNNING || engine == ENGINE_S_DRAINING)
               && outq_len < OUT_CAP && ereq == ENGINE_REQUEST_S_RUNNING ->
        if
-       :: toks > 0 -> toks--; push_out(O_TOK)
-       :: toks == 0 -> fire_ereq(ENGINE_REQUEST_E_LENGTH, G_NONE); push_out(O_FIN_LENGTH)
-       :: true -> fire_ereq(ENGINE_REQUEST_E_STOP, G_NONE); push_out(O_FIN_STOP)
-       :: true -> fire_ereq(ENGINE_REQUEST_E_ERROR, G_NONE); push_out(O_FIN_ERROR)
-       :: !preempted -> fire_ereq(ENGINE_REQUEST_E_PREEMPT, G_NONE); preempted = 1
+       :: stale -> /* a previous front end's request: how it ends is nobody's business */
+          fire_ereq(ENGINE_REQUEST_E_STOP, G_NONE); stale = 0; push_out(O_STALE)
+       :: !stale && toks > 0 -> toks--; push_out(O_TOK)
+       :: !stale && toks == 0 ->
+          fire_ereq(ENGINE_REQUEST_E_LENGTH, G_NONE); push_out(O_FIN_LENGTH)
+       :: !stale -> fire_ereq(ENGINE_REQUEST_E_STOP, G_NONE); push_out(O_FIN_STOP)
+       :: !stale -> fire_ereq(ENGINE_REQUEST_E_ERROR, G_NONE); push_out(O_FIN_ERROR)
+       :: !stale && !preempted -> fire_ereq(ENGINE_REQUEST_E_PREEMPT, G_NONE); preempted = 1
        fi;
        settle() }
   od
@@ -464,7 +539,7 @@ end: do
 proctype Watchdog() {
 end: do
 #ifndef BUG_IGNORE_PARENT_DEATH
-  :: atomic { parent_dead && !proc_exited ->
+  :: atomic { parent_dead && !proc_exited && !standalone ->
        if :: engine != ENGINE_S_SHUTDOWN -> fire_engine(ENGINE_E_SHUTDOWN, G_NONE)
           :: else -> skip fi;
        proc_exited = 1 }
@@ -486,6 +561,9 @@ end: do
   :: atomic { faults > 0 && client != CLIENT_S_DEAD && client != CLIENT_S_SHUTDOWN
               && !proc_exited && !parent_dead -> faults--; push_out(O_CORRUPT) }
   :: atomic { faults > 0 && !parent_dead -> faults--; parent_dead = 1 }
+  /* a link drop loses the ATTACH (not over a previous front end's live request) */
+  :: atomic { faults > 0 && inq_len > 0 && inq[0] == I_ATTACH && !stale ->
+       faults--; pop_in_head(msg); msg = 0 }
   od
 }
 

@@ -96,10 +96,11 @@ SAFETY: tuple[Property, ...] = (
     ),
     _safety(
         "shutdown_reclaims",
-        "shutdown() returns only after the engine process has exited and been reaped.",
+        "shutdown() returns only after the engine process it launched has exited and been "
+        "reaped (an engine started on its own outlives it).",
         ("shutdown_skips_join",),
-        f"client != {_C_SHUTDOWN} || proc_exited",
-        lambda w: w[m.C] != _C_SHUTDOWN or bool(w[m.PROC_EXITED]),
+        f"client != {_C_SHUTDOWN} || proc_exited || standalone",
+        lambda w: w[m.C] != _C_SHUTDOWN or bool(w[m.PROC_EXITED] or w[m.STANDALONE]),
     ),
     _safety(
         "sleep_reply_when_idle",
@@ -126,6 +127,22 @@ SAFETY: tuple[Property, ...] = (
         ("input_reorders",),
         "!v_frames_in_order",
         _flag("frames_in_order"),
+    ),
+    _safety(
+        "no_foreign_output",
+        "A client never reads an output of a request a previous front end of the same engine "
+        "sent, even one with the same id.",
+        ("reader_keeps_stale",),
+        "!v_no_foreign_output",
+        _flag("no_foreign_output"),
+    ),
+    _safety(
+        "session_starts_fresh",
+        "When the engine answers an attach, nothing of the previous front end is left: no "
+        "request live or parked, nothing asleep, the scheduler idle.",
+        ("attach_keeps_work",),
+        "!v_session_starts_fresh",
+        _flag("session_starts_fresh"),
     ),
 )
 
@@ -162,12 +179,14 @@ LIVENESS: tuple[Property, ...] = (
         "awake_when_asked",
         "After the owner asks for a full wake-up (and no sleep or pause since), the engine "
         "eventually schedules again, idle or running, even if a sleep(wait) was still draining "
-        "(unless the engine died, exited or hangs, or the owner died).",
+        "(unless the engine died, exited or hangs, the client declared it dead, or the owner "
+        "died).",
         ("wake_ignored_while_draining",),
         ("asked_awake", lambda w: bool(w[m.ASKED_AWAKE])),
-        (f"{_AWAKE} || !engine_in_loop || proc_exited || hung || parent_dead",
+        (f"{_AWAKE} || !engine_in_loop || proc_exited || hung || parent_dead "
+         f"|| client == {_C_DEAD}",
          lambda w: w[m.E] in m.E_AWAKE or w[m.E] not in m.E_LOOP
-         or bool(w[m.PROC_EXITED] or w[m.HUNG] or w[m.PARENT_DEAD])),
+         or bool(w[m.PROC_EXITED] or w[m.HUNG] or w[m.PARENT_DEAD]) or w[m.C] == _C_DEAD),
     ),
     _live(
         "construction_ends",
@@ -180,11 +199,13 @@ LIVENESS: tuple[Property, ...] = (
     ),
     _live(
         "shutdown_completes",
-        "shutdown() always completes and reclaims the engine process, even a hung one.",
+        "shutdown() always completes and reclaims the engine process it launched, even a hung "
+        "one.",
         ("shutdown_no_kill",),
         ("closing", lambda w: bool(w[m.CLOSING])),
-        (f"(client == {_C_SHUTDOWN} && proc_exited) || parent_dead",
-         lambda w: (w[m.C] == _C_SHUTDOWN and bool(w[m.PROC_EXITED])) or bool(w[m.PARENT_DEAD])),
+        (f"(client == {_C_SHUTDOWN} && (proc_exited || standalone)) || parent_dead",
+         lambda w: (w[m.C] == _C_SHUTDOWN and bool(w[m.PROC_EXITED] or w[m.STANDALONE]))
+         or bool(w[m.PARENT_DEAD])),
     ),
     _live(
         "death_propagates",
@@ -197,10 +218,35 @@ LIVENESS: tuple[Property, ...] = (
     ),
     _live(
         "orphan_reclaimed",
-        "If the owner process dies, the engine process eventually exits on its own.",
+        "If the owner process dies, the engine process it launched eventually exits on its own.",
         ("ignore_parent_death",),
-        ("parent_dead", lambda w: bool(w[m.PARENT_DEAD])),
-        ("proc_exited", lambda w: bool(w[m.PROC_EXITED])),
+        ("parent_dead && !standalone", lambda w: bool(w[m.PARENT_DEAD]) and not w[m.STANDALONE]),
+        # standalone: the engine's first move may come after the owner died
+        ("proc_exited || standalone", lambda w: bool(w[m.PROC_EXITED] or w[m.STANDALONE])),
+    ),
+    _live(
+        "attach_completes",
+        "After the ready handshake the client eventually reads its attach marker, or knows the "
+        "engine is dead (the marker's deadline fires when the engine hangs or the ATTACH was "
+        "lost), "
+        "or was shut down (unless the owner died).",
+        ("no_attach_deadline",),
+        ("client_live && !attached", lambda w: w[m.C] in m.C_LIVE and not w[m.ATTACHED]),
+        (f"attached || client == {_C_DEAD} || client == {_C_SHUTDOWN} || parent_dead",
+         lambda w: bool(w[m.ATTACHED]) or w[m.C] in (_C_DEAD, _C_SHUTDOWN)
+         or bool(w[m.PARENT_DEAD])),
+    ),
+    _live(
+        "left_behind_aborted",
+        "A client that shuts down while an engine started on its own still runs one of its "
+        "requests has it aborted there: the engine does not go on working for nobody, even "
+        "with the request parked by a pause (unless the engine hangs or exits, or the owner "
+        "died).",
+        ("shutdown_leaves_work",),
+        ("left_work && ereq_live", lambda w: bool(w[m.LEFT]) and w[m.EREQ] in m.R_LIVE),
+        ("!ereq_live || hung || proc_exited || parent_dead",
+         lambda w: w[m.EREQ] not in m.R_LIVE
+         or bool(w[m.HUNG] or w[m.PROC_EXITED] or w[m.PARENT_DEAD])),
     ),
 )
 

@@ -102,7 +102,8 @@ def _outq(w: World) -> list[str]:
     return [c.OUT_MSGS[msg - 1] for msg in w[c.OUTQ]]
 
 
-_READY = ("engine_start", "receive_output")
+# launched, the ready read (the client sends ATTACH), the ATTACH served, the marker read
+_READY = ("engine_start", "receive_output", "engine_receive", "receive_output")
 _DRAINING = (*_READY, "add_request", "engine_receive", "sleep_wait", "engine_receive")
 
 
@@ -170,3 +171,61 @@ def test_declared_unexercised_rows_are_exactly_the_rows_the_model_misses(
                for row in rows}
     assert missing == set(c.UNEXERCISED)
     assert all(reason.strip() for reason in c.UNEXERCISED.values())
+
+
+# ---- attaching: a standalone engine's previous front end leaves nothing behind ----------------
+
+def test_every_client_attaches_first_and_reads_nothing_before_its_marker() -> None:
+    for w in _follow(_READY[:2]):
+        assert [m & 15 for m in w[c.INQ]] == [c.I_ATTACH] and not w[c.ATTACHED]
+    for w in _follow(_READY):
+        assert w[c.ATTACHED] and w[c.C] == c.C_READY and not w[c.OUTQ] and not w[c.INQ]
+
+
+def test_a_previous_front_ends_request_is_dropped_unread_even_under_the_same_id() -> None:
+    # Standalone, its request running: it outputs after this client's ready went out.
+    start = ("engine_standalone_busy", "engine_stale_finish", "receive_output")
+    for w in _follow(start):
+        assert w[c.STANDALONE] and w[c.C] == c.C_READY and _outq(w) == ["STALE"]
+    for w in _follow((*start, "receive_output")):
+        assert not w[c.OUTQ] and not w[c.ATTACHED] and not w[c.BAD]  # dropped unread
+    # The same id is added before the engine served the ATTACH, and the old request outputs
+    # once more: dropped; the new request is the engine's after the marker.
+    run = ("engine_standalone_busy", "receive_output", "add_request", "engine_stale_finish",
+           "receive_output", "engine_receive", "engine_receive")
+    for w in _follow(run):
+        assert _outq(w) == ["MARKER"] and w[c.EREQ] in c.R_LIVE and not w[c.STALE]
+        assert w[c.CREQ] in c.Q_LIVE and not w[c.BAD]
+    worlds = _follow((*start, "receive_output"), bug="reader_keeps_stale")
+    assert {w[c.BAD] for w in worlds} == {"no_foreign_output"}
+
+
+def test_the_attach_drops_a_parked_request_and_wakes_the_engine_into_idle() -> None:
+    for w in _follow(("engine_standalone_parked",)):
+        assert w[c.E] == c.E_SLEEPING and w[c.EREQ] == c._ix(c.RS.PREEMPTED) and w[c.KVA]
+    for w in _follow(("engine_standalone_parked", "receive_output", "engine_receive")):
+        assert w[c.E] == c.E_IDLE and w[c.EREQ] not in c.R_LIVE and not w[c.SLEEP_FLAG]
+        assert not (w[c.WA] or w[c.KVA] or w[c.STALE]) and _outq(w) == ["MARKER"]
+
+
+def test_the_marker_deadline_fires_only_when_the_marker_is_not_on_its_way() -> None:
+    comp = Composition()
+    labels = {lab for w in _follow(_READY[:2]) for lab, _ in comp.successors(w)}
+    assert "attach_deadline" not in labels  # the ATTACH is queued: the engine will answer
+    for w in _follow((*_READY[:2], "attach_lost")):
+        assert not w[c.INQ]
+    for w in _follow((*_READY[:2], "attach_lost", "attach_deadline")):
+        assert w[c.C] == c.C_DEAD and not w[c.PROC_EXITED]  # shutdown() reaps it later
+    for w in _follow((*_READY[:2], "engine_hangs", "attach_deadline")):
+        assert w[c.C] == c.C_DEAD
+
+
+def test_leaving_a_standalone_engine_aborts_its_request_and_keeps_the_engine() -> None:
+    ready = ("engine_standalone_parked", "receive_output", "engine_receive", "receive_output")
+    parked = (*ready, "add_request", "engine_receive", "pause_keep", "engine_receive")
+    for w in _follow((*parked, "shutdown")):
+        assert w[c.LEFT] and [m & 15 for m in w[c.INQ]] == [c.I_ABORT]
+    for w in _follow((*parked, "shutdown", "shutdown_finish", "output_dropped",
+                      "engine_receive")):
+        assert w[c.C] == c.C_SHUTDOWN and not w[c.PROC_EXITED]
+        assert w[c.EREQ] == c._ix(c.RS.FINISHED_ABORTED) and w[c.E] == c.E_PAUSED
