@@ -266,14 +266,18 @@ def run_spec_check(
             out("note: spin not installed; liveness is checked by the explorer only")
     report = SpecReport()
     report.machines = [explore_machine(mach) for mach in MACHINES]
-    report.composed = explore(negative)
-    report.uncovered = uncovered_rows(report.composed, MACHINES)
-    if negative is None:  # a control changes what runs; the declarations are about the spec
-        report.undeclared, report.stale_declared = coverage_gaps(report.uncovered)
-    if spin:
-        report.spin = run_spin([p.name for p in PROPERTIES], negative)
-    else:
-        report.spin_skipped = "spin not run"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # SPIN's searches are subprocesses: they run while the explorer (holding the GIL)
+        # walks the same model here.
+        sweep = pool.submit(run_spin, [p.name for p in PROPERTIES], negative) if spin else None
+        report.composed = explore(negative)
+        report.uncovered = uncovered_rows(report.composed, MACHINES)
+        if negative is None:  # a control changes what runs; the declarations are the spec's
+            report.undeclared, report.stale_declared = coverage_gaps(report.uncovered)
+        if sweep is not None:
+            report.spin = sweep.result()
+        else:
+            report.spin_skipped = "spin not run"
     if controls and negative is None:
         # SPIN's compiles run two at a time in the background while the explorer (CPU-bound,
         # holding the GIL) works through the same controls here.
