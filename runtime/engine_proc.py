@@ -101,6 +101,14 @@ OUTPUT_FLUSH_S = 4.0
 IDLE_WAKE_S = 0.5
 # Bound on the input thread connecting and sending the ready handshake.
 HANDSHAKE_SEND_S = 30.0
+# How long the input thread blocks in a plain receive before it also watches for a new front
+# end (a poll over its DEALER and a wake pipe): a front end's next message comes well within
+# this, so the per-message path stays one blocking ``recv()``. It bounds how late the ready
+# goes out after a handshake that completes while messages are still coming in.
+BUSY_RECV_S = 0.01
+# A dropped link is mended by hand only when libzmq has not said within this long that it
+# reconnects by itself (it says so at once: a retry event right after the drop).
+DROP_GRACE_S = 0.25
 # Batches up to this size are sent by the thread that built them when nothing is queued
 # ahead (no hand-off); larger ones are encoded by the output thread while the next step runs,
 # if the step leaves it time: a model whose forward never releases the GIL (the null model
@@ -150,6 +158,39 @@ class _Encoded:
 
     def __init__(self, frames: list[Any]) -> None:
         self.frames = frames
+
+
+class _Wakeup:
+    """A self-pipe another thread can wake a ``zmq.Poller`` with; any thread may ``set()``,
+    even after ``close()`` (then it does nothing: the fd number may belong to a new file)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self) -> None:
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending
+                    os.write(self._w, b"\0")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._r, 4096):
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._r)
+                os.close(self._w)
 
 
 class _ShutdownSignals:
@@ -261,6 +302,38 @@ def _parent_gone(how: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _Link:
+    """Whether a connecting socket's link needs mending by hand (the monitor thread reports,
+    the socket's owner asks).
+
+    After a peer left libzmq reconnects by itself (a retry event, later a handshake); after
+    a protocol error (a refused handshake, a frame over MAXMSGSIZE) it gives up, and the
+    owner must connect again. Not while libzmq retries: its ``disconnect`` leaves the
+    pending retry alive (libzmq 4.3.5), so the next peer gets two connections, over which
+    messages are split and reordered (a front end with frame integrity saw them as lost).
+    """
+
+    __slots__ = ("_dropped_at",)
+
+    def __init__(self) -> None:
+        self._dropped_at: float | None = None
+
+    def drop(self) -> None:
+        if self._dropped_at is None:
+            self._dropped_at = time.monotonic()
+
+    def mend(self) -> None:
+        self._dropped_at = None
+
+    def take_due(self) -> bool:
+        """True (once) when the link dropped DROP_GRACE_S ago and libzmq is not on it."""
+        at = self._dropped_at
+        if at is None or time.monotonic() - at < DROP_GRACE_S:
+            return False
+        self._dropped_at = None
+        return True
+
+
 def _reconnect(sock: zmq.Socket[Any], address: str) -> None:
     with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
         sock.disconnect(address)
@@ -268,13 +341,12 @@ def _reconnect(sock: zmq.Socket[Any], address: str) -> None:
 
 
 def _send_reconnecting(
-    sock: zmq.Socket[Any], address: str, dropped: threading.Event, send: Callable[[], T]
+    sock: zmq.Socket[Any], address: str, link: _Link, send: Callable[[], T]
 ) -> T:
-    """``send()`` under the socket's SNDTIMEO, connecting again whenever the monitor saw the
-    connection drop (a peer with no pipe would otherwise block the send for good)."""
+    """``send()`` under the socket's SNDTIMEO, connecting again whenever the link dropped
+    for good (a peer with no pipe would otherwise block the send for good)."""
     while True:
-        if dropped.is_set():
-            dropped.clear()
+        if link.take_due():
             _reconnect(sock, address)
         try:
             return send()
@@ -342,7 +414,7 @@ class EngineCoreProc:
         # The PUSH side: the output thread owns the socket; any thread may send on it while
         # holding ``_out_lock`` and only when no queued item is ahead (``_out_pending``).
         self._out_lock = threading.Lock()
-        self._out: tuple[zmq.Socket[Any], str, threading.Event] | None = None
+        self._out: tuple[zmq.Socket[Any], str, _Link] | None = None
         self._out_send: Callable[..., Any] = backend_send(zmq.Socket)  # set per socket below
         self._out_pending = 0
         self._out_encoder = Encoder()
@@ -409,24 +481,36 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, 0)
         # libzmq drops the connection on a larger frame before allocating it, and after such
         # a protocol error (or a refused handshake) it does not reconnect: the monitor
-        # reports the drop, and this thread (woken by RCVTIMEO/SNDTIMEO) connects again.
+        # reports the drop, and this thread (woken by its poll's timeout or SNDTIMEO)
+        # connects again.
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        sock.setsockopt(zmq.RCVTIMEO, int(IDLE_WAKE_S * 1000))
+        sock.setsockopt(zmq.RCVTIMEO, int(BUSY_RECV_S * 1000))
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
-        dropped = threading.Event()
+        link = _Link()
         # Every connection that completes its handshake may be a new front end, which learns
         # of this engine only from a ready (a duplicate to the same front end is ignored).
+        # The monitor thread counts handshakes and wakes this thread's poll, so the ready
+        # goes out at once (it used to wait for a receive timeout: 0.5 s per attach).
         connects = itertools.count(1)
         connected = [0]  # handshakes so far (counted by the monitor thread)
+        wakeup = _Wakeup()
 
         def on_connect() -> None:
+            link.mend()
             connected[0] = next(connects)
+            wakeup.set()
 
-        self._guard.connect_as_client(sock, "input", on_drop=dropped.set, on_connect=on_connect)
         try:
+            self._guard.connect_as_client(sock, "input", on_drop=link.drop,
+                                          on_connect=on_connect, on_retry=link.mend)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            wake_fd = wakeup.fileno()  # a poll reports an fd by its number
+            poller.register(wake_fd, zmq.POLLIN)
+            idle_ms = int(IDLE_WAKE_S * 1000)
             sock.connect(address)
             ready_frames = Encoder().encode(ready)
-            _send_reconnecting(sock, address, dropped,
+            _send_reconnecting(sock, address, link,
                                functools.partial(sock.send_multipart, ready_frames, copy=False))
             readied = connected[0]  # the handshake count when the ready was last sent
             self._input_ready.set()
@@ -440,13 +524,20 @@ class EngineCoreProc:
                 except zmq.ContextTerminated:
                     return
                 except zmq.Again:
-                    if dropped.is_set():
-                        dropped.clear()
-                        _reconnect(sock, address)
-                    if connected[0] != readied:
-                        readied = connected[0]
-                        _send_reconnecting(sock, address, dropped, functools.partial(
-                            sock.send_multipart, ready_frames, copy=False))
+                    # Idle for BUSY_RECV_S: wait for a message, a handshake (the ready goes
+                    # out at once), or IDLE_WAKE_S (a dropped link is mended at each wake-up).
+                    while True:
+                        if link.take_due():
+                            _reconnect(sock, address)
+                        if connected[0] != readied:
+                            readied = connected[0]
+                            _send_reconnecting(sock, address, link, functools.partial(
+                                sock.send_multipart, ready_frames, copy=False))
+                        events = dict(poller.poll(idle_ms))
+                        if wake_fd in events:
+                            wakeup.clear()
+                        if sock in events:
+                            break
                     continue
                 try:
                     if not (self._fast_calls and self._serve_plain(first)):
@@ -467,6 +558,7 @@ class EngineCoreProc:
             self.input_queue.put((_Control.SHUTDOWN, e))
         finally:
             sock.close(linger=0)
+            wakeup.close()  # the monitor may outlive the socket: its set() is then a no-op
 
     def _serve_plain(self, first: bytes) -> bool:
         """Serve a utility call while the loop idles, in as few steps as the protocol
@@ -669,13 +761,14 @@ class EngineCoreProc:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
-        dropped = threading.Event()  # see _input_thread: reconnect after a protocol error
-        self._guard.connect_as_client(sock, "output", on_drop=dropped.set)
+        link = _Link()  # reconnect after a protocol error only (see _Link)
+        self._guard.connect_as_client(sock, "output", on_drop=link.drop,
+                                      on_connect=link.mend, on_retry=link.mend)
         hb = self.heartbeat_interval_s
         try:
             sock.connect(address)
             with self._out_lock:
-                self._out = (sock, address, dropped)
+                self._out = (sock, address, link)
                 self._out_send = backend_send(type(sock))
             while True:
                 wait = None if hb is None else max(0.0, hb - (time.monotonic() - self._last_send))
@@ -716,12 +809,12 @@ class EngineCoreProc:
         out = self._out
         if out is None:
             return
-        sock, address, dropped = out
+        sock, address, link = out
         if isinstance(item, bytes):  # the engine-dead sentinel
-            _send_reconnecting(sock, address, dropped, functools.partial(sock.send, item))
+            _send_reconnecting(sock, address, link, functools.partial(sock.send, item))
             return
         if type(item) is _Encoded:  # a direct send that found the pipe full
-            _send_reconnecting(sock, address, dropped, functools.partial(
+            _send_reconnecting(sock, address, link, functools.partial(
                 send_frames, sock, item.frames))
             self._last_send = time.monotonic()
             return
@@ -733,7 +826,7 @@ class EngineCoreProc:
         if self._integrity is not None and (mode := _seal_mode(item)) is not None:
             frames = [*frames, self._integrity.seal(frames, restart=mode)]
         # The payload's own tracker decides when ``buf`` may be reused.
-        tracker = _send_reconnecting(sock, address, dropped, functools.partial(
+        tracker = _send_reconnecting(sock, address, link, functools.partial(
             send_frames, sock, frames, track=True))
         if self._reuse_early:
             sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once

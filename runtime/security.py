@@ -442,13 +442,16 @@ class TransportGuard:
 
     def connect_as_client(self, sock: zmq.Socket[Any], name: str, *,
                           on_drop: Callable[[], None] | None = None,
-                          on_connect: Callable[[], None] | None = None) -> None:
+                          on_connect: Callable[[], None] | None = None,
+                          on_retry: Callable[[], None] | None = None) -> None:
         """Make a socket that will connect a CURVE client (if configured) and watch it.
 
         ``on_drop`` is called when a connection drops or a handshake fails: after a protocol
         error (a refused handshake, a frame over MAXMSGSIZE) libzmq never reconnects, so the
-        socket's owner must connect again. ``on_connect`` is called each time a connection
-        completes its handshake (a peer, maybe a new one, is there to talk to).
+        socket's owner must connect again. ``on_retry`` is called when libzmq schedules a
+        reconnect itself (after a peer left, or while none listens): then the owner must not.
+        ``on_connect`` is called each time a connection completes its handshake (a peer,
+        maybe a new one, is there to talk to).
         """
         if self.curve is not None:
             sock.curve_secretkey = self.curve.keypair.secret
@@ -457,12 +460,14 @@ class TransportGuard:
             # Queue only on authenticated connections: a message queued on a connection
             # whose handshake then fails (an impostor listener) would be lost silently.
             sock.immediate = True
-        if self.curve is not None or on_drop is not None or on_connect is not None:
-            self.watch(sock, name, on_drop=on_drop, on_connect=on_connect)
+        if (self.curve is not None or on_drop is not None or on_connect is not None
+                or on_retry is not None):
+            self.watch(sock, name, on_drop=on_drop, on_connect=on_connect, on_retry=on_retry)
 
     def watch(self, sock: zmq.Socket[Any], name: str, *,
               on_drop: Callable[[], None] | None = None, accepts: bool = False,
-              on_connect: Callable[[], None] | None = None) -> None:
+              on_connect: Callable[[], None] | None = None,
+              on_retry: Callable[[], None] | None = None) -> None:
         """Log refused handshakes (and, with ``on_drop``, report them and dropped connections)
         of ``sock``; with ``accepts``, failed accepts of a bound socket too (out of file
         descriptors: libzmq retries in a loop and says nothing). Call from the thread that
@@ -476,20 +481,24 @@ class TransportGuard:
             events |= zmq.EVENT_ACCEPT_FAILED
         if on_connect is not None:
             events |= zmq.EVENT_HANDSHAKE_SUCCEEDED
+        if on_retry is not None:
+            events |= zmq.EVENT_CONNECT_RETRIED
         # A plain PAIR even for an asyncio socket (whose get_monitor_socket would return an
         # asyncio socket, unusable from this thread).
         address = f"inproc://enginewire-monitor-{id(self):x}-{next(_monitor_ids)}"
         sock.monitor(address, events)
         mon: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
         mon.connect(address)
-        t = threading.Thread(target=self._monitor, args=(mon, name, on_drop, on_connect),
+        t = threading.Thread(target=self._monitor,
+                             args=(mon, name, on_drop, on_connect, on_retry),
                              name=f"EngineWireMonitor-{name}", daemon=True)
         t.start()
         with self._lock:
             self._monitors.append(t)
 
     def _monitor(self, mon: zmq.Socket[Any], name: str, on_drop: Callable[[], None] | None,
-                 on_connect: Callable[[], None] | None = None) -> None:
+                 on_connect: Callable[[], None] | None = None,
+                 on_retry: Callable[[], None] | None = None) -> None:
         try:
             while not self._stop.is_set():
                 if not mon.poll(_MONITOR_POLL_MS):
@@ -502,6 +511,10 @@ class TransportGuard:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     if on_connect is not None:
                         on_connect()
+                    continue
+                if event == zmq.EVENT_CONNECT_RETRIED:
+                    if on_retry is not None:
+                        on_retry()
                     continue
                 if event == zmq.EVENT_DISCONNECTED:
                     with self._lock:

@@ -374,3 +374,94 @@ def test_a_front_end_expecting_another_engine_index_is_told_so(tmp_path: Path) -
                         ready_timeout_s=1.5)
         with front_end(inp, out) as c:  # the engine serves the right one after it
             assert c.call_utility("echo", "ok", timeout=BOUND_S) == "ok"
+
+
+# -- attaching: the ready goes out at the handshake -------------------------------------------
+
+
+def _own_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_the_ready_goes_out_at_a_new_front_ends_handshake(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A front end bound after the first one left gets the ready when its connection
+    completes its handshake, not at the engine's next idle wake-up (an hour here, so a ready
+    that waits for it never comes); the engine's wake-up pipe closes with it."""
+    import threading
+
+    import zmq
+
+    from enginewire.protocol.codec import decode_ready
+    from enginewire.runtime import engine_proc
+
+    monkeypatch.setattr(engine_proc, "IDLE_WAKE_S", 3600.0)
+    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    fds, threads = _own_fds(), set(threading.enumerate())
+
+    def bind_front_end() -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
+        # A context each: its term() returns once the ipc files are unlinked, so the next
+        # front end's bind cannot lose its file to this one's late unlink.
+        ctx: zmq.Context[Any] = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # as a front end: the engine reconnects
+        router.bind(inp)
+        ctx.socket(zmq.PULL).bind(out)
+        return ctx, router
+
+    ctx, router = bind_front_end()
+    proc = engine_proc.EngineCoreProc(SLOW_NULL, input_address=inp, output_address=out)
+    try:
+        for turn in range(4):  # the start-up ready, then three front ends in turn
+            assert router.poll(int(BOUND_S * 1000)), f"no ready for front end {turn}"
+            _identity, *frames = router.recv_multipart()
+            assert decode_ready(frames).engine_index == 0
+            ctx.destroy(linger=0)
+            ctx, router = bind_front_end()
+    finally:
+        proc.close()
+        ctx.destroy(linger=0)
+    assert _own_fds() == fds
+    assert set(threading.enumerate()) <= threads
+
+
+def _engine_fds_threads(proc: Any) -> tuple[int, int]:
+    import psutil
+
+    p = psutil.Process(proc.pid)
+    return p.num_fds(), p.num_threads()
+
+
+@pytest.mark.timeout(120)
+def test_front_ends_in_turn_leave_the_engine_flat_and_idle(tmp_path: Path) -> None:
+    """Each front end attaches and is served, whether it comes at once or late (once the
+    engine has given libzmq's own reconnect its grace: mending the link by hand then used to
+    leave two connections to the next front end, over which outputs were split); the engine
+    comes back to the fds and threads it held for the first one (a replaced connection
+    closes a moment after the attach), and an idle engine does not spin (its input thread
+    waits in a poll between a receive and the next front end)."""
+    import psutil
+
+    from enginewire.runtime.engine_proc import DROP_GRACE_S, IDLE_WAKE_S
+
+    with standalone_engine(tmp_path) as (inp, out, proc):
+        first: tuple[int, int] | None = None
+        for turn in range(4):
+            if turn == 2:
+                time.sleep(IDLE_WAKE_S + DROP_GRACE_S + 0.5)  # this one comes late
+            with front_end(inp, out) as c:
+                assert c.call_utility("echo", turn, timeout=BOUND_S) == turn
+                if first is None:
+                    first = _engine_fds_threads(proc)
+                    # A measurement window, not a wait: an idle engine with a 0.1 s heartbeat
+                    # uses a few ms of CPU in it; a spinning thread would use most of it.
+                    cpu = psutil.Process(proc.pid).cpu_times()
+                    time.sleep(2.0)
+                    after = psutil.Process(proc.pid).cpu_times()
+                    busy = after.user + after.system - cpu.user - cpu.system
+                    assert busy < 0.5, f"the idle engine used {busy:.2f} s of CPU in 2 s"
+                deadline = time.monotonic() + BOUND_S
+                while (now := _engine_fds_threads(proc)) != first:
+                    assert time.monotonic() < deadline, f"turn {turn}: {now}, first {first}"
+                    time.sleep(0.05)
