@@ -109,6 +109,11 @@ BUSY_RECV_S = 0.01
 # A dropped link is mended by hand only when libzmq has not said within this long that it
 # reconnects by itself (it says so at once: a retry event right after the drop).
 DROP_GRACE_S = 0.25
+# libzmq's reconnect interval for the engine's two connecting sockets, first and longest (ms):
+# its default, 100 ms plus up to 100 ms of jitter, was most of a handover once the ready went
+# out at the handshake. Retries back off to the longest, as often as the default's.
+RECONNECT_IVL_MS = 10
+RECONNECT_IVL_MAX_MS = 100
 # Batches up to this size are sent by the thread that built them when nothing is queued
 # ahead (no hand-off); larger ones are encoded by the output thread while the next step runs,
 # if the step leaves it time: a model whose forward never releases the GIL (the null model
@@ -485,6 +490,8 @@ class EngineCoreProc:
         # connects again.
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         sock.setsockopt(zmq.RCVTIMEO, int(BUSY_RECV_S * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
         link = _Link()
         # Every connection that completes its handshake may be a new front end, which learns
@@ -760,6 +767,8 @@ class EngineCoreProc:
     def _output_thread(self, address: str) -> None:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
         link = _Link()  # reconnect after a protocol error only (see _Link)
         self._guard.connect_as_client(sock, "output", on_drop=link.drop,
