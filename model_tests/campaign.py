@@ -47,9 +47,9 @@ from typing import Any
 __all__ = ["ALL_CLIENTS", "CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "run_campaign"]
 
 # "standalone": sync and async front ends taking turns on one engine started on its own
-# (stateful.StandaloneEngineStateMachine). Not in "all": every handover waits for the engine
-# to notice its new front end (up to 0.5 s, engine_proc.IDLE_WAKE_S), and a duration run
-# splits its time between the clients. No mutant names it.
+# (stateful.StandaloneEngineStateMachine). Not in "all": a duration run splits its time
+# between the clients. A handover costs a client start and an attach (the engine answers
+# at the new connection's handshake, about 10 ms after the bind). No mutant names it.
 CLIENTS = ("inproc", "sync", "async", "standalone")
 ALL_CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")

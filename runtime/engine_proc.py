@@ -5,10 +5,12 @@ Theory of operation
 Three threads share the work so that (de)serialization overlaps compute (vLLM's layout):
 
 * the **input thread** owns a DEALER connected to the client's ROUTER. It speaks first (the
-  ``ReadyResponse`` handshake: a ROUTER cannot address a peer it has not heard from), then
-  decodes every frame and puts ``(kind, payload)`` on the one input queue. Nothing it receives
-  can kill it: a frame that does not decode is a logged rejection, or an ERROR output (or a
-  failed utility reply) when the request id or call id can be recovered.
+  ``ReadyResponse`` handshake: a ROUTER cannot address a peer it has not heard from), and
+  again whenever a connection completes its handshake (maybe a new front end: the monitor
+  thread wakes the thread's poll through a pipe). It decodes every frame and puts
+  ``(kind, payload)`` on the one input queue. Nothing it receives can kill it: a frame that
+  does not decode is a logged rejection, or an ERROR output (or a failed utility reply) when
+  the request id or call id can be recovered.
 * the **busy loop** on the main thread drains the input queue, blocks on it when the engine
   has nothing to do (no spinning; the wait is sliced at ``IDLE_WAKE_S`` so signals are seen),
   and otherwise calls ``EngineCore.step()``. Aborts share the
