@@ -50,6 +50,11 @@ __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
            "interposer_cells"]
 
 _POLL_MS = 5
+# The attach marker's deadline is ready_timeout_s after the ATTACH (runtime/mp_client.py
+# `_attach`), and the same option bounds the engine's start: long enough for a tiny-model
+# engine to start under load (about 3 s measured at load 2 on 2 cores), short enough that a
+# lost-attach cell costs the quick matrix under 10 s.
+ATTACH_READY_S = 5.0
 _ENGINE_IDENTITY = (0).to_bytes(2, "little")
 
 
@@ -407,6 +412,23 @@ def interposer_cells(clients: list[str], quick: bool, config: Any) -> list[Any]:
     for kind in kinds if not quick else kinds[:1]:
         for rule, ok in specs:
             cells.append(_InterposerCell(kind, rule, frozenset(ok), config))
+    # A lost ATTACH (to the engine) or attach marker (back): every message is then dropped
+    # as "before the marker", so only the marker's deadline can end it. Dead, and by that
+    # deadline: not by the heartbeat (a live engine keeps beating) nor the loss deadline (no
+    # ack is read before the marker). The lost ATTACH runs without a heartbeat, as a client
+    # does by default: the engine's tokens are dropped and then it says nothing, so only the
+    # monitor's timer ends it. The lost marker keeps the matrix's heartbeat: the reader drops
+    # the beats and sees the deadline pass at one of them, if the timer has not fired first.
+    # One costs a whole deadline, so --quick runs only the silent one.
+    attach = [Direction.TO_ENGINE] if quick else list(Direction)
+    for kind in kinds if not quick else kinds[:1]:
+        for direction in attach:
+            rule = FrameRule(action=FrameAction.DROP, direction=direction,
+                             kind=FrameKind.ATTACH)
+            cells.append(_InterposerCell(kind, rule, frozenset({Outcome.DEAD}), config,
+                                         ready_timeout_s=ATTACH_READY_S,
+                                         heartbeat=direction is Direction.TO_CLIENT,
+                                         cause="no attach marker"))
     return cells
 
 
@@ -417,11 +439,20 @@ class _InterposerCell:
     allowed: frozenset[Any]
     config: Any
     seed: int = 0
+    ready_timeout_s: float = 60.0
+    heartbeat: bool = True  # the matrix's heartbeat, or none (a client's default)
+    # What a DEAD outcome's cause must say: a cell written for one detection path fails when
+    # another one (a heartbeat, the loss deadline) ends it instead.
+    cause: str | None = None
 
     @property
     def latency_bound_s(self) -> float:
         from . import fault_matrix as fm
 
+        if self.rule.kind is FrameKind.ATTACH and self.rule.action is FrameAction.DROP:
+            # Seen at the marker's deadline: ready_timeout_s after the ATTACH, which went
+            # out before the rule fired (its own drop, or the marker's).
+            return self.ready_timeout_s + fm.DEATH_BOUND_S
         if self.rule.direction is Direction.TO_ENGINE and self.rule.action in (
                 FrameAction.DROP, FrameAction.REORDER):
             # A lost input (or one held back behind a next input that never comes) shows only
@@ -448,18 +479,23 @@ class _InterposerCell:
             client_dir = tempfile.mkdtemp(prefix="enginewire-ipc-", dir=workdir)
             inp, out = f"ipc://{client_dir}/in", f"ipc://{client_dir}/out"
             proxy.attach(inp, out)
+            beat: dict[str, Any] = {}
+            if self.heartbeat:
+                beat = dict(engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
+                            engine_heartbeat_interval_s=fm.HEARTBEAT_INTERVAL_S)
             try:
                 cut = open_client(self.client, self.config, input_address=inp,
                                   output_address=out, engine_connect=proxy.engine_addresses,
-                                  frame_integrity=True,
-                                  engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
-                                  engine_heartbeat_interval_s=fm.HEARTBEAT_INTERVAL_S,
-                                  shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60)
+                                  frame_integrity=True, **beat,
+                                  shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S,
+                                  ready_timeout_s=self.ready_timeout_s)
                 deadline = start + fm.CELL_BOUND_S - 15.0
+                # Long enough to see a detection within its bound, then a hang is a hang.
+                window = max(5.0, self.latency_bound_s + 2.0)
                 if self.rule.kind is FrameKind.UTILITY:
                     outcome = fm._utility(cut, deadline)
                 else:
-                    outcome = fm._generate(cut, min(deadline, time.monotonic() + 5.0),
+                    outcome = fm._generate(cut, min(deadline, time.monotonic() + window),
                                            fm.reference_tokens(self.config))
             except BaseException as e:
                 seen_at = time.monotonic()
@@ -473,6 +509,9 @@ class _InterposerCell:
         leaks = fm._leaks(before)
         wall = time.monotonic() - start
         passed = outcome in self.allowed and not leaks
+        if outcome is fm.Outcome.DEAD and self.cause is not None and self.cause not in detail:
+            passed = False
+            detail = f"dead, but not by {self.cause!r}: {detail}"
         latency = None
         if seen_at is not None and proxy.applied_at and outcome is fm.Outcome.DEAD:
             latency = max(0.0, seen_at - proxy.applied_at[0]) * 1000.0

@@ -84,3 +84,40 @@ def test_any_cell_off_the_spec_makes_the_exit_status_non_zero(tmp_path: Path) ->
                               extra_cells=[off_spec], echo=None)
     assert status == 1
     assert json.loads((tmp_path / "fault_matrix.json").read_text())["failed"] == 1
+
+
+def test_a_lost_attach_or_marker_has_its_cells_and_deadline_bound() -> None:
+    from enginewire.testing.interposer import ATTACH_READY_S, Direction, FrameKind
+
+    def attach_cells(quick: bool) -> list[tuple[str, Direction, bool]]:
+        cells = interposer_cells(["sync", "async"], quick, _default_config())
+        return [(c.client, c.rule.direction, c.heartbeat) for c in cells
+                if c.rule.kind is FrameKind.ATTACH and c.rule.action is FrameAction.DROP]
+
+    # CI pays one whole deadline: the silent one (no heartbeat), which only the timer ends.
+    assert attach_cells(True) == [("sync", Direction.TO_ENGINE, False)]
+    assert sorted(attach_cells(False)) == [
+        ("async", Direction.TO_CLIENT, True), ("async", Direction.TO_ENGINE, False),
+        ("sync", Direction.TO_CLIENT, True), ("sync", Direction.TO_ENGINE, False)]
+    for cell in interposer_cells(["sync"], False, _default_config()):
+        if cell.rule.kind is FrameKind.ATTACH:
+            assert cell.allowed == {Outcome.DEAD} and cell.ready_timeout_s == ATTACH_READY_S
+            assert cell.latency_bound_s == ATTACH_READY_S + DEATH_BOUND_S
+
+
+def test_a_lost_attach_is_death_at_the_marker_deadline(tmp_path: Path) -> None:
+    """The quick matrix's lost-ATTACH cell: the engine's tokens are dropped as before the
+    marker and then it is silent, so only the monitor's timer can declare it dead."""
+    from enginewire.testing.interposer import ATTACH_READY_S, FrameKind
+
+    (lost,) = [c for c in interposer_cells(["sync"], True, _default_config())
+               if c.rule.kind is FrameKind.ATTACH]
+    status = run_fault_matrix(["sync"], quick=True, results_dir=str(tmp_path), cells=[],
+                              extra_cells=[lost], echo=None)
+    (result,) = json.loads((tmp_path / "fault_matrix.json").read_text())["results"]
+    assert status == 0, result
+    assert result["outcome"] == "dead" and "no attach marker" in result["detail"], result
+    assert result["leaks"] == {}
+    # At the deadline (counted from the drop, just after the ATTACH went out), not early.
+    assert (ATTACH_READY_S - DEATH_BOUND_S) * 1000 <= result["latency_ms"] <= (
+        (ATTACH_READY_S + DEATH_BOUND_S) * 1000), result
