@@ -10,7 +10,8 @@ Three threads share the work so that (de)serialization overlaps compute (vLLM's 
   thread wakes the thread's poll through a pipe). It decodes every frame and puts
   ``(kind, payload)`` on the one input queue. Nothing it receives can kill it: a frame that
   does not decode is a logged rejection, or an ERROR output (or a failed utility reply) when
-  the request id or call id can be recovered.
+  the request id or call id can be recovered; one that fails the integrity check ends its
+  front end's session (the engine serves the next one).
 * the **busy loop** on the main thread drains the input queue, blocks on it when the engine
   has nothing to do (no spinning; the wait is sliced at ``IDLE_WAKE_S`` so signals are seen),
   and otherwise calls ``EngineCore.step()``. Aborts share the
@@ -136,6 +137,7 @@ class _Control(enum.Enum):
     SHUTDOWN = "shutdown"
     OUTPUTS = "outputs"  # an output built by the input thread (a rejection)
     WAKE = "wake"  # the input thread served a call that left the loop work to do
+    END_SESSION = "end_session"  # the front end's link failed the integrity check
 
 
 _STOP = object()  # output-queue item: flush and exit
@@ -145,14 +147,26 @@ _UTILITY_BYTE = RequestType.UTILITY.value
 _ATTACH_BYTE = RequestType.ATTACH.value
 
 
+class _SessionEnded(EngineCoreOutputs, frozen=True):
+    """The notice that ends a session whose input failed the integrity check: on the wire
+    an ``EngineCoreOutputs`` with ``refusal`` (and the session, if any) like a refused
+    attach marker, since the front end reads ``refusal`` after its marker as "ended" and
+    before it as "refused". Its own type only tells the sender to seal it as usual (the
+    front end opens everything after its marker, and the output direction is intact: the
+    notice is checked like any output), where a refusal marker goes out unsealed. No
+    fields of its own, so it encodes exactly as its base."""
+
+
 def _is_marker(item: Any) -> bool:
-    """The attach marker: the first message of a session (runtime/integrity.py)."""
-    return type(item) is EngineCoreOutputs and item.session is not None
+    """The attach marker, or a session's end: a session's control message, which fault
+    points on the output path leave alone (runtime/integrity.py)."""
+    return isinstance(item, EngineCoreOutputs) and item.session is not None
 
 
 def _seal_mode(item: Any) -> bool | None:
     """None: send unsealed (a refusal marker: its front end may not seal); True: seal as
-    the first message of a session (the marker); False: seal as usual."""
+    the first message of a session (the marker); False: seal as usual (a ``_SessionEnded``
+    too: not of this exact type)."""
     if type(item) is not EngineCoreOutputs or item.session is None:
         return False
     return None if item.refusal is not None else True
@@ -409,8 +423,9 @@ class EngineCoreProc:
         self._input_error: BaseException | None = None
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
-        # A front end was refused at its ATTACH: its messages are dropped until another
-        # ATTACH is accepted (input thread only).
+        # A front end was refused at its ATTACH, or its session ended on an integrity
+        # failure: its messages are dropped until another ATTACH is accepted (input thread
+        # only).
         self._refused = False
         self.engine: Any = None
         self._overlap = True  # the output thread can encode while a step runs
@@ -604,8 +619,12 @@ class EngineCoreProc:
             try:
                 frames = self._integrity.open(frames)
             except ProtocolError as e:
-                # The link itself is broken (lost, reordered or corrupted input): fatal.
-                self.input_queue.put((_Control.SHUTDOWN, e))
+                # This front end's link is broken (lost, reordered or corrupted input): its
+                # session ends, not the engine, which serves the next front end. Nothing
+                # more of it is read (its counts no longer line up) until it attaches anew;
+                # the busy loop drops its work and tells it, in order behind its input.
+                self._refused = True
+                self.input_queue.put((_Control.END_SESSION, e))
                 return
         try:
             try:
@@ -971,6 +990,8 @@ class EngineCoreProc:
             return False
         if kind is _Control.WAKE:
             pass
+        elif kind is _Control.END_SESSION:
+            self._end_session(payload)
         elif kind is _Control.OUTPUTS:
             if _is_marker(payload):  # a refusal: nothing else in it, sent all the same
                 self._put_output(payload, direct=True)
@@ -1004,14 +1025,33 @@ class EngineCoreProc:
         """A front end attaches: a new session ends what came before it; then the marker,
         after which the front end reads everything as its own."""
         if session != self._session:
-            dropped = self.engine.start_session()
-            self._replies.clear()  # replies owed to the previous front end (or failed above)
+            dropped = self._drop_session()
             if self._session is not None or dropped:
                 logger.info("a new front end attached; %d request(s) of the previous one were"
                             " dropped", dropped)
             self._session = session
         self._put_output(EngineCoreOutputs(engine_index=self.engine_index, session=session,
                                            timestamp=EngineCoreOutputs.now()), direct=True)
+
+    def _drop_session(self) -> int:
+        """End what the current front end started; how many requests were dropped."""
+        dropped = int(self.engine.start_session())
+        self._replies.clear()  # replies owed to that front end (or failed above)
+        return dropped
+
+    def _end_session(self, error: ProtocolError) -> None:
+        """The current front end's input failed the integrity check: drop its work and tell
+        it why; the next ATTACH (any session) starts afresh. Its calls and requests then fail
+        at the front end (engine dead to it); they need no outputs of their own."""
+        dropped = self._drop_session()
+        reason = (f"this front end's input failed the frame integrity check ({error}); the"
+                  f" engine dropped its {dropped} request(s) and ignores it until it attaches"
+                  " again")
+        logger.error("ended a front end's session: %s", reason)
+        self._put_output(_SessionEnded(engine_index=self.engine_index, session=self._session,
+                                       refusal=reason, timestamp=EngineCoreOutputs.now()),
+                         direct=True)
+        self._session = None
 
     def _call_utility(self, call: UtilityRequest) -> None:
         reply = self._run_utility(call)

@@ -1353,6 +1353,12 @@ class MPClient(EngineCoreClient):
         if (outputs.outputs or outputs.stream_ids or outputs.finished_requests
                 or outputs.scheduler_stats):
             return outputs
+        if outputs.refusal is not None:
+            # After the marker a refusal ends the session (its input failed the engine's
+            # integrity check): the engine dropped this front end's work and ignores it, so
+            # taking it for a heartbeat would leave every call waiting. Tested only on a
+            # message with nothing else in it: no cost to batches and replies.
+            raise ProtocolError(f"the engine ended this session: {outputs.refusal}")
         return None  # heartbeat
 
     def _on_message(self, first: bytes, sock: zmq.Socket[Any]) -> EngineCoreOutputs | None:

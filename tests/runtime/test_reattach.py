@@ -465,3 +465,131 @@ def test_front_ends_in_turn_leave_the_engine_flat_and_idle(tmp_path: Path) -> No
                 while (now := _engine_fds_threads(proc)) != first:
                     assert time.monotonic() < deadline, f"turn {turn}: {now}, first {first}"
                     time.sleep(0.05)
+
+
+# -- a broken link ends the session, not the engine -------------------------------------------
+
+
+def break_next_input(client: Any, how: str) -> None:
+    """The link loses or corrupts this front end's next message to the engine: the message
+    is sealed as the client would (its seq used up), then lost on the way ("drop": the
+    engine sees the gap at the next message) or sent with one payload bit flipped."""
+    from enginewire.protocol.codec import Encoder, encode_input
+    from enginewire.protocol.messages import RequestType
+
+    frames = [bytes(f) for f in encode_input(Encoder(), RequestType.ABORT, ["nothing"])]
+    trailer = client._integrity.seal(frames)
+    if how == "bitflip":
+        frames[0] = frames[0][:-1] + bytes([frames[0][-1] ^ 0x01])
+        client.send_raw_frames([*frames, trailer])
+
+
+def assert_session_ended(error: BaseException, how: str) -> None:
+    from enginewire import EngineDeadError, ProtocolError
+
+    assert isinstance(error, EngineDeadError), repr(error)
+    cause = error.__cause__
+    assert isinstance(cause, ProtocolError), repr(cause)
+    assert "ended this session" in str(cause) and "integrity check" in str(cause)
+    assert ("checksum" if how == "bitflip" else "lost") in str(cause)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["bitflip", "drop"])
+def test_a_broken_link_ends_the_session_not_the_engine(tmp_path: Path, how: str) -> None:
+    """A front end whose input fails the integrity check used to kill an --integrity engine
+    for every front end after it. The engine now ends that session: the front end's pending
+    call and get_output fail with EngineDeadError (the cause says why), and the next front
+    end attaches to the same process and is served, with nothing of the first one left."""
+    from enginewire import EngineDeadError
+
+    with standalone_engine(tmp_path, integrity=True) as (inp, out, proc):
+        pid = proc.pid
+        a = front_end(inp, out, frame_integrity=True)
+        with a:
+            leave_work_behind(a)
+            break_next_input(a, how)
+            # Pending when the engine ends the session (or refused once it has): never hangs.
+            with pytest.raises(EngineDeadError) as info:
+                a.call_utility("echo", "lost?", timeout=BOUND_S)
+            assert_session_ended(info.value, how)
+            with pytest.raises(EngineDeadError):
+                deadline = time.monotonic() + BOUND_S
+                while time.monotonic() < deadline:
+                    a.get_output(timeout=1.0)
+        assert proc.is_alive() and proc.pid == pid
+
+        with front_end(inp, out, frame_integrity=True) as b:
+            assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
+            b.add_request(req("next", [5, 6, 7], 6))
+            toks, seen = collect(b, "next")
+            assert len(toks) == 6 and seen == {"next"}
+        assert proc.is_alive() and proc.pid == pid
+
+
+@pytest.mark.timeout(120)
+def test_an_async_front_end_with_a_broken_link_ends_only_its_session(tmp_path: Path) -> None:
+    """The same with async front ends: the pending call and get_output_async fail, the next
+    async front end is served by the same engine process."""
+    import asyncio
+
+    from enginewire import EngineDeadError
+
+    async def broken(inp: str, out: str) -> None:
+        a = front_end(inp, out, asyncio=True, frame_integrity=True)
+        async with a:
+            await a.add_request_async(req("old", [1, 2], 10_000))
+            await a.get_output_async(timeout=BOUND_S)
+            call = asyncio.ensure_future(a.call_utility_async("sleep", 1, "wait",
+                                                              timeout=BOUND_S))
+            assert await a.call_utility_async("echo", 1, timeout=BOUND_S) == 1
+            break_next_input(a, "bitflip")
+            with pytest.raises(EngineDeadError) as info:
+                await call  # sent before the break, deferred by the engine: fails now
+            assert_session_ended(info.value, "bitflip")
+            with pytest.raises(EngineDeadError):
+                while True:
+                    await a.get_output_async(timeout=BOUND_S)
+
+    async def served(inp: str, out: str) -> list[int]:
+        b = front_end(inp, out, asyncio=True, frame_integrity=True)
+        async with b:
+            assert await b.is_sleeping_async(timeout=BOUND_S) is False
+            await b.add_request_async(req("b", [4, 5], 5))
+            toks: list[int] = []
+            while True:
+                batch = await b.get_output_async(timeout=BOUND_S)
+                assert {o.request_id for o in batch.outputs} <= {"b"}
+                toks += [t for o in batch.outputs for t in o.new_token_ids]
+                if any(o.finished for o in batch.outputs):
+                    return toks
+
+    with standalone_engine(tmp_path, integrity=True) as (inp, out, proc):
+        pid = proc.pid
+        asyncio.run(broken(inp, out))
+        assert proc.is_alive() and proc.pid == pid
+        assert len(asyncio.run(served(inp, out))) == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_launched_engine_whose_link_breaks_is_dead_to_its_client_and_reaped() -> None:
+    """The client's own engine ends the session the same way; to the client it is dead
+    (EngineDeadError), and shutdown() stops and reaps the process it launched."""
+    import psutil
+
+    from enginewire import EngineDeadError
+
+    client = make_client(SLOW_NULL, multiprocess=True, asyncio=False, frame_integrity=True,
+                         ready_timeout_s=BOUND_S)
+    pid = client.engine_pid
+    try:
+        client.add_request(req("r", [1, 2], 10_000))
+        assert collect_some(client, "r")
+        break_next_input(client, "drop")
+        with pytest.raises(EngineDeadError) as info:
+            client.call_utility("echo", 1, timeout=BOUND_S)
+        assert_session_ended(info.value, "drop")
+        assert psutil.pid_exists(pid)  # alive: it ended the session, not itself
+    finally:
+        client.shutdown()
+    assert not psutil.pid_exists(pid)  # reaped (this process is its parent: no zombie)
