@@ -52,7 +52,11 @@ reply, or waiting for one, for good.
 An ``ATTACH`` whose ``integrity`` differs from the engine's own setting is refused: the marker
 then carries ``refusal`` (why), is never sealed, ends nothing, and the engine drops every
 message but another ``ATTACH`` until one it accepts: a misconfigured front end cannot take
-down an engine that serves others.
+down an engine that serves others. Likewise a front end whose message fails the engine's
+integrity check (below) loses its session, not the engine: the engine ends the session as a
+new ``ATTACH`` would (its requests dropped without outputs, deferred calls and unsent replies
+dropped, the engine awake and idle), sends the *session's end* (below) and drops every
+message but an ``ATTACH``; the next front end attaches as usual.
 
 Socket options worth copying: ``ROUTER_HANDOVER=1`` (after an oversized frame libzmq drops
 the engine's connection and the engine connects again under the same identity; without
@@ -113,6 +117,13 @@ sends a message's parts together, so read whole messages. A batch is one of:
   ``run_engine_core(heartbeat_interval_s=...)``, default None (no heartbeats), or
   ``enginewire engine --heartbeat-interval``, default 1.0 s. A front end with a liveness
   deadline asks for beats well inside it (``MPClient`` uses a quarter).
+* **The session's end** (frame integrity only): an ``EngineCoreOutputs`` after the marker
+  with ``refusal`` set (why: which check failed) and ``session`` (the front end's, null for
+  one that never attached), nothing else but ``engine_index`` and ``timestamp``, sealed as
+  usual (the next ``seq``). The engine has ended this front end's session and ignores it
+  until it attaches again: everything it awaits is lost (``MPClient`` declares the engine
+  dead with a ``ProtocolError`` saying why). Before the marker the same shape is a refused
+  ``ATTACH``; a ``refusal`` is never a heartbeat.
 * **The sentinel**: one frame, exactly ``ENGINE_DEAD_SENTINEL``. The engine hit a fatal
   error; nothing follows and the process exits 1.
 
@@ -185,8 +196,10 @@ message after an ``ATTACH`` and seals the attach marker with ``seq`` 1. The CRC-
 runs over every frame before the trailer in order, then over the trailer's first 20 bytes.
 It never covers the identity frame: the front end seals
 ``[type byte + payload, aux...]``, what the engine's DEALER receives, and adds the identity
-in front when sending. The engine treats a missing trailer, a bad CRC or an unexpected
-``seq`` as fatal (sentinel, exit 1).
+in front when sending. A missing trailer, a bad CRC or an unexpected ``seq`` on the engine's
+input ends that front end's session (the session's end, above), not the engine: one broken
+link must not take down an engine that serves front ends one after another. The same
+failure on the front end's side is its own to handle (``MPClient``: engine dead).
 
 ## Versioning
 
@@ -207,7 +220,10 @@ its own (older) types.
 | 3 | ``ATTACH``, the attach marker (``EngineCoreOutputs.session``), a ready per connection |
 
 The stream columns came without a version bump, so a version-1 engine may send them to a
-version-1 front end that drops them: one more reason to refuse any other version.
+version-1 front end that drops them: one more reason to refuse any other version. The
+session's end came later in version 3 too (with frame integrity only; the engine used to
+send the sentinel and exit): a front end that takes it for a heartbeat learns of the broken
+link only from the ``ack`` its messages never get, while heartbeats flow.
 """
 
 from __future__ import annotations
@@ -331,7 +347,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     stream_ids: list[str] = []
     stream_tokens: list[int] = []
     # Set only on the attach marker: the session of the front end whose ATTACH it answers,
-    # and why the engine refused that front end (then it ignores it until another ATTACH).
+    # and why the engine refused that front end (then it ignores it until another ATTACH);
+    # and on the session's end, which follows the marker: why the engine ended the session.
     session: bytes | None = None
     refusal: str | None = None
 

@@ -25,7 +25,9 @@ Engine death is seen on every path, within a second:
   heartbeat deadline): a SIGKILLed engine sends nothing, yet its exit is seen at once. Until
   the attach marker arrives it also holds the marker's deadline, so an ATTACH that was lost
   is engine death even if the engine then says nothing;
-* the **reader** treats the engine-dead sentinel frame, or an undecodable frame, as death;
+* the **reader** treats the engine-dead sentinel frame, an undecodable frame, or the end of
+  its session (the engine's ``refusal`` after the marker: this front end's input failed its
+  integrity check), as death;
 * on death the client fires ENGINE_DIED, fails *every* pending utility future with
   ``EngineDeadError`` (vLLM leaves them hanging) and wakes every blocked ``get_output``.
 
