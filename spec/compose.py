@@ -14,8 +14,10 @@ explorer can hash millions of them quickly. An *action* is a guarded atomic step
 actor: the owner (``user``), the client's output thread (``client``), the engine busy loop
 (``engine``), the client's process monitor (``monitor``), the engine's parent-death watcher
 (``watchdog``) and the fault injector (``fault``). Faults are ordinary actions: a crash with
-or without the dead sentinel (also during the handshake), a hang, a corrupted input or output
-frame, a lost ATTACH, and the death of the parent. The client's start-up deadline
+or without the dead sentinel (also during the handshake), a hang, a corrupted input frame
+(one the integrity check rejects: the engine ends the session, tells its front end and ignores
+it; without integrity a malformed frame is rejected on its own, tested in tests/runtime), a
+corrupted output frame, a lost ATTACH, and the death of the parent. The client's start-up deadline
 (``ready_timeout_s``) is not a fault: it may fire at any time during construction, so a hung
 or slow engine still ends the constructor.
 
@@ -89,15 +91,16 @@ IN_MSGS = (
 OUT_MSGS = (
     "HS", "TOK", "FIN_STOP", "FIN_LENGTH", "FIN_ABORT", "FIN_ERROR",
     "UREPLY_OK", "UREPLY_ERR", "SLEPT", "WOKE_FULL", "WOKE_PART", "DEAD", "CORRUPT",
-    "POWER_ERR", "STALE", "MARKER",
+    "POWER_ERR", "STALE", "MARKER", "SESSION_END",
 )
 (I_ADD, I_ABORT, I_UTIL, I_SLEEP_ABORT, I_SLEEP_WAIT, I_PAUSE_KEEP,
  I_WAKE_WEIGHTS, I_WAKE_ALL, I_RESUME, I_SHUTDOWN, I_CORRUPT, I_ATTACH) = range(1, len(IN_MSGS) + 1)
 (O_HS, O_TOK, O_FIN_STOP, O_FIN_LENGTH, O_FIN_ABORT, O_FIN_ERROR, O_UREPLY_OK, O_UREPLY_ERR,
  O_SLEPT, O_WOKE_FULL, O_WOKE_PART, O_DEAD, O_CORRUPT, O_POWER_ERR, O_STALE,
- O_MARKER) = range(1, len(OUT_MSGS) + 1)
+ O_MARKER, O_SESSION_END) = range(1, len(OUT_MSGS) + 1)
 # O_STALE: any output of a previous front end's request (token or finish); O_MARKER: the
-# engine's answer to this client's ATTACH.
+# engine's answer to this client's ATTACH; O_SESSION_END: the engine ended this client's
+# session (its input failed the integrity check).
 # Replies that end one power call (sleep, pause, wake_up, resume_scheduler).
 O_POWER_REPLIES = frozenset({O_SLEPT, O_WOKE_FULL, O_WOKE_PART, O_POWER_ERR})
 
@@ -106,11 +109,12 @@ FIELDS = (
     "client", "engine", "proc_exited", "hung", "parent_dead", "inq", "outq", "creq", "ereq",
     "toks", "preempted", "sent", "applied", "util", "util_ends", "weights_asleep",
     "kv_asleep", "sleep_flag", "drain_waiters", "closing", "budget", "faults", "monitor_seen",
-    "power_pending", "asked_awake", "standalone", "stale", "attached", "left_work", "bad",
+    "power_pending", "asked_awake", "standalone", "stale", "attached", "left_work",
+    "refused", "bad",
 )
 (C, E, PROC_EXITED, HUNG, PARENT_DEAD, INQ, OUTQ, CREQ, EREQ, TOKS, PREEMPTED, SENT, APPLIED,
  UTIL, UTIL_ENDS, WA, KVA, SLEEP_FLAG, DRAIN_WAITERS, CLOSING, BUDGET_LEFT, FAULTS_LEFT,
- MONITOR_SEEN, POWER_PENDING, ASKED_AWAKE, STANDALONE, STALE, ATTACHED, LEFT,
+ MONITOR_SEEN, POWER_PENDING, ASKED_AWAKE, STANDALONE, STALE, ATTACHED, LEFT, REFUSED,
  BAD) = range(len(FIELDS))
 # drain_waiters: deferred sleep(wait) calls, each answered once; bounded by BUDGET.
 # power_pending: power calls sent whose reply the client has not read; bounded by BUDGET.
@@ -119,6 +123,7 @@ FIELDS = (
 # stale: the engine's request is a previous front end's (until it ends or the attach drops it).
 # attached: the client has read its attach marker.
 # left_work: the client shut down owing a standalone engine the abort of a live request.
+# refused: the engine ended the session and ignores its front end until an ATTACH.
 NO_UTIL = -1  # ``util`` before the one call is made
 World = tuple[Any, ...]
 
@@ -144,6 +149,7 @@ BUGS = (
     "attach_keeps_work",
     "no_attach_deadline",
     "shutdown_leaves_work",
+    "session_end_unannounced",
 )
 
 # Table rows no run of this model fires, each with why (machine, row as explore prints it).
@@ -161,8 +167,6 @@ UNEXERCISED: dict[tuple[str, str], str] = {
         "in-process only: the model composes the engine process",
     ("engine", "DRAINING --WORK_ARRIVED--> DRAINING"):
         "bounded: one request id, live for the whole drain",
-    ("engine", "DRAINING --WAKE_UP [no_work]--> IDLE"):
-        "unreachable: a draining engine has a live request (the step ending it ends the drain)",
     ("engine", "READY --FATAL_ERROR--> DEAD"):
         "atomic: the model's engine_start passes READY in one step",
     ("engine", "READY --SHUTDOWN--> SHUTDOWN"):
@@ -634,7 +638,7 @@ class Composition:
                 elif msg == O_WOKE_PART:
                     s.fire(C, self.t_client, CE.WAKE_ACKED, "partially_awake")
                 # O_POWER_ERR: the call raises UtilityError; the client's state stays.
-            elif msg == O_DEAD:
+            elif msg in (O_DEAD, O_SESSION_END):  # the sentinel; the session's end: ProtocolError
                 self._on_death(s)
             else:  # O_CORRUPT: undecodable frame -> ProtocolError, engine unusable: kill it
                 self._on_death(s)
@@ -708,6 +712,12 @@ class Composition:
             else:
                 msg, s.w[INQ] = q[0], q[1:]
             kind = msg & 15
+            if s.w[REFUSED]:
+                if kind != I_ATTACH:  # the ended session's front end is not listened to
+                    self._settle(s)
+                    yield "engine_ignores_refused", s.freeze()
+                    return
+                s.w[REFUSED] = 0
             if kind == I_ADD:
                 self._check_seq(s, msg)
                 s.fire(EREQ, self.t_ereq, RE.ADD)
@@ -777,10 +787,20 @@ class Composition:
                         or s.w[KVA] or s.w[SLEEP_FLAG]):
                     s.flag("session_starts_fresh")
                 s.push_out(O_MARKER)
-            else:  # I_CORRUPT: the input thread fails the engine loudly, never silently
-                s.fire(E, self.t_engine, EE.FATAL_ERROR)
-                s.push_out(O_DEAD)
-                s.w[PROC_EXITED] = 1
+            else:  # I_CORRUPT: a frame the integrity check rejects ends the session, not the
+                # engine: its work is dropped (as by an attach), its front end told, then
+                # ignored until it attaches again.
+                if s.w[EREQ] in R_LIVE:
+                    s.fire(EREQ, self.t_ereq, RE.ABORT)  # no output: the notice says it all
+                s.w[STALE] = s.w[DRAIN_WAITERS] = 0
+                if s.w[E] in (E_PAUSED, E_SLEEPING, E_DRAINING):
+                    s.w[WA] = s.w[KVA] = 0
+                    s.fire(E, self.t_engine, EE.WAKE_UP, "no_work")
+                    s.w[SLEEP_FLAG] = 0
+                self._settle(s)
+                s.w[REFUSED] = 1
+                if bug != "session_end_unannounced":
+                    s.push_out(O_SESSION_END)
             self._settle(s)
             yield "engine_receive", s.freeze()
 

@@ -159,6 +159,7 @@ short util = NO_UTIL; byte util_ends;
 bit weights_asleep; bit kv_asleep; bit sleep_flag; byte drain_waiters; bit closing;
 byte budget = BUDGET; byte faults = FAULTS; bit monitor_seen;
 byte power_pending; bit asked_awake; bit standalone; bit stale; bit attached; bit left_work;
+bit refused;
 /* safety flags set by the model where a property is a statement about one step */
 bit v_spec_conformance; bit v_no_output_after_finish; bit v_sleep_reply_when_idle;
 bit v_frames_in_order; bit v_no_foreign_output; bit v_session_starts_fresh;
@@ -404,7 +405,7 @@ end: do
              :: msg == O_WOKE_PART -> fire_client(CLIENT_E_WAKE_ACKED, G_PARTIALLY_AWAKE)
              :: else -> skip /* O_POWER_ERR: the call raises; the client's state stays */
           fi
-       :: msg == O_DEAD -> on_death()
+       :: msg == O_DEAD || msg == O_SESSION_END -> on_death()
        :: msg == O_CORRUPT -> on_death();
           if :: !standalone -> proc_exited = 1 :: else -> skip fi
        fi
@@ -452,6 +453,10 @@ end: do
        pop_in_head(msg);
 #endif
        kind = msg & 15;
+       if
+       :: refused && kind != I_ATTACH -> skip /* the ended session's front end is ignored */
+       :: else ->
+       refused = 0;
        if
        :: kind == I_ADD ->
           check_seq(msg); fire_ereq(ENGINE_REQUEST_E_ADD, G_NONE); toks = TOKENS;
@@ -514,7 +519,19 @@ end: do
              :: else -> skip fi;
           push_out(O_MARKER)
        :: kind == I_CORRUPT ->
-          fire_engine(ENGINE_E_FATAL_ERROR, G_NONE); push_out(O_DEAD); proc_exited = 1
+          /* rejected by the integrity check: the session ends, not the engine */
+          if :: ereq_live -> fire_ereq(ENGINE_REQUEST_E_ABORT, G_NONE) :: else -> skip fi;
+          stale = 0; drain_waiters = 0;
+          if :: engine == ENGINE_S_PAUSED || engine == ENGINE_S_SLEEPING
+                || engine == ENGINE_S_DRAINING ->
+                weights_asleep = 0; kv_asleep = 0;
+                fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK); sleep_flag = 0
+             :: else -> skip fi;
+          settle(); refused = 1
+#ifndef BUG_SESSION_END_UNANNOUNCED
+          ; push_out(O_SESSION_END)
+#endif
+       fi
        fi;
        settle(); msg = 0; kind = 0 }
   :: atomic { ENGINE_RUNS && (engine == ENGINE_S_RUNNING || engine == ENGINE_S_DRAINING)

@@ -159,7 +159,7 @@ LIVENESS: tuple[Property, ...] = (
         "request_finishes",
         "Every request eventually gets a finishing output (unless the owner keeps the engine "
         "paused or asleep, the engine hangs, or the owner died).",
-        ("abort_unanswered",),
+        ("abort_unanswered", "session_end_unannounced"),
         ("creq_live", lambda w: w[m.CREQ] in m.Q_LIVE),
         (f"!creq_live || hung || parent_dead || engine == {_SLEEPY[0]} || engine == {_SLEEPY[1]}",
          lambda w: w[m.CREQ] not in m.Q_LIVE or bool(w[m.HUNG] or w[m.PARENT_DEAD])
