@@ -49,7 +49,9 @@ __all__ = ["ALL_CLIENTS", "CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "r
 # "standalone": sync and async front ends taking turns on one engine started on its own
 # (stateful.StandaloneEngineStateMachine). Not in "all": a duration run splits its time
 # between the clients. A handover costs a client start and an attach (the engine answers
-# at the new connection's handshake, about 10 ms after the bind). No mutant names it.
+# at the new connection's handshake, about 10 ms after the bind). The mutants of the attach
+# path name it alone (only an engine that outlives its front end can show them), so mutant
+# runs on "all" include it for them.
 CLIENTS = ("inproc", "sync", "async", "standalone")
 ALL_CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")
@@ -430,6 +432,10 @@ def run_campaign(
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise PermissionError(f"results_dir {results_dir!r} is not writable")
     kinds = list(ALL_CLIENTS) if client == "all" else [client]
+    if client == "all" and (mutants_all or mutant is not None):
+        # Each mutant runs only on the clients its bank entry names: "standalone" is there
+        # for the attach-path mutants and for no other.
+        kinds = list(CLIENTS)
     if mutants_all:
         return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
                                  results_dir=out_dir)
@@ -615,7 +621,12 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
     if detected:
         first = failing[0]
         ff = first.get("first_failure") or [first["examples"], seconds]
-        detail = f"{first['client']}: {first['failure'][:160]}"
+        why = first["failure"]
+        if why.startswith("Flaky") and first.get("errors"):
+            # Hypothesis reported its replay as flaky (a mutant on a shared standalone engine
+            # leaves it changed for the replay): the error that failed the example says more.
+            why = f"{first['errors'][0]} (then {why.split(':')[0]})"
+        detail = f"{first['client']}: {why[:160]}"
         return {"mutant": name, "applicable": True, "detected": True, "examples": ff[0],
                 "seconds": round(float(ff[1]), 1), "client": first["client"],
                 "detail": detail, "log": str(log)}

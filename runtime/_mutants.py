@@ -32,6 +32,7 @@ class Mutant:
 
 
 _MP = ("sync", "async")
+_LONE = ("standalone",)
 BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("pending_utility_not_failed_on_death",
            "utility futures pending when the engine dies are never failed (they hang)", _MP),
@@ -57,6 +58,16 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "a timed-out utility call stays in the registry (a leak per timeout)", _MP),
     Mutant("abort_not_acknowledged",
            "aborting a live request ends it silently, without an ABORT output", ("inproc", *_MP)),
+    # The attach/handover path: only a standalone engine outlives a front end, so only the
+    # standalone campaign (front ends taking turns on one engine) can show these.
+    Mutant("attach_marker_session_not_checked",
+           "an attaching client takes any message for its marker (the session is not"
+           " checked), so it reads outputs of the front end it replaced", _LONE),
+    Mutant("session_keeps_old_requests",
+           "a new front end's session leaves the previous one's requests running", _LONE),
+    Mutant("session_leaves_engine_asleep",
+           "a new front end's session leaves the engine asleep or paused, as the previous one"
+           " left it", _LONE),
 )}
 
 

@@ -609,11 +609,13 @@ class EngineCore:
         paused or draining wakes up (every tag) into IDLE; a running one settles into IDLE."""
         self._check_alive()
         self._fail_deferred(UtilityError("deferred call", "its front end was replaced"))
-        dropped = len(self.scheduler.abort_all())
+        dropped = 0 if _mutants.active("session_keeps_old_requests") else len(
+            self.scheduler.abort_all())
         self._pending = []
         self.mid_step_aborts.clear()
         if self.lifecycle.state in _PAUSED:
-            self.wake_up()
+            if not _mutants.active("session_leaves_engine_asleep"):
+                self.wake_up()
         else:
             self._settle()
         self.kv.reset_prefix_cache()
