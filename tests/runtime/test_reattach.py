@@ -467,6 +467,61 @@ def test_front_ends_in_turn_leave_the_engine_flat_and_idle(tmp_path: Path) -> No
                     time.sleep(0.05)
 
 
+# Over pyzmq's copy_threshold (64 KiB): the reply frame goes zero-copy.
+BIG_ECHO = "x" * (100 << 10)
+
+
+def _front_end_killed_mid_calls(inp: str, out: str, ready: Any) -> None:
+    """An --integrity front end with work running and big echo calls in flight."""
+    import threading
+
+    client = front_end(inp, out, frame_integrity=True)
+    leave_work_behind(client)
+
+    def call() -> None:
+        while True:
+            client.call_utility("echo", BIG_ECHO, timeout=BOUND_S)
+
+    assert client.call_utility("echo", BIG_ECHO, timeout=BOUND_S) == BIG_ECHO
+    threading.Thread(target=call, daemon=True).start()
+    ready.set()
+    time.sleep(BOUND_S)
+
+
+@pytest.mark.timeout(180)
+def test_front_ends_killed_mid_call_leave_an_integrity_engine_flat(tmp_path: Path) -> None:
+    """An audit saw an --integrity engine grow by 7 fds and 3 threads at the first front end
+    SIGKILLed in the middle of a utility call, and never again. That growth is pyzmq's
+    zero-copy garbage collector (a thread with its own context: ZMQbg/Reaper, ZMQbg/IO/0;
+    5 eventfds, 2 epolls), started once per process by the engine's first frame over
+    copy_threshold, here a big reply (an idle engine without integrity answers on its plain
+    path, which copies). Every kill after the first leaves the engine where the first left
+    it: nothing is kept per front end, killed or not."""
+    with standalone_engine(tmp_path, integrity=True) as (inp, out, proc):
+        mp = multiprocessing.get_context("spawn")
+        first: tuple[int, int] | None = None
+        for turn in range(3):
+            ready = mp.Event()
+            child = mp.Process(target=_front_end_killed_mid_calls, args=(inp, out, ready),
+                               daemon=True)
+            child.start()
+            try:
+                assert ready.wait(BOUND_S)
+                os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                child.join(BOUND_S)
+            finally:
+                if child.is_alive():
+                    child.kill()
+            with front_end(inp, out, frame_integrity=True) as c:
+                assert c.call_utility("echo", turn, timeout=BOUND_S) == turn
+                if first is None:
+                    first = _engine_fds_threads(proc)
+                deadline = time.monotonic() + BOUND_S
+                while (now := _engine_fds_threads(proc)) != first:
+                    assert time.monotonic() < deadline, f"turn {turn}: {now}, first {first}"
+                    time.sleep(0.05)
+
+
 # -- a broken link ends the session, not the engine -------------------------------------------
 
 
