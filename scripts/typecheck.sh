@@ -3,6 +3,8 @@
 # lay the package out as it installs (symlinks) and check it there: the whole package, strict
 # for spec/ and protocol/ (pyproject overrides).
 set -euo pipefail
+# A relative MYPY path (e.g. .venv/bin/mypy) means relative to where the caller stands.
+if [[ -n "${MYPY:-}" && "$MYPY" == */* && "$MYPY" != /* ]]; then MYPY="$PWD/$MYPY"; fi
 cd "$(dirname "$0")/.."
 root=$PWD
 stage=build/typecheck
