@@ -108,9 +108,17 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
 }
 
 
-def _why_unreached(item: str) -> str:
+# Engine-side machines are recorded only where the engine runs in the campaign's process.
+_ENGINE_MACHINES = ("engine", "engine_request")
+_NOT_OBSERVED = ("not observed by this run: no in-process client ran, and an engine in its own"
+                 " process keeps its trace there (--client inproc or all records it)")
+
+
+def _why_unreached(item: str, *, engine_observed: bool = True) -> str:
     m = re.fullmatch(r"(\S+) (\S+) -(\S+)-> (\S+)", item)
     why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
+    if why is None and m is not None and not engine_observed and m.group(1) in _ENGINE_MACHINES:
+        return _NOT_OBSERVED
     return why or "NOT REACHED in this run: no reason declared (a gap; run longer or add a rule)"
 
 
@@ -535,7 +543,8 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
         if prog is not None:
             prog.stop()
     cov = coverage.report()
-    never = [{"transition": t, "why": _why_unreached(t)}
+    observed = any(r.client == "inproc" for r in results)
+    never = [{"transition": t, "why": _why_unreached(t, engine_observed=observed)}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
     _print_report(results, cov, sys.stdout)

@@ -112,6 +112,13 @@ def test_report_gives_every_unreached_transition_a_reason() -> None:
     assert _why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN") == UNREACHED[
         ("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN")]
     assert _why_unreached("engine RUNNING -SHUTDOWN-> SHUTDOWN").startswith("NOT REACHED")
+    # A run with no in-process client cannot see the engine's side: not called a gap there.
+    unseen = _why_unreached("engine RUNNING -SHUTDOWN-> SHUTDOWN", engine_observed=False)
+    assert unseen.startswith("not observed") and "--client inproc" in unseen
+    assert _why_unreached("client READY -SHUTDOWN-> SHUTDOWN", engine_observed=False
+                          ).startswith("NOT REACHED")
+    assert _why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN", engine_observed=False
+                          ) == UNREACHED[("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN")]
 
 
 def test_coverage_lists_what_was_never_reached() -> None:
