@@ -218,12 +218,14 @@ its own (older) types.
 | 1 | initial layout; ``stream_ids``/``stream_tokens`` appended later in version 1 |
 | 2 | the type byte leads the payload in one frame (version 1 sent it as its own frame) |
 | 3 | ``ATTACH``, the attach marker (``EngineCoreOutputs.session``), a ready per connection |
+| 4 | the session's end: ``refusal`` after the marker (with frame integrity) |
 
 The stream columns came without a version bump, so a version-1 engine may send them to a
-version-1 front end that drops them: one more reason to refuse any other version. The
-session's end came later in version 3 too (with frame integrity only; the engine used to
-send the sentinel and exit): a front end that takes it for a heartbeat learns of the broken
-link only from the ``ack`` its messages never get, while heartbeats flow.
+version-1 front end that drops them: one more reason to refuse any other version. Version 4
+adds no field, only a meaning: a version-3 front end would take the session's end for a
+heartbeat and learn of its broken link only from the ``ack`` its messages never get, so the
+version moved and such a front end is refused at the handshake instead (a version-3
+engine sent the sentinel and exited on a broken link).
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ __all__ = [
 ]
 
 # Bumped on any incompatible change; checked in the ready handshake.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # One frame, exactly these bytes. A msgpack-encoded message starts with an array header
 # (0x90-0x9f, 0xdc, 0xdd), never with 'E' (0x45), so the two cannot be confused.
