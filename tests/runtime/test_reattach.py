@@ -233,22 +233,28 @@ def test_a_killed_front_end_is_replaced(tmp_path: Path) -> None:
     """A front end that dies without a word (SIGKILL) leaves its requests running; the next
     one attaches, and the engine stops spending steps on them."""
     with standalone_engine(tmp_path) as (inp, out, _):
-        mp = multiprocessing.get_context("spawn")
-        ready = mp.Event()
-        child = mp.Process(target=_front_end_that_hangs, args=(inp, out, ready), daemon=True)
-        child.start()
-        try:
-            assert ready.wait(BOUND_S)
-            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            child.join(BOUND_S)
-        finally:
-            if child.is_alive():
-                child.kill()
+        _kill_front_end_when_ready(_front_end_that_hangs, inp, out)
         with front_end(inp, out) as b:
             assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
             b.add_request(req("after", [1], 3))
             toks, seen = collect(b, "after")
             assert len(toks) == 3 and seen == {"after"}
+
+
+def _kill_front_end_when_ready(target: Any, inp: str, out: str) -> None:
+    """Run the front end ``target(inp, out, ready)`` in a spawned child and SIGKILL it once it
+    sets ``ready`` (a front end that vanishes mid-work, without a word to the engine)."""
+    mp = multiprocessing.get_context("spawn")
+    ready = mp.Event()
+    child = mp.Process(target=target, args=(inp, out, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(BOUND_S)
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(BOUND_S)
+    finally:
+        if child.is_alive():
+            child.kill()
 
 
 def _front_end_that_hangs(inp: str, out: str, ready: Any) -> None:
@@ -498,20 +504,9 @@ def test_front_ends_killed_mid_call_leave_an_integrity_engine_flat(tmp_path: Pat
     path, which copies). Every kill after the first leaves the engine where the first left
     it: nothing is kept per front end, killed or not."""
     with standalone_engine(tmp_path, integrity=True) as (inp, out, proc):
-        mp = multiprocessing.get_context("spawn")
         first: tuple[int, int] | None = None
         for turn in range(3):
-            ready = mp.Event()
-            child = mp.Process(target=_front_end_killed_mid_calls, args=(inp, out, ready),
-                               daemon=True)
-            child.start()
-            try:
-                assert ready.wait(BOUND_S)
-                os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-                child.join(BOUND_S)
-            finally:
-                if child.is_alive():
-                    child.kill()
+            _kill_front_end_when_ready(_front_end_killed_mid_calls, inp, out)
             with front_end(inp, out, frame_integrity=True) as c:
                 assert c.call_utility("echo", turn, timeout=BOUND_S) == turn
                 if first is None:
