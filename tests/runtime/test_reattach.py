@@ -154,6 +154,21 @@ def collect(client: Any, rid: str) -> tuple[list[int], set[str]]:
     raise AssertionError(f"{rid} did not finish")
 
 
+async def collect_async(client: Any, rid: str) -> tuple[list[int], set[str]]:
+    """``collect`` for an async client."""
+    toks: list[int] = []
+    seen: set[str] = set()
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        for o in (await client.get_output_async(timeout=1.0)).outputs:
+            seen.add(o.request_id)
+            if o.request_id == rid:
+                toks += o.new_token_ids
+                if o.finished:
+                    return toks, seen
+    raise AssertionError(f"{rid} did not finish")
+
+
 def leave_work_behind(client: Any) -> None:
     """Requests running and parked, a sleep pending on them, outputs unread."""
     client.add_request(req("old-run", [1, 2], 10_000))
@@ -215,13 +230,9 @@ def test_a_pending_sleep_of_the_previous_front_end_is_ended(tmp_path: Path) -> N
             async with b:
                 asleep = await b.is_sleeping_async(timeout=BOUND_S)
                 await b.add_request_async(req("b", [4, 5], 6))
-                toks: list[int] = []
-                while True:
-                    batch = await b.get_output_async(timeout=BOUND_S)
-                    assert {o.request_id for o in batch.outputs} <= {"b"}
-                    toks += [t for o in batch.outputs for t in o.new_token_ids]
-                    if any(o.finished for o in batch.outputs):
-                        return toks, asleep
+                toks, seen = await collect_async(b, "b")
+                assert seen == {"b"}
+                return toks, asleep
 
         import asyncio
         toks, asleep = asyncio.run(use_b())
@@ -606,13 +617,9 @@ def test_an_async_front_end_with_a_broken_link_ends_only_its_session(tmp_path: P
         async with b:
             assert await b.is_sleeping_async(timeout=BOUND_S) is False
             await b.add_request_async(req("b", [4, 5], 5))
-            toks: list[int] = []
-            while True:
-                batch = await b.get_output_async(timeout=BOUND_S)
-                assert {o.request_id for o in batch.outputs} <= {"b"}
-                toks += [t for o in batch.outputs for t in o.new_token_ids]
-                if any(o.finished for o in batch.outputs):
-                    return toks
+            toks, seen = await collect_async(b, "b")
+            assert seen == {"b"}
+            return toks
 
     with standalone_engine(tmp_path, integrity=True) as (inp, out, proc):
         pid = proc.pid
