@@ -9,7 +9,6 @@ even if it then says nothing at all, so no call and no ``get_output`` without a 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psutil
 import pytest
 import zmq
 
@@ -36,6 +34,7 @@ from enginewire.protocol.messages import (
     UtilityRequest,
 )
 from enginewire.runtime.config import EngineConfig
+from enginewire.testing.oracle import ResourceSnapshot, check_released
 
 NULL = EngineConfig(model="null", device="cpu")
 # Generous bound on every wait: only to turn a hang into a failure, never a speed check.
@@ -50,20 +49,6 @@ LAUNCHED_READY_S = 5.0
 def _resource_tracker() -> None:
     # Started by the first spawn and kept: started before any snapshot, so not a leak.
     resource_tracker.ensure_running()
-
-
-def snapshot() -> tuple[set[int], int, set[str]]:
-    me = psutil.Process()
-    kids = {c.pid for c in me.children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline())}
-    return kids, len(os.listdir("/proc/self/fd")), {t.name for t in threading.enumerate()}
-
-
-def assert_nothing_leaked(before: tuple[set[int], int, set[str]]) -> None:
-    kids, fds, threads = snapshot()
-    assert not (kids - before[0]), f"engine processes left: {kids - before[0]}"
-    assert fds <= before[1], f"{fds - before[1]} file descriptors left"
-    assert threads <= before[2], f"threads left: {threads - before[2]}"
 
 
 class FakeEngine:
@@ -132,9 +117,9 @@ def assert_marker_overdue(err: BaseException | Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_sync_client_is_dead_once_the_marker_is_overdue(tmp_path: Path) -> None:
-    before = snapshot()
+    before = ResourceSnapshot.take()
     with fake_engine(tmp_path) as engine:
-        inner = snapshot()
+        inner = ResourceSnapshot.take()
         start = time.monotonic()
         client = make_client(NULL, multiprocess=True, asyncio=False, launch_engine=False,
                              input_address=engine.inp, output_address=engine.out,
@@ -159,13 +144,13 @@ def test_sync_client_is_dead_once_the_marker_is_overdue(tmp_path: Path) -> None:
                 client.call_utility("echo", 2)
         finally:
             client.shutdown()
-        assert_nothing_leaked(inner)
-    assert_nothing_leaked(before)
+        check_released(inner, engine_pid=None, ipc_path=None)
+    check_released(before, engine_pid=None, ipc_path=None)
 
 
 @pytest.mark.timeout(120)
 def test_async_client_is_dead_once_the_marker_is_overdue(tmp_path: Path) -> None:
-    before = snapshot()
+    before = ResourceSnapshot.take()
 
     async def main(engine: FakeEngine) -> None:
         start = time.monotonic()
@@ -194,7 +179,7 @@ def test_async_client_is_dead_once_the_marker_is_overdue(tmp_path: Path) -> None
 
     with fake_engine(tmp_path) as engine:
         asyncio.run(main(engine))
-    assert_nothing_leaked(before)
+    check_released(before, engine_pid=None, ipc_path=None)
 
 
 @pytest.mark.timeout(120)
@@ -247,7 +232,7 @@ def test_a_launched_engine_whose_attach_was_lost_is_dead_and_reaped(
     """The engine answers the call, but before any marker: the reply is dropped. The engine
     then sends nothing (no heartbeat), yet the client is dead at the deadline, and
     shutdown() still stops and reaps the engine it launched."""
-    before = snapshot()
+    before = ResourceSnapshot.take()
     drop_attach = FrameRule(action=FrameAction.DROP, direction=Direction.TO_ENGINE,
                             kind=FrameKind.ATTACH)
     inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
@@ -257,8 +242,11 @@ def test_a_launched_engine_whose_attach_was_lost_is_dead_and_reaped(
             multiprocess=True, input_address=inp, output_address=out,
             engine_connect=proxy.engine_addresses, ready_timeout_s=LAUNCHED_READY_S)
 
+        pids: list[int] = []  # the launched engine's, to check it was reaped
+
         async def use_async_client() -> tuple[BaseException | None, BaseException | None]:
             client = make_client(NULL, asyncio=True, **options)
+            pids.append(client.engine_pid)
             call = asyncio.ensure_future(client.call_utility_async("echo", 1))
             read = asyncio.ensure_future(client.get_output_async())
             try:
@@ -273,6 +261,7 @@ def test_a_launched_engine_whose_attach_was_lost_is_dead_and_reaped(
             call_error, read_error = asyncio.run(use_async_client())
         else:
             client = make_client(NULL, asyncio=False, **options)
+            pids.append(client.engine_pid)
             try:
                 call, called = in_thread(lambda: client.call_utility("echo", 1))
                 read, got = in_thread(client.get_output)
@@ -285,4 +274,4 @@ def test_a_launched_engine_whose_attach_was_lost_is_dead_and_reaped(
         assert [e for _, _, e in proxy.events] == ["drop"]
     assert_marker_overdue(call_error)
     assert_marker_overdue(read_error)
-    assert_nothing_leaked(before)
+    check_released(before, engine_pid=pids[0], ipc_path=None)
