@@ -55,6 +55,7 @@ from ..protocol.messages import (
     SamplingParams,
 )
 from ..runtime.engine import WAKE_TAGS
+from ..spec.engine import EngineState
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -1642,7 +1643,7 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         if self.cut.is_sleeping():
             raise OracleViolation("is_sleeping() is True right after a new front end attached")
         stats = self.cut.call_utility("get_stats")
-        if (stats["state"], stats["num_live"]) != ("IDLE", 0) or (
+        if (stats["state"], stats["num_live"]) != (EngineState.IDLE.name, 0) or (
                 stats["num_free_blocks"] != stats["num_gpu_blocks"]):
             raise OracleViolation(
                 f"the engine is not as after start-up once a new front end attached: state"
