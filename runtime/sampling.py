@@ -16,6 +16,10 @@ if TYPE_CHECKING:  # imported where used: only the torch models sample (runtime/
 
 __all__ = ["SamplingState", "sample"]
 
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily. Dividing logits by a smaller
+# one overflows them to inf and softmax to NaN (temperature=1e-45 killed the engine).
+_GREEDY_BELOW = 1e-5
+
 
 class SamplingState(Protocol):
     temperature: float
@@ -38,6 +42,9 @@ def _filtered_probs(row: torch.Tensor, temperature: float, top_k: int,
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        # Said, not assumed: a top_p below float32's smallest value compares as 0 and would
+        # drop every token (all -inf, NaN probabilities, a dead engine).
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         row = torch.empty_like(row).scatter_(0, order, sorted_logits)
     return torch.softmax(row, dim=-1)
@@ -50,7 +57,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> list[int]:
     out = logits.argmax(dim=-1).tolist()
     cpu_logits: torch.Tensor | None = None
     for i, r in enumerate(reqs):
-        if r.temperature <= 0.0:
+        if r.temperature < _GREEDY_BELOW:
             continue
         if cpu_logits is None:
             cpu_logits = logits.float().cpu()

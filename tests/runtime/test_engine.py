@@ -432,6 +432,20 @@ def test_sampling_filters() -> None:
     assert len({d[3] for d in draws}) >= 4  # hot and unfiltered: nearly uniform
 
 
+@pytest.mark.parametrize("sp", [{"temperature": 1e-45}, {"temperature": 1.0, "top_p": 1e-300}],
+                         ids=["subnormal-temperature", "top-p-below-float32"])
+def test_extreme_sampling_values_sample_and_keep_the_engine(sp: dict[str, float]) -> None:
+    # Both pass validation (temperature >= 0, top_p in (0, 1]) and once made every
+    # probability NaN: torch.multinomial raised and the engine died for one request.
+    eng = EngineCore(TINY)
+    eng.add_request(req("x", [3, 4], max_tokens=4, seed=1, ignore_eos=True, **sp))
+    eng.add_request(req("g", [3, 4], max_tokens=4, ignore_eos=True))
+    toks, fin = drain(eng)
+    assert fin["x"].finish_reason is FinishReason.LENGTH
+    assert toks["x"] == toks["g"]  # both limits are greedy
+    assert eng.state is not EngineState.DEAD
+
+
 def test_null_step_delay_stands_in_for_compute() -> None:
     import time
 
