@@ -572,6 +572,10 @@ class EngineCore:
         """Restore ``tags`` (all when None); True once everything is resident and scheduling."""
         if self.fault_hook is not None:
             self.fault_hook("wake_up")
+        if isinstance(tags, (str, bytes)):  # a raw call_utility("wake_up", "weights")
+            # Iterated, it would be refused as tag 'w', naming a tag nobody sent.
+            raise TypeError(f"wake_up tags must be a list such as ['weights'] or None, "
+                            f"got {tags!r}")
         wanted = list(WAKE_TAGS) if tags is None else list(tags)
         for t in wanted:
             if t not in WAKE_TAGS:

@@ -215,6 +215,17 @@ def test_partial_wake_keeps_scheduling_off() -> None:
     validate_trace(ENGINE, trace)
 
 
+def test_wake_up_refuses_a_bare_tag_string_naming_it() -> None:
+    # call_utility("wake_up", "weights") reaches the engine unchecked by the client's
+    # wrapper; iterated, the string was refused as the tag 'w'.
+    eng = EngineCore(NULL)
+    eng.sleep(1)
+    with pytest.raises(TypeError, match=r"list such as \['weights'\].*got 'weights'"):
+        eng.wake_up("weights")  # type: ignore[arg-type]
+    assert eng.is_sleeping()  # refused before anything changed
+    assert eng.wake_up(["weights", "kv_cache"]) is True
+
+
 def test_sleep_keep_parks_requests_and_recomputes_their_kv_after_wake() -> None:
     trace: list = []  # type: ignore[type-arg]
     eng = EngineCore(TINY, trace=trace)
