@@ -59,8 +59,27 @@ def _missing_line(package: str, purpose: str) -> str:
     return f"{purpose} needs the `{package}` package, which is not installed: {how}"
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless it already names its default;
+    flags (False) and options without one (None) get nothing (docs/index.md promises every
+    default in --help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (argparse prints the usage block first)."""
+    """argparse, but an error is one line (argparse prints the usage block first), and every
+    option's help ends with its default (subcommand parsers are _Parsers too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -35,6 +35,22 @@ def test_every_option_and_subcommand_has_help() -> None:
         assert cmd in seen
 
 
+def test_every_option_with_a_default_shows_it_in_help() -> None:
+    # docs/index.md: "`enginewire COMMAND --help` lists every flag with its default".
+    missing = []
+    for path, parser in _walk(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if (not action.option_strings or default in (None, False, argparse.SUPPRESS)
+                    or isinstance(action, argparse._HelpAction)):
+                continue
+            shown = {str(default), "on" if default is True else str(default)}
+            if not any(f"default: {v}" in text or f"default {v}" in text for v in shown):
+                missing.append(f"{' '.join(path)} {action.option_strings[0]}={default!r}")
+    assert not missing, missing
+
+
 def test_help_exits_zero_and_bad_usage_exits_two(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as ok:
         main(["--help"])
