@@ -158,10 +158,12 @@ def run_generate(
     seed: int,
 ) -> int:
     ids = None
-    if prompt_tokens:
+    if prompt_tokens is not None:  # "" too: an empty list must not fall back to --prompt
         try:
             ids = [int(t) for t in prompt_tokens.split(",") if t.strip()]
         except ValueError:
+            ids = []
+        if not ids:
             print(f"--prompt-tokens: expected comma-separated integers, got {prompt_tokens!r}",
                   file=sys.stderr)
             return 2

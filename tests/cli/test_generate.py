@@ -40,8 +40,11 @@ def test_cli_generate_streams_and_reports(capsys: pytest.CaptureFixture[str]) ->
     assert len(out.split()) == 4 and "tok/s" in err
 
 
-def test_cli_generate_rejects_bad_token_list(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--client", "inproc", "--prompt-tokens", "5,x"]) == 2
+@pytest.mark.parametrize("tokens", ["5,x", "", " , "])
+def test_cli_generate_rejects_bad_token_list(tokens: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # An empty list (an unset shell variable) once generated from the default text prompt.
+    assert main(["generate", "--client", "inproc", "--prompt-tokens", tokens]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
 
 
