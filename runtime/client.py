@@ -56,6 +56,7 @@ from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
 from ..spec.utility import UTILITY, UtilityEvent
 from . import _mutants
+from .config import EngineConfig
 
 if TYPE_CHECKING:
     from .mp_client import AsyncMPClient
@@ -158,6 +159,11 @@ class EngineCoreClient(abc.ABC):
     """What every client shares: lifecycles, error mapping, utility wrappers."""
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None) -> None:
+        if not isinstance(config, EngineConfig):
+            # Refused here, not as an AttributeError in a spawned engine that then fails its
+            # start-up (EngineStartupError naming 'resolved_device').
+            raise TypeError(f"expected an EngineConfig, got {type(config).__name__} "
+                            f"{config!r:.80}; e.g. EngineConfig(model='tiny')")
         self.config = config
         self.trace = trace
         # Reached from the caller's thread and from reader/monitor threads.

@@ -95,6 +95,17 @@ def test_bad_client_options_are_refused_before_anything_starts(option: str, valu
     assert_nothing_leaked(before)
 
 
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "mp"])
+@pytest.mark.parametrize("config", ["tiny", {"model": "null"}, None])
+def test_a_config_that_is_not_an_engine_config_is_a_type_error(multiprocess: bool,
+                                                               config: Any) -> None:
+    # It was an EngineStartupError about 'resolved_device', after spawning an engine.
+    before = snapshot()
+    with pytest.raises(TypeError, match="expected an EngineConfig"):
+        make_client(config, multiprocess=multiprocess, asyncio=False)
+    assert_nothing_leaked(before)
+
+
 def test_a_bad_ready_timeout_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw in ("inf", "-2", "x"):
         monkeypatch.setenv(mp.READY_TIMEOUT_ENV, raw)
