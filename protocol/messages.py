@@ -88,6 +88,9 @@ Field meanings:
   uses consistently; must be finite. Waiting requests are ranked by ``priority`` (lower
   first), then ``arrival_time`` (earlier first), then the order the engine received them, so
   all 0.0 is first come, first served.
+* ``SamplingParams``: a ``temperature`` below 1e-5 (0.0 included) samples greedily, as in
+  vLLM; ``top_k`` 0 means no top-k filter; ``top_p`` is in (0, 1], and the most likely token
+  always survives it. Out-of-range values end the request with ``ERROR``.
 * ``EngineCoreOutput.stop_reason``: the token id from ``stop_token_ids`` that ended the
   request with ``STOP`` (also the last of ``new_token_ids``); null when EOS, the length
   limit, an abort or an error ended it. The ``str`` form is reserved for stop strings, which
