@@ -318,7 +318,8 @@ def render_report(report: SpecReport) -> str:
         lines.append(
             f"composed model{' (negative control ' + comp.bug + ')' if comp.bug else ''}: "
             f"{comp.states} worlds, {comp.edges} steps, {comp.quiescent} quiescent, "
-            f"{comp.seconds:.2f}s; properties held {held}/{len(PROPERTIES)} "
+            f"{comp.seconds:.2f}s (#3's bar: 60 s on 2 cores); "
+            f"properties held {held}/{len(PROPERTIES)} "
             f"({len(SAFETY)} safety, {len(LIVENESS)} liveness)"
         )
         for v in comp.violations.values():
