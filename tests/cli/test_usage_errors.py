@@ -84,6 +84,26 @@ def test_bench_output_files_are_checked_before_it_runs(
     assert "--plot" in _usage_line(["bench", "--only", "codec", "--plot", str(tmp_path)], capsys)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_bench_output_file_is_tried_not_asked(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # os.access says yes to root for /proc; the write would fail only after the whole run.
+    line = _usage_line(["bench", "--only", "codec", "--json", "/proc/enginewire-bench.json"],
+                       capsys)
+    assert "--json" in line and "not writable" in line
+
+
+def test_bench_output_file_probe_leaves_no_trace(tmp_path: Path) -> None:
+    from enginewire.cli import _writable_file
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    _writable_file("--json", str(kept))
+    _writable_file("--json", str(tmp_path / "new.json"))
+    assert kept.read_text() == "old"  # appended to nothing, not truncated
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+
+
 def test_generate_refused_request_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     line = _usage_line(["generate", "--model", "null", "--client", "inproc",
                         "--prompt-tokens", "1,999999", "--max-tokens", "2"], capsys)
