@@ -164,8 +164,8 @@ def run_generate(
         except ValueError:
             ids = []
         if not ids:
-            print(f"--prompt-tokens: expected comma-separated integers, got {prompt_tokens!r}",
-                  file=sys.stderr)
+            print("enginewire generate: error: --prompt-tokens: expected comma-separated "
+                  f"integers, got {prompt_tokens!r}", file=sys.stderr)
             return 2
     try:
         res = generate(

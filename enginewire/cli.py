@@ -155,8 +155,10 @@ def _spec_check(args: argparse.Namespace) -> int:
     from .spec.compose import BUGS
     from .testing.spec_check import run_spec_check, spin_available
 
-    known = args.negative is None or args.negative in BUGS  # else run_spec_check says usage
-    if known and not args.no_spin and os.environ.get("CI") and not spin_available():
+    if args.negative is not None and args.negative not in BUGS:
+        raise UsageError(f"--negative: unknown negative control {args.negative!r}; "
+                         f"choose one of: {', '.join(BUGS)}")
+    if not args.no_spin and os.environ.get("CI") and not spin_available():
         # CI must not pass on the explorer alone: liveness is SPIN's job.
         raise MissingError("SPIN and gcc are required when CI is set (liveness is checked by "
                            "SPIN): install them (apt-get install spin gcc) or pass --no-spin")
@@ -268,7 +270,8 @@ def _startup_exit(error: BaseException) -> int:
         print(f"enginewire engine: {error}", file=sys.stderr)
         return EXIT_ENV
     root = chain[-1]
-    print(f"enginewire engine: could not start: {type(root).__name__}: {root}", file=sys.stderr)
+    print(f"enginewire engine: error: could not start: {type(root).__name__}: {root}",
+          file=sys.stderr)
     if any(isinstance(e, FileNotFoundError) for e in chain):
         return EXIT_ENV
     if any(isinstance(e, ValueError) for e in chain):

@@ -25,6 +25,8 @@ def _usage_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     assert rc == 2, err
     assert len(lines) == 1, err
     assert "Traceback" not in err
+    # Every command says who is speaking, as argparse does: "enginewire <command>: error: ...".
+    assert lines[0].startswith("enginewire ") and ": error: " in lines[0], err
     return lines[0]
 
 
@@ -40,6 +42,9 @@ IPC = ["--input-address", "ipc:///tmp/enginewire-cli-test-in",
     (["campaign", "--duration", "nan"], "--duration"),
     (["campaign", "--mutant", "nosuch"], "--mutant"),
     (["bench", "--only", "nosuch"], "--only"),
+    (["spec", "check", "--negative", "nosuch"], "--negative"),
+    (["generate", "--model", "null", "--client", "inproc", "--prompt-tokens", " , "],
+     "--prompt-tokens"),
     (["bench", "--only", "codec,nosuch"], "--only"),
     (["generate", "--max-tokens", "-3"], "--max-tokens"),
     (["generate", "--temperature", "-1"], "--temperature"),
