@@ -514,6 +514,9 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
         (TypeError, "abort_requests([id, None])", lambda: cut.abort_requests([long_, None])),  # type: ignore[list-item]
         (TypeError, "abort_requests(None)", lambda: cut.abort_requests(None)),  # type: ignore[arg-type]
         (TypeError, "add_request(a str)", lambda: cut.add_request("r1")),  # type: ignore[arg-type]
+        # An id the engine cannot name in its ERROR output would stay live for good.
+        (TypeError, "add_request(request_id=7)",
+         lambda: cut.add_request(EngineCoreRequest(7, [1], SamplingParams(max_tokens=1)))),  # type: ignore[arg-type]
         (TypeError, "get_output(timeout='soon')", lambda: call("get_output", timeout="soon")),
         (ValueError, "get_output(timeout=nan)", lambda: call("get_output", timeout=float("nan"))),
         (TypeError, "call_utility(timeout='soon')",
@@ -524,6 +527,7 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
     ]
     for kind, what, fn in cases:
         _refused(kind, what, fn)
+    assert 7 not in cut.client.live_requests(), "a refused ADD is not tracked"
     done = collect(cut, [short, long_])
     for rid in (short, long_):  # neither was aborted by a refused call
         _expect_length(rid, done[rid], n)

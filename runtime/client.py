@@ -250,9 +250,12 @@ class EngineCoreClient(abc.ABC):
         """Check and record an ADD before it is sent; a live duplicate id is a SpecViolation."""
         if not isinstance(request, EngineCoreRequest):
             raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
+        rid = request.request_id
+        if not isinstance(rid, str):
+            # The engine could not name it in an ERROR output, so it would stay live for good.
+            raise TypeError(f"add_request: request_id must be a str, got {rid!r}")
         with self._state_lock:
             self.ensure_alive()
-            rid = request.request_id
             lc = self._requests.get(rid)
             if lc is None or _mutants.active("duplicate_live_id_accepted"):
                 lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
