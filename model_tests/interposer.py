@@ -50,6 +50,9 @@ __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
            "interposer_cells"]
 
 _POLL_MS = 5
+# Bounds start()/attach() waiting for the proxy thread's binds and connects, which take
+# microseconds; only a wedged thread could reach it.
+_SETUP_S = 5.0
 # The attach marker's deadline is ready_timeout_s after the ATTACH (runtime/mp_client.py
 # `_attach`), and the same option bounds the engine's start: long enough for a tiny-model
 # engine to start under load (about 3 s measured at load 2 on 2 cores), short enough that a
@@ -191,6 +194,11 @@ class Interposer:
         self._stop = threading.Event()
         self._client: tuple[str, str] | None = None
         self._attached = threading.Event()
+        # Set by the proxy thread once its binds (then its connects) are done or failed, so a
+        # bad address is raised by start()/attach() instead of killing the thread unseen.
+        self._bound = threading.Event()
+        self._connected = threading.Event()
+        self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -209,16 +217,49 @@ class Interposer:
     def start(self) -> Interposer:
         if self._thread is not None:
             raise RuntimeError("Interposer.start() called twice")
+        if self._stop.is_set():
+            raise RuntimeError("Interposer.start() after close(): build a new one")
         self.engine_addresses  # noqa: B018 -- made now, before the thread binds there
         self._ctx = zmq.Context(io_threads=1)
         self._thread = threading.Thread(target=self._run, name="Interposer", daemon=True)
         self._thread.start()
+        try:
+            self._raise_failure(self._bound, "bind")
+            if self._client is not None:
+                self._raise_failure(self._connected, "connect to the client")
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def attach(self, client_input: str, client_output: str) -> None:
-        """The client's bound addresses; the proxy connects there (the client binds first)."""
+        """The client's bound addresses; the proxy connects there (the client binds first).
+
+        Once started, returns after the connects: a malformed address is a ``ValueError``
+        here (the proxy is then closed), not a proxy thread that died unseen."""
+        for name, addr in (("client_input", client_input), ("client_output", client_output)):
+            if not isinstance(addr, str):
+                raise TypeError(f"Interposer.attach: {name} must be a str address,"
+                                f" got {type(addr).__name__} {addr!r}")
+        if self._stop.is_set():
+            raise RuntimeError("Interposer.attach() after close()")
+        if self._client is not None:
+            raise RuntimeError("Interposer.attach() called twice")
         self._client = (client_input, client_output)
         self._attached.set()
+        if self._thread is not None:
+            try:
+                self._raise_failure(self._connected, "connect to the client")
+            except BaseException:
+                self.close()
+                raise
+
+    def _raise_failure(self, done: threading.Event, what: str) -> None:
+        # Bounded: the proxy thread only binds or connects before it sets these.
+        if not done.wait(_SETUP_S) and self._failure is None:
+            raise RuntimeError(f"Interposer: the proxy thread did not {what} within {_SETUP_S} s")
+        if self._failure is not None:
+            raise ValueError(f"Interposer: cannot {what}: {self._failure}") from self._failure
 
     def close(self) -> None:
         self._stop.set()
@@ -286,13 +327,25 @@ class Interposer:
             s.setsockopt(zmq.LINGER, 0)
         cli_in.setsockopt(zmq.IDENTITY, _ENGINE_IDENTITY)
         try:
-            eng_in.bind(self.engine_addresses[0])
-            eng_out.bind(self.engine_addresses[1])
+            try:
+                eng_in.bind(self.engine_addresses[0])
+                eng_out.bind(self.engine_addresses[1])
+            except zmq.ZMQError as e:
+                self._failure = e
+                return
+            finally:
+                self._bound.set()
             self._attached.wait()
             if self._stop.is_set() or self._client is None:
                 return
-            cli_in.connect(self._client[0])
-            cli_out.connect(self._client[1])
+            try:
+                cli_in.connect(self._client[0])
+                cli_out.connect(self._client[1])
+            except zmq.ZMQError as e:
+                self._failure = e
+                return
+            finally:
+                self._connected.set()
             poller = zmq.Poller()
             poller.register(eng_in, zmq.POLLIN)
             poller.register(eng_out, zmq.POLLIN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +139,32 @@ def test_output_kinds_are_read_from_the_encoded_batch() -> None:
         FrameKind.TOKENS)
     assert kind(EngineCoreOutputs(engine_index=0, utility_output=UtilityOutput(call_id=1))) is (
         FrameKind.UTILITY)
+
+
+def test_bad_addresses_and_reuse_are_refused_not_a_dead_thread(tmp_path: Path) -> None:
+    """A malformed address, a second attach and a start after close raise in the caller; the
+    proxy thread never dies unseen (it used to, leaving the client to its ready deadline)."""
+    died: list[threading.ExceptHookArgs] = []
+    old_hook = threading.excepthook
+    threading.excepthook = died.append
+    try:
+        proxy = Interposer([], seed=0).start()
+        with pytest.raises(TypeError, match="client_input"):
+            proxy.attach(5, f"ipc://{tmp_path}/out")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="cannot connect"):
+            proxy.attach("ipc:/no-slashes", f"ipc://{tmp_path}/out")
+        assert proxy._thread is not None and not proxy._thread.is_alive()  # closed by it
+        with pytest.raises(RuntimeError, match="after close"):
+            proxy.attach(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+        closed = Interposer([], seed=0)
+        closed.close()
+        with pytest.raises(RuntimeError, match="after close"):
+            closed.start()
+        with Interposer([], seed=0) as twice:
+            twice.attach(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+            with pytest.raises(RuntimeError, match="twice"):
+                twice.attach(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    finally:
+        threading.excepthook = old_hook
+    assert not died, f"a proxy thread died: {died[0].exc_value!r}"
+    assert not [t for t in threading.enumerate() if t.name == "Interposer"]
