@@ -164,6 +164,8 @@ class EngineCoreClient(abc.ABC):
             # start-up (EngineStartupError naming 'resolved_device').
             raise TypeError(f"expected an EngineConfig, got {type(config).__name__} "
                             f"{config!r:.80}; e.g. EngineConfig(model='tiny')")
+        if trace is not None and not isinstance(trace, list):
+            raise ValueError(f"trace={trace!r}: must be a list or None")
         self.config = config
         self.trace = trace
         # Reached from the caller's thread and from reader/monitor threads.

@@ -70,6 +70,7 @@ from ..protocol.codec import (
     ZMQ_SNDMORE,
     Decoder,
     Encoder,
+    Limits,
     backend_send,
     check_sendable,
     decode_outputs,
@@ -156,6 +157,30 @@ _CLOSED = object()  # output-queue marker: the client was shut down
 
 # The ready handshake is a few hundred bytes; anything near this is not one.
 _MAX_HANDSHAKE_BYTES = 1 << 20
+
+
+def _check_option_types(**options: Any) -> None:
+    """A client option of the wrong type is a ValueError naming it (runtime.md), before
+    anything starts: a str for a bool used to read as True, and the others failed as an
+    AttributeError here or an EngineStartupError from a spawned engine."""
+    for name in ("launch_engine", "frame_integrity", "allow_insecure_tcp"):
+        if not isinstance(options[name], bool):
+            raise ValueError(f"{name}={options[name]!r}: must be True or False")
+    for name in ("input_address", "output_address"):
+        if options[name] is not None and not isinstance(options[name], str):
+            raise ValueError(f"{name}={options[name]!r}: must be an address str or None")
+    connect = options["engine_connect"]
+    if connect is not None and not (
+            isinstance(connect, tuple | list) and len(connect) == 2
+            and all(isinstance(a, str) for a in connect)):
+        raise ValueError(f"engine_connect={connect!r}: must be an (input, output) pair of"
+                         " address strs or None")
+    for name in ("curve", "engine_curve"):
+        if options[name] is not None and not isinstance(options[name], CurveConfig):
+            raise ValueError(f"{name}={options[name]!r}: must be a CurveConfig or None")
+    limits = options["engine_limits"]
+    if limits is not None and not isinstance(limits, Limits):
+        raise ValueError(f"engine_limits={limits!r}: must be a protocol.codec.Limits or None")
 
 
 def _ready_timeout(option: float | None) -> float:
@@ -772,6 +797,11 @@ class MPClient(EngineCoreClient):
         # A fault spec is parsed here, not first in the spawned engine: a typo is a ValueError
         # from the constructor instead of an engine that dies while starting.
         engine_fault = as_plan(engine_fault)
+        _check_option_types(
+            launch_engine=launch_engine, frame_integrity=frame_integrity,
+            allow_insecure_tcp=allow_insecure_tcp, input_address=input_address,
+            output_address=output_address, engine_connect=engine_connect, curve=curve,
+            engine_curve=engine_curve, engine_limits=engine_limits)
         for name, index in (("engine_index", engine_index), ("client_index", client_index)):
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 1 << 16:
                 raise ValueError(f"{name}={index!r}: must be an integer in [0, 65535]")

@@ -87,6 +87,16 @@ def test_timeouts_normalize_or_refuse() -> None:
     ("engine_startup_delay_s", -1),
     ("engine_index", -5),
     ("client_index", 1 << 16),
+    # Wrong types: a str read as True, or an AttributeError / a spawned engine failing.
+    ("launch_engine", "no"),
+    ("frame_integrity", "yes"),
+    ("allow_insecure_tcp", 1),
+    ("input_address", 5),
+    ("engine_connect", "ab"),
+    ("curve", "x"),
+    ("engine_curve", "x"),
+    ("engine_limits", {"max_frame_bytes": 10}),
+    ("trace", "x"),
 ])
 def test_bad_client_options_are_refused_before_anything_starts(option: str, value: Any) -> None:
     before = snapshot()
