@@ -54,9 +54,10 @@ _POLL_MS = 5
 # microseconds; only a wedged thread could reach it.
 _SETUP_S = 5.0
 # The attach marker's deadline is ready_timeout_s after the ATTACH (runtime/mp_client.py
-# `_attach`), and the same option bounds the engine's start: long enough for a tiny-model
-# engine to start under load (about 3 s measured at load 2 on 2 cores), short enough that a
-# lost-attach cell costs the quick matrix under 10 s.
+# `_attach`), and the same option bounds the engine's start. So these cells run the null
+# model, whose engine starts in ~0.4 s (tiny: 2-2.5 s at load 3 on 2 cores, and over 5 s at
+# load 4, which failed a quick matrix as a startup error); what they check is the model-free
+# hand-shake. Short enough that a lost-attach cell costs the quick matrix under 10 s.
 ATTACH_READY_S = 5.0
 _ENGINE_IDENTITY = (0).to_bytes(2, "little")
 
@@ -478,7 +479,8 @@ def interposer_cells(clients: list[str], quick: bool, config: Any) -> list[Any]:
         for direction in attach:
             rule = FrameRule(action=FrameAction.DROP, direction=direction,
                              kind=FrameKind.ATTACH)
-            cells.append(_InterposerCell(kind, rule, frozenset({Outcome.DEAD}), config,
+            cells.append(_InterposerCell(kind, rule, frozenset({Outcome.DEAD}),
+                                         msgspec.structs.replace(config, model="null"),
                                          ready_timeout_s=ATTACH_READY_S,
                                          heartbeat=direction is Direction.TO_CLIENT,
                                          cause="no attach marker"))

@@ -103,6 +103,9 @@ def test_a_lost_attach_or_marker_has_its_cells_and_deadline_bound() -> None:
         if cell.rule.kind is FrameKind.ATTACH:
             assert cell.allowed == {Outcome.DEAD} and cell.ready_timeout_s == ATTACH_READY_S
             assert cell.latency_bound_s == ATTACH_READY_S + DEATH_BOUND_S
+            # The deadline bounds the engine's start too: the fast-starting model keeps a
+            # loaded machine's slow start from failing the cell as a startup error.
+            assert cell.config.model == "null"
 
 
 def test_a_lost_attach_is_death_at_the_marker_deadline(tmp_path: Path) -> None:
