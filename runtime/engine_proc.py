@@ -420,6 +420,11 @@ class EngineCoreProc:
         self._deferred: set[concurrent.futures.Future[Any]] = set()
         self._replies: list[UtilityOutput] = []
         self._input_ready = threading.Event()
+        # A front end's connection completed its handshake at least once. Not _input_ready
+        # (set once the ready is queued): only a connected peer can take the last outputs, so
+        # only then is the exit worth a flush linger (a standalone engine nobody reached,
+        # beating into its queue, took 2 s to exit).
+        self._peer_seen = threading.Event()
         self._input_error: BaseException | None = None
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
@@ -521,6 +526,7 @@ class EngineCoreProc:
 
         def on_connect() -> None:
             link.mend()
+            self._peer_seen.set()
             connected[0] = next(connects)
             wakeup.set()
 
@@ -830,9 +836,9 @@ class EngineCoreProc:
         finally:
             with self._out_lock:
                 self._out = None
-            # Linger to flush the last outputs only to a front end that took the handshake:
-            # with none, nothing can be delivered and the linger would only delay the exit.
-            sock.close(linger=None if self._input_ready.is_set() else 0)
+            # Linger to flush the last outputs only if a front end ever connected: with none,
+            # nothing can be delivered and the linger would only delay the exit.
+            sock.close(linger=None if self._peer_seen.is_set() else 0)
 
     def _send_locked(self, item: Any) -> None:
         """Encode and send one item on the PUSH socket; the caller holds ``_out_lock``."""
@@ -1137,10 +1143,10 @@ class EngineCoreProc:
             except Exception:
                 logger.exception("engine shutdown raised")
         self.output_queue.put(_STOP)
-        # Time to flush the last outputs, for a front end that took the handshake. Without
-        # one a send only waits for a peer that never comes: terminating the context below
-        # ends it at once.
-        flush_s = OUTPUT_FLUSH_S if self._input_ready.is_set() else 0.1
+        # Time to flush the last outputs, if a front end ever connected. Without one a send
+        # only waits for a peer that never comes: terminating the context below ends it at
+        # once.
+        flush_s = OUTPUT_FLUSH_S if self._peer_seen.is_set() else 0.1
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
                 t.join(flush_s)

@@ -899,3 +899,21 @@ def test_a_refused_add_with_a_long_request_id_still_ends_with_error() -> None:
             assert fin.reason is FinishReason.ERROR and fin.tokens == []
             assert "prompt tokens" in (fin.error or "")
         assert cut.client.live_requests() == []
+
+
+def test_an_engine_no_front_end_reached_closes_without_the_flush_linger(tmp_path: Path) -> None:
+    """A standalone engine no front end ever connected to has nothing to flush: its close
+    must not wait out the output linger and the context's 2 s bound (it took 2.0 s)."""
+    proc = EngineCoreProc(NULL_CONFIG, input_address=f"ipc://{tmp_path}/nobody-in",
+                          output_address=f"ipc://{tmp_path}/nobody-out",
+                          heartbeat_interval_s=0.05)  # as `enginewire engine` beats
+    loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    loop.start()
+    time.sleep(0.5)  # beats queue up for a peer that never comes
+    proc.input_queue.put((_Control.SHUTDOWN, None))
+    loop.join(BOUND_S)
+    t0 = time.monotonic()
+    proc.close()
+    took = time.monotonic() - t0
+    assert took < 1.5, f"close took {took:.2f} s with no front end ever connected"
+    assert not [t for t in threading.enumerate() if t.name.startswith("EngineCore")]
