@@ -244,6 +244,9 @@ def builtin_factory(kind: str, config: Any, *, faults: bool = True) -> ClientFac
     in-process client raises ``NotApplicable`` for the last two)."""
     from ..runtime.faults import FaultInjector, FaultPlan
 
+    if kind not in cf.CLIENT_KINDS:  # now, not at the first example's engine start
+        raise ValueError(f"kind must be one of {cf.CLIENT_KINDS}, got {kind!r}")
+
     def factory(**options: Any) -> cf.ClientUnderTest:
         built_with = options.pop("config", config)
         if faults and kind != "inproc":
@@ -391,6 +394,8 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         orphan_min_life: int = ORPHAN_MIN_LIFE,
     ) -> None:
         super().__init__()
+        if kind not in cf.CLIENT_KINDS:
+            raise ValueError(f"kind must be one of {cf.CLIENT_KINDS}, got {kind!r}")
         self.kind = kind
         self.faults = faults
         self.vocab_size = vocab_size
@@ -410,6 +415,11 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         config = getattr(self.cut.client, "config", None)
         self.limits = RuleLimits.of(config)
         try:
+            # The rules pick their paths (process kills, wire faults, in-process engine rules)
+            # by ``kind``; on a client of another kind they fail in ways that hide the cause.
+            if self.cut.kind != kind:
+                raise ValueError(f"kind={kind!r} but the factory built a {self.cut.kind!r}"
+                                 f" client: pass kind={self.cut.kind!r} (or a {kind} factory)")
             self.exact_tokens = self._exact_tokens(exact_tokens, getattr(config, "model", None))
             if self.limits.max_model_len < MIN_MODEL_LEN:
                 raise ValueError(f"EngineClientStateMachine needs max_model_len >= "

@@ -8,6 +8,7 @@ says so with ``NotApplicable`` instead of passing or failing.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,6 +96,20 @@ def test_tiny_model_checks_tokens_only_where_predictable() -> None:
     assert EngineClientStateMachine._exact_tokens(None, "null") is True
     assert EngineClientStateMachine._exact_tokens(None, "tiny") is False
     assert EngineClientStateMachine._exact_tokens(False, "null") is False
+
+
+def test_a_kind_that_is_not_the_factorys_is_refused_at_construction() -> None:
+    """The rules choose their paths by ``kind``: a sync machine over an in-process client once
+    ran and reported a handful of unrelated rule failures instead of naming the mix-up."""
+    factory = builtin_factory("inproc", DEFAULT_NULL)
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="kind='sync' but the factory built a 'inproc' client"):
+        EngineClientStateMachine(factory, kind="sync")
+    assert threading.active_count() == before  # the client it built was shut down
+    with pytest.raises(ValueError, match="kind must be one of"):
+        EngineClientStateMachine(factory, kind="Sync")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        builtin_factory("mp", DEFAULT_NULL)
 
 
 @pytest.fixture
