@@ -141,9 +141,24 @@ def _engine_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _model_missing() -> str | None:
+    """Why the model section cannot run here (its weights are not installed), or None."""
+    from ..runtime.gguf_loader import find_smollm2
+
+    try:
+        find_smollm2()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def _model_rows(quick: bool) -> list[dict[str, Any]]:
     from .smollm2 import run_smollm2_bench
 
+    missing = _model_missing()
+    if missing is not None:  # a full run goes on without it, but says so
+        print(f"bench: the model section is skipped: {missing}", file=sys.stderr)
+        return []
     return [
         {
             "section": "model",
@@ -381,12 +396,17 @@ def run_bench(
     """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed.
 
     The output paths (and matplotlib, for a plot) are checked before anything runs: ValueError
-    for a path that cannot be written, ImportError without matplotlib."""
+    for a path that cannot be written, ImportError without matplotlib, FileNotFoundError when
+    ``only`` names the model section and the SmolLM2 weights are not installed."""
     for path in (json_out, plot_out):
         if path:
             _check_output(path)
     if plot_out:
         import matplotlib  # noqa: F401  (raises ImportError now, not after the run)
+    if only and "model" in only and not quick:  # asked for by name: refuse, not skip
+        missing = _model_missing()
+        if missing is not None:
+            raise FileNotFoundError(f"the model section: {missing}")
     t0 = time.perf_counter()
     machine = _machine()
     rows = collect(quick, only)

