@@ -167,11 +167,14 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_MAX_DIMS = 8
 
 
-def _check_header(mm: mmap.mmap) -> None:
+def _check_header(mm: mmap.mmap, quant_sizes: dict[Any, tuple[int, int]]) -> None:
     """Walk the header with every count and length checked against the bytes left, before
     the gguf package parses it: its reader trusts them (a 100-byte file declaring a 2**60
-    item array made it loop and allocate without end)."""
+    item array made it loop and allocate without end). Then check that every tensor's data
+    lies inside the file: the reader slices short and fails on a reshape that does not say
+    the file was truncated (a partial download is the usual cause)."""
     end = len(mm)
+    alignment = 32  # GGUF's default, unless general.alignment says otherwise
 
     def need(pos: int, n: int, what: str) -> int:
         if n < 0 or pos + n > end:
@@ -217,13 +220,33 @@ def _check_header(mm: mmap.mmap) -> None:
     for k in range(n_kv):
         key_end = string(pos, f"key #{k}")
         key = bytes(mm[pos + 8:key_end]).decode("utf-8", "replace")
-        pos = value(key_end + 4, u32(key_end), f"metadata {key!r}")
+        vtype = u32(key_end)
+        if key == "general.alignment" and vtype == 4:  # uint32
+            alignment = u32(key_end + 4) or alignment
+        pos = value(key_end + 4, vtype, f"metadata {key!r}")
+    extents: list[tuple[str, int, int]] = []  # (name, offset in the data section, bytes)
     for t in range(n_tensors):
+        name_at = pos
         pos = string(pos, f"tensor #{t}'s name")
+        name = bytes(mm[name_at + 8:pos]).decode("utf-8", "replace")
         n_dims = u32(pos)
         if not 0 < n_dims <= _GGUF_MAX_DIMS:
             raise ValueError(f"tensor #{t} declares {n_dims} dimensions")
-        pos = need(pos + 4, 8 * n_dims + 12, f"tensor #{t}'s description")
+        dims_at = pos + 4
+        pos = need(dims_at, 8 * n_dims + 12, f"tensor #{t}'s description")
+        n_elems = 1
+        for d in range(n_dims):
+            n_elems *= u64(dims_at + 8 * d)
+        ggml_type, offset = u32(dims_at + 8 * n_dims), u64(dims_at + 8 * n_dims + 4)
+        sizes = quant_sizes.get(ggml_type)
+        if sizes is not None:  # an unknown type is named later, by the reader or the loader
+            extents.append((name, offset, n_elems * sizes[1] // sizes[0]))
+    data_start = -(-pos // alignment) * alignment
+    for name, offset, n_bytes in extents:
+        if data_start + offset + n_bytes > end:
+            raise ValueError(
+                f"the file is truncated: tensor {name} needs bytes up to"
+                f" {data_start + offset + n_bytes}, the file has {end}")
 
 
 def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
@@ -235,7 +258,8 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
             if os.fstat(f.fileno()).st_size == 0:
                 raise ValueError("the file is empty")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                _check_header(mm)
+                quant_sizes = {int(k): v for k, v in _import_gguf().GGML_QUANT_SIZES.items()}
+                _check_header(mm, quant_sizes)
         reader: gguf.GGUFReader = _fast_reader_class()(name)
     except (OSError, ValueError, IndexError, KeyError, TypeError, struct.error) as e:
         if isinstance(e, OSError) and not isinstance(e, (ValueError,)):

@@ -19,9 +19,12 @@ from enginewire.runtime.gguf_loader import GGUFWeightSource  # noqa: E402
 
 
 def write(path: Path, *, heads: int = 2, kv: int = 1, layers: int = 1, vocab_key: int | None = None,
-          ctx: int = 64, shapes: dict[str, tuple[int, ...]] | None = None) -> Path:
+          ctx: int = 64, shapes: dict[str, tuple[int, ...]] | None = None,
+          alignment: int | None = None) -> Path:
     hidden, ff, vocab = 8, 16, 32
     w = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     w.add_uint32("llama.embedding_length", hidden)
     w.add_uint32("llama.attention.head_count", heads)
     w.add_uint32("llama.attention.head_count_kv", kv)
@@ -90,6 +93,22 @@ def test_declared_counts_and_lengths_past_the_file_are_refused_before_parsing(
     refused(mutate(ok, tmp_path / "magic.gguf", lambda b: b"GGUX" + b[4:]), "not a GGUF file")
     (tmp_path / "empty.gguf").write_bytes(b"")
     refused(tmp_path / "empty.gguf", "empty")
+
+
+@pytest.mark.parametrize("alignment", [None, 256])
+def test_a_truncated_file_is_named_truncated(tmp_path: Path, alignment: int | None) -> None:
+    """A partial download: the reader slices the tensor data short and failed on a reshape
+    ("cannot reshape array of size 24 into shape (8,)"), which did not say what was wrong."""
+    ok = write(tmp_path / "ok.gguf", alignment=alignment)
+    GGUFWeightSource(ok).load()  # the data start follows general.alignment: no false alarm
+    size = ok.stat().st_size
+    last = gguf.GGUFReader(str(ok)).tensors[-1]  # padding to the alignment may follow it
+    tail = last.data_offset + last.n_bytes
+    refused(mutate(ok, tmp_path / "cut_tail.gguf", lambda b: b[:tail - 1]),
+            f"the file is truncated: tensor {last.name} needs bytes up to {tail}, the file has"
+            f" {tail - 1}")
+    refused(mutate(ok, tmp_path / "cut_half.gguf", lambda b: b[:size // 2]),
+            "the file is truncated: tensor .* needs bytes up to")
 
 
 def test_inconsistent_architecture_metadata_is_refused_at_load(tmp_path: Path) -> None:
