@@ -142,6 +142,8 @@ READY_TIMEOUT_ENV = "ENGINEWIRE_ENGINE_READY_TIMEOUT_S"
 DEFAULT_READY_TIMEOUT_S = 120.0
 # Grace between SIGTERM and SIGKILL when shutting the engine down.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# How often the monitor polls an engine's exit once its sentinel proved unreliable.
+_SENTINEL_POLL_S = 0.1
 # Late replies remembered (to record their drop in the trace); bounded, oldest forgotten.
 _LATE_MEMORY = 256
 
@@ -694,6 +696,9 @@ def _watch_engine(
     waitables: list[Any] = [stop_fd]
     if proc is not None:
         waitables.append(proc.sentinel)
+    # Set when the sentinel proved unreliable (readable, process alive): it stays readable,
+    # so waiting on it again would spin; the exit is then polled instead.
+    poll_exit_s: float | None = None
     while True:
         # Wake at the deadlines themselves rather than on a polling grid: a silent engine is
         # then declared dead at its last message + heartbeat_timeout_s (plus scheduling), not
@@ -706,17 +711,24 @@ def _watch_engine(
             wait_s = min(wait_s, last_seen[0] + heartbeat_timeout_s - now)
         if math.isinf(wait_s) and proc is None:
             return None  # an attached engine without a heartbeat: only the marker was due
+        if poll_exit_s is not None:
+            wait_s = min(wait_s, poll_exit_s)
         ready = multiprocessing.connection.wait(
             waitables, timeout=None if math.isinf(wait_s) else max(0.0, wait_s))
         if stop_fd in ready:
             return None
-        if proc is not None and proc.sentinel in ready:
+        if proc is not None and (proc.sentinel in ready or poll_exit_s is not None):
             # A readable sentinel with a live process would be a false alarm (vLLM #54184):
             # require a real exit code.
-            proc.join(1.0)
-            if proc.exitcode is None:
-                continue
-            return EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
+            if poll_exit_s is None:
+                proc.join(1.0)
+            if proc.exitcode is not None:
+                return EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
+            if poll_exit_s is None:
+                logger.warning("engine process %s: its sentinel is readable but it has not "
+                               "exited; polling its exit instead", proc.pid)
+                waitables.remove(proc.sentinel)
+                poll_exit_s = _SENTINEL_POLL_S
         if time.monotonic() >= attach_deadline[0]:  # inf once the reader took the marker
             return _MarkerOverdue()
         if heartbeat_timeout_s and time.monotonic() - last_seen[0] >= heartbeat_timeout_s:

@@ -8,6 +8,7 @@ import asyncio
 import math
 import os
 import threading
+import time
 from typing import Any
 
 import psutil
@@ -389,3 +390,35 @@ def test_a_zero_ready_timeout_in_the_environment_is_named_before_any_spawn(
     with pytest.raises(ValueError, match=f"{mp.READY_TIMEOUT_ENV}={raw!r}: must be"):
         make_client(NULL, multiprocess=True, asyncio=False)
     assert_nothing_leaked(before)
+
+
+def test_a_sentinel_readable_before_the_exit_is_polled_not_spun_on() -> None:
+    """vLLM #54184: a process sentinel that reads ready while the process lives. The monitor
+    must neither call it dead nor spin on the still-readable sentinel (join(1.0) returns at
+    once on it): it polls the exit instead, and reports the real one."""
+    r, w = os.pipe()
+    os.close(w)  # the read end is readable (EOF) for good, as a sentinel closed early
+    stop_r, stop_w = os.pipe()
+
+    class FakeProc:
+        pid, sentinel, checks = 4242, r, 0
+
+        def join(self, timeout: float | None = None) -> None:
+            pass  # a readable sentinel: multiprocessing's join returns at once
+
+        @property
+        def exitcode(self) -> int | None:
+            self.checks += 1
+            return -9 if self.checks > 5 else None
+
+    proc = FakeProc()
+    try:
+        t0 = time.monotonic()
+        cause = mp._watch_engine(proc, stop_r, None, [time.monotonic()], [math.inf])
+        took = time.monotonic() - t0
+    finally:
+        for fd in (r, stop_r, stop_w):
+            os.close(fd)
+    assert isinstance(cause, mp.EngineProcessDied) and "SIGKILL" in str(cause), cause
+    assert proc.checks <= 8  # one look per poll (and one to describe the exit)
+    assert took >= 4 * mp._SENTINEL_POLL_S * 0.9  # it waited between looks
