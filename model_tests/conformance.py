@@ -523,6 +523,10 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
          lambda: call("call_utility", "echo", 1, timeout="soon")),
         (TypeError, "wake_up('weights')", lambda: cut.wake_up("weights")),  # type: ignore[arg-type]
         (TypeError, "echo(object())", lambda: cut.call_utility("echo", object())),
+        # Sent, they came back as UtilityErrors blaming the engine or a malformed call.
+        (TypeError, "call_utility(5)", lambda: call("call_utility", 5)),
+        (ValueError, "sleep(True)", lambda: cut.sleep(True)),
+        (TypeError, "profile('stop')", lambda: call("profile", "stop")),
         (ValueError, "echo(1 << 70)", lambda: cut.call_utility("echo", 1 << 70)),
     ]
     for kind, what, fn in cases:

@@ -25,6 +25,7 @@ import itertools
 import math
 import numbers
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -149,10 +150,30 @@ def check_wake_tags(tags: Any) -> list[str] | None:
 
 
 def _check_sleep_args(level: int, mode: str) -> None:
-    if level not in (0, 1, 2):
+    # type(): True and 1.0 compare equal to 1 but are not levels (sleep(True) reached the
+    # engine and came back as a UtilityError).
+    if type(level) is not int or level not in (0, 1, 2):
         raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
     if mode not in SLEEP_MODES:
         raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
+
+
+def check_method(method: Any) -> str:
+    """A utility's name, refused here when it is not a str (it was sent, and came back as a
+    UtilityError blaming a "malformed call")."""
+    if not isinstance(method, str):
+        raise TypeError(f"a utility method is named by a str, got {method!r}")
+    return method
+
+
+def profile_args(is_start: Any, path: Any) -> tuple[str, str | None]:
+    """``profile``'s wire arguments; a non-bool start flag (profile("stop") would start it)
+    or a path that is not a str/PathLike is refused before anything is sent."""
+    if not isinstance(is_start, bool):
+        raise TypeError(f"profile(is_start) must be True or False, got {is_start!r}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"profile(path) must be a str, a PathLike or None, got {path!r}")
+    return ("start" if is_start else "stop"), (None if path is None else os.fspath(path))
 
 
 class EngineCoreClient(abc.ABC):
@@ -412,8 +433,7 @@ class SyncClientMixin:
     def profile(self, is_start: bool = True, path: str | None = None, *,
                 timeout: float | None = None) -> str | None:
         """Start the engine's profiler, or stop it and get the trace file's path."""
-        result = self.call_utility("profile", "start" if is_start else "stop", path,
-                                   timeout=timeout)
+        result = self.call_utility("profile", *profile_args(is_start, path), timeout=timeout)
         return None if result is None else str(result)
 
     def reset_prefix_cache(self, *, timeout: float | None = None) -> bool:
@@ -517,6 +537,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         check_timeout(timeout)
+        check_method(method)
         self.ensure_alive()
         # What cannot be sent raises here, as from the multi-process clients' send.
         frames = encode_input(self._encoder, RequestType.UTILITY,

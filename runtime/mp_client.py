@@ -110,10 +110,12 @@ from .client import (
     EngineCoreClient,
     SyncClientMixin,
     _check_sleep_args,
+    check_method,
     check_option_seconds,
     check_request_ids,
     check_timeout,
     check_wake_tags,
+    profile_args,
 )
 from .faults import as_plan
 from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
@@ -1360,6 +1362,7 @@ class MPClient(EngineCoreClient):
             pass
 
     def _register_call(self, future: Any, method: str, args: tuple[Any, ...]) -> int:
+        check_method(method)
         self.ensure_alive()
         call_id = self._utilities.new_id()
         try:
@@ -2134,7 +2137,7 @@ class AsyncMPClient(MPClient):
 
     async def profile_async(self, is_start: bool = True, path: str | None = None, *,
                             timeout: float | None = None) -> str | None:
-        result = await self.call_utility_async("profile", "start" if is_start else "stop", path,
+        result = await self.call_utility_async("profile", *profile_args(is_start, path),
                                                timeout=timeout)
         return None if result is None else str(result)
 
