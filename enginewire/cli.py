@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="maximum rules per example (>= 1)")
     camp.add_argument(
         "--seed",
-        type=int,
+        type=_int_in(0, _MAX_SEED),
         help="seed for a reproducible run; when unset a randomized run picks one, prints it and "
         "records it in the JSON report",
     )

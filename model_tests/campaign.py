@@ -432,6 +432,9 @@ def run_campaign(
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if duration is not None and not (math.isfinite(duration) and duration > 0):
         raise ValueError(f"duration must be a finite number of seconds > 0, got {duration!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < 1 << 64):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if mutant is not None and mutant not in _mutants.BANK:
         raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
     # Before the run, so a bad path costs nothing.

@@ -562,7 +562,7 @@ def run_fault_matrix(
     Returns the exit status: 0 when every cell matched the spec, 1 otherwise. ``extra_cells``
     are callables ``(workdir) -> CellResult`` (the interposer's cells register here).
     """
-    clients = list(clients or CLIENT_KINDS)
+    clients = list(dict.fromkeys(clients or CLIENT_KINDS))  # --client sync --client sync: once
     bad = [c for c in clients if c not in CLIENT_KINDS]
     if bad:
         raise ValueError(f"unknown client kinds {bad}; choose from {CLIENT_KINDS}")

@@ -41,6 +41,7 @@ IPC = ["--input-address", "ipc:///tmp/enginewire-cli-test-in",
     (["campaign", "--duration", "-1"], "--duration"),
     (["campaign", "--duration", "nan"], "--duration"),
     (["campaign", "--mutant", "nosuch"], "--mutant"),
+    (["campaign", "--seed", "-1"], "--seed"),  # every other command's range, now campaign's
     (["bench", "--only", "nosuch"], "--only"),
     (["spec", "check", "--negative", "nosuch"], "--negative"),
     (["generate", "--model", "null", "--client", "inproc", "--prompt-tokens", " , "],

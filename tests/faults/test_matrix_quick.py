@@ -124,3 +124,11 @@ def test_a_lost_attach_is_death_at_the_marker_deadline(tmp_path: Path) -> None:
     # At the deadline (counted from the drop, just after the ATTACH went out), not early.
     assert (ATTACH_READY_S - DEATH_BOUND_S) * 1000 <= result["latency_ms"] <= (
         (ATTACH_READY_S + DEATH_BOUND_S) * 1000), result
+
+
+def test_a_client_named_twice_runs_once(tmp_path: Path) -> None:
+    # `faults matrix --client sync --client sync` ran every cell twice.
+    status = run_fault_matrix(["sync", "sync"], quick=True, results_dir=str(tmp_path),
+                              cells=[], extra_cells=[], echo=None)
+    assert status == 0
+    assert json.loads((tmp_path / "fault_matrix.json").read_text())["clients"] == ["sync"]

@@ -262,3 +262,11 @@ def test_handover_program(how: str) -> None:
         state.teardown()
     finally:
         pool.close()  # stops the engine: its exit status and every leak are judged
+
+
+@pytest.mark.parametrize("seed", [-1, 1 << 64, 1.5, True, "3"])
+def test_a_seed_out_of_range_is_refused_before_the_run(seed: object, tmp_path: Path) -> None:
+    # Every other command takes a seed in [0, 2**64); the campaign took -1 unchecked.
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        run_campaign(client="inproc", seed=seed, results_dir=str(tmp_path))  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())  # refused before any report was written
