@@ -395,8 +395,18 @@ class EngineCoreProc:
         limits: Limits = DEFAULT_LIMITS,
         integrity: bool = False,
     ) -> None:
+        from .config import EngineConfig
         from .engine import EngineCore  # deferred: keeps this module importable without torch
 
+        # Typed refusals before anything is built: they surfaced as bare AttributeErrors from
+        # deep in the start-up (run_engine_core is public; `enginewire engine` checks its own).
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"expected an EngineConfig, got {type(config).__name__} "
+                            f"{config!r:.80}")
+        if not isinstance(limits, Limits):
+            raise TypeError(f"limits must be a Limits, got {type(limits).__name__}")
+        if curve is not None and not isinstance(curve, CurveConfig):
+            raise TypeError(f"curve must be a CurveConfig or None, got {type(curve).__name__}")
         if heartbeat_interval_s is not None and not (
                 isinstance(heartbeat_interval_s, (int, float))
                 and math.isfinite(heartbeat_interval_s) and heartbeat_interval_s > 0):

@@ -39,7 +39,12 @@ from enginewire.protocol.messages import (
 )
 from enginewire.runtime import IpcDir, cleanup_stale_dirs, make_client
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import EngineCoreProc, _Control, _process_main
+from enginewire.runtime.engine_proc import (
+    EngineCoreProc,
+    _Control,
+    _process_main,
+    run_engine_core,
+)
 from enginewire.spec import (
     ENGINE,
     UTILITY,
@@ -917,3 +922,17 @@ def test_an_engine_no_front_end_reached_closes_without_the_flush_linger(tmp_path
     took = time.monotonic() - t0
     assert took < 1.5, f"close took {took:.2f} s with no front end ever connected"
     assert not [t for t in threading.enumerate() if t.name.startswith("EngineCore")]
+
+
+@pytest.mark.parametrize(("kw", "says"), [
+    ({"config": "tiny"}, "expected an EngineConfig"),
+    ({"limits": {}}, "limits must be a Limits"),
+    ({"curve": "x"}, "curve must be a CurveConfig"),
+])
+def test_run_engine_core_refuses_wrong_types_by_name(kw: dict[str, Any], says: str,
+                                                     tmp_path: Path) -> None:
+    # They were bare AttributeErrors from deep inside the start-up.
+    args: dict[str, Any] = {"config": NULL_CONFIG, **kw}
+    with pytest.raises(TypeError, match=says):
+        run_engine_core(args.pop("config"), input_address=f"ipc://{tmp_path}/i",
+                        output_address=f"ipc://{tmp_path}/o", raise_startup_errors=True, **args)
