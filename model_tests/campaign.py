@@ -114,11 +114,18 @@ _NOT_OBSERVED = ("not observed by this run: no in-process client ran, and an eng
                  " process keeps its trace there (--client inproc or all records it)")
 
 
-def _why_unreached(item: str, *, engine_observed: bool = True) -> str:
+_NOT_KILLED = ("not driven by this run: the standalone machine hands one engine from front end"
+               " to front end and never kills it (--client sync, async or all crash engines)")
+
+
+def _why_unreached(item: str, *, engine_observed: bool = True,
+                   engine_killed: bool = True) -> str:
     m = re.fullmatch(r"(\S+) (\S+) -(\S+)-> (\S+)", item)
     why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
     if why is None and m is not None and not engine_observed and m.group(1) in _ENGINE_MACHINES:
         return _NOT_OBSERVED
+    if why is None and m is not None and not engine_killed and m.group(3) == "ENGINE_DIED":
+        return _NOT_KILLED
     return why or "NOT REACHED in this run: no reason declared (a gap; run longer or add a rule)"
 
 
@@ -547,7 +554,9 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
             prog.stop()
     cov = coverage.report()
     observed = any(r.client == "inproc" for r in results)
-    never = [{"transition": t, "why": _why_unreached(t, engine_observed=observed)}
+    killed = any(r.client != "standalone" for r in results)
+    never = [{"transition": t,
+              "why": _why_unreached(t, engine_observed=observed, engine_killed=killed)}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
     _print_report(results, cov, sys.stdout)

@@ -119,6 +119,13 @@ def test_report_gives_every_unreached_transition_a_reason() -> None:
                           ).startswith("NOT REACHED")
     assert _why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN", engine_observed=False
                           ) == UNREACHED[("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN")]
+    # A standalone-only run never kills its engine: a death it did not drive is no gap there,
+    # and still one in a run that crashes engines.
+    died = "utility PENDING -ENGINE_DIED-> FAILED_DEAD"
+    assert "never kills it" in _why_unreached(died, engine_killed=False)
+    assert _why_unreached(died).startswith("NOT REACHED")
+    assert _why_unreached("utility PENDING -REPLY_OK-> RESOLVED", engine_killed=False
+                          ).startswith("NOT REACHED")
 
 
 def test_coverage_lists_what_was_never_reached() -> None:
