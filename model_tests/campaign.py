@@ -41,8 +41,27 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from ..spec import (
+    CLIENT,
+    CLIENT_REQUEST,
+    ENGINE,
+    ENGINE_REQUEST,
+    UTILITY,
+    ClientEvent,
+    ClientRequestEvent,
+    ClientRequestState,
+    ClientState,
+    EngineEvent,
+    EngineRequestEvent,
+    EngineRequestState,
+    EngineState,
+    Machine,
+    UtilityEvent,
+)
 
 __all__ = ["ALL_CLIENTS", "CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "run_campaign"]
 
@@ -72,44 +91,65 @@ _FORGOTTEN_ENGINE = ("unreachable by this runtime: the scheduler forgets a reque
                      " rejection or an abort of a finished or unknown id fires nothing")
 _IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and the ENGINE trace"
                       " of a subprocess engine stays in that process (no utility returns it)")
-_FINISHED = ("FINISHED_STOPPED", "FINISHED_LENGTH", "FINISHED_ABORTED", "FINISHED_ERROR")
+_CS, _CE = ClientState, ClientEvent
+_ES, _EE = EngineState, EngineEvent
+_CRS, _CRE = ClientRequestState, ClientRequestEvent
+_ERS, _ERE = EngineRequestState, EngineRequestEvent
+
+
+def _key(machine: Machine[Any, Any], source: Enum, event: Enum, target: Enum
+         ) -> tuple[str, str, str, str]:
+    """A transition as its trace entry names it, built from the spec's members."""
+    return machine.name, source.name, event.name, target.name
+
+
+_C_FINISHED = (_CRS.FINISHED_STOPPED, _CRS.FINISHED_LENGTH, _CRS.FINISHED_ABORTED,
+               _CRS.FINISHED_ERROR)
+_E_FINISHED = (_ERS.FINISHED_STOPPED, _ERS.FINISHED_LENGTH, _ERS.FINISHED_ABORTED,
+               _ERS.FINISHED_ERROR)
 UNREACHED: dict[tuple[str, str, str, str], str] = {
-    ("client", "CONSTRUCTING", "ENGINE_DIED", "DEAD"):
+    _key(CLIENT, _CS.CONSTRUCTING, _CE.ENGINE_DIED, _CS.DEAD):
         "covered by conformance, not by campaign rules (which start from a ready client): the"
         " engine process dies during the handshake (check_kill_during_handshake)",
-    ("client", "SHUTDOWN", "ENGINE_DIED", "SHUTDOWN"):
+    _key(CLIENT, _CS.SHUTDOWN, _CE.ENGINE_DIED, _CS.SHUTDOWN):
         "a race no rule forces (reached in some 10-minute runs, not all): a death notice"
         " landing after shutdown() marked the client SHUTDOWN and before its monitor stopped"
         " (the client absorbs it)",
-    **{("client_request", f, e, f): _FORGOTTEN_CLIENT
-       for f in _FINISHED for e in ("ABORT_SENT", "ENGINE_DIED")},
-    **{("client_request", f, "SEND", "SENT"): _FORGOTTEN_CLIENT for f in _FINISHED},
-    ("client_request", "UNKNOWN", "ABORT_SENT", "UNKNOWN"): _FORGOTTEN_CLIENT,
-    ("client_request", "UNKNOWN", "ENGINE_DIED", "UNKNOWN"): _FORGOTTEN_CLIENT,
-    ("engine", "CONSTRUCTING", "BUILT", "CONSTRUCTING"): _IN_ENGINE_PROCESS,
-    ("engine", "CONSTRUCTING", "HANDSHAKE_SENT", "READY"): _IN_ENGINE_PROCESS,
-    ("engine", "READY", "LOOP_STARTED", "IDLE"): _IN_ENGINE_PROCESS,
-    ("engine", "READY", "FATAL_ERROR", "DEAD"): _IN_ENGINE_PROCESS,
-    ("engine", "READY", "SHUTDOWN", "SHUTDOWN"): _IN_ENGINE_PROCESS,
-    ("engine", "DEAD", "FATAL_ERROR", "DEAD"):
+    **{_key(CLIENT_REQUEST, f, e, f): _FORGOTTEN_CLIENT
+       for f in _C_FINISHED for e in (_CRE.ABORT_SENT, _CRE.ENGINE_DIED)},
+    **{_key(CLIENT_REQUEST, f, _CRE.SEND, _CRS.SENT): _FORGOTTEN_CLIENT for f in _C_FINISHED},
+    _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ABORT_SENT, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
+    _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ENGINE_DIED, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
+    _key(ENGINE, _ES.CONSTRUCTING, _EE.BUILT, _ES.CONSTRUCTING): _IN_ENGINE_PROCESS,
+    _key(ENGINE, _ES.CONSTRUCTING, _EE.HANDSHAKE_SENT, _ES.READY): _IN_ENGINE_PROCESS,
+    _key(ENGINE, _ES.READY, _EE.LOOP_STARTED, _ES.IDLE): _IN_ENGINE_PROCESS,
+    _key(ENGINE, _ES.READY, _EE.FATAL_ERROR, _ES.DEAD): _IN_ENGINE_PROCESS,
+    _key(ENGINE, _ES.READY, _EE.SHUTDOWN, _ES.SHUTDOWN): _IN_ENGINE_PROCESS,
+    _key(ENGINE, _ES.DEAD, _EE.FATAL_ERROR, _ES.DEAD):
         _IN_ENGINE_PROCESS + "; in-process, a dead engine refuses every call before a second"
         " fatal error could happen",
-    ("engine", "CONSTRUCTING", "SHUTDOWN", "SHUTDOWN"):
+    _key(ENGINE, _ES.CONSTRUCTING, _EE.SHUTDOWN, _ES.SHUTDOWN):
         _IN_ENGINE_PROCESS + " (a stop request during start-up); in-process, EngineCore"
         " cannot be shut down before its constructor returned",
-    ("engine", "DRAINING", "WAKE_UP", "IDLE"):
+    _key(ENGINE, _ES.DRAINING, _EE.WAKE_UP, _ES.IDLE):
         "unreachable by this runtime: the end of the last draining request drains the engine"
         " at once (DRAINED), so a wake-up never finds it DRAINING with no request left",
-    ("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN"):
+    _key(ENGINE, _ES.SHUTDOWN, _EE.SHUTDOWN, _ES.SHUTDOWN):
         "unreachable by this runtime: EngineCore.shutdown() returns early once shut down",
-    **{("engine_request", f, e, t): _FORGOTTEN_ENGINE for f in _FINISHED
-       for e, t in (("ADD", "WAITING"), ("REJECT", "FINISHED_ERROR"), ("ABORT", f))},
-    ("engine_request", "UNKNOWN", "ABORT", "UNKNOWN"): _FORGOTTEN_ENGINE,
+    **{_key(ENGINE_REQUEST, f, e, t): _FORGOTTEN_ENGINE for f in _E_FINISHED
+       for e, t in ((_ERE.ADD, _ERS.WAITING), (_ERE.REJECT, _ERS.FINISHED_ERROR),
+                    (_ERE.ABORT, f))},
+    _key(ENGINE_REQUEST, _ERS.UNKNOWN, _ERE.ABORT, _ERS.UNKNOWN): _FORGOTTEN_ENGINE,
 }
+# (machine, event) names of the death notices only a run that kills its engine can fire.
+_DEATH_EVENTS = frozenset({
+    (CLIENT.name, _CE.ENGINE_DIED.name), (CLIENT_REQUEST.name, _CRE.ENGINE_DIED.name),
+    (UTILITY.name, UtilityEvent.ENGINE_DIED.name),
+})
 
 
 # Engine-side machines are recorded only where the engine runs in the campaign's process.
-_ENGINE_MACHINES = ("engine", "engine_request")
+_ENGINE_MACHINES = (ENGINE.name, ENGINE_REQUEST.name)
 _NOT_OBSERVED = ("not observed by this run: no in-process client ran, and an engine in its own"
                  " process keeps its trace there (--client inproc or all records it)")
 
@@ -124,7 +164,8 @@ def _why_unreached(item: str, *, engine_observed: bool = True,
     why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
     if why is None and m is not None and not engine_observed and m.group(1) in _ENGINE_MACHINES:
         return _NOT_OBSERVED
-    if why is None and m is not None and not engine_killed and m.group(3) == "ENGINE_DIED":
+    if (why is None and m is not None and not engine_killed
+            and (m.group(1), m.group(3)) in _DEATH_EVENTS):
         return _NOT_KILLED
     return why or "NOT REACHED in this run: no reason declared (a gap; run longer or add a rule)"
 

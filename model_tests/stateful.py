@@ -739,7 +739,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
                 return
             for rid in ids:
                 m = self.oracle.requests[rid]
-                if m.finish is not None and m.finish.name != "ABORT":
+                if m.finish is not None and m.finish is not FinishReason.ABORT:
                     raise OracleViolation(
                         f"{rid!r} was aborted right after its ADD yet ended {m.finish.name}"
                         f" after {len(m.tokens)} tokens: the abort overtook its ADD")
