@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,9 @@ from enginewire.spec import (
     EngineEvent,
     EngineState,
     Lifecycle,
+    Machine,
     SpecViolation,
+    TraceEntry,
 )
 from enginewire.testing.spec_check import spec_transition_cost_ns
 
@@ -115,3 +118,53 @@ def test_transition_cost_measures_a_lifecycle_that_still_works() -> None:
     lc = CLIENT_REQUEST.lifecycle()
     lc.fire(ClientRequestEvent.SEND)
     assert lc.fire(ClientRequestEvent.OUTPUT).name == "STREAMING"
+
+
+def _reach_every_state(mach: Machine[Any, Any]) -> dict[Enum, list[tuple[Enum, str | None]]]:
+    """A path of legal (event, guard) steps from the initial state to each reachable state."""
+    paths: dict[Enum, list[tuple[Enum, str | None]]] = {mach.initial: []}
+    frontier = [mach.initial]
+    while frontier:
+        state = frontier.pop(0)
+        for t in mach.transitions:
+            if t.source is state and t.target not in paths:
+                paths[t.target] = [*paths[state], (t.event, t.guard)]
+                frontier.append(t.target)
+    return paths
+
+
+@pytest.mark.parametrize("mach", MACHINES, ids=lambda m: m.name)
+def test_every_forbidden_event_in_every_state_raises_and_changes_nothing(
+    mach: Machine[Any, Any],
+) -> None:
+    # Each state is reached through the table (never by assigning it), then probed with every
+    # event under no guard, each guard of any machine, and the event's bare name: whatever the
+    # table lacks raises SpecViolation naming the step, and leaves state and trace as they were.
+    paths = _reach_every_state(mach)
+    assert set(paths) == set(mach.states), f"{mach.name}: states no event leads to"
+    table = mach.table()
+    guards = sorted({t.guard for m in MACHINES for t in m.transitions if t.guard is not None})
+    refused = 0
+    for state, path in paths.items():
+        trace: list[TraceEntry] = []
+        lc = mach.lifecycle(trace=trace)
+        for event, guard in path:
+            lc.fire(event, guard)
+        assert lc.state is state
+        for event in mach.events:
+            for guard in (None, *guards):
+                if (state, event, guard) in table:
+                    continue
+                before = list(trace)
+                assert not lc.can(event, guard)
+                with pytest.raises(SpecViolation) as info:
+                    lc.fire(event, guard)
+                err = info.value
+                assert (err.machine, err.state, err.event, err.guard) == (
+                    mach.name, state.name, event.name, guard)
+                assert lc.state is state and trace == before
+                refused += 1
+            with pytest.raises(SpecViolation):
+                lc.fire(event.name)  # a string is never an event, even one spelling its name
+            assert lc.state is state
+    assert refused > 0
