@@ -54,7 +54,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -740,6 +740,27 @@ def _watch_engine(
             )
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT with Python's default handler, main thread) until the block
+    ends, then raise it. For an ADD's send: interrupted right after its last part went, the
+    request was forgotten while the engine ran it, and its outputs were SpecViolations in
+    every later get_output (losing the batches they came in). Held, the ADD goes out whole
+    and the caller gets its KeyboardInterrupt with the request live and tracked."""
+    if (signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            or threading.current_thread() is not threading.main_thread()):
+        yield  # another handler is the application's to honour; other threads get no signal
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
+
+
 def _end_message(sock: zmq.Socket[Any]) -> None:
     """A send interrupted part-way (Ctrl-C is raised inside a send, possibly after the part
     went): end the message with an empty part, so the next message is not read as its
@@ -1338,11 +1359,12 @@ class MPClient(EngineCoreClient):
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
         self._track_add(request)
-        try:
-            self._send(RequestType.ADD, request)
-        except BaseException:
-            self._untrack_add(request.request_id)
-            raise
+        with _sigint_deferred():  # raised after the except below: the ADD went out whole
+            try:
+                self._send(RequestType.ADD, request)
+            except BaseException:
+                self._untrack_add(request.request_id)
+                raise
 
     def _send_abort(self, request_ids: list[str]) -> None:
         ids = check_request_ids(request_ids)

@@ -158,3 +158,44 @@ def test_a_deferred_call_sees_an_engine_stopped_from_outside_as_dead() -> None:
         assert len(outcome) == 1 and isinstance(outcome[0], EngineDeadError), outcome
     finally:
         client.shutdown()
+
+
+def _finish_all(client: Any, ids: set[str]) -> set[str]:
+    done: set[str] = set()
+    for _ in range(500):  # bounded: a lost request must fail, not hang
+        done |= {o.request_id for o in client.get_output(timeout=0.5).outputs if o.finished}
+        if ids <= done:
+            break
+    return done
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signals reach the main thread only")
+@pytest.mark.parametrize("part", ["last", "first"])
+def test_ctrl_c_during_an_add_leaves_the_request_live_and_the_client_whole(
+        part: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT landing while add_request sends: the ADD goes out whole, then the
+    KeyboardInterrupt is raised. Raised right after the last part (before the fix), the
+    request was forgotten while the engine ran it, and every later get_output raised a
+    SpecViolation for its outputs, losing the other requests' outputs with them."""
+    with make_client(NULL, multiprocess=True, asyncio=False) as client:
+        real = client._sock_send
+        calls: list[int] = []
+
+        def send(sock: Any, frame: Any, *flags: Any) -> Any:
+            result = real(sock, frame, *flags)
+            calls.append(1)
+            last = not flags or not flags[0]
+            if (part == "last" and last) or (part == "first" and len(calls) == 1):
+                os.kill(os.getpid(), signal.SIGINT)  # its handler runs at the next check
+            return result
+
+        monkeypatch.setattr(client, "_sock_send", send)
+        with pytest.raises(KeyboardInterrupt):
+            client.add_request(req("a", 4))
+        monkeypatch.setattr(client, "_sock_send", real)
+        assert client.live_requests() == ["a"]
+        client.add_request(req("b", 4))
+        assert _finish_all(client, {"a", "b"}) >= {"a", "b"}
+        assert client.live_requests() == []
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
