@@ -38,6 +38,7 @@ a cancellation finds no entry and is dropped.
 
 from __future__ import annotations
 
+import _signal
 import asyncio
 import collections
 import concurrent.futures
@@ -54,7 +55,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -740,25 +741,37 @@ def _watch_engine(
             )
 
 
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
+class _SigintHold:
     """Hold a Ctrl-C (SIGINT with Python's default handler, main thread) until the block
     ends, then raise it. For an ADD's send: interrupted right after its last part went, the
     request was forgotten while the engine ran it, and its outputs were SpecViolations in
     every later get_output (losing the batches they came in). Held, the ADD goes out whole
-    and the caller gets its KeyboardInterrupt with the request live and tracked."""
-    if (signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-            or threading.current_thread() is not threading.main_thread()):
-        yield  # another handler is the application's to honour; other threads get no signal
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
+    and the caller gets its KeyboardInterrupt with the request live and tracked. The C-level
+    _signal calls cost ~0.3 us each (signal's enum wrappers: ~4.5 us, per add_request)."""
+
+    __slots__ = ("held", "previous")
+
+    def __enter__(self) -> None:
+        self.previous: Any = None
+        if (_signal.getsignal(_SIGINT) is not _signal.default_int_handler
+                or threading.current_thread() is not _MAIN_THREAD):
+            return  # another handler is the application's to honour; threads get no signal
+        self.held = False
+        self.previous = _signal.signal(_SIGINT, self._hold)
+
+    def _hold(self, _signum: int, _frame: Any) -> None:
+        self.held = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is None:
+            return
+        _signal.signal(_SIGINT, self.previous)
+        if self.held:
             raise KeyboardInterrupt
+
+
+_SIGINT = int(signal.SIGINT)
+_MAIN_THREAD = threading.main_thread()
 
 
 def _end_message(sock: zmq.Socket[Any]) -> None:
@@ -1359,7 +1372,7 @@ class MPClient(EngineCoreClient):
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
         self._track_add(request)
-        with _sigint_deferred():  # raised after the except below: the ADD went out whole
+        with _SigintHold():  # raised after the except below: the ADD went out whole
             try:
                 self._send(RequestType.ADD, request)
             except BaseException:
