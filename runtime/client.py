@@ -484,6 +484,11 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         # Outputs produced while a deferred utility was being driven to completion.
         self._buffered: collections.deque[EngineCoreOutputs] = collections.deque()
+        # Held around every use of the engine and the tracking of what it returned: the
+        # engine core is not thread-safe (two callers stepping it at once finished a request
+        # twice), and a batch must be tracked before the next step's. Reentrant: a signal
+        # handler may shut down while its thread is in a call.
+        self._engine_lock = threading.RLock()
         self._encoder = Encoder()
         self._apply_ready(self.engine.ready_info())
         with self._state_lock:
@@ -507,32 +512,35 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         return decode_input(frames)[1]
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._track_add(request)
-        try:
+        with self._engine_lock:
+            self._track_add(request)
             try:
-                wired = self._wire(RequestType.ADD, request)
-            except ProtocolError as e:  # as the engine process answers a malformed ADD
-                self.engine.reject_request(request.request_id, f"malformed request: {e}")
-                return
-            self.engine.add_request(wired)
-        except Exception:
-            self._untrack_add(request.request_id)
-            raise
+                try:
+                    wired = self._wire(RequestType.ADD, request)
+                except ProtocolError as e:  # as the engine process answers a malformed ADD
+                    self.engine.reject_request(request.request_id, f"malformed request: {e}")
+                    return
+                self.engine.add_request(wired)
+            except Exception:
+                self._untrack_add(request.request_id)
+                raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = check_request_ids(request_ids)
-        if self.is_closed:
-            raise ClientClosedError("the client was shut down")
-        if not ids or self.is_dead:
-            return
-        self.engine.abort_requests(self._track_abort(ids))
+        with self._engine_lock:
+            if self.is_closed:
+                raise ClientClosedError("the client was shut down")
+            if not ids or self.is_dead:
+                return
+            self.engine.abort_requests(self._track_abort(ids))
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """One engine step (``timeout`` is accepted for symmetry; a step never waits)."""
         check_timeout(timeout)
-        self.ensure_alive()
-        outputs = self._buffered.popleft() if self._buffered else self._step()
-        self._track_outputs(outputs)
+        with self._engine_lock:
+            self.ensure_alive()  # under the lock: a shutdown may have run while we waited
+            outputs = self._buffered.popleft() if self._buffered else self._step()
+            self._track_outputs(outputs)
         return outputs
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
@@ -550,26 +558,29 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             lc.fire(UtilityEvent.REPLY_ERROR)
             raise UtilityError(str(method), f"malformed call: {e}") from e
         assert isinstance(wired, UtilityRequest)
-        try:
-            result = self.engine.call_utility(wired.method, wired.args)
-            if isinstance(result, concurrent.futures.Future):
-                # Nothing else steps the engine in-process: drive it until the reply.
-                while not result.done():
-                    outputs = self._step()
-                    if outputs.outputs or outputs.finished_requests:
-                        self._buffered.append(outputs)
-                result = result.result()
-        except EngineDeadError:
-            lc.fire(UtilityEvent.ENGINE_DIED)
-            raise
-        except Exception as e:
-            lc.fire(UtilityEvent.REPLY_ERROR)
-            # Same message a remote engine would send, so both transports read alike.
-            message = utility_output(0, method, error=e).failure_message or str(e)
-            raise UtilityError(method, message) from e
-        lc.fire(UtilityEvent.REPLY_OK)
-        if wired.method in POWER_METHODS:
-            self._on_power_reply(wired.method, result)
+        with self._engine_lock:
+            try:
+                self.ensure_alive()
+                result = self.engine.call_utility(wired.method, wired.args)
+                if isinstance(result, concurrent.futures.Future):
+                    # Nothing else steps the engine in-process: drive it until the reply.
+                    while not result.done():
+                        outputs = self._step()
+                        if outputs.outputs or outputs.finished_requests:
+                            self._buffered.append(outputs)
+                    result = result.result()
+            except (EngineDeadError, ClientClosedError) as e:
+                lc.fire(UtilityEvent.ENGINE_DIED if isinstance(e, EngineDeadError)
+                        else UtilityEvent.CLIENT_SHUTDOWN)
+                raise
+            except Exception as e:
+                lc.fire(UtilityEvent.REPLY_ERROR)
+                # Same message a remote engine would send, so both transports read alike.
+                message = utility_output(0, method, error=e).failure_message or str(e)
+                raise UtilityError(method, message) from e
+            lc.fire(UtilityEvent.REPLY_OK)
+            if wired.method in POWER_METHODS:
+                self._on_power_reply(wired.method, result)
         return result
 
     def sleep(self, level: int = 1, mode: str = "abort", *,
@@ -593,7 +604,8 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def shutdown(self, timeout: float | None = None) -> None:
         if self._mark_closed() and self._finalizer.detach() is not None:
-            self.engine.shutdown()
+            with self._engine_lock:  # after the step another thread is running, if any
+                self.engine.shutdown()
 
     def __repr__(self) -> str:
         return f"<InprocClient {self.lifecycle.state.name}>"

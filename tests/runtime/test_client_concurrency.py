@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 from collections import Counter
 from typing import Any
@@ -199,3 +200,58 @@ def test_ctrl_c_during_an_add_leaves_the_request_live_and_the_client_whole(
         assert _finish_all(client, {"a", "b"}) >= {"a", "b"}
         assert client.live_requests() == []
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_inproc_client_called_from_several_threads_at_once() -> None:
+    """The docs let any number of threads call a sync client at once. Before the fix the
+    in-process client stepped its engine from each caller's thread at the same time: the
+    scheduler finished a request twice (SpecViolation) and the engine was declared dead."""
+    client = make_client(EngineConfig(model="null", max_num_seqs=8), multiprocess=False,
+                         asyncio=False)
+    tokens: Counter[str] = Counter()
+    finished: set[str] = set()
+    errors: list[str] = []
+    seen = threading.Lock()
+
+    def take(out: Any) -> None:
+        with seen:
+            for o in out.outputs:
+                tokens[o.request_id] += len(o.new_token_ids)
+                if o.finished:
+                    finished.add(o.request_id)
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(150):
+                client.add_request(req(f"{k}-{i}", 3))
+                for _ in range(3):
+                    take(client.get_output())
+                if i % 7 == 0:
+                    assert client.echo(i) == i
+                if i % 11 == 0:
+                    client.abort_requests([f"{k}-{i}"])
+        except Exception as e:  # recorded, and asserted on below
+            errors.append(repr(e))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside steps: the race shows at once
+    try:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        sys.setswitchinterval(switch)
+        assert not errors, errors[:3]
+        for _ in range(100):  # what is still running finishes within a few steps
+            if not client.live_requests():
+                break
+            take(client.get_output())
+        assert not client.live_requests()
+        assert len(finished) == 450
+        # Aborted ones may have ended early; every other got all its tokens, once.
+        assert all(n <= 3 for n in tokens.values())
+        assert sum(n == 3 for n in tokens.values()) >= 450 - 3 * 14
+    finally:
+        sys.setswitchinterval(switch)
+        client.shutdown()
