@@ -153,6 +153,8 @@ _LATE_MEMORY = 256
 _UTILITY_BYTE = RequestType.UTILITY.value
 # Longest a shutdown waits for libzmq to hand an attached engine the ABORT of what it runs.
 _ABORT_LINGER_MS = 1000
+# Interrupts (Ctrl-C) a teardown absorbs before it skips the stage they keep landing in.
+_TEARDOWN_RETRIES = 3
 # Replies up to this size may take the short decode (``MPClient._on_message``).
 _PLAIN_REPLY_BYTES = 1 << 16
 
@@ -511,12 +513,30 @@ class BackgroundResources:
         # Every stage runs whatever an earlier one raised: a failure in one must not leak
         # what the others hold. The first failure is raised once all ran.
         first: Exception | None = None
-        for stage in stages:
+        interrupt: BaseException | None = None
+        retries = 0
+        i = 0
+        while i < len(stages):
             try:
-                stage()
+                stages[i]()
             except Exception as e:
-                logger.exception("client teardown: %s failed", stage.__name__)
+                logger.exception("client teardown: %s failed", stages[i].__name__)
                 first = first or e
+            except BaseException as e:
+                # Ctrl-C, most likely while waiting out the grace for a hung engine: the
+                # caller wants to stop waiting, not to leak the engine, sockets and threads
+                # (a later shutdown() finds the teardown done). End the grace (SIGKILL now),
+                # run this stage again and the rest, then raise the interrupt. Each stage is
+                # bounded and can be run again; a few interrupts at most, so it ends.
+                interrupt = interrupt or e
+                self.shutdown_timeout = 0.0
+                retries += 1
+                if retries <= _TEARDOWN_RETRIES:
+                    continue
+                logger.warning("client teardown: %s interrupted; skipped", stages[i].__name__)
+            i += 1
+        if interrupt is not None:
+            raise interrupt
         if first is not None:
             raise first
 
@@ -527,14 +547,15 @@ class BackgroundResources:
 
     def _remove_ipc_dir(self) -> None:
         if self.ipc_dir is not None:
-            ipc_dir, self.ipc_dir = self.ipc_dir, None
-            ipc_dir.remove()
-        paths, self.bound_ipc_paths = self.bound_ipc_paths, []
-        for path, ours in paths:
+            self.ipc_dir.remove()  # idempotent: cleared after, so an interrupted one reruns
+            self.ipc_dir = None
+        while self.bound_ipc_paths:  # one at a time: an interrupted teardown resumes here
+            path, ours = self.bound_ipc_paths[-1]
             with contextlib.suppress(OSError):  # already gone
                 st = os.lstat(path)
                 if stat.S_ISSOCK(st.st_mode) and _file_id(st) == ours:
                     os.unlink(path)
+            self.bound_ipc_paths.pop()
 
     def _stop_monitor(self) -> None:
         if self.monitor_pipe is not None:
@@ -546,18 +567,19 @@ class BackgroundResources:
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(2.0)
         if self.monitor_pipe is not None:
-            for fd in self.monitor_pipe:
+            # Forgotten before they are closed: an interrupted teardown runs this again, and
+            # a second close could hit a number reused by another file.
+            fds, self.monitor_pipe = self.monitor_pipe, None
+            for fd in fds:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            self.monitor_pipe = None
 
     def _stop_process(self) -> None:
         proc = self.proc
         if proc is None:
             return
-        self.proc = None
         timeout = self.shutdown_timeout
         if timeout is None:
             timeout = DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -577,6 +599,8 @@ class BackgroundResources:
             proc.close()
         except ValueError:
             pass  # already closed
+        # Only now: an interrupted join leaves it here for the teardown to run this again.
+        self.proc = None
 
     def _close_sockets(self) -> None:
         with self.send_lock:
@@ -587,8 +611,8 @@ class BackgroundResources:
             self.output_socket.close(linger=0)
             self.output_socket = None
         if self.sync_reader is not None:
-            reader, self.sync_reader = self.sync_reader, None
-            reader.close()
+            self.sync_reader.close()  # runs again if interrupted: cleared only after
+            self.sync_reader = None
         if self.async_output_socket is not None:
             self._close_async()
 
@@ -1251,9 +1275,11 @@ class MPClient(EngineCoreClient):
         self._wake_waiters(_CLOSED)
         if timeout is not None:
             self.resources.shutdown_timeout = timeout
-        self._finalizer()
-        self._pending_sends.clear()  # the sockets are closed: libzmq holds what it still needs
-        self._drop_backlog()
+        try:
+            self._finalizer()
+        finally:  # also after an interrupt (Ctrl-C), which the teardown raises once done
+            self._pending_sends.clear()  # the sockets are closed: libzmq holds what it needs
+            self._drop_backlog()
 
     def _abort_left_behind(self) -> None:
         """An attached engine outlives this front end: abort what it still runs for us, so it

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import threading
 import time
 import weakref
+from multiprocessing import resource_tracker
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from enginewire import ClientClosedError, UtilityTimeoutError, make_client
 from enginewire.protocol.codec import Limits
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
+from enginewire.testing.oracle import ResourceSnapshot, check_released
 
 NULL = EngineConfig(model="null", device="cpu")
 BOUND_S = 30.0
@@ -155,3 +158,47 @@ def test_a_request_refused_before_sending_never_becomes_live() -> None:
         assert client.live_requests() == []
         client.add_request(_req("r", [5]))  # the same id: accepted
         assert client.live_requests() == ["r"]
+
+
+class _Interrupt(BaseException):
+    """Stands in for the KeyboardInterrupt of a Ctrl-C pressed during shutdown's grace."""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_the_grace_still_reclaims_everything() -> None:
+    """Ctrl-C while shutdown() waits out the grace for a hung engine (the moment a user
+    presses it): the interrupt still reaches the caller, and nothing is left behind. Before
+    the fix the teardown stopped where the interrupt landed: the engine was never killed or
+    reaped, the reader thread, sockets and ipc directory stayed, and a second shutdown()
+    returned at once, since the teardown counted as done."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers run on the main thread only")
+    resource_tracker.ensure_running()  # once per process: not this client's
+    before = ResourceSnapshot.take()
+    client = make_client(NULL, multiprocess=True, asyncio=False,
+                         engine_fault="step:1:delay:60")
+    pid = client.engine_pid
+    ipc_dir = client.resources.ipc_dir
+    assert ipc_dir is not None
+    client.add_request(_req("r", [5]))
+    deadline = time.monotonic() + BOUND_S
+    while True:  # as above: wait until the engine is inside its long step
+        assert time.monotonic() < deadline, "the engine never entered its long step"
+        try:
+            client.call_utility("echo", 1, timeout=0.5)
+        except UtilityTimeoutError:
+            break
+
+    def interrupt(*_: object) -> None:
+        raise _Interrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # inside the default 5 s grace
+        with pytest.raises(_Interrupt):
+            client.shutdown()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    client.shutdown()  # returns: nothing is left to do
+    check_released(before, engine_pid=pid, ipc_path=str(ipc_dir.path))
