@@ -564,7 +564,11 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 result = self.engine.call_utility(wired.method, wired.args)
                 if isinstance(result, concurrent.futures.Future):
                     # Nothing else steps the engine in-process: drive it until the reply.
+                    # A shutdown from another thread waits for this lock: end the call then
+                    # (as a pending call at shutdown ends), not after the drain.
                     while not result.done():
+                        if self.is_closed:
+                            raise ClientClosedError("the client was shut down")
                         outputs = self._step()
                         if outputs.outputs or outputs.finished_requests:
                             self._buffered.append(outputs)

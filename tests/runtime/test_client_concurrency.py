@@ -16,7 +16,7 @@ import pytest
 
 from enginewire import EngineConfig, EngineCoreRequest, SamplingParams
 from enginewire.runtime import make_client
-from enginewire.spec import EngineDeadError
+from enginewire.spec import ClientClosedError, EngineDeadError
 
 NULL = EngineConfig(model="null", max_num_seqs=64)
 
@@ -255,3 +255,33 @@ def test_inproc_client_called_from_several_threads_at_once() -> None:
     finally:
         sys.setswitchinterval(switch)
         client.shutdown()
+
+
+def test_an_inproc_shutdown_from_another_thread_ends_a_driven_wait() -> None:
+    """A raw in-process ``sleep(0, "wait")`` steps the engine inside the call until the
+    drain ends; a shutdown from another thread ends that call with ClientClosedError (a
+    pending call at shutdown) instead of waiting out the drain and reporting success."""
+    client = make_client(EngineConfig(model="null", null_step_delay_s=0.05),
+                         multiprocess=False, asyncio=False)
+    outcome: list[object] = []
+
+    def wait_for_drain() -> None:
+        try:
+            outcome.append(client.call_utility("sleep", 0, "wait"))
+        except BaseException as e:  # recorded, and asserted on below
+            outcome.append(e)
+
+    client.add_request(req("long", 100_000))  # max_model_len steps of 50 ms
+    waiter = threading.Thread(target=wait_for_drain)
+    try:
+        waiter.start()
+        for _ in range(1000):  # the drive starts within a step; bounded anyway
+            if client.queued_outputs():  # outputs buffered while the call drives the engine
+                break
+            threading.Event().wait(0.01)
+        client.shutdown()
+        waiter.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], ClientClosedError), outcome
+    finally:
+        client.shutdown()
+        waiter.join(60)
