@@ -1883,6 +1883,9 @@ class SyncMPClient(SyncClientMixin, MPClient):
 
     def __init__(self, config: Any, **options: Any) -> None:
         self._outputs: queue.Queue[Any] = queue.Queue()
+        # Batches taken and tracked by a get_output that a Ctrl-C then ended: the next call
+        # returns them first, so an interrupted read loses nothing.
+        self._redeliver: collections.deque[EngineCoreOutputs] = collections.deque()
         self._reader: _SyncReader | None = None
         super().__init__(config, **options)
 
@@ -1925,9 +1928,33 @@ class SyncMPClient(SyncClientMixin, MPClient):
             with self.resources.send_lock:
                 self._reclaim_sends()
         outputs = self._outputs
+        if self._redeliver:
+            with self._state_lock:
+                if self._redeliver:
+                    return self._redeliver.popleft()
         reader = self._reader
         if reader is not None and not self.is_dead and outputs.empty():
             reader.wait_for(lambda: not outputs.empty(), timeout)
+        # A Ctrl-C between taking a batch and returning it would lose the batch and leave
+        # its requests live for good: held past the return value, then the batch is kept
+        # for the next call.
+        hold = _SigintHold()
+        hold.__enter__()
+        out = None
+        try:
+            out = self._take_output()
+        finally:
+            try:
+                hold.__exit__()
+            except KeyboardInterrupt:
+                if out is not None and (out.outputs or out.utility_output is not None
+                                        or out.finished_requests):
+                    self._redeliver.append(out)
+                raise
+        return out
+
+    def _take_output(self) -> EngineCoreOutputs:
+        outputs = self._outputs
         # Dequeue and track as one step: concurrent callers then track batches in queue
         # order (tracking batch N+1 before batch N would break the request lifecycles).
         with self._state_lock:

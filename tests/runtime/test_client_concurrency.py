@@ -285,3 +285,41 @@ def test_an_inproc_shutdown_from_another_thread_ends_a_driven_wait() -> None:
     finally:
         client.shutdown()
         waiter.join(60)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signals reach the main thread only")
+def test_ctrl_c_after_get_output_took_a_batch_loses_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT landing after get_output took and tracked a batch: the caller gets its
+    KeyboardInterrupt and the next get_output returns that batch. It was lost, with its
+    tokens, and a finish in it left the request live for good."""
+    with make_client(NULL, multiprocess=True, asyncio=False) as client:
+        real = client._track_outputs
+        fired: list[int] = []
+
+        def track(batch: Any) -> None:
+            real(batch)
+            if not fired and (batch.outputs or batch.stream_ids):
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGINT)  # its handler runs at the next check
+
+        monkeypatch.setattr(client, "_track_outputs", track)
+        client.add_request(req("a", 8))
+        tokens: list[int] = []
+        finished = False
+        interrupted = 0
+        for _ in range(500):  # bounded: a lost finish must fail, not hang
+            try:
+                batch = client.get_output(timeout=0.5)
+            except KeyboardInterrupt:
+                interrupted += 1
+                continue
+            for o in batch.outputs:
+                tokens += o.new_token_ids
+                finished = finished or o.finished
+            if finished:
+                break
+        assert interrupted == 1
+        assert finished and len(tokens) == 8, tokens
+        assert client.live_requests() == []
