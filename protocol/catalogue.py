@@ -35,14 +35,19 @@ def _type_name(t: object) -> str:
 def _struct_table(cls: type[msgspec.Struct]) -> list[str]:
     info = msgspec.structs.fields(cls)
     cfg = cls.__struct_config__
-    layout = "positional array" if cfg.array_like else "map"
+    if cfg.array_like:
+        # msgspec ignores omit_defaults on array_like structs (it writes every field), so the
+        # page says what goes on the wire, not what the Struct's options ask for.
+        encoding = ("a msgpack positional array of every field, defaults included (a shorter"
+                    " array decodes with the missing trailing fields at their defaults)")
+    else:
+        encoding = f"a msgpack map; fields at their default omitted={cfg.omit_defaults}"
     lines = [
         f"### `{cls.__name__}`",
         "",
         (cls.__doc__ or "").strip().split("\n\n")[0] or f"Wire struct `{cls.__name__}`.",
         "",
-        f"Encoded as a msgpack {layout}; frozen={cfg.frozen}; "
-        f"trailing defaults omitted={cfg.omit_defaults}.",
+        f"Encoded as {encoding}; frozen={cfg.frozen}.",
         "",
         "| # | field | type | default |",
         "|---|---|---|---|",

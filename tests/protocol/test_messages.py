@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from typing import Any
 
 import msgspec
@@ -431,3 +432,26 @@ def test_stream_columns_count_toward_the_batch_limit() -> None:
                              stream_tokens=[1, 2, 3])
     with pytest.raises(ProtocolError, match="at most 3 outputs"):
         decode_outputs(Encoder().encode(over), limits)
+
+
+def test_protocol_page_says_what_the_encoder_writes() -> None:
+    """docs/protocol.md's "Encoded as" line for each struct matches the bytes: msgspec writes
+    every field of an array_like struct whatever its omit_defaults, so a page promising
+    omitted defaults would mislead a front-end author sizing or parsing frames."""
+    from pathlib import Path
+
+    from enginewire.protocol.catalogue import _INBOUND, _OUTBOUND
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text("utf-8")
+    dummy = {str: "x", int: 0, list[int]: [], float: 0.0}
+    for cls in (*_INBOUND, *_OUTBOUND):
+        said = re.search(rf"### `{cls.__name__}`\n.*?\nEncoded as ([^\n]*)", page, re.S)
+        assert said, cls.__name__
+        # Only the required fields, so every other one is at its default.
+        short = [bytes(SESSION_BYTES) if f.name == "session" else dummy[f.type]
+                 for f in msgspec.structs.fields(cls) if f.required]
+        obj = msgspec.msgpack.decode(msgspec.msgpack.encode(short), type=cls)
+        written = msgspec.msgpack.decode(msgspec.msgpack.encode(obj))
+        every_field = len(written) == len(cls.__struct_fields__)
+        assert every_field == ("every field, defaults included" in said[1]), (cls, said[1])
+        assert "omitted=True" not in said[1] or not every_field, (cls, said[1])
