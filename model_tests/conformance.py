@@ -528,6 +528,9 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
         (ValueError, "sleep(True)", lambda: cut.sleep(True)),
         (TypeError, "profile('stop')", lambda: call("profile", "stop")),
         (ValueError, "echo(1 << 70)", lambda: cut.call_utility("echo", 1 << 70)),
+        # Refused before the client closes: the requests above still finish below.
+        (TypeError, "shutdown(timeout='soon')", lambda: call("shutdown", timeout="soon")),
+        (ValueError, "shutdown(timeout=nan)", lambda: call("shutdown", timeout=float("nan"))),
     ]
     for kind, what, fn in cases:
         _refused(kind, what, fn)

@@ -607,6 +607,8 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         return len(self._buffered)
 
     def shutdown(self, timeout: float | None = None) -> None:
+        # Nothing here waits, but a bad timeout is refused as the subprocess clients refuse it.
+        check_timeout(timeout)
         if self._mark_closed() and self._finalizer.detach() is not None:
             with self._engine_lock:  # after the step another thread is running, if any
                 self.engine.shutdown()
