@@ -621,6 +621,9 @@ def make_client(
     config: Any, *, multiprocess: bool, asyncio: bool, **options: Any
 ) -> EngineCoreClient:
     """The client for a transport: in-process, or a subprocess driven sync or async."""
+    for name, flag in (("multiprocess", multiprocess), ("asyncio", asyncio)):
+        if not isinstance(flag, bool):  # "no" would read as True and pick another client
+            raise ValueError(f"{name}={flag!r}: must be True or False")
     if asyncio and not multiprocess:
         raise NotImplementedError(
             "asyncio=True needs multiprocess=True: the engine core steps synchronously, so"

@@ -106,6 +106,20 @@ def test_bad_client_options_are_refused_before_anything_starts(option: str, valu
     assert_nothing_leaked(before)
 
 
+@pytest.mark.parametrize("flags", [
+    {"multiprocess": "no", "asyncio": False},  # a str read as True: an engine process
+    {"multiprocess": True, "asyncio": "no"},  # read as True: an AsyncMPClient
+    {"multiprocess": 1, "asyncio": False},
+    {"multiprocess": None, "asyncio": False},
+])
+def test_make_client_refuses_transport_flags_that_are_not_bools(flags: dict[str, Any]) -> None:
+    bad = next(name for name, value in flags.items() if not isinstance(value, bool))
+    before = snapshot()
+    with pytest.raises(ValueError, match=f"{bad}=.*must be True or False"):
+        make_client(NULL, **flags)
+    assert_nothing_leaked(before)
+
+
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "mp"])
 @pytest.mark.parametrize("config", ["tiny", {"model": "null"}, None])
 def test_a_config_that_is_not_an_engine_config_is_a_type_error(multiprocess: bool,
