@@ -1411,9 +1411,12 @@ class StandaloneEngine:
         self.dir = tempfile.mkdtemp(prefix="enginewire-standalone-")
         self.input_address = f"ipc://{self.dir}/in"
         self.output_address = f"ipc://{self.dir}/out"
+        # parent_pid: this engine waits for front ends without a deadline, so a campaign killed
+        # before close() (a CI timeout's SIGTERM) would leave it running for good.
         kwargs: dict[str, Any] = {"input_address": self.input_address,
                                   "output_address": self.output_address,
-                                  "heartbeat_interval_s": STANDALONE_HEARTBEAT_S}
+                                  "heartbeat_interval_s": STANDALONE_HEARTBEAT_S,
+                                  "parent_pid": os.getpid()}
         if faults:  # the fault rules arm what they inject through a utility call
             kwargs["fault"] = FaultPlan(allow_arm=True)
         mp = multiprocessing.get_context("spawn")
