@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import multiprocessing.connection
+import os
 import queue
 import shutil
 import tempfile
@@ -88,7 +90,24 @@ def freeze_heap() -> None:
 # --- peer processes --------------------------------------------------------------------------
 
 
+def _exit_with_parent() -> None:
+    """A killed bench sends no QUIT, and a peer blocked in recv would live on for good: exit
+    once the parent's sentinel pipe closes. The thread sleeps in the kernel until then, so it
+    costs the measured round trips nothing."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="FloorParentWatch", daemon=True).start()
+
+
 def _raw_echo_main(in_addr: str, out_addr: str) -> None:
+    _exit_with_parent()
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, b"\x00\x00")
@@ -121,6 +140,7 @@ class _Live:
 
 
 def _pipeline_main(in_addr: str, out_addr: str) -> None:
+    _exit_with_parent()
     ctx = zmq.Context()
     inq: queue.Queue[tuple[bytes, Any]] = queue.Queue()
     outq: queue.Queue[Any] = queue.Queue()

@@ -4,6 +4,7 @@ times (and even ratios) are noise at these sizes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -105,6 +106,49 @@ def test_floor_peer_start_failure_cleans_up(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(floor, "_READY_TIMEOUT_MS", 1)
     with pytest.raises(RuntimeError, match="did not start"):
         FloorPeer("pipeline")
+
+
+@pytest.mark.parametrize("kind", ["raw_echo", "pipeline"])
+def test_a_floor_peer_exits_when_its_bench_is_killed(kind: str, tmp_path: Path) -> None:
+    # A killed bench sends no QUIT: the peer blocked in recv for good, an orphan holding its
+    # resource tracker too.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import time\n"
+        "from enginewire.benchmarks.floor import FloorPeer\n"
+        "if __name__ == '__main__':\n"
+        f"    peer = FloorPeer({kind!r})\n"
+        "    print(peer.proc.pid, flush=True)\n"
+        "    time.sleep(60)\n", encoding="utf-8")
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert bench.stdout is not None
+    peer_pid = int(bench.stdout.readline())
+    bench.send_signal(signal.SIGKILL)
+    bench.wait(10)
+    deadline = time.monotonic() + 15.0  # bounds a hang only
+    try:
+        peer = psutil.Process(peer_pid)
+        while time.monotonic() < deadline:
+            try:
+                if peer.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the {kind} floor peer outlived its bench")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(peer_pid, signal.SIGKILL)
 
 
 def test_judge_counts_only_issue_bars() -> None:
