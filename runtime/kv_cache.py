@@ -4,14 +4,19 @@ The manager owns block *ids* only; the tensors they index live in the worker. A 
 ``block_ids`` cover its first ``len(block_ids) * block_size`` positions, in order.
 
 Prefix caching (vLLM's design): a full block is named by a hash chained over the tokens of
-every block before it, so equal hashes mean equal prefixes. A freed block keeps its hash and
-stays findable until the pool hands it out again (least recently freed first), so a repeated
-prompt reuses its blocks even after the first request finished.
+every block before it, so equal hashes mean equal prefixes. The hash is BLAKE2b (128 bits),
+not Python's ``hash()`` of a tuple: ints hash to themselves and the tuple mix does not resist
+crafting, so a peer could compose a prompt whose block collides with another user's and be
+served that user's KV (vLLM had a security advisory of this kind). A freed block keeps its
+hash and stays findable until the pool hands it out again (least recently freed first), so a
+repeated prompt reuses its blocks even after the first request finished.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -21,7 +26,7 @@ __all__ = ["KVCacheManager", "check_fits", "num_blocks_for"]
 
 class _HasBlocks(Protocol):
     block_ids: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     num_registered_blocks: int
     all_token_ids: list[int]
     num_computed_tokens: int
@@ -56,8 +61,8 @@ class KVCacheManager:
         # deleted slots in front of it, which made allocation O(pool size) (seen at 256 seqs).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt blocks looked up
         self.prefix_hits = 0  # of which were found
 
@@ -106,8 +111,9 @@ class KVCacheManager:
         hashes, toks, bs = req.block_hashes, req.all_token_ids, self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
+            h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
+            h.update(array("q", toks[i * bs:(i + 1) * bs]).tobytes())
+            hashes.append(h.digest())
 
     def claim_cached_prefix(self, req: _HasBlocks) -> int:
         """Attach cached blocks for ``req``'s longest cached prefix; return the tokens covered.

@@ -103,7 +103,7 @@ class Request:
             self.stops = _EOS_ONLY.get(self.eos) or _EOS_ONLY.setdefault(
                 self.eos, frozenset((self.eos,)))
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.finished = False
         self.in_waiting = False

@@ -11,7 +11,7 @@ class Req:
     def __init__(self, tokens: list[int]) -> None:
         self.all_token_ids = tokens
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_computed_tokens = 0
 
@@ -50,6 +50,22 @@ def test_prefix_cache_reuses_full_blocks_after_the_owner_finished() -> None:
     # A prompt that is exactly the cached blocks still leaves its last token to compute.
     d = Req(list(prompt[:8]))
     assert kv.claim_cached_prefix(d) == 4
+
+
+def test_prompts_whose_python_hashes_collide_share_no_block() -> None:
+    """Python's hash() of a token tuple collides by construction (an int hashes to itself
+    modulo 2**61 - 1), so a peer could craft a prompt served another prompt's KV blocks. The
+    chained BLAKE2b digest tells them apart."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    victim = [11, 12, 13, 14, 15]
+    forged = [11 + (2**61 - 1), 12, 13, 14, 15]
+    assert hash(tuple(victim[:4])) == hash(tuple(forged[:4]))  # the collision is real
+    a = Req(victim)
+    kv.allocate(a, 5)
+    a.num_computed_tokens = 5
+    kv.register_full_blocks(a)
+    b = Req(forged)
+    assert kv.claim_cached_prefix(b) == 0 and b.block_ids == []
 
 
 def test_evicted_blocks_are_forgotten() -> None:
