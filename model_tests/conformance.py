@@ -96,6 +96,7 @@ __all__ = [
     "check_construction_failure_leaks_nothing",
     "check_duplicate_request_id",
     "check_engine_fatal_error",
+    "check_exits_with_parent",
     "check_generate",
     "check_kill_during_get_output",
     "check_kill_during_handshake",
@@ -850,19 +851,28 @@ _ORPHAN_SCRIPT = textwrap.dedent("""
 def check_client_kill_engine_exits(config_kwargs: dict[str, Any], *, is_async: bool = False
                                    ) -> None:
     """SIGKILL of the client process: its engine exits by itself within ORPHAN_BOUND_S."""
-    script = _ORPHAN_SCRIPT.format(config=config_kwargs, is_async=is_async)
+    check_exits_with_parent(_ORPHAN_SCRIPT.format(config=config_kwargs, is_async=is_async),
+                            "orphaned engine")
+
+
+def check_exits_with_parent(script: str, what: str, *, bound: float = ORPHAN_BOUND_S,
+                            env: dict[str, str] | None = None) -> None:
+    """Run ``script`` in its own interpreter: it starts a process, prints that process's pid
+    and holds (reading stdin). SIGKILL the interpreter, which runs no cleanup: the process it
+    started must exit by itself within ``bound`` s (it is killed afterwards either way)."""
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
+    child: int | None = None
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.strip().isdigit(), f"client script failed: {line!r}"
-        engine_pid = int(line)
+        assert line.strip().isdigit(), f"the parent script failed: {line!r}"
+        child = int(line)
         proc.kill()
         proc.wait(WAIT_S)
         killed = time.monotonic()
-        _wait_for(lambda: _process_gone(engine_pid), ORPHAN_BOUND_S + 2, "orphaned engine exit")
-        assert time.monotonic() - killed <= ORPHAN_BOUND_S
+        _wait_for(lambda: _process_gone(child), bound + 2, f"{what} exit")
+        assert time.monotonic() - killed <= bound, f"{what} outlived its parent by > {bound} s"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -871,6 +881,9 @@ def check_client_kill_engine_exits(config_kwargs: dict[str, Any], *, is_async: b
             proc.stdin.close()
         if proc.stdout:
             proc.stdout.close()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 @contextlib.contextmanager

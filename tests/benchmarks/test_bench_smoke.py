@@ -4,9 +4,9 @@ times (and even ratios) are noise at these sizes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,43 +112,15 @@ def test_floor_peer_start_failure_cleans_up(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_floor_peer_exits_when_its_bench_is_killed(kind: str, tmp_path: Path) -> None:
     # A killed bench sends no QUIT: the peer blocked in recv for good, an orphan holding its
     # resource tracker too.
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from enginewire.testing.conformance import check_exits_with_parent
 
-    import psutil
-
-    script = tmp_path / "bench.py"
-    script.write_text(
-        "import time\n"
+    check_exits_with_parent(
+        "import sys\n"
         "from enginewire.benchmarks.floor import FloorPeer\n"
-        "if __name__ == '__main__':\n"
-        f"    peer = FloorPeer({kind!r})\n"
-        "    print(peer.proc.pid, flush=True)\n"
-        "    time.sleep(60)\n", encoding="utf-8")
-    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert bench.stdout is not None
-    peer_pid = int(bench.stdout.readline())
-    bench.send_signal(signal.SIGKILL)
-    bench.wait(10)
-    deadline = time.monotonic() + 15.0  # bounds a hang only
-    try:
-        peer = psutil.Process(peer_pid)
-        while time.monotonic() < deadline:
-            try:
-                if peer.status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"the {kind} floor peer outlived its bench")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(peer_pid, signal.SIGKILL)
+        f"peer = FloorPeer({kind!r})\n"
+        "print(peer.proc.pid, flush=True)\n"
+        "sys.stdin.read()\n",
+        f"the {kind} floor peer", env={**os.environ, "TMPDIR": str(tmp_path)})
 
 
 def test_judge_counts_only_issue_bars() -> None:

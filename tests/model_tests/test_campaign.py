@@ -282,39 +282,13 @@ def test_a_seed_out_of_range_is_refused_before_the_run(seed: object, tmp_path: P
 def test_a_standalone_engine_exits_when_its_campaign_is_killed(tmp_path: Path) -> None:
     # A campaign killed by a signal (a CI timeout's SIGTERM) runs no cleanup; its standalone
     # engine, which waits for front ends without a deadline, lived on as an orphan for good.
-    import signal
-    import subprocess
-    import sys
-    import time
+    from enginewire.testing.conformance import check_exits_with_parent
 
-    import psutil
-
-    script = tmp_path / "campaign.py"
-    script.write_text(
-        "import time\n"
+    check_exits_with_parent(
+        "import sys\n"
         "from enginewire.runtime.config import EngineConfig\n"
         "from enginewire.testing.stateful import StandaloneEngine\n"
-        "if __name__ == '__main__':\n"
-        "    engine = StandaloneEngine(EngineConfig(model='null'))\n"
-        "    print(engine.pid, flush=True)\n"
-        "    time.sleep(60)\n", encoding="utf-8")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert proc.stdout is not None
-    engine_pid = int(proc.stdout.readline())
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    deadline = time.monotonic() + 15.0  # the watchdog's bound is 5 s; this only bounds a hang
-    try:
-        while psutil.pid_exists(engine_pid) and time.monotonic() < deadline:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            time.sleep(0.1)
-        alive = psutil.pid_exists(engine_pid)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            alive = alive and psutil.Process(engine_pid).status() != psutil.STATUS_ZOMBIE
-        assert not alive, "the standalone engine outlived its campaign"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(engine_pid, signal.SIGKILL)
+        "engine = StandaloneEngine(EngineConfig(model='null'))\n"
+        "print(engine.pid, flush=True)\n"
+        "sys.stdin.read()\n",
+        "the standalone engine", env={**os.environ, "TMPDIR": str(tmp_path)})
