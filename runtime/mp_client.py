@@ -1947,8 +1947,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
             try:
                 hold.__exit__()
             except KeyboardInterrupt:
-                if out is not None and (out.outputs or out.utility_output is not None
-                                        or out.finished_requests):
+                if out is not None:  # an empty one too: the caller sees what it missed
                     self._redeliver.append(out)
                 raise
         return out
