@@ -63,6 +63,7 @@ import numpy as np
 import psutil
 
 from ..protocol.messages import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
@@ -97,6 +98,7 @@ __all__ = [
     "check_duplicate_request_id",
     "check_engine_fatal_error",
     "check_exits_with_parent",
+    "check_forbidden_output",
     "check_generate",
     "check_kill_during_get_output",
     "check_kill_during_handshake",
@@ -663,6 +665,68 @@ def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     assert done[rid].reason is FinishReason.ERROR and done[rid].error, done[rid]
     check_generate(cut, n=2, prefix=f"{prefix}-after")
     assert cut.call_utility("echo", "still serving") == "still serving"
+
+
+def _inject(cut: ClientUnderTest, batch: EngineCoreOutputs) -> None:
+    """Queue ``batch`` where a built-in client puts what its engine sent, untracked: what an
+    engine that breaks the spec would deliver (NotApplicable for any other client)."""
+    from ..runtime.client import InprocClient
+    from ..runtime.mp_client import AsyncMPClient, SyncMPClient
+
+    client = cut.client
+    if isinstance(client, InprocClient):
+        with client._engine_lock:  # stepped batches waiting for get_output
+            client._buffered.append(batch)
+    elif isinstance(client, SyncMPClient):
+        client._outputs.put(batch)
+    elif isinstance(client, AsyncMPClient) and cut.loop is not None:
+        async def put() -> None:  # on the loop: an asyncio.Queue is not thread-safe
+            client._ensure_reader()
+            assert client._outputs is not None
+            client._outputs.put_nowait(batch)
+
+        cut.loop.run(put())
+    else:
+        raise NotApplicable(f"cannot inject outputs into a {type(client).__name__}")
+
+
+def check_forbidden_output(cut: ClientUnderTest, prefix: str = "forbidden") -> None:
+    """An engine output the spec forbids (here, one for an id never sent) costs its batch
+    nothing else: ``get_output`` raises SpecViolation naming that id, once, and the next
+    call returns the batch's legal outputs, each of which advanced its request once; the
+    batches after it follow in order. Needs an idle client: the batches are injected."""
+    client = cut.client
+    if client.live_requests():
+        raise NotApplicable("the injected batches need a client with no live request")
+    r1, r2, ghost = f"{prefix}-1", f"{prefix}-2", f"{prefix}-never-sent"
+    # Tracked as sent, never sent: the engine produces nothing for them.
+    client._track_add(request(r1))
+    client._track_add(request(r2))
+    _inject(cut, EngineCoreOutputs(outputs=[
+        EngineCoreOutput(r1, [7], FinishReason.LENGTH),
+        EngineCoreOutput(ghost, [8]),
+        EngineCoreOutput(r2, [9]),
+    ]))
+    _inject(cut, EngineCoreOutputs(outputs=[EngineCoreOutput(r2, [10], FinishReason.STOP)]))
+
+    def read() -> list[tuple[str, list[int], Any]]:
+        batch = cut.get_output(timeout=WAIT_S)
+        return [(o.request_id, list(o.new_token_ids), o.finish_reason) for o in batch.outputs]
+
+    try:
+        got = read()
+    except SpecViolation as e:
+        assert repr(ghost) in str(e) and r1 not in str(e) and r2 not in str(e), str(e)
+    else:
+        raise AssertionError(f"an output for {ghost!r}, never sent, was returned: {got}")
+    assert client.live_requests() == [r2], client.live_requests()
+    got = read()
+    assert got == [(r1, [7], FinishReason.LENGTH), (r2, [9], None)], f"the rest: {got}"
+    got = read()
+    assert got == [(r2, [10], FinishReason.STOP)], f"the batch after: {got}"
+    assert client.live_requests() == []
+    assert cut.get_output(timeout=0).outputs == []  # the violation was raised once
+    assert client.queued_outputs() == 0
 
 
 def check_prefix_caching(cut: ClientUnderTest, prefix: str = "prefix") -> None:

@@ -28,7 +28,7 @@ import operator
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import (
@@ -51,6 +51,7 @@ from ..spec.errors import (
     EngineDeadError,
     EngineStartupError,
     ProtocolError,
+    SpecViolation,
     UtilityError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
@@ -196,6 +197,10 @@ class EngineCoreClient(abc.ABC):
         # Ids whose lifecycle is in a state where OUTPUT loops (see _OUTPUT_SELF_LOOPS): a
         # batch made only of those needs no per-output work beyond a C-level subset check.
         self._streaming: set[str] = set()
+        # Batches tracked and not yet returned, which every get_output returns first: the
+        # legal rest of a batch that held an output the spec forbids (see _track_outputs)
+        # and, on the sync client, a batch a Ctrl-C kept from its caller.
+        self._redeliver: collections.deque[EngineCoreOutputs] = collections.deque()
         self._dead_cause: BaseException | None = None
         self.num_gpu_blocks: int | None = None
 
@@ -321,6 +326,13 @@ class EngineCoreClient(abc.ABC):
 
         Reads the stream columns too (``EngineCoreOutputs.stream_ids``); a batch whose every
         output loops in its request's state costs two C-level subset checks.
+
+        A forbidden output (an unknown id, an output after its request's finish) advances
+        nothing, and costs the rest of its batch nothing either: every legal output is
+        tracked, the batch without the forbidden ones is queued in ``_redeliver`` for the
+        next ``get_output``, and then the SpecViolation naming the ids is raised. Raised now
+        rather than on the next call, so a caller that stops reading still learns of it;
+        queued before the raise, so neither a Ctrl-C nor another thread can lose the rest.
         """
         outs = outputs.outputs
         sids = outputs.stream_ids
@@ -330,34 +342,79 @@ class EngineCoreClient(abc.ABC):
             if self.lifecycle.state in _TERMINAL_CLIENT:
                 return
             streaming, trace = self._streaming, self.trace
+            bad_sids = bad_outs = None
             if sids and (trace is not None or not streaming.issuperset(sids)):
-                self._advance(zip(sids, itertools.repeat(None)))
+                bad_sids = self._advance(zip(sids, itertools.repeat(None)), len(sids))
             if outs and (trace is not None or not streaming.issuperset(map(_request_id, outs))
                          or not _NO_FINISH.issuperset(map(_finish_reason, outs))):
-                self._advance(zip(map(_request_id, outs), map(_finish_reason, outs), strict=True))
+                bad_outs = self._advance(
+                    zip(map(_request_id, outs), map(_finish_reason, outs), strict=True),
+                    len(outs))
+            if bad_sids or bad_outs:
+                raise self._refuse(outputs, bad_sids or [], bad_outs or [])
 
-    def _advance(self, pairs: Iterable[tuple[str, Any]]) -> None:
-        """Fire each ``(request id, finish reason or None)``; holds ``_state_lock``."""
+    def _advance(self, pairs: Iterator[tuple[str, Any]], n: int
+                 ) -> list[tuple[int, SpecViolation]] | None:
+        """Fire each of the ``n`` ``(request id, finish reason or None)``; holds
+        ``_state_lock``. A refused fire changed nothing, so it is skipped and the rest go on;
+        returns the refused ones' positions and errors (None when every one was legal)."""
         requests, trace, streaming = self._requests, self.trace, self._streaming
         skip = _OUTPUT_SELF_LOOP_IX if trace is None else frozenset()
-        for rid, reason in pairs:
-            lc = requests.get(rid)
-            if lc is None:
-                # Unknown id, or output after a finishing one: fire to raise.
-                lc = CLIENT_REQUEST.lifecycle(trace=trace)
-            if reason is None:
-                if lc.state._ix in skip:  # type: ignore[attr-defined]
-                    continue
-                lc.fire(ClientRequestEvent.OUTPUT)
-                if lc.state._ix in _OUTPUT_SELF_LOOP_IX:  # type: ignore[attr-defined]
-                    streaming.add(rid)
+        refused: list[tuple[int, SpecViolation]] | None = None
+        while True:
+            for rid, reason in pairs:
+                lc = requests.get(rid)
+                if lc is None:
+                    # Unknown id, or output after a finishing one: fire to raise.
+                    lc = CLIENT_REQUEST.lifecycle(trace=trace)
+                try:
+                    if reason is None:
+                        if lc.state._ix in skip:  # type: ignore[attr-defined]
+                            continue
+                        lc.fire(ClientRequestEvent.OUTPUT)
+                        if lc.state._ix in _OUTPUT_SELF_LOOP_IX:  # type: ignore[attr-defined]
+                            streaming.add(rid)
+                    else:
+                        event = _FINISH_EVENT_BY_VALUE.get(int(reason))
+                        if event is None:  # not a FinishReason: raise the usual ValueError
+                            event = _FINISH_EVENTS[FinishReason(reason)]
+                        lc.fire(event)
+                        requests.pop(rid, None)
+                        streaming.discard(rid)
+                except SpecViolation as e:
+                    # The position comes from what is left, so the legal path counts nothing.
+                    rest = list(pairs)
+                    refused = refused or []
+                    refused.append((n - len(rest) - 1, e))
+                    pairs = iter(rest)
+                    break
             else:
-                event = _FINISH_EVENT_BY_VALUE.get(int(reason))
-                if event is None:  # not a FinishReason: raise the usual ValueError
-                    event = _FINISH_EVENTS[FinishReason(reason)]
-                lc.fire(event)
-                requests.pop(rid, None)
-                streaming.discard(rid)
+                return refused
+
+    def _refuse(self, outputs: EngineCoreOutputs, bad_sids: list[tuple[int, SpecViolation]],
+                bad_outs: list[tuple[int, SpecViolation]]) -> SpecViolation:
+        """Queue ``outputs`` less its refused outputs for the next get_output; the error to
+        raise, naming them. Holds ``_state_lock``."""
+        import msgspec
+
+        sids, outs = outputs.stream_ids, outputs.outputs
+        skip_s = {i for i, _ in bad_sids}
+        skip_o = {i for i, _ in bad_outs}
+        rest = msgspec.structs.replace(
+            outputs,
+            outputs=[o for i, o in enumerate(outs) if i not in skip_o],
+            stream_ids=[r for i, r in enumerate(sids) if i not in skip_s],
+            stream_tokens=[t for i, t in enumerate(outputs.stream_tokens) if i not in skip_s])
+        if rest.outputs or rest.stream_ids or rest.finished_requests or rest.scheduler_stats:
+            self._redeliver.append(rest.expanded())
+        # In the order the caller would have read them (``expanded``: columns first).
+        rids = [sids[i] for i, _ in bad_sids] + [outs[i].request_id for i, _ in bad_outs]
+        first = (bad_sids or bad_outs)[0][1]
+        err = SpecViolation(first.machine, first.state, first.event, first.guard)
+        err.args = (f"{len(rids)} engine output(s) the spec forbids, for request id(s) "
+                    f"{', '.join(map(repr, rids))} (first: {first}); the batch's other "
+                    "outputs were tracked and the next get_output returns them",)
+        return err
 
     def live_requests(self) -> list[str]:
         """Ids of requests sent and not yet seen finished (sorted)."""
@@ -538,6 +595,8 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         """One engine step (``timeout`` is accepted for symmetry; a step never waits)."""
         check_timeout(timeout)
         with self._engine_lock:
+            if self._redeliver and not self.is_closed:  # tracked already, before any death
+                return self._redeliver.popleft()
             self.ensure_alive()  # under the lock: a shutdown may have run while we waited
             outputs = self._buffered.popleft() if self._buffered else self._step()
             self._track_outputs(outputs)
@@ -603,8 +662,9 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         super().pause_scheduler(mode, timeout=timeout)
 
     def queued_outputs(self) -> int:
-        """Batches stepped while a deferred call was driven, not yet taken by get_output."""
-        return len(self._buffered)
+        """Batches stepped while a deferred call was driven (or kept back from a batch that
+        held a forbidden output), not yet taken by get_output."""
+        return len(self._buffered) + len(self._redeliver)
 
     def shutdown(self, timeout: float | None = None) -> None:
         # Nothing here waits, but a bad timeout is refused as the subprocess clients refuse it.

@@ -1252,7 +1252,7 @@ class MPClient(EngineCoreClient):
         n = 0 if q is None else q.qsize()
         if n and (self.is_dead or self.is_closed):
             n -= 1  # the death or shutdown marker that wakes readers
-        return n
+        return n + len(self._redeliver)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine (SIGTERM, then SIGKILL after ``timeout`` s; ``inf`` never kills)
@@ -1883,9 +1883,6 @@ class SyncMPClient(SyncClientMixin, MPClient):
 
     def __init__(self, config: Any, **options: Any) -> None:
         self._outputs: queue.Queue[Any] = queue.Queue()
-        # Batches taken and tracked by a get_output that a Ctrl-C then ended: the next call
-        # returns them first, so an interrupted read loses nothing.
-        self._redeliver: collections.deque[EngineCoreOutputs] = collections.deque()
         self._reader: _SyncReader | None = None
         super().__init__(config, **options)
 
@@ -2152,6 +2149,8 @@ class AsyncMPClient(MPClient):
         self._ensure_reader()
         q = self._outputs
         assert q is not None
+        if self._redeliver:  # tracked already (see _track_outputs), and before any death
+            return self._redeliver.popleft()
         if self.is_dead and q.empty():
             raise self._dead_error()
         # The wait runs in this task (asyncio.timeout, not wait_for's inner task): the batch

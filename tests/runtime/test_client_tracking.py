@@ -18,6 +18,7 @@ from enginewire.runtime.config import EngineConfig
 from enginewire.spec import CLIENT_REQUEST, SpecViolation, validate_trace
 from enginewire.spec.machine import TraceEntry
 from enginewire.spec.request import ClientRequestEvent, ClientRequestState
+from enginewire.testing import conformance as cf
 
 NULL = EngineConfig(model="null", device="cpu")
 CS = ClientRequestState
@@ -102,3 +103,66 @@ def test_stream_columns_advance_like_outputs(client: InprocClient) -> None:
         outputs = [e for e in client.trace
                    if e[0] == CLIENT_REQUEST.name and e[2] == ClientRequestEvent.OUTPUT.name]
         assert len(outputs) == 4  # a: 7, 8, 9 and b: 1; refused outputs record nothing
+
+
+def _rows(batch: EngineCoreOutputs) -> list[tuple[str, list[int], FinishReason | None]]:
+    return [(o.request_id, list(o.new_token_ids), o.finish_reason) for o in batch.outputs]
+
+
+def test_forbidden_output_costs_its_batch_nothing_else(client: InprocClient) -> None:
+    """[finish of a, output for an unknown id, output of b]: before the fix a's finish was
+    tracked (a forgotten) but the batch was lost with the raise, and b's output never
+    tracked. Now both advance once, the rest of the batch is queued, and the error names
+    the forbidden id only."""
+    client._track_add(EngineCoreRequest("a", [5]))
+    client._track_add(EngineCoreRequest("b", [5]))
+    with pytest.raises(SpecViolation, match="'ghost'") as info:
+        client._track_outputs(_batch(EngineCoreOutput("a", [7], FinishReason.LENGTH),
+                                     EngineCoreOutput("ghost", [8]), EngineCoreOutput("b", [9])))
+    assert "'a'" not in str(info.value) and "'b'" not in str(info.value)
+    assert client.live_requests() == ["b"] and client._requests["b"].state is CS.STREAMING
+    assert [_rows(b) for b in client._redeliver] == [
+        [("a", [7], FinishReason.LENGTH), ("b", [9], None)]]
+    if client.trace is not None:
+        validate_trace(CLIENT_REQUEST, [e for e in client.trace if e[0] == CLIENT_REQUEST.name])
+
+
+def test_output_after_a_finish_in_the_same_batch(client: InprocClient) -> None:
+    """The same id legal and then forbidden in one batch: only what follows its finish is
+    refused."""
+    client._track_add(EngineCoreRequest("a", [5]))
+    with pytest.raises(SpecViolation, match=r"2 engine output.*'a', 'a'"):
+        client._track_outputs(_batch(EngineCoreOutput("a", [7], FinishReason.STOP),
+                                     EngineCoreOutput("a", [8]),
+                                     EngineCoreOutput("a", [9], FinishReason.STOP)))
+    assert client.live_requests() == []
+    assert [_rows(b) for b in client._redeliver] == [[("a", [7], FinishReason.STOP)]]
+
+
+def test_forbidden_stream_tokens_keep_their_neighbours(client: InprocClient) -> None:
+    """Stream columns and outputs in one batch, a forbidden token in each part: the legal
+    ones are tracked and queued in the order a caller reads them (columns first)."""
+    client._track_add(EngineCoreRequest("a", [5]))
+    client._track_add(EngineCoreRequest("b", [5]))
+    client._track_outputs(_stream(("a", 1)))
+    with pytest.raises(SpecViolation, match="'x', 'y'"):
+        client._track_outputs(_stream(("x", 2), ("a", 3), ("b", 4),
+                                      outs=(EngineCoreOutput("y", [5]),
+                                            EngineCoreOutput("a", [6], FinishReason.STOP))))
+    assert client.live_requests() == ["b"] and client._requests["b"].state is CS.STREAMING
+    assert [_rows(b) for b in client._redeliver] == [
+        [("a", [3], None), ("b", [4], None), ("a", [6], FinishReason.STOP)]]
+
+
+def test_a_batch_only_of_forbidden_outputs_queues_nothing(client: InprocClient) -> None:
+    with pytest.raises(SpecViolation, match="'ghost'"):
+        client._track_outputs(_batch(EngineCoreOutput("ghost", [1])))
+    assert not client._redeliver
+
+
+@pytest.mark.parametrize("kind", ["inproc", "sync", "async"])
+def test_forbidden_output_through_get_output(kind: str) -> None:
+    """The same batch through each client's get_output: raised once, the rest next."""
+    with cf.open_client(kind, NULL) as cut:
+        cf.check_forbidden_output(cut)
+    cf.check_trace(cut)
