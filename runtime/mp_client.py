@@ -2029,64 +2029,88 @@ class AsyncMPClient(MPClient):
 
     def _ensure_reader(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            res = self.resources
-            self._loop = loop
-            self._outputs = asyncio.Queue()
-            if res.async_output_socket is None:
-                raise ClientClosedError("the client was shut down")
-            res.reader_loop = loop
-            sock = res.async_output_socket
-            fd = res.reader_fd = cast(int, sock.get(zmq.FD))
-            ref, put = weakref.ref(self), self._outputs.put_nowait
-
-            def on_readable() -> None:
-                # One message per callback. The FD is edge-triggered, so the socket must be
-                # read until it is empty before the loop waits again; the next read is a
-                # callback of its own, queued after whatever this message woke (the caller
-                # of a reply runs first and sends its next request before it).
-                if res.async_output_socket is not sock:
-                    return  # closed
-                try:
-                    first = sock.recv(ZMQ_NOBLOCK)
-                except zmq.Again:
-                    return  # empty: the FD is re-armed
-                except Exception as e:  # the socket itself failed: the link is unusable
-                    more = False
-                    client = ref()
-                    if client is not None:
-                        client._on_engine_dead(e)
-                else:
-                    more = _route(first, sock, ref, put)
-                if more:
-                    loop.call_soon(drain)
-                else:
-                    loop.remove_reader(fd)
-
-            poll, items = zmq.zmq_poll, [(sock, ZMQ_POLLIN)]
-
-            def drain() -> None:
-                # Is another message waiting? Usually not: a poll answers that for a fifth of
-                # a receive that fails with zmq.Again (that exception costs about 9 µs).
-                if res.async_output_socket is not sock:
-                    return
-                try:
-                    ready = bool(poll(items, 0))
-                except Exception:
-                    ready = True  # let the receive meet the failure and report it
-                if ready:
-                    on_readable()
-
-            # Drain what arrived before the reader existed.
-            loop.add_reader(fd, on_readable)
-            on_readable()
-            if self.is_dead:
-                self._outputs.put_nowait(_DEAD)
-        elif self._loop is not loop:
+        bound = self._loop
+        if bound is loop:
+            return
+        if bound is not None:
             self.ensure_alive()  # a closed or dead client says so, whatever the loop
-            raise RuntimeError(
-                "an AsyncMPClient is bound to the event loop it first ran on (its reader and"
-                " futures live there); make one client per event loop")
+            if not bound.is_closed():
+                raise RuntimeError(
+                    "an AsyncMPClient is bound to the event loop it first ran on (its reader"
+                    " and futures live there) while that loop is open; make one client per"
+                    " event loop")
+            # Its loop is closed (an ``asyncio.run`` ended): nothing can run or wait there
+            # any more, so the client moves to this one (a second ``asyncio.run``, a test
+            # framework's loop per test).
+            self._leave_closed_loop()
+        self._bind(loop)
+
+    def _leave_closed_loop(self) -> None:
+        # A call still registered belongs to a task that can never resume: given up, so its
+        # reply is dropped here instead of being set on a future of the closed loop (which
+        # raises, and the reader would take that for a broken engine).
+        utilities = self._utilities
+        for call_id in list(utilities._pending):
+            utilities.give_up(call_id, UtilityEvent.CANCEL)
+        self._loop = None
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        res = self.resources
+        sock = res.async_output_socket
+        if sock is None:
+            raise ClientClosedError("the client was shut down")
+        # Batches and markers queued on a closed loop's queue are carried over unread.
+        kept = _drain(self._outputs) if self._outputs is not None else []
+        outputs = self._outputs = asyncio.Queue()
+        for x in kept:
+            outputs.put_nowait(x)
+        self._loop = loop
+        res.reader_loop = loop
+        fd = res.reader_fd = cast(int, sock.get(zmq.FD))
+        ref, put = weakref.ref(self), outputs.put_nowait
+
+        def on_readable() -> None:
+            # One message per callback. The FD is edge-triggered, so the socket must be
+            # read until it is empty before the loop waits again; the next read is a
+            # callback of its own, queued after whatever this message woke (the caller
+            # of a reply runs first and sends its next request before it).
+            if res.async_output_socket is not sock:
+                return  # closed
+            try:
+                first = sock.recv(ZMQ_NOBLOCK)
+            except zmq.Again:
+                return  # empty: the FD is re-armed
+            except Exception as e:  # the socket itself failed: the link is unusable
+                more = False
+                client = ref()
+                if client is not None:
+                    client._on_engine_dead(e)
+            else:
+                more = _route(first, sock, ref, put)
+            if more:
+                loop.call_soon(drain)
+            else:
+                loop.remove_reader(fd)
+
+        poll, items = zmq.zmq_poll, [(sock, ZMQ_POLLIN)]
+
+        def drain() -> None:
+            # Is another message waiting? Usually not: a poll answers that for a fifth of
+            # a receive that fails with zmq.Again (that exception costs about 9 µs).
+            if res.async_output_socket is not sock:
+                return
+            try:
+                ready = bool(poll(items, 0))
+            except Exception:
+                ready = True  # let the receive meet the failure and report it
+            if ready:
+                on_readable()
+
+        # Drain what arrived before the reader existed.
+        loop.add_reader(fd, on_readable)
+        on_readable()
+        if self.is_dead and not any(x is _DEAD for x in kept):
+            outputs.put_nowait(_DEAD)
 
     def _wake_waiters(self, marker: object) -> None:
         self._call_on_loop(lambda: self._outputs.put_nowait(marker) if self._outputs else None)
@@ -2188,8 +2212,12 @@ class AsyncMPClient(MPClient):
         try:
             if timeout is None:
                 return await fut
-            # Shielded: a reply that races the deadline must still land in ``fut``.
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            # Shielded: a reply that races the deadline must still land in ``fut``. The
+            # deadline runs in this task (asyncio.timeout, not wait_for): Python 3.11's
+            # wait_for returns a result that is in when its task is cancelled, and the
+            # cancellation (a TaskGroup's, an outer timeout's) is lost.
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(fut)
         except asyncio.CancelledError:
             if not self._utilities.give_up(call_id, UtilityEvent.CANCEL):
                 # Its outcome (a reply, a death, a shutdown) is already on its way to ``fut``,
