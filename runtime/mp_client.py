@@ -2033,15 +2033,18 @@ class AsyncMPClient(MPClient):
         if bound is loop:
             return
         if bound is not None:
-            self.ensure_alive()  # a closed or dead client says so, whatever the loop
             if not bound.is_closed():
+                self.ensure_alive()  # a closed or dead client says so, whatever the loop
                 raise RuntimeError(
                     "an AsyncMPClient is bound to the event loop it first ran on (its reader"
                     " and futures live there) while that loop is open; make one client per"
                     " event loop")
+            if self.is_closed:
+                raise ClientClosedError("the client was shut down")
             # Its loop is closed (an ``asyncio.run`` ended): nothing can run or wait there
             # any more, so the client moves to this one (a second ``asyncio.run``, a test
-            # framework's loop per test).
+            # framework's loop per test). A dead client moves too: the batches that came
+            # before the death are still read, then EngineDeadError, as on one loop.
             self._leave_closed_loop()
         self._bind(loop)
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -110,6 +111,40 @@ def test_a_second_asyncio_run_uses_the_client_and_keeps_what_was_unread() -> Non
     finally:
         client.shutdown()
     assert tokens == {"a": 20, "b": 5}  # nothing of "a" was lost between the loops
+
+
+def test_an_engine_that_died_between_loops_leaves_its_backlog_readable() -> None:
+    """As on one loop: the batches that came before the death, then EngineDeadError (the
+    next loop raised it at once, before the backlog)."""
+    client = _client()
+    try:
+        async def first() -> None:
+            await client.add_request_async(req("a", 10))
+            assert await client.echo_async(1, timeout=30) == 1
+            await asyncio.sleep(0.2)  # the batches arrive unread
+
+        asyncio.run(first())
+        assert client.engine_pid is not None
+        os.kill(client.engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not client.is_dead and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.is_dead
+
+        async def second() -> int:
+            n = 0
+            with pytest.raises(EngineDeadError):
+                while True:
+                    out = await client.get_output_async(timeout=30)
+                    assert out.outputs, "no batch or death within 30 s"
+                    n += sum(len(o.new_token_ids) for o in out.outputs)
+            with pytest.raises(EngineDeadError):
+                await client.echo_async(2)
+            return n
+
+        assert asyncio.run(second()) == 10
+    finally:
+        client.shutdown()
 
 
 def test_a_call_left_on_a_closed_loop_does_not_break_the_next_loop() -> None:
