@@ -203,6 +203,8 @@ class EngineCoreClient(abc.ABC):
         self._redeliver: collections.deque[EngineCoreOutputs] = collections.deque()
         self._dead_cause: BaseException | None = None
         self.num_gpu_blocks: int | None = None
+        # What ClientClosedError says; a forked child's copy of a client says why it is closed.
+        self._closed_message = "the client was shut down"
 
     # -- state ------------------------------------------------------------------------------
 
@@ -228,7 +230,7 @@ class EngineCoreClient(abc.ABC):
         state = self.lifecycle.state
         if state in _TERMINAL_CLIENT:  # one set lookup per call, not two enum lookups
             if state is ClientState.SHUTDOWN:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             raise self._dead_error()
 
     def _apply_ready(self, info: Any) -> None:
@@ -586,7 +588,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         ids = check_request_ids(request_ids)
         with self._engine_lock:
             if self.is_closed:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             if not ids or self.is_dead:
                 return
             self.engine.abort_requests(self._track_abort(ids))
@@ -627,7 +629,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                     # (as a pending call at shutdown ends), not after the drain.
                     while not result.done():
                         if self.is_closed:
-                            raise ClientClosedError("the client was shut down")
+                            raise ClientClosedError(self._closed_message)
                         outputs = self._step()
                         if outputs.outputs or outputs.finished_requests:
                             self._buffered.append(outputs)

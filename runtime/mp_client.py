@@ -819,6 +819,19 @@ def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
         raise ValueError(f"{option}={address!r}: cannot bind: {e}") from e
 
 
+# Every multi-process client of this process, for the fork hook below.
+_CLIENTS: weakref.WeakSet[MPClient] = weakref.WeakSet()
+
+
+def _fork_child_hook() -> None:
+    parent = os.getppid()
+    for client in list(_CLIENTS):
+        client._after_fork_in_child(parent)
+
+
+os.register_at_fork(after_in_child=_fork_child_hook)
+
+
 # --- MPClient --------------------------------------------------------------------------------
 
 
@@ -887,6 +900,8 @@ class MPClient(EngineCoreClient):
         self.resources = BackgroundResources(shutdown_timeout=shutdown_timeout_s)
         # First thing: whatever fails below, the finalizer reclaims what was created.
         self._finalizer = weakref.finalize(self, self.resources)
+        self._forked_off = False
+        _CLIENTS.add(self)  # a fork's child must not run this client's teardown
         self.engine_index = engine_index
         self.client_index = client_index
         self.identity = engine_index.to_bytes(2, "little")
@@ -1260,6 +1275,8 @@ class MPClient(EngineCoreClient):
         if timeout is not None:  # checked before anything changes: a bad one leaks nothing
             checked = check_timeout(timeout)
             timeout = math.inf if checked is None else checked
+        if self._forked_off:
+            return  # the engine, sockets and files are the parent's (see _after_fork_in_child)
         self._abort_left_behind()
         if not self._mark_closed():
             # A second caller returns when the first one's teardown has ended, not before:
@@ -1268,7 +1285,7 @@ class MPClient(EngineCoreClient):
             grace = DEFAULT_SHUTDOWN_TIMEOUT_S if grace is None or math.isinf(grace) else grace
             self.resources.wait_finished(grace + 30.0)
             return
-        err: EngineWireError = ClientClosedError("the client was shut down")
+        err: EngineWireError = ClientClosedError(self._closed_message)
         if _mutants.active("spurious_dead_on_clean_shutdown"):
             err = EngineDeadError()
         self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.CLIENT_SHUTDOWN), err)
@@ -1280,6 +1297,35 @@ class MPClient(EngineCoreClient):
         finally:  # also after an interrupt (Ctrl-C), which the teardown raises once done
             self._pending_sends.clear()  # the sockets are closed: libzmq holds what it needs
             self._drop_backlog()
+
+    def _after_fork_in_child(self, parent_pid: int) -> None:
+        """This process is a fork's child and this client is its copy of the parent's.
+
+        Everything the client holds is the parent's: the engine process, the ZMQ context
+        (libzmq is not fork-safe: a send from here reaches the parent's I/O thread), the
+        monitor's pipe, the IPC files. Left as it was, the child's exit ran the teardown
+        (stopping the parent's monitor, unlinking its files) and multiprocessing's exit hook
+        SIGTERMed the parent's engine, a daemon child it thought its own. So the copy lets
+        go of all of it without touching any, and refuses every call. Runs in the child
+        with one thread: a lock another thread held at the fork stays held for good, so the
+        copy gets a fresh one and nothing else is waited for."""
+        self._forked_off = True
+        self._finalizer.detach()
+        self._state_lock = threading.RLock()
+        self._closed_message = (
+            f"this client belongs to process {parent_pid}; a forked child cannot use it "
+            "(make a new client in the child)")
+        if self.lifecycle.state is ClientState.CONSTRUCTING:
+            self.lifecycle.fire(ClientEvent.CONSTRUCTION_FAILED)
+        elif self.lifecycle.state is not ClientState.SHUTDOWN:
+            self.lifecycle.fire(ClientEvent.SHUTDOWN)
+        self._requests.clear()
+        self._streaming.clear()
+        proc = self.resources.proc
+        if proc is not None:
+            children = getattr(multiprocessing.process, "_children", None)
+            if isinstance(children, set):
+                children.discard(proc)
 
     def _abort_left_behind(self) -> None:
         """An attached engine outlives this front end: abort what it still runs for us, so it
@@ -1313,7 +1359,7 @@ class MPClient(EngineCoreClient):
         with res.send_lock:
             sock = res.input_socket
             if sock is None:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             frames = encode_input(self._encoder, kind, obj)
             # The engine refuses a frame over its max_frame_bytes by dropping the connection
             # (security.py), which loses what else was in flight: refuse it here instead.
@@ -1372,7 +1418,7 @@ class MPClient(EngineCoreClient):
         with res.send_lock:
             sock = res.input_socket
             if sock is None:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             send = self._sock_send
             try:
                 send(sock, self.identity, ZMQ_SNDMORE)
@@ -1389,7 +1435,7 @@ class MPClient(EngineCoreClient):
         with self.resources.send_lock:
             sock = self.resources.input_socket
             if sock is None:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             sock.send_multipart([self.identity, *frames])
 
     def _send_add(self, request: EngineCoreRequest) -> None:
@@ -1408,7 +1454,7 @@ class MPClient(EngineCoreClient):
     def _send_abort(self, request_ids: list[str]) -> None:
         ids = check_request_ids(request_ids)
         if self.is_closed:
-            raise ClientClosedError("the client was shut down")
+            raise ClientClosedError(self._closed_message)
         # On a dead engine an abort is a silent no-op: error paths must not raise twice.
         if not ids or self.is_dead:
             return
@@ -1920,7 +1966,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
         death are still delivered, then ``EngineDeadError``."""
         timeout = check_timeout(timeout)
         if self.is_closed:
-            raise ClientClosedError("the client was shut down")
+            raise ClientClosedError(self._closed_message)
         if self._pending_sends:
             with self.resources.send_lock:
                 self._reclaim_sends()
@@ -1968,7 +2014,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
         if item is _DEAD or item is _CLOSED:
             self._outputs.put(item)  # wake the next waiter too
             if item is _CLOSED or self.is_closed:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             raise self._dead_error()
         out: EngineCoreOutputs = item.expanded()
         return out
@@ -2032,6 +2078,8 @@ class AsyncMPClient(MPClient):
         bound = self._loop
         if bound is loop:
             return
+        if self._forked_off:  # its socket is the parent's: reading it here spins for good
+            raise ClientClosedError(self._closed_message)
         if bound is not None:
             if not bound.is_closed():
                 self.ensure_alive()  # a closed or dead client says so, whatever the loop
@@ -2040,7 +2088,7 @@ class AsyncMPClient(MPClient):
                     " and futures live there) while that loop is open; make one client per"
                     " event loop")
             if self.is_closed:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             # Its loop is closed (an ``asyncio.run`` ended): nothing can run or wait there
             # any more, so the client moves to this one (a second ``asyncio.run``, a test
             # framework's loop per test). A dead client moves too: the batches that came
@@ -2061,7 +2109,7 @@ class AsyncMPClient(MPClient):
         res = self.resources
         sock = res.async_output_socket
         if sock is None:
-            raise ClientClosedError("the client was shut down")
+            raise ClientClosedError(self._closed_message)
         # Batches and markers queued on a closed loop's queue are carried over unread.
         kept = _drain(self._outputs) if self._outputs is not None else []
         outputs = self._outputs = asyncio.Queue()
@@ -2169,7 +2217,7 @@ class AsyncMPClient(MPClient):
         """Next batch; an empty batch if ``timeout`` passes first (see ``SyncMPClient``)."""
         timeout = check_timeout(timeout)
         if self.is_closed:
-            raise ClientClosedError("the client was shut down")
+            raise ClientClosedError(self._closed_message)
         if self._pending_sends:
             with self.resources.send_lock:
                 self._reclaim_sends()
@@ -2198,7 +2246,7 @@ class AsyncMPClient(MPClient):
         if item is _DEAD or item is _CLOSED:
             q.put_nowait(item)
             if item is _CLOSED or self.is_closed:
-                raise ClientClosedError("the client was shut down")
+                raise ClientClosedError(self._closed_message)
             raise self._dead_error()
         self._track_outputs(item)
         out: EngineCoreOutputs = item.expanded()
