@@ -27,7 +27,6 @@ import multiprocessing.connection
 import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from typing import Any
@@ -46,6 +45,7 @@ __all__ = [
 
 ADD, GO, ECHO, QUIT = b"A", b"G", b"E", b"Q"
 _READY_TIMEOUT_MS = 60_000
+FLOOR_DIR_PREFIX = "ewfloor-"
 
 
 class FloorSampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -250,8 +250,14 @@ class FloorPeer:
     """Binds a ROUTER and a PULL on ipc paths, spawns the peer and waits for its hello."""
 
     def __init__(self, kind: str) -> None:
+        # Here, not at the top: the spawned peer imports this module, and the runtime package
+        # (torch and all) is no part of a floor.
+        from ..runtime.ipc import owned_tempdir
+
         self.kind = kind
-        self._dir = tempfile.mkdtemp(prefix="ewfloor-")
+        # Owned by this process: a bench killed outright leaves it, and the next floor peer to
+        # start removes it.
+        self._dir = str(owned_tempdir(FLOOR_DIR_PREFIX))
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)

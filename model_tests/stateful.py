@@ -55,6 +55,7 @@ from ..protocol.messages import (
     SamplingParams,
 )
 from ..runtime.engine import WAKE_TAGS
+from ..runtime.ipc import OWNER_FILE, owned_tempdir
 from ..spec.engine import EngineState
 from ..spec.errors import (
     ClientClosedError,
@@ -1380,6 +1381,7 @@ LEFT_SEED = 21
 PROBE_SEED = 22
 PROBE_TOKENS = 8
 ATTACH_KINDS = ("sync", "async")
+STANDALONE_DIR_PREFIX = "enginewire-standalone-"
 
 
 def _no_abort() -> None:
@@ -1395,7 +1397,6 @@ class StandaloneEngine:
 
     def __init__(self, config: Any, *, faults: bool = True) -> None:
         import multiprocessing
-        import tempfile
 
         import msgspec
 
@@ -1408,7 +1409,9 @@ class StandaloneEngine:
             resource_tracker.ensure_running()  # process-wide, once: not a leak
         self.config = config
         self.before = ResourceSnapshot.take()
-        self.dir = tempfile.mkdtemp(prefix="enginewire-standalone-")
+        # Owned by this process: a campaign killed outright leaves it, and the next standalone
+        # engine to start removes it.
+        self.dir = str(owned_tempdir(STANDALONE_DIR_PREFIX))
         self.input_address = f"ipc://{self.dir}/in"
         self.output_address = f"ipc://{self.dir}/out"
         # parent_pid: this engine waits for front ends without a deadline, so a campaign killed
@@ -1462,7 +1465,7 @@ class StandaloneEngine:
         with contextlib.suppress(ValueError):  # still running after a SIGKILL: keep its fd
             proc.close()  # its sentinel fd
         # Every front end removes the socket files it bound (the engine binds none).
-        left = sorted(os.listdir(self.dir))
+        left = sorted(set(os.listdir(self.dir)) - {OWNER_FILE})
         if left:
             problems.append(f"socket files left behind by the front ends: {left}")
         shutil.rmtree(self.dir, ignore_errors=True)
