@@ -200,9 +200,13 @@ class Machine(Generic[S, E]):
 
 
 class Lifecycle(Generic[S, E]):
-    """The current state of one machine instance, advanced only through its table."""
+    """The current state of one machine instance, advanced only through its table.
 
-    __slots__ = ("_guarded", "_name", "_plain", "state", "trace")
+    ``state`` is read-only (rule 1 of every machine: runtime code never assigns a state);
+    ``fire`` alone moves it. A test that needs an instance in a given state constructs one
+    there: ``Lifecycle(machine.name, state, machine.compiled())``."""
+
+    __slots__ = ("_guarded", "_name", "_plain", "_state", "trace")
 
     def __init__(
         self,
@@ -216,11 +220,15 @@ class Lifecycle(Generic[S, E]):
         self._name = name
         self._plain = table.plain
         self._guarded = table.guarded
-        self.state = initial
+        self._state = initial
         self.trace = trace
 
+    @property
+    def state(self) -> S:
+        return self._state
+
     def fire(self, event: E, guard: str | None = None) -> S:
-        state = self.state
+        state = self._state
         try:
             if guard is None:
                 new: S = self._plain[state._ix][event._key]  # type: ignore[attr-defined,assignment]
@@ -231,19 +239,19 @@ class Lifecycle(Generic[S, E]):
             raise SpecViolation(self._name, state.name, name, guard) from None
         if self.trace is not None:
             self.trace.append((self._name, state.name, event.name, new.name, time.monotonic()))
-        self.state = new
+        self._state = new
         return new
 
     def can(self, event: E, guard: str | None = None) -> bool:
         try:
             if guard is None:
-                return event._key in self._plain[self.state._ix]  # type: ignore[attr-defined]
-            return (event._key, guard) in self._guarded[self.state._ix]  # type: ignore[attr-defined]
+                return event._key in self._plain[self._state._ix]  # type: ignore[attr-defined]
+            return (event._key, guard) in self._guarded[self._state._ix]  # type: ignore[attr-defined]
         except AttributeError:
             return False
 
     def __repr__(self) -> str:
-        return f"<Lifecycle {self._name} in {self.state.name}>"
+        return f"<Lifecycle {self._name} in {self._state.name}>"
 
 
 # id(table) -> (table, rows): callers that pass one shared dict per request compile it once;

@@ -77,8 +77,7 @@ def test_can_matches_fire_for_every_state_event_guard() -> None:
             for event in mach.events:
                 for g in guards:
                     guard = g or None
-                    lc = mach.lifecycle()
-                    lc.state = state  # test-only: place the instance in each state
+                    lc = Lifecycle(mach.name, state, mach.compiled())  # starts in each state
                     expected = table.get((state, event, guard))
                     assert lc.can(event, guard) == (expected is not None)
                     if expected is None:
