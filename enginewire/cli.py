@@ -623,14 +623,54 @@ def _prog(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     return " ".join([parser.prog, *(w for w in words if w)])
 
 
-# Options whose value may be a Z85 public key: 40 characters, which may start with "-".
+# Options whose value may be a Z85 public key: 40 characters, which may start with "-" or "--".
 _KEY_OPTIONS = frozenset({"--curve-peer", "--curve-server-key"})
 _Z85_KEY_LEN = 40
+_Z85_ALPHABET = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                 ".-:+=^!/*?&<>()[]{}@%$#")
+_Z85_VALUE = {c: i for i, c in enumerate(_Z85_ALPHABET)}
 
 
-def _attach_key_values(argv: Sequence[str]) -> list[str]:
+def _is_z85_key(text: str) -> bool:
+    """40 Z85 characters that decode to 32 bytes (each 5-character group below 2**32)."""
+    if len(text) != _Z85_KEY_LEN or not all(c in _Z85_VALUE for c in text):
+        return False
+    for i in range(0, _Z85_KEY_LEN, 5):
+        value = 0
+        for c in text[i:i + 5]:
+            value = value * 85 + _Z85_VALUE[c]
+        if value >= 1 << 32:
+            return False
+    return True
+
+
+def _long_options(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """Every ``--option`` of ``parser`` and of its subcommands, at any depth."""
+    found: set[str] = set()
+    for action in parser._actions:
+        found.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _long_options(sub)
+    return frozenset(found)
+
+
+def _names_an_option(token: str, options: frozenset[str]) -> bool:
+    # "--name" or "--name=value" for a real option. Exact names only: with abbreviations too,
+    # every key starting "--=" (one "--" key in 85) would read as an option.
+    return token.partition("=")[0] in options
+
+
+def _attach_key_values(argv: Sequence[str],
+                       parser: argparse.ArgumentParser | None = None) -> list[str]:
     """``--curve-peer -k3y...`` as ``--curve-peer=-k3y...``: argparse takes a value that starts
-    with "-" for an option (one random key in ~70 does), and says the option has no value."""
+    with "-" for an option (one random Z85 key in ~85 does, one in ~7000 with "--") and says
+    the option has no value. The token after a key option is its value when it is a valid Z85
+    key, unless it spells one of the command line's ``--options`` as ``--name`` or
+    ``--name=value`` (a missing value then a real option: argparse reports the missing value).
+    Only a key that itself starts "--<option name>=" is taken for an option that way;
+    ``--curve-peer=KEY`` reads every key."""
+    options = _long_options(parser or build_parser())
     out: list[str] = []
     args = list(argv)
     i = 0
@@ -638,7 +678,8 @@ def _attach_key_values(argv: Sequence[str]) -> list[str]:
         arg = args[i]
         nxt = args[i + 1] if i + 1 < len(args) else None
         if (arg in _KEY_OPTIONS and nxt is not None and nxt.startswith("-")
-                and len(nxt) == _Z85_KEY_LEN and not nxt.startswith("--")):
+                and _is_z85_key(nxt)
+                and not (nxt.startswith("--") and _names_an_option(nxt, options))):
             out.append(f"{arg}={nxt}")
             i += 2
             continue
@@ -649,7 +690,8 @@ def _attach_key_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_attach_key_values(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(_attach_key_values(sys.argv[1:] if argv is None else argv,
+                                                parser))
     handler: Handler = args.handler
     try:
         return handler(args)
