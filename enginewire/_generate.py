@@ -195,6 +195,8 @@ def run_generate(
         why = "" if cause is None or str(cause) in str(exc) else f" ({cause})"
         print(f"enginewire generate: error: {exc}{why}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # the reader of stdout left (`| head`): main() ends quietly
     except Exception as exc:  # e.g. a tokenizer the file describes but cannot be built
         print(f"enginewire generate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -3,7 +3,8 @@
 Exit codes mean the same thing everywhere:
 0 the job ran and everything it checked held; 1 a check failed (a property, a campaign, a
 fault cell, a benchmark bar); 2 bad usage; 3 the environment is missing something (a tool,
-a model file). Each subcommand imports its machinery lazily so ``--help`` stays instant.
+a model file); 130 interrupted; 141 stdout's reader went away (`| head`), quietly.
+Each subcommand imports its machinery lazily so ``--help`` stays instant.
 
 Bad usage is one line on stderr that names the flag, and exit status 2: a value out of range,
 an unknown name, a malformed address, and an output path (``--results-dir``, ``--json``,
@@ -14,6 +15,7 @@ long job starts, so a run is never lost to a typo at its end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -384,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
             "benchmark the IPC layer, or serve an engine."
         ),
         epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage (one line on stderr: a bad value, "
-        "an unknown name, an output path that cannot be written), 3 missing tool or file.",
+        "an unknown name, an output path that cannot be written), 3 missing tool or file, "
+        "130 interrupted, 141 stdout closed by its reader.",
     )
     parser.add_argument("--version", action="version", version=f"enginewire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -710,6 +713,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ENV
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Whoever read stdout has gone (`enginewire ... | head`): stop quietly, as a Unix
+        # tool does; stdout goes to /dev/null so the exit's flush cannot raise it again.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended
 
 
 if __name__ == "__main__":
