@@ -13,10 +13,12 @@ tokens' K/V at their slots, then every sequence gathers its context through its 
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 # torch is imported inside the functions that compute: the null model, which needs only the
 # arch and the token formula here, must start an engine without loading torch (seconds).
@@ -28,6 +30,7 @@ __all__ = [
     "NULL_INDEX_MUL",
     "NULL_SEED_MUL",
     "TINY_ARCH",
+    "WEIGHT_SOURCES_ENV",
     "AttentionMetadata",
     "LlamaArch",
     "LlamaModel",
@@ -150,29 +153,93 @@ _SOURCES: dict[str, Callable[[str, int], WeightSource]] = {
 }
 
 
+# A launched engine is a fresh interpreter (spawn) that knows only the built-in sources. So a
+# registration is also written here, inherited by every process started afterwards, as JSON
+# {name: "module:qualname"} ("" for a factory nothing can import by name: a lambda, a local
+# function), and the engine imports what it is asked for. Without it a test that registers its
+# own source runs in process and fails in every engine it launches ("unknown model").
+WEIGHT_SOURCES_ENV = "ENGINEWIRE_WEIGHT_SOURCES"
+
+
 def register_weight_source(name: str, factory: Callable[[str, int], WeightSource]) -> None:
     """Make ``EngineConfig(model=name)`` load through ``factory(model, seed)``.
 
     ``name`` is an exact model name, or a suffix starting with ``.`` (e.g. ``.gguf``) that
-    matches paths.
+    matches paths. Engines launched afterwards (a multi-process client's, the fault matrix's)
+    know it too when ``factory`` is a module-level function or class: they import it by name.
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_weight_source: name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"register_weight_source: factory must be callable, got {factory!r}")
     _SOURCES[name] = factory
+    module = getattr(factory, "__module__", None)
+    qualname = getattr(factory, "__qualname__", "")
+    ref = f"{module}:{qualname}" if module and qualname and "<" not in qualname else ""
+    entries = _env_sources()
+    entries[name] = ref
+    os.environ[WEIGHT_SOURCES_ENV] = json.dumps(entries, sort_keys=True)
 
 
-def resolve_weight_source(model: str, seed: int) -> WeightSource:
-    """The source ``model`` names: an exact name, else a name or path suffix matched
-    case-insensitively (``SMOLLM2``, ``x.GGUF``)."""
+def _env_sources() -> dict[str, str]:
+    try:
+        entries = json.loads(os.environ.get(WEIGHT_SOURCES_ENV, "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(entries, dict):
+        return {}
+    return {str(k): str(v) for k, v in entries.items()}
+
+
+def _import_env_sources() -> list[str]:
+    """Import the sources a launching process registered; the names whose factory cannot be
+    imported by name (the caller's error names them)."""
+    unimportable: list[str] = []
+    for name, ref in sorted(_env_sources().items()):
+        if name in _SOURCES:
+            continue
+        if not ref:
+            unimportable.append(name)
+            continue
+        module, _, qualname = ref.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except Exception as e:
+            raise ValueError(f"weight source {name!r} was registered as {ref} in the launching"
+                             f" process, and this engine process cannot import it:"
+                             f" {type(e).__name__}: {e}") from e
+        _SOURCES[name] = obj
+    return unimportable
+
+
+def _lookup(model: str) -> Callable[[str, int], WeightSource] | None:
     factory = _SOURCES.get(model)
     if factory is None:
         folded = model.lower()
         for key, fac in _SOURCES.items():
             if key.lower() == folded or (key.startswith(".") and folded.endswith(key.lower())):
-                factory = fac
-                break
+                return fac
+    return factory
+
+
+def resolve_weight_source(model: str, seed: int) -> WeightSource:
+    """The source ``model`` names: an exact name, else a name or path suffix matched
+    case-insensitively (``SMOLLM2``, ``x.GGUF``)."""
+    factory = _lookup(model)
+    unimportable: list[str] = []
+    if factory is None:
+        unimportable = _import_env_sources()
+        factory = _lookup(model)
     if factory is None:
         known = [*sorted(k for k in _SOURCES), "null"]
-        raise ValueError(f"EngineConfig.model={model!r}: unknown model{_unknown_hint(model)};"
-                         f" known: {known}")
+        hint = _unknown_hint(model)
+        if unimportable:
+            hint += (f" ({', '.join(map(repr, unimportable))} registered in the launching"
+                     " process with a factory an engine process cannot import: a lambda or"
+                     " local function; register a module-level function or class)")
+        raise ValueError(f"EngineConfig.model={model!r}: unknown model{hint}; known: {known}")
     return factory(model, seed)
 
 
