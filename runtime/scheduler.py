@@ -253,6 +253,79 @@ class DecodeBatch:
         self._index_rows(stop_rows, cached_rows)
 
 
+def _worst_first(req: Request) -> tuple[int, float, int]:
+    # The rank negated: heapq is a min-heap and a victim is the worst (largest) rank. Every
+    # part is a finite number (the engine refuses a NaN arrival_time), so negation is exact.
+    p, a, s = req.sort_key
+    return (-p, -a, -s)
+
+
+class _Victims:
+    """Candidates for preemption under KV pressure in one scheduling pass, worst rank first.
+
+    One heap built at the pass's first preemption (``running[i:]``, the requests not yet
+    scheduled) instead of a scan of ``running`` per victim: with every running request short
+    of a block at once, that scan made a step quadratic (about a minute at the largest
+    ``max_num_seqs``). Entries before the pass's current index were scheduled since: skipped.
+    """
+
+    __slots__ = ("heap",)
+
+    def __init__(self, running: list[Request], start: int) -> None:
+        self.heap = [(_worst_first(r), k, r) for k, r in enumerate(running[start:], start)]
+        heapq.heapify(self.heap)
+
+    def pop_worst(self, i: int) -> Request:
+        """The worst-ranked request at index ``i`` or later (``running[i]`` is always there:
+        it is the one asking, and it is not preempted yet)."""
+        heap = self.heap
+        while heap[0][1] < i:
+            heapq.heappop(heap)
+        return heapq.heappop(heap)[2]
+
+
+class _Evictions:
+    """Priority preemptions while admitting (``Scheduler._admit``), worst rank first.
+
+    One heap over ``running`` built at the first eviction instead of a scan of ``running``
+    (and of the step's batch) per victim, which made admitting S better-ranked requests over
+    S running ones quadratic (minutes at the largest ``max_num_seqs``). Victims stay in the
+    lists until ``apply`` removes them all at once.
+
+    Requests admitted after the heap was built are not in it, and need not be: a waiting
+    request comes out in rank order, so one admitted earlier never ranks worse than the one
+    now asking, and a victim must rank strictly worse (for the same reason a victim admitted
+    again in the same pass is never a victim twice).
+    """
+
+    __slots__ = ("batch_pos", "gone", "heap", "num_batch", "num_running")
+
+    def __init__(self, running: list[Request], batch: list[Request]) -> None:
+        self.heap = [(_worst_first(r), r) for r in running]
+        heapq.heapify(self.heap)
+        self.gone: set[int] = set()  # id() of each victim
+        self.num_running = len(running)
+        self.num_batch = len(batch)
+        self.batch_pos = {id(r): k for k, r in enumerate(batch)}
+
+    def worst(self) -> Request | None:
+        return self.heap[0][1] if self.heap else None
+
+    def take(self) -> None:
+        self.gone.add(id(heapq.heappop(self.heap)[1]))
+
+    def apply(self, running: list[Request], batch: list[Request], nums: list[int]) -> None:
+        """Drop the victims' entries made before the heap was built (one admitted again
+        since keeps its new entry)."""
+        gone = self.gone
+        n = self.num_running
+        running[:n] = [r for r in running[:n] if id(r) not in gone]
+        m = self.num_batch
+        keep = [k for k in range(m) if id(batch[k]) not in gone]
+        batch[:m] = [batch[k] for k in keep]
+        nums[:m] = [nums[k] for k in keep]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -429,9 +502,11 @@ class Scheduler:
         reqs: list[Request] = []
         nums: list[int] = []
         preempted = False
+        victims: _Victims | None = None  # built at the first preemption of this step
         add_req, add_num = reqs.append, nums.append
-        # Popping entries after ``i`` while iterating is safe: the iterator's index stays right.
         for i, req in enumerate(running):
+            if req.in_waiting:  # preempted earlier in this pass; ``running`` is rebuilt below
+                continue
             total = req.num_tokens  # the tokens computed once this step is done
             n = total - req.num_computed_tokens
             if n > budget:
@@ -441,56 +516,53 @@ class Scheduler:
                 total = req.num_computed_tokens + n
             if total > len(req.block_ids) * bs and not kv.allocate(req, total):
                 preempted = True
-                if not self._preempt_for(req, i, total):
+                if victims is None:
+                    victims = _Victims(running, i)
+                if not self._preempt_for(req, i, total, victims):
                     break  # it preempted itself: stop here, as vLLM does
             add_req(req)
             add_num(n)
             budget -= n
-        if not preempted:
+        if preempted:
+            running[:] = [r for r in running if not r.in_waiting]
+        else:
             self._admit(reqs, nums, budget)
         # reqs is a subset of running (admitted requests join both): equal sizes, equal sets.
         self._all_scheduled = len(reqs) == len(self.running)
         return reqs, nums
 
-    def _preempt_for(self, req: Request, i: int, total: int) -> bool:
+    def _preempt_for(self, req: Request, i: int, total: int, victims: _Victims) -> bool:
         """Preempt from ``running[i:]`` until ``req`` gets its blocks; False if ``req`` itself
-        was the victim (it is then out of ``running``)."""
-        running = self.running
+        was the victim. Victims stay in ``running`` (marked ``in_waiting``) until the pass
+        ends."""
         while True:
             # Lowest priority (latest arrival among equals) of those not yet scheduled.
-            j = max(range(i, len(running)), key=lambda k: running[k].sort_key)
-            victim = running.pop(j)
+            victim = victims.pop_worst(i)
             self._preempt(victim)
             if victim is req:
                 return False
             if self.kv.allocate(req, total):
                 return True
 
-    def _evict_for(self, req: Request, reqs: list[Request], nums: list[int]) -> int | None:
+    def _evict_for(self, req: Request, ev: _Evictions, nums: list[int]) -> int | None:
         """Preempt the worst-ranked running request if its priority is strictly worse than
         ``req``'s; return the tokens it gives back to this step's budget, None if none ranks
-        below ``req`` (or the policy is not ``priority``)."""
-        running = self.running
-        if not self.priority_preemption or not running:
+        below ``req``. The victim leaves ``running`` and this step's batch when ``_admit``
+        ends (``_Evictions.apply``)."""
+        victim = ev.worst()
+        if victim is None or victim.priority <= req.priority:
             return None
-        j = max(range(len(running)), key=lambda k: running[k].sort_key)
-        victim = running[j]
-        if victim.priority <= req.priority:
-            return None
-        running.pop(j)
-        freed = 0
-        for k, r in enumerate(reqs):  # scheduled earlier in this step: leave the batch
-            if r is victim:
-                del reqs[k]
-                freed = nums.pop(k)
-                break
+        ev.take()
         self._preempt(victim)
         self.num_priority_preemptions += 1
-        return freed
+        k = ev.batch_pos.get(id(victim))
+        return 0 if k is None else nums[k]
 
     def _admit(self, reqs: list[Request], nums: list[int], budget: int) -> None:
         kv, waiting, running = self.kv, self._waiting, self.running
         skipped: list[tuple[tuple[int, float, int], Request]] = []
+        # Built at the first eviction (priority policy only); None while nothing was evicted.
+        ev: _Evictions | None = None
         while waiting and budget > 0:
             req = waiting[0][1]
             if req.finished or not req.in_waiting:
@@ -499,8 +571,10 @@ class Scheduler:
             if self.drain_only and not req.draining:
                 skipped.append(heapq.heappop(waiting))
                 continue
-            if len(running) >= self.max_num_seqs:
-                freed = self._evict_for(req, reqs, nums)
+            if len(running) - (0 if ev is None else len(ev.gone)) >= self.max_num_seqs:
+                if ev is None and self.priority_preemption:
+                    ev = _Evictions(running, reqs)
+                freed = None if ev is None else self._evict_for(req, ev, nums)
                 if freed is None:
                     break
                 budget += freed
@@ -514,7 +588,9 @@ class Scheduler:
             if n > budget:
                 n = budget
             if not kv.allocate(req, req.num_computed_tokens + n):
-                freed = self._evict_for(req, reqs, nums)
+                if ev is None and self.priority_preemption:
+                    ev = _Evictions(running, reqs)
+                freed = None if ev is None else self._evict_for(req, ev, nums)
                 if freed is not None:  # retry with the victim's blocks (and tokens) free
                     budget += freed
                     continue
@@ -532,6 +608,8 @@ class Scheduler:
             budget -= n
         for item in skipped:
             heapq.heappush(waiting, item)
+        if ev is not None and ev.gone:
+            ev.apply(running, reqs, nums)
 
     def update(
         self,
