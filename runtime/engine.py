@@ -526,9 +526,7 @@ class EngineCore:
         if mode == "abort":
             self._pending.extend(sched.abort_all())
         elif mode == "wait" and st is S.RUNNING:
-            for r in sched.requests.values():
-                r.draining = True
-            sched.drain_only = True
+            sched.start_drain()
         lc.fire(event)
         if lc.state is S.DRAINING:
             fut: Future[Any] = Future()
@@ -626,10 +624,7 @@ class EngineCore:
         return dropped
 
     def _end_drain(self) -> None:
-        sched = self.scheduler
-        sched.drain_only = False
-        for r in sched.requests.values():
-            r.draining = False
+        self.scheduler.end_drain()
 
     def is_sleeping(self) -> bool:
         return self.lifecycle.state in _PAUSED

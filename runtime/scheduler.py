@@ -348,6 +348,11 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, float, int], Request]] = []  # heap by rank
         self.num_waiting = 0
         self.drain_only = False  # while draining for a pause: admit only requests marked draining
+        # Live requests marked draining, and those of them waiting: read every step while a
+        # pause(wait) drains, so counted as the marks change rather than by a pass over every
+        # live request (a step of a drain cost O(live), the whole drain O(live^2)).
+        self._num_draining = 0
+        self._num_draining_waiting = 0
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of which made room for a better waiting request
         # Steady decode fast path. ``update`` sets this to ``running`` when it proved that
@@ -376,6 +381,8 @@ class Scheduler:
     def _push_waiting(self, req: Request) -> None:
         req.in_waiting = True
         self.num_waiting += 1
+        if req.draining:  # preempted while draining
+            self._num_draining_waiting += 1
         heapq.heappush(self._waiting, (req.sort_key, req))
 
     def _compact_waiting(self) -> None:
@@ -393,7 +400,22 @@ class Scheduler:
         return bool(self.requests)
 
     def num_draining(self) -> int:
-        return sum(1 for r in self.requests.values() if r.draining)
+        return self._num_draining
+
+    def start_drain(self) -> None:
+        """Mark every live request draining and admit only those until ``end_drain``."""
+        for r in self.requests.values():
+            r.draining = True
+        self._num_draining = len(self.requests)
+        self._num_draining_waiting = self.num_waiting
+        self.drain_only = True
+
+    def end_drain(self) -> None:
+        """Clear every mark; admission is open again."""
+        for r in self.requests.values():
+            r.draining = False
+        self._num_draining = self._num_draining_waiting = 0
+        self.drain_only = False
 
     def finish(self, req: Request, event: EngineRequestEvent, reason: FinishReason,
                stop_reason: int | str | None = None, error: str | None = None,
@@ -404,9 +426,13 @@ class Scheduler:
         self._decode_ready = None
         req.lifecycle.fire(event)
         req.finished = True
+        if req.draining:
+            self._num_draining -= 1
         if req.in_waiting:  # its heap entry is skipped lazily
             req.in_waiting = False
             self.num_waiting -= 1
+            if req.draining:
+                self._num_draining_waiting -= 1
             if len(self._waiting) > 2 * self.num_waiting + _WAITING_SLACK:
                 self._compact_waiting()
         self.kv.free(req)
@@ -569,6 +595,10 @@ class Scheduler:
                 heapq.heappop(waiting)
                 continue
             if self.drain_only and not req.draining:
+                if not self._num_draining_waiting:
+                    # Only arrivals since the pause are left: looking further would pop and
+                    # push all of them again every step of the drain.
+                    break
                 skipped.append(heapq.heappop(waiting))
                 continue
             if len(running) - (0 if ev is None else len(ev.gone)) >= self.max_num_seqs:
@@ -601,6 +631,8 @@ class Scheduler:
             heapq.heappop(waiting)
             req.in_waiting = False
             self.num_waiting -= 1
+            if req.draining:
+                self._num_draining_waiting -= 1
             req.lifecycle.fire(RE.SCHEDULE)
             running.append(req)
             reqs.append(req)
