@@ -97,6 +97,10 @@ _OUTPUT_SELF_LOOP_IX = frozenset(s._ix for s in _OUTPUT_SELF_LOOPS)  # type: ign
 _FINISH_EVENT_BY_VALUE = {int(r): ev for r, ev in _FINISH_EVENTS.items()}
 _NO_FINISH = frozenset({None})
 _request_id = operator.attrgetter("request_id")
+_LIST_ITERATOR: type = type(iter([]))
+# Request ids a SpecViolation for refused outputs names; the rest are counted, so a batch of
+# 64k refused outputs does not make a message of a megabyte.
+_MAX_NAMED_IDS = 20
 _finish_reason = operator.attrgetter("finish_reason")
 
 
@@ -384,11 +388,17 @@ class EngineCoreClient(abc.ABC):
                         requests.pop(rid, None)
                         streaming.discard(rid)
                 except SpecViolation as e:
-                    # The position comes from what is left, so the legal path counts nothing.
-                    rest = list(pairs)
+                    # The position comes from what is left, so the legal path counts nothing:
+                    # the rest is listed once, at the first refusal, and from then on its
+                    # list iterator says how much is left (listing it again at each refusal
+                    # made a batch of refused outputs quadratic: 30 s for one of 64k).
                     refused = refused or []
-                    refused.append((n - len(rest) - 1, e))
-                    pairs = iter(rest)
+                    if type(pairs) is _LIST_ITERATOR:
+                        refused.append((n - operator.length_hint(pairs) - 1, e))
+                        continue
+                    rest = iter(list(pairs))
+                    refused.append((n - operator.length_hint(rest) - 1, e))
+                    pairs = rest
                     break
             else:
                 return refused
@@ -413,8 +423,11 @@ class EngineCoreClient(abc.ABC):
         rids = [sids[i] for i, _ in bad_sids] + [outs[i].request_id for i, _ in bad_outs]
         first = (bad_sids or bad_outs)[0][1]
         err = SpecViolation(first.machine, first.state, first.event, first.guard)
+        named = ", ".join(map(repr, rids[:_MAX_NAMED_IDS]))
+        if len(rids) > _MAX_NAMED_IDS:
+            named += f" and {len(rids) - _MAX_NAMED_IDS} more"
         err.args = (f"{len(rids)} engine output(s) the spec forbids, for request id(s) "
-                    f"{', '.join(map(repr, rids))} (first: {first}); the batch's other "
+                    f"{named} (first: {first}); the batch's other "
                     "outputs were tracked and the next get_output returns them",)
         return err
 
