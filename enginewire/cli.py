@@ -281,6 +281,21 @@ def _startup_exit(error: BaseException) -> int:
     return EXIT_FAILED
 
 
+def _engine_logging() -> None:
+    """A served engine logs its events (up, attach, signal, errors) at INFO with a time and
+    its pid: without this only warnings showed, bare, and a stop left no line at all."""
+    import logging
+
+    level = os.environ.get("ENGINEWIRE_ENGINE_LOG_LEVEL", "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise UsageError(f"ENGINEWIRE_ENGINE_LOG_LEVEL={level!r}: expected DEBUG, INFO, "
+                         "WARNING, ERROR or CRITICAL")
+    # A no-op where the root logger has handlers already (an embedding program, pytest).
+    logging.basicConfig(level=level,
+                        format="%(asctime)s enginewire engine[%(process)d] %(levelname)s "
+                               "%(message)s")
+
+
 def _engine(args: argparse.Namespace) -> int:
     from .runtime import engine_proc
     from .runtime.config import EngineConfig
@@ -301,6 +316,7 @@ def _engine(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, seed=args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    _engine_logging()
     try:
         rc: int = engine_proc.run_engine_core(
             config,

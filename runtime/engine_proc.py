@@ -214,8 +214,12 @@ class _Wakeup:
                 os.close(self._w)
 
 
+_SHUTDOWN_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP")
+                          if hasattr(signal, name))
+
+
 class _ShutdownSignals:
-    """SIGTERM/SIGINT handling that is safe both during construction and in the loop.
+    """SIGTERM/SIGINT/SIGHUP handling that is safe both during construction and in the loop.
 
     Before the loop is armed a signal raises ``EngineShutdownRequested`` in the main thread, so
     a long construction is interrupted at once. Once armed, the handler only sets an event: a
@@ -229,7 +233,9 @@ class _ShutdownSignals:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too: a hang-up (the operator's terminal or ssh session closing) otherwise
+        # kills the engine without the last outputs or the word to its front end.
+        for sig in _SHUTDOWN_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:
@@ -1045,6 +1051,8 @@ class EngineCoreProc:
             if self._session is not None or dropped:
                 logger.info("a new front end attached; %d request(s) of the previous one were"
                             " dropped", dropped)
+            else:
+                logger.info("a front end attached")
             self._session = session
         self._put_output(EngineCoreOutputs(engine_index=self.engine_index, session=session,
                                            timestamp=EngineCoreOutputs.now()), direct=True)
@@ -1135,8 +1143,9 @@ class EngineCoreProc:
                 if t.is_alive():
                     logger.critical("engine-dead sentinel could not be flushed in time")
 
-    def close(self) -> None:
-        """Shut the engine down, flush its last outputs, stop the IO threads; bounded."""
+    def close(self, *, say_gone: bool = False) -> None:
+        """Shut the engine down, flush its last outputs, stop the IO threads; bounded.
+        ``say_gone``: end with the engine-dead sentinel if a front end is attached."""
         if self.engine is not None:
             try:
                 self._fault(FaultPoint.SHUTDOWN)
@@ -1145,6 +1154,10 @@ class EngineCoreProc:
                 # Live requests end with ABORT on shutdown: let their owners know.
                 while (final := self.engine.take_final_outputs()) is not None:
                     self._emit(final)
+                if say_gone and self._session is not None:
+                    # An attached front end has no process to watch: without this it learns
+                    # of the exit only from its heartbeat deadline, or never without one.
+                    self._put_output(ENGINE_DEAD_SENTINEL, direct=False)
                 # Deferred calls the shutdown failed get no reply: to the front end the
                 # engine went away under them, and it says so (EngineDeadError) once it sees
                 # the exit; a UtilityError would blame the method. After the front end's own
@@ -1236,7 +1249,7 @@ def run_engine_core(
     if parent_pid is not None:
         _watch_parent(parent_pid)
     proc: EngineCoreProc | None = None
-    constructed = False
+    constructed = stopped = False
     try:
         proc = EngineCoreProc(
             config,
@@ -1254,11 +1267,14 @@ def run_engine_core(
             integrity=integrity,
         )
         constructed = True
+        logger.info("engine core up (model %s); serving the front end at %s and %s",
+                    getattr(config, "model", "?"), input_address, output_address)
         # The model and its imports are built: move them out of the collector's reach so
         # full collections do not stall steps (vLLM's freeze_gc_heap).
         gc.collect()
         gc.freeze()
         proc.run_busy_loop()
+        stopped = True
         return 0
     except EngineShutdownRequested:
         logger.info("engine core shut down by signal")
@@ -1276,7 +1292,9 @@ def run_engine_core(
     finally:
         signals.restore()
         if proc is not None:
-            proc.close()
+            # Stopped by a signal: a launched engine's client sees its process exit; one
+            # started on its own tells its attached front end (a supervisor's stop, restart).
+            proc.close(say_gone=stopped and parent_pid is None)
 
 
 def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
