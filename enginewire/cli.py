@@ -578,11 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bound the given input and output addresses (like vLLM's headless engines). It serves "
         "front ends one after another: the next one to bind the addresses takes it over, and "
         "what the previous one left running is dropped.",
-        epilog="Exit codes: 0 stopped by SIGTERM/SIGINT, 1 a fatal error while serving, 2 bad "
-        "usage (a bad flag value or address, an unknown model, plain tcp without "
-        "--allow-insecure-tcp), 3 unusable key files, or (CURVE only) no front end at "
-        "--input-address within the handshake deadline (30 s); a plain engine waits for its "
-        "front end.",
+        epilog="Exit codes: 0 stopped by SIGTERM/SIGINT/SIGHUP (an attached front end is "
+        "told), 1 a fatal error while serving, 2 bad usage (a bad flag value or address, an "
+        "unknown model, plain tcp without --allow-insecure-tcp), 3 unusable key files, or "
+        "(CURVE only) no front end at --input-address within the handshake deadline (30 s); a "
+        "plain engine waits for its front end. Logs go to stderr at INFO "
+        "(ENGINEWIRE_ENGINE_LOG_LEVEL): start, each front end attached, the stop, errors.",
     )
     eng.add_argument(
         "--model", default="tiny", help="engine model: tiny, null, smollm2-135m or a .gguf path"
