@@ -1179,7 +1179,8 @@ class MPClient(EngineCoreClient):
             self.resources.last_seen[0] = time.monotonic()  # a message: the engine is alive
         if is_dead_sentinel(frames):
             raise EngineProcessDied(
-                "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+                "the engine said it is gone (engine-dead sentinel: a fatal error, or an engine"
+                " started on its own stopped by a signal); see the engine's log")
         session = self._attaching
         if session is not None and self._is_marker(frames, session):
             self._attaching = None
@@ -1494,7 +1495,8 @@ class MPClient(EngineCoreClient):
         single = len(frames) == 1 and self._integrity is None
         if frames[0] == ENGINE_DEAD_SENTINEL if single else is_dead_sentinel(frames):
             raise EngineProcessDied(
-                "engine reported a fatal error (engine-dead sentinel); see the engine's log")
+                "the engine said it is gone (engine-dead sentinel: a fatal error, or an engine"
+                " started on its own stopped by a signal); see the engine's log")
         if single:
             outputs = self._out_decoder.decode_payload(frames[0])
         else:
