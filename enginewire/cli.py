@@ -364,10 +364,21 @@ def _campaign(args: argparse.Namespace) -> int:
 
 def _faults_matrix(args: argparse.Namespace) -> int:
     from .faults import run_fault_matrix
+    from .runtime.config import EngineConfig
 
     _writable_dir("--results-dir", args.results_dir)
+    if args.model != "null":  # checked before any cell: every one would read startup_error
+        from .runtime.model import resolve_weight_source
+
+        try:
+            resolve_weight_source(args.model, 0)
+        except FileNotFoundError as exc:
+            raise MissingError(f"--model {args.model}: {exc}") from None
+        except ValueError as exc:
+            raise UsageError(f"--model: {exc}") from None
     rc: int = run_fault_matrix(args.client or None, quick=args.quick,
-                               results_dir=args.results_dir)
+                               results_dir=args.results_dir,
+                               config=EngineConfig(model=args.model, max_num_seqs=4))
     return rc
 
 
@@ -519,6 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     matrix.add_argument(
         "--quick", action="store_true", help="the bounded subset CI runs (a few minutes)"
+    )
+    matrix.add_argument(
+        "--model",
+        default="tiny",
+        metavar="NAME",
+        help="the engine's model: tiny, null, a .gguf path, or a weight source of your own "
+        "registered by name in ENGINEWIRE_WEIGHT_SOURCES (docs/faults.md)",
     )
     matrix.add_argument(
         "--results-dir",
