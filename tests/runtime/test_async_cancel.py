@@ -84,6 +84,15 @@ def test_a_cancel_that_lands_as_the_reply_does_is_not_swallowed() -> None:
     assert any(took for _, took, _ in seen) and not all(took for _, took, _ in seen), seen
 
 
+async def _until_idle(client: AsyncMPClient) -> None:
+    """Until the engine holds no request: its outputs precede the stats reply on the one
+    output socket, so by then this loop's reader has queued every batch (bounded)."""
+    deadline = time.monotonic() + 30
+    while (await client.get_stats_async(timeout=30))["num_live"]:
+        assert time.monotonic() < deadline, "the engine still holds requests after 30 s"
+        await asyncio.sleep(0.01)
+
+
 def test_a_second_asyncio_run_uses_the_client_and_keeps_what_was_unread() -> None:
     """Before: every call in the second run raised RuntimeError (bound to the first loop)."""
     client = _client()
@@ -92,7 +101,7 @@ def test_a_second_asyncio_run_uses_the_client_and_keeps_what_was_unread() -> Non
         async def first() -> None:
             await client.add_request_async(req("a", 20))
             assert await client.echo_async(1, timeout=30) == 1
-            await asyncio.sleep(0.1)  # batches arrive that this run leaves unread
+            await _until_idle(client)  # "a"'s batches have all arrived, and stay unread
 
         async def second() -> None:
             assert await client.echo_async(2, timeout=30) == 2
@@ -121,7 +130,7 @@ def test_an_engine_that_died_between_loops_leaves_its_backlog_readable() -> None
         async def first() -> None:
             await client.add_request_async(req("a", 10))
             assert await client.echo_async(1, timeout=30) == 1
-            await asyncio.sleep(0.2)  # the batches arrive unread
+            await _until_idle(client)  # every batch of "a" has arrived, unread
 
         asyncio.run(first())
         assert client.engine_pid is not None
