@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -320,6 +322,36 @@ class Coverage:
 # --- liveness at teardown --------------------------------------------------------------------
 
 
+def fd_targets() -> Counter[str]:
+    """What this process's open fds point to (``/proc/self/fd``), counted by target; empty
+    where there is no ``/proc`` (the count check still runs, without the names)."""
+    targets: Counter[str] = Counter()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return targets
+    for fd in fds:
+        try:
+            targets[os.readlink(f"/proc/self/fd/{fd}")] += 1
+        except OSError:  # the fd listdir itself held, closed since
+            continue
+    return targets
+
+
+def _describe_new_fds(before: Counter[str], limit: int = 8) -> str:
+    # Pipes and sockets carry an inode number; group them by kind so that 40 CUDA driver
+    # handles read as one line, not 40.
+    new = fd_targets() - before
+    kinds: Counter[str] = Counter()
+    for target, n in new.items():
+        kinds[re.sub(r":\[\d+\]$", "", target)] += n
+    if not kinds:
+        return ""
+    shown = ", ".join(f"{t} x{n}" for t, n in kinds.most_common(limit))
+    more = len(kinds) - limit
+    return f" (new: {shown}{f', and {more} more kinds' if more > 0 else ''})"
+
+
 @dataclass
 class ResourceSnapshot:
     """This process's threads, fds and child processes before a client was built."""
@@ -327,12 +359,14 @@ class ResourceSnapshot:
     threads: int
     fds: int
     children: frozenset[int]
+    # What the fds pointed to, for the leak message only (the check compares counts).
+    fd_targets: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def take(cls) -> ResourceSnapshot:
         me = psutil.Process()
         return cls(threading.active_count(), me.num_fds(),
-                   frozenset(p.pid for p in me.children(recursive=True)))
+                   frozenset(p.pid for p in me.children(recursive=True)), fd_targets())
 
 
 def _wait(predicate: Any, bound: float) -> bool:
@@ -368,6 +402,7 @@ def check_released(before: ResourceSnapshot, *, engine_pid: int | None,
         problems.append(f"threads leaked: {threading.active_count()} > {before.threads}: {names}")
     me = psutil.Process()
     if threads_fds and not _wait(lambda: me.num_fds() <= before.fds, bound):
-        problems.append(f"fds leaked: {me.num_fds()} > {before.fds}")
+        problems.append(f"fds leaked: {me.num_fds()} > {before.fds}"
+                        f"{_describe_new_fds(before.fd_targets)}")
     if problems:
         raise OracleViolation("; ".join(problems))
