@@ -114,3 +114,23 @@ def test_only_an_in_process_engine_on_cuda_declares_a_warm_up() -> None:
     # A subprocess engine's CUDA context lives in its own process.
     assert not hasattr(builtin_factory("sync", cuda), "warm_up")
     assert not hasattr(builtin_factory("async", cuda), "warm_up")
+
+
+def test_the_engine_warm_up_runs_a_request_and_a_sleep_cycle_and_leaves_no_client() -> None:
+    """The body CUDA runs, on the CPU: after it, a pool's client cycle leaks nothing."""
+    factory = builtin_factory("inproc", EngineConfig(model="tiny", device="cpu"))
+    built: list[Any] = []
+
+    def recording(**options: Any) -> Any:
+        cut = factory(**options)
+        built.append(cut)
+        return cut
+
+    stateful.warm_up_engine(recording)
+    assert len(built) == 1 and built[0].closed
+    steps = {entry[:4] for entry in built[0].trace}
+    assert ("engine_request", "RUNNING", "LENGTH", "FINISHED_LENGTH") in steps
+    assert {e for m, _, e, _ in steps if m == "engine"} >= {"RELEASE_MEMORY", "WAKE_UP",
+                                                             "SHUTDOWN"}
+    pool = ClientPool(factory, CampaignStats())
+    stateful.close_and_check(pool.acquire())
