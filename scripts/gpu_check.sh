@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every CUDA check (the `gpu` pytest marker: the engine's CUDA paths, the decode batch on the
-# device, the fault harness's CUDA OOM) in one command. Exits non-zero if CUDA is missing or a
-# test fails; extra arguments go to pytest.
+# Every CUDA check in one command: the `gpu` pytest marker (the engine's CUDA paths, the decode
+# batch on the device, the fault harness's CUDA OOM, the CI campaign and the quick fault matrix
+# with the engine on CUDA), then the engine-step benchmark on the device (figures only, never
+# judged). Exits non-zero if CUDA is missing or a test fails; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # From the repo root, its enginewire/ folder would shadow an installed (non-editable) package.
@@ -17,3 +18,4 @@ if not torch.cuda.is_available():
 print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider "$@"
+"$PYTHON" -m enginewire.benchmarks.engine_step --cuda
