@@ -110,6 +110,7 @@ __all__ = [
     "check_kill_during_utility",
     "check_malformed_frames",
     "check_prefix_caching",
+    "check_rejected_add_spares_live_request",
     "check_shutdown_semantics",
     "check_sleep_wake",
     "check_trace",
@@ -685,6 +686,37 @@ def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     assert done[rid].reason is FinishReason.ERROR and done[rid].error, done[rid]
     check_generate(cut, n=2, prefix=f"{prefix}-after")
     assert cut.call_utility("echo", "still serving") == "still serving"
+
+
+def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "reuse") -> None:
+    """A malformed ADD that reuses the id of a live request is dropped: the live request is
+    neither finished nor touched (an ERROR under its id, then its stream going on, is
+    outputs after a finish), and the engine serves on. Multi-process: the malformed frames
+    go on the wire; in-process: the engine's rejection path is driven directly."""
+    import msgspec
+
+    rid = f"{prefix}-0"
+    n = _fit(cut, 8, "check_rejected_add_spares_live_request")
+    cut.add_request(request(rid, n))
+    # Parked, the request stays live however fast the engine is, until the rejection was
+    # handled (the echo below is answered after it, in order).
+    cut._call("pause_scheduler", "keep")
+    try:
+        if cut.multiprocess:
+            bad_sp = msgspec.msgpack.encode([rid, [1, 2], [4, float("inf")]])
+            for frames in ([RequestType.ADD.value + msgspec.msgpack.encode([rid, "tokens?"])],
+                           [RequestType.ADD.value + bad_sp]):
+                cut.client.send_raw_frames(frames)
+        else:
+            with cut.client._engine_lock:
+                assert not cut.client.engine.reject_request(rid, "malformed request: test")
+        assert cut.call_utility("echo", "after") == "after"
+    finally:
+        cut._call("resume_scheduler")
+    got = collect(cut, [rid])[rid]
+    _expect_length(rid, got, n)
+    check_generate(cut, n=1, prefix=f"{prefix}-after")
+    check_trace(cut)
 
 
 def _inject(cut: ClientUnderTest, batch: EngineCoreOutputs) -> None:

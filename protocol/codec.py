@@ -8,8 +8,10 @@ Struct from ``messages``. Three msgpack *ext* types carry what plain msgpack can
 - ``EXT_TORCH`` (1) and ``EXT_NUMPY`` (2): ``[dtype, shape, data]`` where ``data`` is either
   the raw bytes (arrays smaller than ``size_threshold``) or an int index into the aux frames
   (the array's memory itself, never copied on either side when it is contiguous on the CPU).
-- ``EXT_STRUCT`` (3): ``[name, value]`` for a utility result whose Struct class was registered
-  with ``register_result_type``; the client rebuilds it with ``decode_utility_result``.
+- ``EXT_STRUCT`` (3): ``[name, value]`` for a utility result whose Struct class or dataclass
+  was registered with ``register_result_type``; the client rebuilds it with
+  ``decode_utility_result``. An unregistered dataclass is refused (msgspec would carry it as
+  a dict: the caller would get another type).
 
 Ext types are self-describing, so tensors also work inside ``Any`` fields (utility args and
 results, ``EngineCoreRequest.tensors``). There is no pickle: anything else is refused when
@@ -64,6 +66,7 @@ __all__ = [
     "Limits",
     "StructResult",
     "backend_send",
+    "check_no_dataclass",
     "check_ready",
     "decode_input",
     "decode_outputs",
@@ -200,11 +203,12 @@ def _numpy_bytes(arr: np.ndarray[Any, Any]) -> tuple[str, list[int], memoryview]
 class _TypedStruct:
     """Marks a registered Struct so the encoder tags it with its registered name."""
 
-    __slots__ = ("name", "value")
+    __slots__ = ("name", "original", "value")
 
-    def __init__(self, name: str, value: msgspec.Struct) -> None:
+    def __init__(self, name: str, value: Any, original: Any = None) -> None:
         self.name = name
-        self.value = value
+        self.value = value  # what goes on the wire (a dataclass's fields, each tagged)
+        self.original = value if original is None else original
 
 
 class StructResult(msgspec.Struct, frozen=True):
@@ -214,20 +218,34 @@ class StructResult(msgspec.Struct, frozen=True):
     raw: Any
 
 
-_result_types: dict[str, type[msgspec.Struct]] = {}
-_result_names: dict[type[msgspec.Struct], str] = {}
+_result_types: dict[str, type[Any]] = {}
+_result_names: dict[type[Any], str] = {}
 
 
-def register_result_type(cls: type[msgspec.Struct], name: str | None = None) -> None:
-    """Let utility results of type ``cls`` travel typed; both peers must register it."""
-    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
-        raise TypeError(f"register_result_type expects a msgspec.Struct subclass, got {cls!r}")
+def _is_dataclass_instance(value: object) -> bool:
+    return hasattr(type(value), "__dataclass_fields__") and not isinstance(value, type)
+
+
+def register_result_type(cls: type[Any], name: str | None = None) -> None:
+    """Let utility results of type ``cls`` (a msgspec Struct or a dataclass) travel typed;
+    both peers must register it."""
+    is_struct = isinstance(cls, type) and issubclass(cls, msgspec.Struct)
+    if not (is_struct or (isinstance(cls, type) and hasattr(cls, "__dataclass_fields__"))):
+        raise TypeError("register_result_type expects a msgspec.Struct subclass or a"
+                        f" dataclass, got {cls!r}")
     key = name or f"{cls.__module__}.{cls.__qualname__}"
     known = _result_types.get(key)
     if known is not None and known is not cls:
         raise ValueError(f"result type name {key!r} is already registered to {known!r}")
     _result_types[key] = cls
     _result_names[cls] = key
+
+
+def _unregistered(value: object) -> TypeError:
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    return TypeError(f"a dataclass of type {kind} is not registered: call"
+                     " register_result_type on both peers (msgspec would carry it as a"
+                     " plain dict)")
 
 
 def _out_of_range(e: OverflowError) -> ValueError:
@@ -806,16 +824,50 @@ def check_ready(resp: ReadyResponse) -> None:
 
 
 def _wrap_typed(value: Any) -> Any:
-    """Tag registered Structs (at top level and inside lists/tuples/dicts)."""
+    """Tag registered Structs and dataclasses (at top level and inside lists, tuples, dicts
+    and a dataclass's fields); an unregistered dataclass is a ``TypeError``: msgspec would
+    carry it as a dict, and the caller would get another type than the one returned."""
     cls = type(value)
+    if cls in _SCALAR_TYPES:
+        return value
     name = _result_names.get(cls)
     if name is not None:
+        if hasattr(cls, "__dataclass_fields__"):
+            # Its fields as a map, each wrapped: a registered dataclass inside survives.
+            return _TypedStruct(name, {f: _wrap_typed(getattr(value, f))
+                                       for f in cls.__dataclass_fields__}, value)
         return _TypedStruct(name, value)
     if cls is list or cls is tuple:
+        if _SCALAR_TYPES.issuperset(map(type, value)):  # one C-level pass for a flat list
+            return value
         return [_wrap_typed(v) for v in value]
     if cls is dict:
+        if _SCALAR_TYPES.issuperset(map(type, value.values())):
+            return value
         return {k: _wrap_typed(v) for k, v in value.items()}
+    if _is_dataclass_instance(value):
+        raise _unregistered(value)
     return value
+
+
+def check_no_dataclass(value: Any) -> None:
+    """``TypeError`` if a dataclass hides in ``value`` (a utility argument): the engine
+    decodes arguments untyped, so it would get a dict in its place."""
+    cls = type(value)
+    if cls in _SCALAR_TYPES:
+        return
+    if cls is list or cls is tuple:
+        if not _SCALAR_TYPES.issuperset(map(type, value)):
+            for v in value:
+                check_no_dataclass(v)
+    elif cls is dict:
+        if not _SCALAR_TYPES.issuperset(map(type, value.values())):
+            for v in value.values():
+                check_no_dataclass(v)
+    elif _is_dataclass_instance(value):
+        kind = f"{cls.__module__}.{cls.__qualname__}"
+        raise TypeError(f"cannot send a dataclass of type {kind} as a utility argument (the"
+                        " engine would get a plain dict); pass its fields")
 
 
 class _ProbeEncoder(Encoder):
@@ -864,7 +916,7 @@ def utility_output(
             return UtilityOutput(call_id, failure_message=message)
         if type(result) in _ALWAYS_ENCODABLE:  # echo, flags, paths: no trial encode
             return UtilityOutput(call_id, result=result)
-        wrapped = _wrap_typed(result) if _result_names else result
+        wrapped = _wrap_typed(result)
         _probe().encode(wrapped)
         return UtilityOutput(call_id, result=wrapped)
     except Exception as e:
@@ -885,7 +937,7 @@ def _convert_hook(type_: type[Any], obj: Any) -> Any:
 def decode_utility_result(value: object) -> object:
     """Client side: rebuild registered Structs in a decoded result; ``ProtocolError`` if unknown."""
     if isinstance(value, _TypedStruct):  # an in-process reply that never crossed the wire
-        return value.value
+        return value.original
     if isinstance(value, StructResult):
         cls = _result_types.get(value.name)
         if cls is None:

@@ -70,7 +70,11 @@ the table below), so a transport can route on the first byte without decoding.
 
 * ``ADD``: the request then gets outputs until one carries a ``finish_reason``. A request the
   engine refuses (bad sampling values, prompt too long, ...) gets one ``ERROR`` output whose
-  ``error`` says why; so does a malformed ADD whose ``request_id`` can still be read.
+  ``error`` says why; so does a malformed ADD whose ``request_id`` can still be read, unless
+  that id names a live request: then the malformed ADD is logged and dropped, and the live
+  request streams on untouched (an ``ERROR`` under its id would finish it for the front end
+  while it kept streaming). A well-formed ADD that reuses a live id ends the live request
+  with ``ERROR`` instead (one id names one request).
 * ``ABORT``: each live request named ends with an ``ABORT`` output; unknown or finished ids
   are no-ops. Aborts are applied in order with ADDs (never before their ADD), at the next
   step boundary.
@@ -90,7 +94,9 @@ Field meanings:
   all 0.0 is first come, first served.
 * ``SamplingParams``: a ``temperature`` below 1e-5 (0.0 included) samples greedily, as in
   vLLM; ``top_k`` 0 means no top-k filter; ``top_p`` is in (0, 1], and the most likely token
-  always survives it. Out-of-range values end the request with ``ERROR``.
+  always survives it. Out-of-range values end the request with ``ERROR``; a non-finite
+  ``temperature`` or ``top_p`` (``inf``, ``nan``) is refused when decoded (malformed ADD,
+  ``ERROR``) and when built (``ValueError`` naming the field).
 * ``EngineCoreOutput.stop_reason``: the token id from ``stop_token_ids`` that ended the
   request with ``STOP`` (also the last of ``new_token_ids``); null when EOS, the length
   limit, an abort or an error ended it. The ``str`` form is reserved for stop strings, which
@@ -234,6 +240,7 @@ engine sent the sentinel and exited on a broken link).
 from __future__ import annotations
 
 import enum
+import math
 import time
 from typing import Annotated, Any
 
@@ -291,6 +298,15 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # inf passes every range check (temperature >= 0) yet turns off top-k/top-p, and
+        # nan fails them with a confusing message: a non-finite float is refused by name,
+        # when built and when decoded (msgspec turns this ValueError into a decode error).
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name}={value!r}: must be a finite number")
 
 
 class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):

@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import (
     Encoder,
+    check_no_dataclass,
     check_sendable,
     decode_input,
+    decode_utility_result,
     encode_input,
     utility_output,
 )
@@ -620,6 +622,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         check_timeout(timeout)
         check_method(method)
+        check_no_dataclass(args)
         self.ensure_alive()
         # What cannot be sent raises here, as from the multi-process clients' send.
         frames = encode_input(self._encoder, RequestType.UTILITY,
@@ -656,6 +659,13 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 # Same message a remote engine would send, so both transports read alike.
                 message = utility_output(0, method, error=e).failure_message or str(e)
                 raise UtilityError(method, message) from e
+            # What the engine process could not send fails here too, and a registered type
+            # comes back as itself: both transports return the same thing.
+            reply = utility_output(0, method, result=result)
+            if reply.failure_message is not None:
+                lc.fire(UtilityEvent.REPLY_ERROR)
+                raise UtilityError(method, reply.failure_message)
+            result = decode_utility_result(reply.result)
             lc.fire(UtilityEvent.REPLY_OK)
             if wired.method in POWER_METHODS:
                 self._on_power_reply(wired.method, result)
@@ -727,17 +737,28 @@ async def make_client_async(config: Any, **options: Any) -> AsyncMPClient:
     from .mp_client import AsyncMPClient
 
     loop = aio.get_running_loop()
-    fut = loop.run_in_executor(None, functools.partial(AsyncMPClient, config, **options))
+    # The client is handed over in a box, not as the future's result: the awaited future
+    # stays referenced while the awaiting task runs on (its wake-up call holds it), so a
+    # caller that drops the client without awaiting again would keep it, and its engine,
+    # alive (vLLM's delete test has that shape).
+    box: list[AsyncMPClient] = []
+
+    def build() -> None:
+        box.append(AsyncMPClient(config, **options))
+
+    fut = loop.run_in_executor(None, build)
     try:
-        return await aio.shield(fut)
+        await aio.shield(fut)
+        return box.pop()
     except aio.CancelledError:
-        def reclaim(done: aio.Future[AsyncMPClient]) -> None:
-            if done.cancelled() or done.exception() is not None:
+        def reclaim(done: aio.Future[None]) -> None:
+            if done.cancelled() or done.exception() is not None or not box:
                 return
+            client = box.pop()
             try:
-                loop.run_in_executor(None, done.result().shutdown)
+                loop.run_in_executor(None, client.shutdown)
             except RuntimeError:  # the loop is closing: tear down here
-                done.result().shutdown()
+                client.shutdown()
 
         fut.add_done_callback(reclaim)
         raise

@@ -26,6 +26,7 @@ and calls, and wakes or resumes the engine.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 import tempfile
@@ -63,6 +64,7 @@ from .scheduler import Request, Scheduler
 
 __all__ = ["PAUSE_MODES", "SLEEP_LEVELS", "WAKE_TAGS", "EngineCore"]
 
+logger = logging.getLogger(__name__)
 S, E = EngineState, EngineEvent
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (0, 1, 2)
@@ -271,12 +273,20 @@ class EngineCore:
         if self.lifecycle.state in _WORK_QUEUES:
             self.lifecycle.fire(E.WORK_ARRIVED)
 
-    def reject_request(self, request_id: str, error: str) -> None:
+    def reject_request(self, request_id: str, error: str) -> bool:
         """Answer a request that never became one (it arrived malformed) with an ERROR output
-        on the next ``step()``, as for an invalid request."""
+        on the next ``step()``, as for an invalid request; False (nothing sent) when its id
+        names a live request: an ERROR under that id would finish the live request for its
+        front end while it streams on (outputs after a finish). The rejected message never
+        became a request, so it has no id of its own to be answered by."""
+        if request_id in self.scheduler.requests:
+            logger.warning("dropped a malformed ADD that reuses the id of live request %.80r"
+                           " (the live request is left alone): %.200s", request_id, error)
+            return False
         lc = ENGINE_REQUEST.lifecycle(trace=self.trace)
         lc.fire(EngineRequestEvent.REJECT)
         self._pending.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, None, 0, error))
+        return True
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End each live request with an ABORT output; unknown or finished ids are no-ops."""

@@ -136,6 +136,7 @@ class _Control(enum.Enum):
     # Items of the input queue that do not come from the wire.
     SHUTDOWN = "shutdown"
     OUTPUTS = "outputs"  # an output built by the input thread (a rejection)
+    REJECT_ADD = "reject_add"  # (request id, error): a malformed ADD, answered in order
     WAKE = "wake"  # the input thread served a call that left the loop work to do
     END_SESSION = "end_session"  # the front end's link failed the integrity check
 
@@ -791,13 +792,9 @@ class EngineCoreProc:
         if type_byte == RequestType.ADD.value and request_id is not None:
             # Answered whatever its length; only the log line is shortened.
             logger.warning("rejected malformed ADD for %.80r: %.500s", request_id, error)
-            out = EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                error=f"malformed request: {error}",
-            )
-            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(outputs=[out])))
+            # The loop answers it, in order behind the input before it: only there is it
+            # known whether the id names a live request (then nothing is sent for it).
+            self.input_queue.put((_Control.REJECT_ADD, (request_id, f"malformed request: {error}")))
             return
         call_id = peek_call_id(rest) if type_byte == RequestType.UTILITY.value else None
         if type_byte == RequestType.UTILITY.value and call_id is not None:
@@ -1014,6 +1011,8 @@ class EngineCoreProc:
             pass
         elif kind is _Control.END_SESSION:
             self._end_session(payload)
+        elif kind is _Control.REJECT_ADD:
+            self.engine.reject_request(*payload)  # its ERROR goes out with the next step
         elif kind is _Control.OUTPUTS:
             if _is_marker(payload):  # a refusal: nothing else in it, sent all the same
                 self._put_output(payload, direct=True)

@@ -73,6 +73,7 @@ from ..protocol.codec import (
     Encoder,
     Limits,
     backend_send,
+    check_no_dataclass,
     check_sendable,
     decode_outputs,
     decode_ready,
@@ -1471,6 +1472,7 @@ class MPClient(EngineCoreClient):
 
     def _register_call(self, future: Any, method: str, args: tuple[Any, ...]) -> int:
         check_method(method)
+        check_no_dataclass(args)
         self.ensure_alive()
         call_id = self._utilities.new_id()
         try:

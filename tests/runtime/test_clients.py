@@ -77,6 +77,10 @@ def test_malformed_frames(warm: cf.ClientUnderTest) -> None:
     cf.check_malformed_frames(warm)  # NotApplicable in-process: no wire
 
 
+def test_rejected_add_spares_live_request(warm: cf.ClientUnderTest) -> None:
+    cf.check_rejected_add_spares_live_request(warm)
+
+
 @pytest.mark.parametrize("kind", cf.CLIENT_KINDS)
 def test_shutdown_semantics(kind: str) -> None:
     cf.check_shutdown_semantics(cf.open_client(kind, CONFIG))
