@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from enginewire.protocol.catalogue import render_protocol_page
+from enginewire.protocol.utilities import render_utilities_page, render_wrappers
 from enginewire.spec import MACHINES, compose, properties
 from enginewire.spec.diagrams import render_dot, render_mermaid, render_spec_page
 from enginewire.spec.machine import render_runtime_tables
@@ -119,6 +120,8 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
         controls=properties.control_targets(),
     )
     files[root / "docs" / "protocol.md"] = render_protocol_page()
+    files[root / "runtime" / "_utilities.py"] = render_wrappers()
+    files[root / "docs" / "utilities.md"] = render_utilities_page()
     return files
 
 

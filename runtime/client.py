@@ -20,15 +20,11 @@ from __future__ import annotations
 import abc
 import collections
 import concurrent.futures
-import functools
 import itertools
-import math
-import numbers
 import operator
-import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Self
 
 from ..protocol.codec import (
@@ -47,7 +43,10 @@ from ..protocol.messages import (
     RequestType,
     UtilityRequest,
 )
-from ..spec.client import CLIENT, FULLY_AWAKE, PARTIALLY_AWAKE, ClientEvent, ClientState
+from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
+from ..protocol.utilities import PAUSE_MODES as SLEEP_MODES
+from ..protocol.utilities import POWER_METHODS
+from ..spec.client import CLIENT, ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -57,9 +56,21 @@ from ..spec.errors import (
     UtilityError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
-from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
+from ..spec.request import (
+    CLIENT_REQUEST,
+    CLIENT_REQUEST_LIVE,
+    ClientRequestEvent,
+    ClientRequestState,
+)
 from ..spec.utility import UTILITY, UtilityEvent
 from . import _mutants
+from ._utilities import SyncUtilityMethods
+from .args import (
+    check_method,
+    check_request_ids,
+    check_sleep_args,
+    check_timeout,
+)
 from .config import EngineConfig
 
 if TYPE_CHECKING:
@@ -67,14 +78,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client", "make_client_async"]
 
-# The longest wait handed to a blocking primitive at once: pyzmq's poll and RCVTIMEO take
-# int32 milliseconds and Condition.wait overflows past threading.TIMEOUT_MAX, so a longer
-# wait is served in slices of this.
-MAX_WAIT_SLICE_S = 1 << 20
-
-SLEEP_MODES = ("abort", "wait", "keep")
-# Utility methods whose successful reply moves the client's lifecycle (sleep, wake).
-POWER_METHODS = frozenset({"sleep", "pause_scheduler", "wake_up", "resume_scheduler"})
 
 _FINISH_EVENTS = {
     FinishReason.STOP: ClientRequestEvent.FINISH_STOP,
@@ -82,10 +85,7 @@ _FINISH_EVENTS = {
     FinishReason.ABORT: ClientRequestEvent.FINISH_ABORT,
     FinishReason.ERROR: ClientRequestEvent.FINISH_ERROR,
 }
-_LIVE_REQUEST = frozenset(
-    {ClientRequestState.SENT, ClientRequestState.STREAMING, ClientRequestState.ABORTING}
-)
-_TERMINAL_CLIENT = frozenset({ClientState.DEAD, ClientState.SHUTDOWN})
+_TERMINAL_CLIENT = CLIENT.terminal  # read once: one set lookup per call
 # States where OUTPUT leads back to the same state, read from the spec's table: there an
 # output changes nothing, so the per-token path skips the lookup (unless a trace records it).
 _OUTPUT_SELF_LOOPS = frozenset(
@@ -104,83 +104,6 @@ _LIST_ITERATOR: type = type(iter([]))
 # 64k refused outputs does not make a message of a megabyte.
 _MAX_NAMED_IDS = 20
 _finish_reason = operator.attrgetter("finish_reason")
-
-
-def check_timeout(value: Any, name: str = "timeout") -> float | None:
-    """A caller's timeout in seconds: ``None`` and ``inf`` wait without end, a negative one is
-    0 (look once, do not wait). Anything else is refused before any state changes."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds):
-        raise ValueError(f"{name} must be a number of seconds or None, got nan")
-    if math.isinf(seconds):
-        return None if seconds > 0 else 0.0
-    return max(0.0, seconds)
-
-
-def check_option_seconds(value: Any, name: str, *, allow_zero: bool = False) -> float | None:
-    """A client option in seconds (a deadline, an interval): None, or finite and positive
-    (or zero where ``allow_zero``); ``ValueError`` naming the option otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}={value!r}: must be a number of seconds or None")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ValueError(f"{name}={value!r}: must be a finite number of seconds "
-                         f"{'>= 0' if allow_zero else '> 0'}")
-    return seconds
-
-
-def check_request_ids(request_ids: Any, what: str = "abort_requests") -> list[str]:
-    """A list of request ids, each a str; a bare str is refused (iterating it would abort
-    one-letter ids), and so is any other element, before anything is sent."""
-    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
-        raise TypeError(f"{what} expects a list of request ids (str), got {request_ids!r}")
-    ids = list(request_ids)
-    for rid in ids:
-        if not isinstance(rid, str):
-            raise TypeError(f"{what}: every request id must be a str, got {rid!r}")
-    return ids
-
-
-def check_wake_tags(tags: Any) -> list[str] | None:
-    """``None`` (everything) or a list of memory tags; a bare str is refused, not split."""
-    if tags is None:
-        return None
-    if isinstance(tags, (str, bytes)) or not isinstance(tags, Iterable):
-        raise TypeError(f"wake_up tags must be a list such as ['weights'] or None, got {tags!r}")
-    return list(tags)
-
-
-def _check_sleep_args(level: int, mode: str) -> None:
-    # type(): True and 1.0 compare equal to 1 but are not levels (sleep(True) reached the
-    # engine and came back as a UtilityError).
-    if type(level) is not int or level not in (0, 1, 2):
-        raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
-    if mode not in SLEEP_MODES:
-        raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
-
-
-def check_method(method: Any) -> str:
-    """A utility's name, refused here when it is not a str (it was sent, and came back as a
-    UtilityError blaming a "malformed call")."""
-    if not isinstance(method, str):
-        raise TypeError(f"a utility method is named by a str, got {method!r}")
-    return method
-
-
-def profile_args(is_start: Any, path: Any) -> tuple[str, str | None]:
-    """``profile``'s wire arguments; a non-bool start flag (profile("stop") would start it)
-    or a path that is not a str/PathLike is refused before anything is sent."""
-    if not isinstance(is_start, bool):
-        raise TypeError(f"profile(is_start) must be True or False, got {is_start!r}")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"profile(path) must be a str, a PathLike or None, got {path!r}")
-    return ("start" if is_start else "stop"), (None if path is None else os.fspath(path))
 
 
 class EngineCoreClient(abc.ABC):
@@ -436,7 +359,7 @@ class EngineCoreClient(abc.ABC):
     def live_requests(self) -> list[str]:
         """Ids of requests sent and not yet seen finished (sorted)."""
         with self._state_lock:
-            return sorted(r for r, lc in self._requests.items() if lc.state in _LIVE_REQUEST)
+            return sorted(r for r, lc in self._requests.items() if lc.state in CLIENT_REQUEST_LIVE)
 
     # -- utility bookkeeping ------------------------------------------------------------------
 
@@ -444,30 +367,20 @@ class EngineCoreClient(abc.ABC):
         return UTILITY.lifecycle(trace=self.trace)
 
     def _on_power_reply(self, method: str, result: Any) -> None:
-        """Follow a successful reply of a ``POWER_METHODS`` call; ``SpecViolation`` if the
-        spec forbids it. Runs where the reply is routed, in the order the engine replied: two
-        threads calling ``sleep()`` and ``wake_up()`` at once leave the client in the engine's
-        state, whichever caller resumes first (and so does a raw ``call_utility("sleep")``)."""
-        if method == "wake_up":
-            self._after_wake(bool(result))
-        elif method == "resume_scheduler":
-            # Only a paused (level-0) engine accepts a resume: it is then fully awake.
-            self._after_wake(True)
-        else:
-            self._after_sleep()
-
-    def _after_sleep(self) -> None:
+        """Follow a successful reply of a ``POWER_METHODS`` call as its declaration says
+        (protocol/utilities.py); ``SpecViolation`` if the spec forbids it. Runs where the
+        reply is routed, in the order the engine replied: two threads calling ``sleep()`` and
+        ``wake_up()`` at once leave the client in the engine's state, whichever caller
+        resumes first (and so does a raw ``call_utility("sleep")``)."""
+        power = UTILITY_DECLARATIONS[method].power
+        assert power is not None, method
+        event, guard = power.resolve(result)
         with self._state_lock:
-            if self.lifecycle.can(ClientEvent.SLEEP_ACKED):
-                self.lifecycle.fire(ClientEvent.SLEEP_ACKED)
-
-    def _after_wake(self, fully_awake: bool) -> None:
-        guard = FULLY_AWAKE if fully_awake else PARTIALLY_AWAKE
-        with self._state_lock:
-            if self.lifecycle.can(ClientEvent.WAKE_ACKED, guard):
-                self.lifecycle.fire(ClientEvent.WAKE_ACKED, guard)
-            elif self.lifecycle.state not in _TERMINAL_CLIENT:
-                self.lifecycle.fire(ClientEvent.WAKE_ACKED, guard)  # raises SpecViolation
+            lc = self.lifecycle
+            # A reply after the client died or shut down changes nothing; anywhere else a
+            # reply the table has no row for is the engine breaking the spec (fire raises).
+            if lc.can(event, guard) or lc.state not in _TERMINAL_CLIENT:
+                lc.fire(event, guard)
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -482,62 +395,9 @@ class EngineCoreClient(abc.ABC):
         """Stop the engine and release every resource; idempotent."""
 
 
-class SyncClientMixin:
-    """The sync method set, written once over ``call_utility``."""
-
-    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        raise NotImplementedError
-
-    def echo(self, value: Any, timeout: float | None = None) -> Any:
-        return self.call_utility("echo", value, timeout=timeout)
-
-    def collective_rpc(
-        self,
-        method: str,
-        args: tuple[Any, ...] | list[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        result: list[Any] = self.call_utility(
-            "collective_rpc", method, list(args), dict(kwargs or {}), timeout=timeout
-        )
-        return result
-
-    def profile(self, is_start: bool = True, path: str | None = None, *,
-                timeout: float | None = None) -> str | None:
-        """Start the engine's profiler, or stop it and get the trace file's path."""
-        result = self.call_utility("profile", *profile_args(is_start, path), timeout=timeout)
-        return None if result is None else str(result)
-
-    def reset_prefix_cache(self, *, timeout: float | None = None) -> bool:
-        return bool(self.call_utility("reset_prefix_cache", timeout=timeout))
-
-    def save_sharded_state(self, path: str, *, timeout: float | None = None) -> list[str]:
-        """Write the weights under ``path`` (on the engine's host); return the files."""
-        return list(self.call_utility("save_sharded_state", path, timeout=timeout))
-
-    def get_stats(self, *, timeout: float | None = None) -> Any:
-        return self.call_utility("get_stats", timeout=timeout)
-
-    # The client's lifecycle follows these replies where they are routed (_on_power_reply).
-
-    def pause_scheduler(self, mode: str = "abort", *, timeout: float | None = None) -> None:
-        self.call_utility("pause_scheduler", mode, timeout=timeout)
-
-    def resume_scheduler(self, *, timeout: float | None = None) -> None:
-        self.call_utility("resume_scheduler", timeout=timeout)
-
-    def sleep(self, level: int = 1, mode: str = "abort", *,
-              timeout: float | None = None) -> None:
-        _check_sleep_args(level, mode)
-        self.call_utility("sleep", level, mode, timeout=timeout)
-
-    def wake_up(self, tags: list[str] | None = None, *, timeout: float | None = None) -> bool:
-        return bool(self.call_utility("wake_up", check_wake_tags(tags), timeout=timeout))
-
-    def is_sleeping(self, *, timeout: float | None = None) -> bool:
-        return bool(self.call_utility("is_sleeping", timeout=timeout))
+class SyncClientMixin(SyncUtilityMethods):
+    """The sync method set, written once over ``call_utility`` (generated from the utility
+    declarations: runtime/_utilities.py)."""
 
 
 class InprocClient(SyncClientMixin, EngineCoreClient):
@@ -673,7 +533,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def sleep(self, level: int = 1, mode: str = "abort", *,
               timeout: float | None = None) -> None:
-        _check_sleep_args(level, mode)
+        check_sleep_args(level, mode)
         if mode == "wait":
             raise ValueError(
                 "sleep(mode='wait') is not supported in-process: nothing steps the engine"

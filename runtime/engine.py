@@ -43,12 +43,20 @@ from ..protocol.messages import (
     FinishReason,
     SchedulerStats,
 )
+from ..protocol.utilities import PAUSE_MODES, REMOTE_METHODS, SLEEP_LEVELS
 from ..spec.engine import (
+    ACCEPTS_WORK,
     ENGINE,
     HAS_WORK,
     INPROC,
+    NO_LIVE_REQUESTS,
     NO_WORK,
+    NONE_DRAINING,
     PARTIAL,
+    PAUSE_EVENTS,
+    REPORTS_SLEEPING,
+    SCHEDULING,
+    STATE_TRIGGERED,
     SUBPROCESS,
     EngineEvent,
     EngineState,
@@ -66,16 +74,10 @@ __all__ = ["PAUSE_MODES", "SLEEP_LEVELS", "WAKE_TAGS", "EngineCore"]
 
 logger = logging.getLogger(__name__)
 S, E = EngineState, EngineEvent
-PAUSE_MODES = ("abort", "wait", "keep")
-SLEEP_LEVELS = (0, 1, 2)
 # "scheduling" is the level-0 tag (vLLM): waking it alone releases nothing to restore.
 WAKE_TAGS = (*MEMORY_TAGS, "scheduling")
-_PAUSE_EVENT = {"abort": E.PAUSE_ABORT, "keep": E.PAUSE_KEEP, "wait": E.PAUSE_WAIT}
-_SCHEDULABLE = frozenset({S.IDLE, S.RUNNING, S.DRAINING})
 # The most outputs one EngineCoreOutputs may carry: what every client's decoder accepts.
 _MAX_BATCH = DEFAULT_LIMITS.max_batch
-_PAUSED = frozenset({S.PAUSED, S.DRAINING, S.SLEEPING})
-_WORK_QUEUES = frozenset({S.IDLE, S.PAUSED, S.SLEEPING, S.DRAINING})
 
 
 def _describe_tensor(value: object) -> str:
@@ -97,16 +99,16 @@ def _writable_dir(path: object) -> str:
         raise PermissionError(f"directory {path!r} is not writable")
     return path
 
+
 class EngineCore:
     # Names of ``EngineCoreRequest.tensors`` entries the engine consumes. None yet: every model
     # here reads token ids only, and a request whose tensors would be dropped finishes with an
     # ERROR that names them rather than silently generating from the token ids alone.
     ACCEPTED_TENSORS: frozenset[str] = frozenset()
 
-    UTILITY_METHODS: frozenset[str] = frozenset({
-        "echo", "collective_rpc", "save_sharded_state", "profile", "reset_prefix_cache",
-        "get_stats", "pause_scheduler", "resume_scheduler", "sleep", "wake_up", "is_sleeping",
-    })
+    # The allow-list: every utility declared remote (protocol/utilities.py), each a method
+    # of this class by the same name.
+    UTILITY_METHODS: frozenset[str] = REMOTE_METHODS
 
     def __init__(
         self,
@@ -189,7 +191,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """True when a ``step()`` would schedule work (False while paused or asleep, like
         vLLM's pause-aware ``has_requests``: parked requests do not make the loop spin)."""
-        return self.lifecycle.state in _SCHEDULABLE and bool(self.scheduler.requests)
+        return self.lifecycle.state in SCHEDULING and bool(self.scheduler.requests)
 
     def has_pending_outputs(self) -> bool:
         return bool(self._pending)
@@ -270,7 +272,7 @@ class EngineCore:
         default_seed = (self.config.seed * 1_000_003 + seq) & 0x7FFF_FFFF
         self.scheduler.add(Request(req, seq, self.arch.eos_token_id, default_seed,
                                    self.config.max_model_len, self.trace))
-        if self.lifecycle.state in _WORK_QUEUES:
+        if self.lifecycle.state in ACCEPTS_WORK:
             self.lifecycle.fire(E.WORK_ARRIVED)
 
     def reject_request(self, request_id: str, error: str) -> bool:
@@ -346,7 +348,7 @@ class EngineCore:
                 self._pending = []
             finished = [o.request_id for o in outs]
         sched = self.scheduler
-        if st in _SCHEDULABLE and sched.requests:
+        if st in SCHEDULING and sched.requests:
             if st is S.IDLE:  # work queued before the loop started (subprocess start-up)
                 lc.fire(E.WORK_ARRIVED)
             try:
@@ -400,14 +402,24 @@ class EngineCore:
         return EngineCoreOutputs(0, outs, time.monotonic(), finished, stats)
 
     def _settle(self) -> None:
-        """Fire the event that the requests' new situation implies, if any."""
-        st = self.lifecycle.state
-        if st is S.RUNNING:
-            if not self.scheduler.requests:
-                self.lifecycle.fire(E.ALL_FINISHED)
-        elif st is S.DRAINING and self.scheduler.num_draining() == 0:
+        """Fire the event that the requests' new situation implies, if any: the spec's
+        state-triggered table, with this engine's reading of each condition."""
+        trigger = STATE_TRIGGERED.get(self.lifecycle.state)
+        if trigger is None:
+            return
+        condition, event = trigger
+        if condition == NO_LIVE_REQUESTS:
+            holds = not self.scheduler.requests
+        elif condition == NONE_DRAINING:
+            holds = self.scheduler.num_draining() == 0
+        else:  # a condition added to the table needs its reading here
+            raise NotImplementedError(f"state-triggered condition {condition!r}")
+        if not holds:
+            return
+        if event is E.DRAINED:
             self.scheduler.drain_only = False
-            self.lifecycle.fire(E.DRAINED)
+        self.lifecycle.fire(event)
+        if event is E.DRAINED:
             self._complete_deferred()
 
     def _complete_deferred(self) -> None:
@@ -530,7 +542,7 @@ class EngineCore:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._check_alive()
         lc, sched = self.lifecycle, self.scheduler
-        st, event = lc.state, _PAUSE_EVENT[mode]
+        st, event = lc.state, PAUSE_EVENTS[mode]
         if not lc.can(event):
             lc.fire(event)  # raises SpecViolation before anything changed
         if mode == "abort":
@@ -625,7 +637,7 @@ class EngineCore:
             self.scheduler.abort_all())
         self._pending = []
         self.mid_step_aborts.clear()
-        if self.lifecycle.state in _PAUSED:
+        if self.lifecycle.state in REPORTS_SLEEPING:
             if not _mutants.active("session_leaves_engine_asleep"):
                 self.wake_up()
         else:
@@ -637,7 +649,7 @@ class EngineCore:
         self.scheduler.end_drain()
 
     def is_sleeping(self) -> bool:
-        return self.lifecycle.state in _PAUSED
+        return self.lifecycle.state in REPORTS_SLEEPING
 
     # -- shutdown ------------------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ from ..protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from ..protocol.utilities import POWER_METHODS
 from ..spec.client import ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
@@ -106,19 +107,15 @@ from ..spec.errors import (
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UTILITY, UtilityEvent, UtilityState
 from . import _mutants
-from .client import (
+from ._utilities import AsyncUtilityMethods
+from .args import (
     MAX_WAIT_SLICE_S,
-    POWER_METHODS,
-    EngineCoreClient,
-    SyncClientMixin,
-    _check_sleep_args,
     check_method,
     check_option_seconds,
     check_request_ids,
     check_timeout,
-    check_wake_tags,
-    profile_args,
 )
+from .client import EngineCoreClient, SyncClientMixin
 from .faults import as_plan
 from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
 from .ipc import IpcDir
@@ -2052,7 +2049,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
 # --- async -----------------------------------------------------------------------------------
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(AsyncUtilityMethods, MPClient):
     """asyncio client: a reader task feeds an ``asyncio.Queue``; utilities are asyncio futures.
 
     It may be built outside a running loop: the reader task then starts on first use.
@@ -2285,62 +2282,6 @@ class AsyncMPClient(MPClient):
                 raise UtilityTimeoutError(method, timeout) from None
         # The outcome won the race: its entry is gone and its setter is about to set it.
         return await fut
-
-    # The utility wrappers, async twins of SyncClientMixin.
-
-    async def echo_async(self, value: Any, timeout: float | None = None) -> Any:
-        return await self.call_utility_async("echo", value, timeout=timeout)
-
-    async def collective_rpc_async(
-        self,
-        method: str,
-        args: tuple[Any, ...] | list[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        result: list[Any] = await self.call_utility_async(
-            "collective_rpc", method, list(args), dict(kwargs or {}), timeout=timeout
-        )
-        return result
-
-    async def profile_async(self, is_start: bool = True, path: str | None = None, *,
-                            timeout: float | None = None) -> str | None:
-        result = await self.call_utility_async("profile", *profile_args(is_start, path),
-                                               timeout=timeout)
-        return None if result is None else str(result)
-
-    async def reset_prefix_cache_async(self, *, timeout: float | None = None) -> bool:
-        return bool(await self.call_utility_async("reset_prefix_cache", timeout=timeout))
-
-    async def save_sharded_state_async(self, path: str, *,
-                                       timeout: float | None = None) -> list[str]:
-        return list(await self.call_utility_async("save_sharded_state", path, timeout=timeout))
-
-    async def get_stats_async(self, *, timeout: float | None = None) -> Any:
-        return await self.call_utility_async("get_stats", timeout=timeout)
-
-    # The client's lifecycle follows these replies where they are routed (_on_power_reply).
-
-    async def pause_scheduler_async(self, mode: str = "abort", *,
-                                    timeout: float | None = None) -> None:
-        await self.call_utility_async("pause_scheduler", mode, timeout=timeout)
-
-    async def resume_scheduler_async(self, *, timeout: float | None = None) -> None:
-        await self.call_utility_async("resume_scheduler", timeout=timeout)
-
-    async def sleep_async(self, level: int = 1, mode: str = "abort", *,
-                          timeout: float | None = None) -> None:
-        _check_sleep_args(level, mode)
-        await self.call_utility_async("sleep", level, mode, timeout=timeout)
-
-    async def wake_up_async(self, tags: list[str] | None = None, *,
-                            timeout: float | None = None) -> bool:
-        return bool(await self.call_utility_async("wake_up", check_wake_tags(tags),
-                                                  timeout=timeout))
-
-    async def is_sleeping_async(self, *, timeout: float | None = None) -> bool:
-        return bool(await self.call_utility_async("is_sleeping", timeout=timeout))
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
         """``shutdown`` off the event loop's thread: the engine's grace period (and the joins)

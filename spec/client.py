@@ -19,11 +19,23 @@ than reported, so an intentional shutdown never yields a spurious EngineDeadErro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 from .machine import Machine, Transition
 
-__all__ = ["CLIENT", "FULLY_AWAKE", "PARTIALLY_AWAKE", "ClientEvent", "ClientState"]
+__all__ = [
+    "CLIENT",
+    "CLIENT_LIVE",
+    "FULLY_AWAKE",
+    "PARTIALLY_AWAKE",
+    "RESUMED",
+    "SLEPT",
+    "WOKE",
+    "ClientEvent",
+    "ClientState",
+    "PowerReply",
+]
 
 
 class ClientState(Enum):
@@ -49,6 +61,8 @@ S, E = ClientState, ClientEvent
 # Guards on WAKE_ACKED: whether every memory tag is resident again.
 FULLY_AWAKE, PARTIALLY_AWAKE = "fully_awake", "partially_awake"
 _LIVE = (S.READY, S.RUNNING, S.SLEEPING)
+CLIENT_LIVE: frozenset[ClientState] = frozenset(_LIVE)
+"""Constructed and neither dead nor shut down: calls are served."""
 
 CLIENT: Machine[ClientState, ClientEvent] = Machine(
     name="client",
@@ -79,3 +93,33 @@ CLIENT: Machine[ClientState, ClientEvent] = Machine(
         Transition(S.SHUTDOWN, E.SHUTDOWN, S.SHUTDOWN, note="shutdown is idempotent"),
     ),
 )
+
+
+@dataclass(frozen=True)
+class PowerReply:
+    """How a successful reply to a power utility (sleep, pause, wake-up, resume) moves the
+    client: it fires ``event`` with ``guard``, or, with ``guard_from_result``, with the guard
+    the reply's truth names (a wake-up answers whether every memory tag is resident). A
+    utility's declaration names one of these (protocol/utilities.py); no code maps method
+    names to events."""
+
+    event: ClientEvent
+    guard: str | None = None
+    guard_from_result: bool = False
+
+    def resolve(self, result: object) -> tuple[ClientEvent, str | None]:
+        if self.guard_from_result:
+            return self.event, FULLY_AWAKE if result else PARTIALLY_AWAKE
+        return self.event, self.guard
+
+
+SLEPT = PowerReply(E.SLEEP_ACKED)
+"""A sleep or pause was acknowledged: the engine is paused or asleep."""
+WOKE = PowerReply(E.WAKE_ACKED, guard_from_result=True)
+"""A wake-up: fully awake only if the engine says every tag is resident."""
+RESUMED = PowerReply(E.WAKE_ACKED, FULLY_AWAKE)
+"""A resume: only a paused (level-0) engine accepts it, so it is then fully awake."""
+
+for _reply in (SLEPT, WOKE, RESUMED):
+    if not any(t.event is _reply.event for t in CLIENT.transitions):
+        raise ValueError(f"client: power reply {_reply} fires an event with no row")

@@ -52,12 +52,23 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .client import CLIENT, ClientEvent, ClientState
-from .engine import ENGINE, EngineEvent, EngineState
+from .client import CLIENT, CLIENT_LIVE, ClientEvent, ClientState
+from .engine import (
+    AWAKE,
+    ENGINE,
+    IN_LOOP,
+    REPORTS_SLEEPING,
+    STATE_TRIGGERED,
+    EngineEvent,
+    EngineState,
+)
 from .machine import Machine
 from .request import (
     CLIENT_REQUEST,
+    CLIENT_REQUEST_LIVE,
     ENGINE_REQUEST,
+    ENGINE_REQUEST_LIVE,
+    ENGINE_REQUEST_QUEUED,
     ClientRequestEvent,
     ClientRequestState,
     EngineRequestEvent,
@@ -203,19 +214,23 @@ def _ix(member: Enum) -> int:
 
 # Int views of the states the actions test (computed once; worlds store ints).
 C_CONSTRUCTING, C_READY, C_RUNNING, C_SLEEPING, C_DEAD, C_SHUTDOWN = (_ix(s) for s in CS)
-C_LIVE = frozenset({C_READY, C_RUNNING, C_SLEEPING})
+C_LIVE = frozenset(_ix(s) for s in CLIENT_LIVE)
 E_IDLE, E_RUNNING, E_DRAINING, E_PAUSED, E_SLEEPING = (
     _ix(ES.IDLE), _ix(ES.RUNNING), _ix(ES.DRAINING), _ix(ES.PAUSED), _ix(ES.SLEEPING))
 E_CONSTRUCTING, E_DEAD, E_SHUTDOWN = _ix(ES.CONSTRUCTING), _ix(ES.DEAD), _ix(ES.SHUTDOWN)
-E_LOOP = frozenset({E_IDLE, E_RUNNING, E_DRAINING, E_PAUSED, E_SLEEPING})
-E_AWAKE = frozenset({E_IDLE, E_RUNNING})  # scheduling
+# The named sets of spec/engine.py and spec/request.py, as ints: the model and the runtime
+# read the same declaration.
+E_LOOP = frozenset(_ix(s) for s in IN_LOOP)
+E_AWAKE = frozenset(_ix(s) for s in AWAKE)
 # What the runtime's is_sleeping() reports from the state alone (vLLM: a paused scheduler is
 # "sleeping"), DRAINING included.
-E_SLEEPY = frozenset({E_DRAINING, E_PAUSED, E_SLEEPING})
-R_LIVE = frozenset(_ix(s) for s in (RS.WAITING, RS.RUNNING, RS.PREEMPTED))
-R_QUEUED = frozenset(_ix(s) for s in (RS.WAITING, RS.PREEMPTED))
+E_SLEEPY = frozenset(_ix(s) for s in REPORTS_SLEEPING)
+R_LIVE = frozenset(_ix(s) for s in ENGINE_REQUEST_LIVE)
+R_QUEUED = frozenset(_ix(s) for s in ENGINE_REQUEST_QUEUED)
 R_RUNNING = _ix(RS.RUNNING)
-Q_LIVE = frozenset(_ix(s) for s in (QS.SENT, QS.STREAMING, QS.ABORTING))
+Q_LIVE = frozenset(_ix(s) for s in CLIENT_REQUEST_LIVE)
+# State-triggered transitions (spec/engine.py), as ints.
+_TRIGGERED = {_ix(state): event for state, (_cond, event) in STATE_TRIGGERED.items()}
 # The owner may abort any id: aborting an unknown, finished or already aborting request is a
 # no-op on both sides, and the model checks that it stays one.
 Q_ABORTABLE = frozenset(_ix(s) for s in QS)
@@ -366,12 +381,14 @@ class Composition:
         s.w[DRAIN_WAITERS] = 0
 
     def _settle(self, s: _Step) -> None:
-        """The busy loop's bookkeeping after each step: idle when done, pause when drained."""
-        live = s.w[EREQ] in R_LIVE
-        if s.w[E] == E_RUNNING and not live:
-            s.fire(E, self.t_engine, EE.ALL_FINISHED)
-        elif s.w[E] == E_DRAINING and not live:
-            s.fire(E, self.t_engine, EE.DRAINED)
+        """The busy loop's bookkeeping after each step: the state-triggered table (idle when
+        done, pause when drained). With one request, both of its conditions (no live request,
+        none draining) read as "the request is not live"."""
+        event = _TRIGGERED.get(s.w[E])
+        if event is None or s.w[EREQ] in R_LIVE:
+            return
+        s.fire(E, self.t_engine, event)
+        if event is EE.DRAINED:
             self._complete_waiters(s)
 
     def _wake(self, s: _Step, full: bool) -> None:

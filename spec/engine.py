@@ -31,11 +31,20 @@ from enum import Enum
 from .machine import Machine, Transition
 
 __all__ = [
+    "ACCEPTS_WORK",
+    "AWAKE",
     "ENGINE",
     "HAS_WORK",
     "INPROC",
+    "IN_LOOP",
+    "NONE_DRAINING",
+    "NO_LIVE_REQUESTS",
     "NO_WORK",
     "PARTIAL",
+    "PAUSE_EVENTS",
+    "REPORTS_SLEEPING",
+    "SCHEDULING",
+    "STATE_TRIGGERED",
     "SUBPROCESS",
     "EngineEvent",
     "EngineState",
@@ -139,3 +148,46 @@ ENGINE: Machine[EngineState, EngineEvent] = Machine(
         Transition(S.SHUTDOWN, E.SHUTDOWN, S.SHUTDOWN),
     ),
 )
+
+# -- what the runtime and the composed model ask of a state (h11's Rule 1: it lives here) ----
+# Neither re-types these sets: tests/spec/test_state_sets.py fails on a set of spec states
+# spelled out in runtime/.
+
+SCHEDULING: frozenset[EngineState] = frozenset({S.IDLE, S.RUNNING, S.DRAINING})
+"""The scheduler runs requests (a drain still finishes the in-flight ones)."""
+AWAKE: frozenset[EngineState] = frozenset({S.IDLE, S.RUNNING})
+"""Not paused, draining or asleep: a pause or sleep request changes the state."""
+IN_LOOP: frozenset[EngineState] = frozenset(
+    {S.IDLE, S.RUNNING, S.DRAINING, S.PAUSED, S.SLEEPING})
+"""The busy loop runs (after the handshake, before death or shutdown)."""
+REPORTS_SLEEPING: frozenset[EngineState] = frozenset({S.PAUSED, S.DRAINING, S.SLEEPING})
+"""``is_sleeping()`` is true from the state alone (vLLM: a paused scheduler is sleeping)."""
+ACCEPTS_WORK: frozenset[EngineState] = frozenset(
+    t.source for t in ENGINE.transitions if t.event is E.WORK_ARRIVED)
+"""States with a WORK_ARRIVED row: a new request fires it there (derived from the table)."""
+
+PAUSE_EVENTS: dict[str, EngineEvent] = {
+    "abort": E.PAUSE_ABORT, "wait": E.PAUSE_WAIT, "keep": E.PAUSE_KEEP}
+"""A pause or sleep request's mode, as the event it fires."""
+
+# Conditions the engine evaluates after its requests change (h11's state-triggered
+# transitions): in ``state``, when ``condition`` holds, ``event`` fires.
+NO_LIVE_REQUESTS, NONE_DRAINING = "no_live_requests", "none_draining"
+STATE_TRIGGERED: dict[EngineState, tuple[str, EngineEvent]] = {
+    S.RUNNING: (NO_LIVE_REQUESTS, E.ALL_FINISHED),
+    S.DRAINING: (NONE_DRAINING, E.DRAINED),
+}
+"""At most one trigger per state, so the order of evaluation never matters."""
+
+
+def _check_sets() -> None:
+    for name, states in (("SCHEDULING", SCHEDULING), ("AWAKE", AWAKE), ("IN_LOOP", IN_LOOP),
+                         ("REPORTS_SLEEPING", REPORTS_SLEEPING)):
+        if states & ENGINE.terminal:
+            raise ValueError(f"engine: {name} holds a terminal state")
+    for state, (_condition, event) in STATE_TRIGGERED.items():
+        if not any(t.source is state and t.event is event for t in ENGINE.transitions):
+            raise ValueError(f"engine: state-triggered {event.name} has no row from {state.name}")
+
+
+_check_sets()

@@ -28,7 +28,10 @@ from .machine import Machine, Transition
 
 __all__ = [
     "CLIENT_REQUEST",
+    "CLIENT_REQUEST_LIVE",
     "ENGINE_REQUEST",
+    "ENGINE_REQUEST_LIVE",
+    "ENGINE_REQUEST_QUEUED",
     "ClientRequestEvent",
     "ClientRequestState",
     "EngineRequestEvent",
@@ -60,6 +63,10 @@ class EngineRequestEvent(Enum):
 
 S, E = EngineRequestState, EngineRequestEvent
 _E_LIVE = (S.WAITING, S.RUNNING, S.PREEMPTED)
+ENGINE_REQUEST_LIVE: frozenset[EngineRequestState] = frozenset(_E_LIVE)
+"""Admitted and not finished: it holds a place in a scheduler queue."""
+ENGINE_REQUEST_QUEUED: frozenset[EngineRequestState] = frozenset({S.WAITING, S.PREEMPTED})
+"""Waiting to be scheduled (again)."""
 _E_FINISHED = (S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ABORTED, S.FINISHED_ERROR)
 _E_FREE = (S.UNKNOWN, *_E_FINISHED)
 
@@ -109,6 +116,8 @@ class ClientRequestEvent(Enum):
 
 CS, CE = ClientRequestState, ClientRequestEvent
 _C_LIVE = (CS.SENT, CS.STREAMING, CS.ABORTING)
+CLIENT_REQUEST_LIVE: frozenset[ClientRequestState] = frozenset(_C_LIVE)
+"""Sent and not finished: the client tracks it, and an abort must still end it."""
 _C_FINISHED = (CS.FINISHED_STOPPED, CS.FINISHED_LENGTH, CS.FINISHED_ABORTED, CS.FINISHED_ERROR)
 _C_FREE = (CS.UNKNOWN, *_C_FINISHED)
 

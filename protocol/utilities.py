@@ -1,0 +1,245 @@
+"""The utility methods, each declared once: name, arguments, result, power effect.
+
+Theory of operation
+-------------------
+A utility is a remote call on the engine (``UTILITY`` message, one reply). Everything that
+names one comes from the ``UTILITIES`` tuple below: the engine's allow-list and dispatch
+(``EngineCore.UTILITY_METHODS``, by method name), the typed wrappers of every client, sync
+and async (generated into ``runtime/_utilities.py`` by ``render_wrappers``), the methods whose
+reply moves the client's lifecycle (``power``, a ``spec.client.PowerReply``), the table in
+``docs/utilities.md`` and the tests that call every wrapper (``example``). Adding a utility is
+one entry here, the engine method of the same name, and ``python -m
+enginewire.testing.generate``; the freshness check in CI fails until the last step is done.
+
+Pure text generation, no I/O (``enginewire.testing.generate`` writes the files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import textwrap
+from dataclasses import dataclass
+
+from ..spec.client import RESUMED, SLEPT, WOKE, PowerReply
+from ..spec.engine import PAUSE_EVENTS
+
+__all__ = [
+    "BY_NAME",
+    "PAUSE_MODES",
+    "POWER_METHODS",
+    "REMOTE_METHODS",
+    "SLEEP_LEVELS",
+    "UTILITIES",
+    "Param",
+    "Utility",
+    "render_utilities_page",
+    "render_wrappers",
+]
+
+
+# The argument domains of pause_scheduler and sleep (the modes are the engine machine's pause
+# events, spec/engine.py).
+PAUSE_MODES: tuple[str, ...] = tuple(PAUSE_EVENTS)
+SLEEP_LEVELS: tuple[int, ...] = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One argument of a wrapper, as its signature spells it."""
+
+    name: str
+    annotation: str
+    default: str | None = None  # the default's source text; None: required
+
+
+@dataclass(frozen=True)
+class Utility:
+    """One utility method. ``wire`` is the argument list sent (an expression over the
+    parameters; checks that raise before sending go there too), ``convert`` the wrapper's
+    return value as an expression over ``result``."""
+
+    name: str
+    params: tuple[Param, ...]
+    returns: str
+    doc: str
+    wire: str = ""
+    convert: str = "result"
+    check: str | None = None  # a statement run before the call (it raises on bad input)
+    power: PowerReply | None = None
+    remote: bool = True  # on the engine's allow-list
+    timeout_positional: bool = False  # echo(value, timeout): kept as it always was
+    example: tuple[object, ...] | None = ()  # arguments safe on any engine; None: none are
+
+
+UTILITIES: tuple[Utility, ...] = (
+    Utility("echo", (Param("value", "Any"),), "Any",
+            "Send ``value`` to the engine and back (a round trip, for liveness and tests).",
+            wire="value", timeout_positional=True, example=(1,)),
+    Utility("collective_rpc", (
+        Param("method", "str"),
+        Param("args", "tuple[Any, ...] | list[Any]", "()"),
+        Param("kwargs", "dict[str, Any] | None", "None"),
+    ), "list[Any]", "Call a worker RPC method on every worker; one result per worker.",
+        wire="method, list(args), dict(kwargs or {})", example=("report_memory",)),
+    Utility("profile", (
+        Param("is_start", "bool", "True"), Param("path", "str | None", "None"),
+    ), "str | None", "Start the engine's profiler, or stop it and get the trace file's path.",
+        wire="*profile_args(is_start, path)",
+        convert="None if result is None else str(result)", example=None),
+    Utility("reset_prefix_cache", (), "bool",
+            "Drop every cached prefix block; True when the cache was reset.",
+            convert="bool(result)"),
+    Utility("save_sharded_state", (Param("path", "str"),), "list[str]",
+            "Write the weights under ``path`` (on the engine's host); return the files.",
+            wire="path", convert="list(result)", example=None),
+    Utility("get_stats", (), "Any", "The scheduler's counters and the KV cache's usage."),
+    Utility("pause_scheduler", (Param("mode", "str", '"abort"'),), "None",
+            "Stop scheduling; ``mode`` says what happens to requests in flight.",
+            wire="mode", convert="None", power=SLEPT, example=("abort",)),
+    Utility("resume_scheduler", (), "None", "Resume scheduling after a pause.",
+            convert="None", power=RESUMED),
+    Utility("sleep", (Param("level", "int", "1"), Param("mode", "str", '"abort"')), "None",
+            "Pause, then release memory: level 0 nothing, 1 weights offloaded and KV freed,"
+            " 2 both freed.",
+            wire="level, mode", convert="None", check="check_sleep_args(level, mode)",
+            power=SLEPT, example=(0, "abort")),
+    Utility("wake_up", (Param("tags", "list[str] | None", "None"),), "bool",
+            "Restore the memory ``tags`` (all by default); True when fully awake.",
+            wire="check_wake_tags(tags)", convert="bool(result)", power=WOKE,
+            example=(None,)),
+    Utility("is_sleeping", (), "bool",
+            "Whether the engine is paused, draining for a pause, or any memory is asleep.",
+            convert="bool(result)"),
+)
+
+BY_NAME: dict[str, Utility] = {u.name: u for u in UTILITIES}
+REMOTE_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.remote)
+POWER_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.power is not None)
+
+
+_WIDTH = 100  # ruff's line length: the generated file is linted like the rest
+
+
+def _signature(u: Utility, *, is_async: bool) -> list[str]:
+    parts = ["self"]
+    for p in u.params:
+        parts.append(f"{p.name}: {p.annotation}" + ("" if p.default is None else f" = {p.default}"))
+    if not u.timeout_positional:
+        parts.append("*")
+    parts.append("timeout: float | None = None")
+    name = f"{u.name}_async" if is_async else u.name
+    prefix = "async def" if is_async else "def"
+    line = f"    {prefix} {name}({', '.join(parts)}) -> {u.returns}:"
+    if len(line) <= _WIDTH:
+        return [line]
+    return [f"    {prefix} {name}(", *(f"        {p}," for p in parts), f"    ) -> {u.returns}:"]
+
+
+def _statement(head: str, call: str, args: str) -> list[str]:
+    """``head + call(args)``, broken after the opening parenthesis when too long."""
+    line = f"        {head}{call}({args})"
+    if len(line) <= _WIDTH:
+        return [line]
+    return [f"        {head}{call}(", f"            {args}", "        )"]
+
+
+def _body(u: Utility, *, is_async: bool) -> list[str]:
+    doc = textwrap.wrap(u.doc, _WIDTH - 11)
+    if len(doc) == 1:
+        lines = [f'        """{doc[0]}"""']
+    else:
+        lines = [f'        """{doc[0]}', *(f"        {d}" for d in doc[1:]), '        """']
+    if u.check:
+        lines.append(f"        {u.check}")
+    call = "await self.call_utility_async" if is_async else "self.call_utility"
+    args = f'"{u.name}", {u.wire}, timeout=timeout' if u.wire else f'"{u.name}", timeout=timeout'
+    if u.convert == "result":
+        lines += _statement(f"result: {u.returns} = ", call, args)
+        lines.append("        return result")
+    elif u.convert == "None":
+        lines += _statement("", call, args)
+    else:
+        lines += _statement("result = ", call, args)
+        lines.append(f"        return {u.convert}")
+    return lines
+
+
+def fingerprint() -> str:
+    """A stable hash of the declarations: the generated files carry it as their stamp."""
+    return hashlib.sha256(repr(UTILITIES).encode()).hexdigest()[:16]
+
+
+def render_wrappers() -> str:
+    """The text of ``runtime/_utilities.py``: the sync and the async wrapper sets."""
+    out = [
+        "# AUTOGENERATED by `python -m enginewire.testing.generate` from protocol/utilities.py.",
+        "# ALL EDITS WILL BE LOST.",
+        f"# stamp {fingerprint()}",
+        '"""The typed utility wrappers of every client, generated from the one declaration of'
+        " each\nutility (``protocol/utilities.py``): ``SyncUtilityMethods`` over ``call_utility``"
+        " and\n``AsyncUtilityMethods`` over ``call_utility_async``. The client's lifecycle"
+        " follows the\nreplies of the power utilities where replies are routed"
+        ' (``_on_power_reply``)."""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from typing import Any",
+        "",
+        "from .args import check_sleep_args, check_wake_tags, profile_args",
+        "",
+        '__all__ = ["AsyncUtilityMethods", "SyncUtilityMethods"]',
+        "",
+    ]
+    for is_async in (False, True):
+        cls = "AsyncUtilityMethods" if is_async else "SyncUtilityMethods"
+        out += ["", f"class {cls}:"]
+        out.append(f'    """Every utility wrapper, {"async" if is_async else "sync"}."""')
+        out.append("")
+        base = "call_utility_async" if is_async else "call_utility"
+        prefix = "async def" if is_async else "def"
+        out.append(f"    {prefix} {base}(")
+        out.append("        self, method: str, *args: Any, timeout: float | None = None")
+        out.append("    ) -> Any:")
+        out.append("        raise NotImplementedError")
+        for u in UTILITIES:
+            out += ["", *_signature(u, is_async=is_async), *_body(u, is_async=is_async)]
+        out.append("")
+    # ``check_*`` helpers are referenced only where a declaration uses them.
+    text = "\n".join(out).rstrip("\n") + "\n"
+    for helper in ("check_sleep_args", "check_wake_tags", "profile_args"):
+        if text.count(helper) == 1:
+            raise ValueError(f"render_wrappers: {helper} is imported but no utility uses it")
+    return text
+
+
+def render_utilities_page() -> str:
+    """The text of ``docs/utilities.md``: one row per utility."""
+    rows = [
+        "<!-- AUTOGENERATED by `python -m enginewire.testing.generate` from"
+        " protocol/utilities.py; do not edit. -->",
+        "# Utility methods",
+        "",
+        "Each is a remote call on the engine with exactly one reply; every client has the",
+        "sync wrapper (`client.NAME(...)`) and the async client its twin",
+        "(`await client.NAME_async(...)`), each taking `timeout=` too. `call_utility(name,"
+        " *args)`",
+        "reaches the same methods untyped. A *power* utility's reply moves the client's"
+        " lifecycle",
+        "(`docs/spec.md`, machine `client`).",
+        "",
+        "| method | arguments | returns | power effect | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for u in UTILITIES:
+        args = ", ".join(f"`{p.name}: {p.annotation}`" + ("" if p.default is None else
+                                                          f" = `{p.default}`")
+                         for p in u.params) or "none"
+        if u.power is None:
+            power = "none"
+        elif u.power.guard_from_result:
+            power = f"`{u.power.event.name}` (guard from the result)"
+        else:
+            power = f"`{u.power.event.name}`" + (f" [{u.power.guard}]" if u.power.guard else "")
+        doc = u.doc.replace("``", "`")
+        rows.append(f"| `{u.name}` | {args} | `{u.returns}` | {power} | {doc} |")
+    return "\n".join(rows) + "\n"

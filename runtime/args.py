@@ -1,0 +1,108 @@
+"""Argument checks every client runs before anything is sent or any state changes.
+
+A bad argument is refused here with a ``TypeError`` or ``ValueError`` that names it, the
+same on every client; the engine would refuse most of them too, but only after a round trip
+and as a ``UtilityError`` blaming the call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ..protocol.utilities import PAUSE_MODES, SLEEP_LEVELS
+
+# The longest wait handed to a blocking primitive at once: pyzmq's poll and RCVTIMEO take
+# int32 milliseconds and Condition.wait overflows past threading.TIMEOUT_MAX, so a longer
+# wait is served in slices of this.
+MAX_WAIT_SLICE_S = 1 << 20
+__all__ = [
+    "MAX_WAIT_SLICE_S",
+    "check_method",
+    "check_option_seconds",
+    "check_request_ids",
+    "check_sleep_args",
+    "check_timeout",
+    "check_wake_tags",
+    "profile_args",
+]
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float | None:
+    """A caller's timeout in seconds: ``None`` and ``inf`` wait without end, a negative one is
+    0 (look once, do not wait). Anything else is refused before any state changes."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError(f"{name} must be a number of seconds or None, got nan")
+    if math.isinf(seconds):
+        return None if seconds > 0 else 0.0
+    return max(0.0, seconds)
+
+
+def check_option_seconds(value: Any, name: str, *, allow_zero: bool = False) -> float | None:
+    """A client option in seconds (a deadline, an interval): None, or finite and positive
+    (or zero where ``allow_zero``); ``ValueError`` naming the option otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r}: must be a number of seconds or None")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r}: must be a finite number of seconds "
+                         f"{'>= 0' if allow_zero else '> 0'}")
+    return seconds
+
+
+def check_request_ids(request_ids: Any, what: str = "abort_requests") -> list[str]:
+    """A list of request ids, each a str; a bare str is refused (iterating it would abort
+    one-letter ids), and so is any other element, before anything is sent."""
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+        raise TypeError(f"{what} expects a list of request ids (str), got {request_ids!r}")
+    ids = list(request_ids)
+    for rid in ids:
+        if not isinstance(rid, str):
+            raise TypeError(f"{what}: every request id must be a str, got {rid!r}")
+    return ids
+
+
+def check_wake_tags(tags: Any) -> list[str] | None:
+    """``None`` (everything) or a list of memory tags; a bare str is refused, not split."""
+    if tags is None:
+        return None
+    if isinstance(tags, (str, bytes)) or not isinstance(tags, Iterable):
+        raise TypeError(f"wake_up tags must be a list such as ['weights'] or None, got {tags!r}")
+    return list(tags)
+
+
+def check_sleep_args(level: int, mode: str) -> None:
+    # type(): True and 1.0 compare equal to 1 but are not levels (sleep(True) reached the
+    # engine and came back as a UtilityError).
+    if type(level) is not int or level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
+
+
+def check_method(method: Any) -> str:
+    """A utility's name, refused here when it is not a str (it was sent, and came back as a
+    UtilityError blaming a "malformed call")."""
+    if not isinstance(method, str):
+        raise TypeError(f"a utility method is named by a str, got {method!r}")
+    return method
+
+
+def profile_args(is_start: Any, path: Any) -> tuple[str, str | None]:
+    """``profile``'s wire arguments; a non-bool start flag (profile("stop") would start it)
+    or a path that is not a str/PathLike is refused before anything is sent."""
+    if not isinstance(is_start, bool):
+        raise TypeError(f"profile(is_start) must be True or False, got {is_start!r}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"profile(path) must be a str, a PathLike or None, got {path!r}")
+    return ("start" if is_start else "stop"), (None if path is None else os.fspath(path))
