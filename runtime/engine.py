@@ -67,6 +67,7 @@ from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
 from . import _mutants
 from .config import EngineConfig
 from .executor import MEMORY_TAGS, UniProcExecutor
+from .fault_points import FaultPoint
 from .kv_cache import KVCacheManager
 from .scheduler import Request, Scheduler
 
@@ -125,7 +126,9 @@ class EngineCore:
         # keep reading ``outputs``.
         self.stream_outputs = stream_outputs
         self.lifecycle: Lifecycle[EngineState, EngineEvent] = ENGINE.lifecycle(trace=trace)
-        self.fault_hook: Callable[[str], None] | None = None
+        # The fault harness's hook (runtime/faults.py), called with a FaultPoint (and, at
+        # UTILITY, the method); None: no plan.
+        self.fault_hook: Callable[..., None] | None = None
         self.fatal_error: BaseException | None = None
         self.device = config.resolved_device()
         self.executor: UniProcExecutor | None = None
@@ -327,7 +330,7 @@ class EngineCore:
             self._check_alive()
         if self.fault_hook is not None:
             try:
-                self.fault_hook("step")
+                self.fault_hook(FaultPoint.STEP)
             except Exception as exc:
                 self._die(exc)
                 raise
@@ -355,7 +358,7 @@ class EngineCore:
                 reqs, nums = sched.schedule()
                 if reqs:
                     if self.fault_hook is not None:
-                        self.fault_hook("forward")
+                        self.fault_hook(FaultPoint.FORWARD)
                     executor = self.executor
                     assert executor is not None
                     batch = sched.step_batch
@@ -458,7 +461,7 @@ class EngineCore:
             raise UtilityError(
                 str(method), f"no such utility method; allowed: {sorted(self.UTILITY_METHODS)}")
         if self.fault_hook is not None:
-            self.fault_hook(f"utility:{method}")
+            self.fault_hook(FaultPoint.UTILITY, method)
         fn: Callable[..., object] = getattr(self, method)
         return fn(*args)
 
@@ -577,7 +580,7 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.fault_hook is not None:
-            self.fault_hook("sleep")
+            self.fault_hook(FaultPoint.SLEEP)
         then = None if level == 0 else (lambda: self._release_memory(level))
         return self._pause(mode, then)
 
@@ -591,7 +594,7 @@ class EngineCore:
     def wake_up(self, tags: Sequence[str] | None = None) -> bool:
         """Restore ``tags`` (all when None); True once everything is resident and scheduling."""
         if self.fault_hook is not None:
-            self.fault_hook("wake_up")
+            self.fault_hook(FaultPoint.WAKE_UP)
         if isinstance(tags, (str, bytes)):  # a raw call_utility("wake_up", "weights")
             # Iterated, it would be refused as tag 'w', naming a tag nobody sent.
             raise TypeError(f"wake_up tags must be a list such as ['weights'] or None, "

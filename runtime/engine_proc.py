@@ -1201,23 +1201,6 @@ class EngineCoreProc:
             self.faults(point)
 
 
-def _fault_hook(spec: str) -> Any:
-    """Test hook ``"<point>:<n>"``: raise a RuntimeError the n-th time ``point`` is reached
-    (points: ``step``, ``forward``, ``utility:<method>``, ``sleep``, ``wake_up``)."""
-    point, _, nth = spec.rpartition(":")
-    if not point:
-        point, nth = spec, "1"
-    remaining = [int(nth)]
-
-    def hook(where: str) -> None:
-        if where == point:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                raise RuntimeError(f"injected fault at {where}")
-
-    return hook
-
-
 def run_engine_core(
     config: Any,
     *,

@@ -34,6 +34,8 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec.structs import force_setattr
 
+from .fault_points import FaultAction, FaultPoint
+
 __all__ = [
     "ARM_FAULT_UTILITY",
     "Fault",
@@ -53,36 +55,6 @@ ARM_FAULT_UTILITY = "arm_fault"
 # Exit status of an injected os._exit: distinct from 1 (fatal error) so a report can tell.
 INJECTED_EXIT_CODE = 17
 DEFAULT_DELAY_S = 1.0
-
-
-class FaultPoint(enum.StrEnum):
-    """Where in the engine process a fault can fire."""
-
-    BEFORE_READY = "before_ready"  # engine built, ready handshake not yet sent
-    AFTER_READY = "after_ready"  # handshake sent, busy loop about to run
-    STEP = "step"  # start of EngineCore.step()
-    FORWARD = "forward"  # inside the step, just before the model forward
-    UTILITY = "utility"  # before a utility runs (``method`` narrows it to one name)
-    INPUT_DECODED = "input_decoded"  # input thread, a frame decoded, not yet queued
-    OUTPUT_SEND = "output_send"  # output thread, a message encoded, not yet sent
-    SLEEP = "sleep"  # inside the sleep utility
-    WAKE_UP = "wake_up"  # inside the wake_up utility
-    SHUTDOWN = "shutdown"  # the engine process begins its shutdown
-
-    @property
-    def in_io_thread(self) -> bool:
-        return self in (FaultPoint.INPUT_DECODED, FaultPoint.OUTPUT_SEND)
-
-
-class FaultAction(enum.StrEnum):
-    """What a fault does when it fires."""
-
-    RAISE = "raise"  # an exception at the point: the engine's fatal-error path
-    EXIT = "exit"  # os._exit(17): gone without the dead sentinel
-    SIGKILL = "sigkill"
-    SIGSTOP = "sigstop"  # alive, silent; the harness resumes it with SIGCONT or kills it
-    DELAY = "delay"  # sleep ``arg`` seconds (default 1), then carry on
-    OOM = "oom"  # simulated out-of-memory (CUDA OOM on a GPU, KV exhaustion on CPU)
 
 
 E = TypeVar("E", bound=enum.Enum)
@@ -272,23 +244,6 @@ def _recheck(fault: object) -> Fault:
                  method=fault.method)
 
 
-# EngineCore's own hook strings ("step", "forward", "utility:<name>", "sleep", "wake_up"),
-# parsed once each: the step and forward points are hit every engine step.
-_POINTS: dict[str, tuple[FaultPoint, str | None]] = {}
-
-
-def _point_of(where: str | FaultPoint) -> tuple[FaultPoint, str | None]:
-    if isinstance(where, FaultPoint):
-        return where, None
-    hit = _POINTS.get(where)
-    if hit is None:
-        head, _, method = where.partition(":")
-        hit = (as_member(FaultPoint, head, "fault point"), method or None)
-        if len(_POINTS) < 256:  # utility names come from the wire: keep the cache bounded
-            _POINTS[where] = hit
-    return hit
-
-
 class FaultInjector:
     """Callable at every fault point; fires the armed faults. Thread-safe (IO threads call it).
 
@@ -328,10 +283,15 @@ class FaultInjector:
         with self._lock:
             return [f for f, _ in self._armed]
 
-    def __call__(self, where: str | FaultPoint) -> None:
+    def __call__(self, point: FaultPoint | str, method: str | None = None) -> None:
+        """Point ``point`` is reached (``method``: the utility's name at ``UTILITY``). The
+        engine passes members; a string (``"step"``, ``"utility:echo"``) is still read, for
+        hooks of users' own that call the injector."""
         if not self._armed:  # the common case, every step: nothing armed, no lock taken
             return
-        point, method = _point_of(where)
+        if type(point) is not FaultPoint:
+            head, _, named = str(point).partition(":")
+            point, method = as_member(FaultPoint, head, "fault point"), named or method
         due: list[Fault] = []
         with self._lock:
             for entry in self._armed:

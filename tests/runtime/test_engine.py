@@ -20,6 +20,7 @@ from enginewire.protocol.messages import (
 )
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore
+from enginewire.runtime.fault_points import FaultPoint
 from enginewire.runtime.model import TinyRandomSource, dense_greedy, null_token
 from enginewire.spec import (
     ENGINE,
@@ -372,15 +373,19 @@ def test_shutdown_aborts_live_requests_and_is_idempotent() -> None:
 
 
 def test_fault_hook_sees_named_points_and_a_forward_fault_kills_the_engine() -> None:
-    seen: list[str] = []
+    seen: list[tuple[FaultPoint, str | None]] = []
     eng = EngineCore(NULL)
-    eng.fault_hook = seen.append
+    eng.fault_hook = lambda point, method=None: seen.append((point, method))
     eng.call_utility("echo", [1])
     eng.add_request(req("a", [5], max_tokens=3))
     eng.step()
     eng.sleep(0, "keep")
     eng.wake_up()
-    assert seen == ["utility:echo", "step", "forward", "sleep", "wake_up"]
+    # Members, not strings: a misspelt point cannot reach the hook.
+    assert all(type(point) is FaultPoint for point, _ in seen)
+    assert seen == [(FaultPoint.UTILITY, "echo"), (FaultPoint.STEP, None),
+                    (FaultPoint.FORWARD, None), (FaultPoint.SLEEP, None),
+                    (FaultPoint.WAKE_UP, None)]
 
     def boom(point: str) -> None:
         if point == "forward":
