@@ -194,7 +194,7 @@ async def _async_all(
     reps: int,
 ) -> list[dict[str, Any]]:
     """One AsyncMPClient (it binds to the loop it first runs on) for echo and delivery."""
-    from ..runtime.client import make_client
+    from ..runtime.factory import make_client
 
     client: Any = make_client(config, multiprocess=True, asyncio=True)
     rows: list[dict[str, Any]] = []

@@ -199,7 +199,7 @@ def collect(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
     was_frozen = gc.get_freeze_count()
     try:
         if sel & {"echo", "delivery", "compute"}:
-            from ..runtime.client import make_client
+            from ..runtime.factory import make_client
 
             kinds = (["raw_echo"] if "echo" in sel else []) + ["pipeline"]
             with ExitStack() as stack:

@@ -36,8 +36,8 @@ _LAZY = {
     "EngineCoreClient": "client",
     "InprocClient": "client",
     "SyncMPClient": "mp_client",
-    "make_client": "client",
-    "make_client_async": "client",
+    "make_client": "factory",
+    "make_client_async": "factory",
     "run_engine_core": "engine_proc",
 }
 

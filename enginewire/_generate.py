@@ -82,8 +82,8 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     engine_options: dict[str, Any] | None = None,
 ) -> GenerateResult:
-    from .runtime.client import make_client
     from .runtime.config import EngineConfig
+    from .runtime.factory import make_client
 
     text = _Text(model)
     ids = prompt_ids if prompt_ids is not None else text.encode(prompt)

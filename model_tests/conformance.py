@@ -267,7 +267,7 @@ def open_client(
     kind: str, config: Any, *, construct_in_loop: bool = False, **options: Any
 ) -> ClientUnderTest:
     """Build a built-in client of ``kind`` (inproc, sync, async) with ``trace`` recording."""
-    from ..runtime.client import make_client
+    from ..runtime.factory import make_client
 
     if kind not in CLIENT_KINDS:
         raise ValueError(f"kind must be one of {CLIENT_KINDS}, got {kind!r}")

@@ -1146,7 +1146,7 @@ class EngineClientStateMachine(RuleBasedStateMachine):
         with self._rule("short_lived_client", locals()):
             import msgspec
 
-            from ..runtime.client import make_client
+            from ..runtime.factory import make_client
 
             config = self.cut.client.config
             trace: list[Any] = []

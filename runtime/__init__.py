@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .client import EngineCoreClient, InprocClient, make_client, make_client_async
+from .client import EngineCoreClient, InprocClient
 from .engine_proc import EngineCoreProc, run_engine_core
+from .factory import make_client, make_client_async
 from .ipc import IpcDir, cleanup_stale_dirs
 from .mp_client import (
     READY_TIMEOUT_ENV,

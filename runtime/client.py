@@ -10,9 +10,9 @@ Rule 2: whose fault is in the error type: after ``shutdown()`` every call raises
 ``__cause__`` says why), except ``abort_requests``, which is then a silent no-op so error
 paths do not raise twice.
 
-``make_client`` picks the transport: ``InprocClient`` runs the engine in the caller's thread
-(``get_output`` is one engine step; no threads, no sockets), ``SyncMPClient`` and
-``AsyncMPClient`` (``mp_client``) put it in a subprocess behind ZMQ.
+``make_client`` (``factory``) picks the transport: ``InprocClient`` runs the engine in the
+caller's thread (``get_output`` is one engine step; no threads, no sockets), ``SyncMPClient``
+and ``AsyncMPClient`` (``mp_client``) put it in a subprocess behind ZMQ.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from ..protocol.codec import (
     Encoder,
@@ -73,10 +73,7 @@ from .args import (
 )
 from .config import EngineConfig
 
-if TYPE_CHECKING:
-    from .mp_client import AsyncMPClient
-
-__all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient", "make_client", "make_client_async"]
+__all__ = ["SLEEP_MODES", "EngineCoreClient", "InprocClient"]
 
 
 _FINISH_EVENTS = {
@@ -560,65 +557,3 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def __repr__(self) -> str:
         return f"<InprocClient {self.lifecycle.state.name}>"
-
-
-def make_client(
-    config: Any, *, multiprocess: bool, asyncio: bool, **options: Any
-) -> EngineCoreClient:
-    """The client for a transport: in-process, or a subprocess driven sync or async."""
-    for name, flag in (("multiprocess", multiprocess), ("asyncio", asyncio)):
-        if not isinstance(flag, bool):  # "no" would read as True and pick another client
-            raise ValueError(f"{name}={flag!r}: must be True or False")
-    if asyncio and not multiprocess:
-        raise NotImplementedError(
-            "asyncio=True needs multiprocess=True: the engine core steps synchronously, so"
-            " an in-process engine cannot be awaited; run it in a subprocess instead"
-        )
-    if not multiprocess:
-        return InprocClient(config, **options)
-    from .mp_client import AsyncMPClient, SyncMPClient
-
-    if asyncio:
-        return AsyncMPClient(config, **options)
-    return SyncMPClient(config, **options)
-
-
-
-async def make_client_async(config: Any, **options: Any) -> AsyncMPClient:
-    """``make_client(config, multiprocess=True, asyncio=True)`` for code on an event loop.
-
-    Starting the engine process and waiting for its ready handshake takes from half a second
-    (``null``) to minutes (real weights); built on the loop, every other task would stall that
-    long. Here the client is built in a worker thread. Cancelling the await shuts the client
-    down as soon as it is built, so nothing leaks.
-    """
-    import asyncio as aio  # the module; ``asyncio`` is a parameter name in this file
-
-    from .mp_client import AsyncMPClient
-
-    loop = aio.get_running_loop()
-    # The client is handed over in a box, not as the future's result: the awaited future
-    # stays referenced while the awaiting task runs on (its wake-up call holds it), so a
-    # caller that drops the client without awaiting again would keep it, and its engine,
-    # alive (vLLM's delete test has that shape).
-    box: list[AsyncMPClient] = []
-
-    def build() -> None:
-        box.append(AsyncMPClient(config, **options))
-
-    fut = loop.run_in_executor(None, build)
-    try:
-        await aio.shield(fut)
-        return box.pop()
-    except aio.CancelledError:
-        def reclaim(done: aio.Future[None]) -> None:
-            if done.cancelled() or done.exception() is not None or not box:
-                return
-            client = box.pop()
-            try:
-                loop.run_in_executor(None, client.shutdown)
-            except RuntimeError:  # the loop is closing: tear down here
-                client.shutdown()
-
-        fut.add_done_callback(reclaim)
-        raise

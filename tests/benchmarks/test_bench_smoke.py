@@ -15,7 +15,7 @@ import pytest
 
 from enginewire.benchmarks import ipc, run
 from enginewire.benchmarks.floor import FloorPeer
-from enginewire.runtime.client import make_client
+from enginewire.runtime.factory import make_client
 
 _ROW_KEYS = {"section", "name", "unit", "ours", "ours_spread", "floor", "floor_spread", "ratio"}
 # A small step delay so one engine serves echo, delivery and the compute share alike.

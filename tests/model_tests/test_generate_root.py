@@ -18,6 +18,9 @@ def _checkout_copy(tmp_path: Path) -> Path:
     for name in ("spec", "protocol", "docs"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    # The one generated file outside spec/ and docs/: the utility wrappers.
+    (copy / "runtime").mkdir()
+    shutil.copy(ROOT / "runtime" / "_utilities.py", copy / "runtime" / "_utilities.py")
     return copy
 
 

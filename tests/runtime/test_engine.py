@@ -508,7 +508,7 @@ def test_request_tensors_decoded_from_the_wire_are_refused_through_inproc_client
 
     from enginewire.protocol.codec import Encoder, decode_input, encode_input
     from enginewire.protocol.messages import RequestType
-    from enginewire.runtime.client import make_client
+    from enginewire.runtime.factory import make_client
 
     sent = EngineCoreRequest("wire", [5, 6], SamplingParams(max_tokens=2),
                              tensors={"prompt_embeds": np.ones((2, 64), dtype=np.float32)})
