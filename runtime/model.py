@@ -136,12 +136,16 @@ class TinyRandomSource:
         return self.arch, params
 
 
-def _gguf_source(model: str, seed: int) -> WeightSource:
-    # Imported lazily: gguf/tokenizers are an optional extra, and the engine subprocess must
-    # know these names without anyone having called a registration function first.
-    from .gguf_loader import GGUFWeightSource
+# The GGUF loader is a plug-in named by its module, as a user's source is (the engine process
+# knows these names without anyone registering them). Imported by name on first use: gguf and
+# tokenizers are an optional extra, and the loader builds on this module, never the reverse.
+_GGUF_SOURCE = "enginewire.runtime.gguf_loader:GGUFWeightSource"
 
-    return GGUFWeightSource(model)
+
+def _gguf_source(model: str, seed: int) -> WeightSource:
+    module, _, name = _GGUF_SOURCE.partition(":")
+    source: WeightSource = getattr(importlib.import_module(module), name)(model)
+    return source
 
 
 _SOURCES: dict[str, Callable[[str, int], WeightSource]] = {
