@@ -168,6 +168,7 @@ def _spec_check(args: argparse.Namespace) -> int:
         negative=args.negative,
         spin=False if args.no_spin else None,
         controls=args.controls,
+        quick=args.quick,
     ))
 
 
@@ -359,6 +360,7 @@ def _campaign(args: argparse.Namespace) -> int:
         mutants_all=args.mutants == "all",
         results_dir=args.results_dir,
         profile=args.profile,
+        verbose=args.verbose,
     ))
 
 
@@ -438,6 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
         "it (default on)",
     )
     check.add_argument(
+        "--quick",
+        action="store_true",
+        help="every property on the spec, but only 4 of the negative controls (about a minute"
+        " on 2 cores; the full check takes a few minutes)",
+    )
+    check.add_argument(
         "--negative",
         metavar="NAME",
         help="check one broken variant as if it were the spec: exits 1 with its shortest "
@@ -495,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", choices=("tiny", "null"), default="null", help="engine model to drive"
     )
     camp.add_argument("--mutant", metavar="NAME", help="run with one seeded bug switched on")
+    camp.add_argument("--verbose", action="store_true",
+                      help="also print every transition never reached, with its reason (the"
+                      " JSON report always lists them)")
     camp.add_argument(
         "--mutants",
         choices=("all",),

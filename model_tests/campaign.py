@@ -402,7 +402,12 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     return result, stats.coverage
 
 
-def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: Any) -> None:
+# How _why_unreached words a transition nothing explains (a gap, not a declared reason).
+_GAP = "NOT REACHED in this run"
+
+
+def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: Any,
+                  verbose: bool = False) -> None:
     w = out.write
     w("\nenginewire campaign\n")
     w(f"{'client':<10} {'examples':>8} {'steps':>7} {'seconds':>8} {'steps/s':>8} "
@@ -422,10 +427,15 @@ def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: An
     for name, c in coverage["per_machine"].items():
         w(f"  {name:<15} {c['reached']:>3}/{c['transitions']:<3} transitions\n")
     missing = coverage["never_reached"]
-    if missing:
+    if missing and verbose:
         w(f"never reached ({len(missing)}):\n")
         for item in missing:
             w(f"  {item['transition']}  -- {item['why']}\n")
+    elif missing:
+        gaps = sum(1 for item in missing if item["why"].startswith(_GAP))
+        w(f"never reached: {len(missing)} transitions ({len(missing) - gaps} with a declared"
+          f" reason, {gaps} not reached in this run); each with its reason in the report,"
+          " or with --verbose\n")
     for r in results:
         if r.failure is not None:
             w(f"\nFAILURE on {r.client}: {r.failure}\n")
@@ -464,9 +474,11 @@ def run_campaign(
     mutants_all: bool = False,
     results_dir: str = "results",
     profile: str = "ci",
+    verbose: bool = False,
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
-    ``mutants_all``, when a mutant went undetected). See the module docstring."""
+    ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
+    prints every transition never reached, with its reason (the report always has them)."""
     from ..runtime import _mutants
 
     if client != "all" and client not in CLIENTS:
@@ -532,7 +544,7 @@ def run_campaign(
     try:
         return _run_kinds(kinds, client=client, examples=examples, steps=steps, seed=seed,
                           faults=faults, duration=duration, model=model, profile=profile,
-                          out_dir=out_dir)
+                          out_dir=out_dir, verbose=verbose)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -555,7 +567,36 @@ def _hypothesis_home(out_dir: Path) -> Path | None:
 
 def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
                faults: bool, duration: float | None, model: str, profile: str,
-               out_dir: Path) -> int:
+               out_dir: Path, verbose: bool = False) -> int:
+    from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
+
+    # Engine processes log to a file in the results directory, not the terminal: most of what
+    # they say in a campaign is about the faults it injects (named as such there).
+    engine_log: Path | None = out_dir / f"engines-{os.getpid()}.log"
+    saved_env = {k: os.environ.get(k) for k in (ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV)}
+    if os.environ.get(ENGINE_LOG_FILE_ENV):
+        engine_log = None  # the user's own choice wins
+    else:
+        os.environ[ENGINE_LOG_FILE_ENV] = str(engine_log)
+    if faults:
+        os.environ[INJECTED_FAULTS_ENV] = "malformed_frame"
+    try:
+        return _run_kinds_logged(kinds, client=client, examples=examples, steps=steps,
+                                 seed=seed, faults=faults, duration=duration, model=model,
+                                 profile=profile, out_dir=out_dir, verbose=verbose,
+                                 engine_log=engine_log)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: int,
+                      seed: int | None, faults: bool, duration: float | None, model: str,
+                      profile: str, out_dir: Path, verbose: bool,
+                      engine_log: Path | None) -> int:
     from ..runtime import _mutants
     from .oracle import Coverage
 
@@ -600,7 +641,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
               "why": _why_unreached(t, engine_observed=observed, engine_killed=killed)}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
-    _print_report(results, cov, sys.stdout)
+    _print_report(results, cov, sys.stdout, verbose=verbose)
     report = {
         "clients": [dict(r.__dict__, steps_per_s=round(r.steps_per_s, 2),
                          steps_per_s_warm=round(r.steps_per_s_warm, 2)) for r in results],
@@ -617,7 +658,15 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
     report_to = os.environ.get("_ENGINEWIRE_CAMPAIGN_REPORT")
     if report_to:
         Path(report_to).write_text(json.dumps(report, default=str))
+    failed = [r.client for r in results if r.failure is not None]
+    print(f"verdict: {'FAILED on ' + ', '.join(failed) if failed else 'OK'}"
+          f" ({len(results)} client{'s' if len(results) != 1 else ''},"
+          f" {sum(r.steps for r in results)} steps, {report['seconds']:.0f} s)")
     print(f"report: {path}")
+    if engine_log is not None and engine_log.exists() and engine_log.stat().st_size:
+        lines = len(engine_log.read_bytes().splitlines())
+        print(f"engine logs: {engine_log} ({lines} lines; the engines' warnings about the"
+              " faults this run injected are there, each saying so)")
     return 1 if report["failed"] else 0
 
 

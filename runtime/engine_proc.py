@@ -1279,12 +1279,48 @@ def run_engine_core(
             proc.close(say_gone=stopped and parent_pid is None)
 
 
-def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
-    """Entry point of a spawned engine process (importable, so spawn can find it)."""
+# A launched engine logs to this file instead of stderr when set (a campaign keeps its
+# terminal for its summary); and a harness that injects faults of these kinds (comma-separated,
+# e.g. "malformed_frame") says so, so the engine's lines about them read as expected.
+ENGINE_LOG_FILE_ENV = "ENGINEWIRE_ENGINE_LOG_FILE"
+INJECTED_FAULTS_ENV = "ENGINEWIRE_INJECTED_FAULTS"
+# The log lines each injected fault kind causes, by the start of their message.
+_INJECTED_LINES = {"malformed_frame": ("rejected malformed", "engine input thread: dropped")}
+
+
+class _InjectedNote(logging.Filter):
+    """Appends "(injected by the harness: KIND)" to the lines an injected fault causes."""
+
+    def __init__(self, kinds: list[str]) -> None:
+        super().__init__()
+        self._prefixes = [(k, p) for k in kinds for p in _INJECTED_LINES.get(k, ())]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            for kind, prefix in self._prefixes:
+                if record.msg.startswith(prefix):
+                    record.msg += f" (expected: the harness injects {kind} faults in this run)"
+                    break
+        return True
+
+
+def _configure_logging() -> None:
+    log_file = os.environ.get(ENGINE_LOG_FILE_ENV) or None
     logging.basicConfig(
         level=os.environ.get("ENGINEWIRE_ENGINE_LOG_LEVEL", "WARNING"),
         format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s",
+        filename=log_file,
     )
+    kinds = [k for k in os.environ.get(INJECTED_FAULTS_ENV, "").split(",") if k]
+    if kinds:
+        note = _InjectedNote(kinds)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(note)
+
+
+def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
+    """Entry point of a spawned engine process (importable, so spawn can find it)."""
+    _configure_logging()
     config: Any = msgspec.msgpack.decode(config_bytes, type=config_type)
     threads = os.environ.get("ENGINEWIRE_ENGINE_THREADS")
     if threads and getattr(config, "model", None) != "null":

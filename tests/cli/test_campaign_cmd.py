@@ -79,3 +79,41 @@ def test_matrix_checks_its_results_dir_before_any_cell(
         fault_matrix.run_fault_matrix(["inproc"], results_dir=str(a_file / "below"),
                                       cells=[], extra_cells=[], echo=None)
     assert ran == []
+
+
+def test_the_summary_fits_a_screen_and_verbose_lists_every_unreached_transition(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A newcomer's screen: the table, the faults, one coverage line per machine, one line
+    for what was never reached, the verdict and where the report is; the list itself is in
+    the report, and on the terminal with --verbose."""
+    assert main([*TINY, "--seed", "1", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert len(lines) <= 40, out
+    assert "verdict: OK" in out and "report: " in out
+    assert re.search(r"never reached: \d+ transitions", out), out
+    (report,) = tmp_path.glob("campaign-*.json")
+    never = json.loads(report.read_text())["coverage"]["never_reached"]
+    assert never and all(item["why"] for item in never)
+    assert not any(item["transition"] in out for item in never)
+    assert main([*TINY, "--seed", "1", "--results-dir", str(tmp_path), "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert all(item["transition"] in out for item in never)
+
+
+def test_engine_lines_about_injected_faults_go_to_a_log_that_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The engines' warnings about frames the campaign corrupted itself are not on the
+    terminal; they are in the results directory, each saying it was expected."""
+    args = ["campaign", "--client", "sync", "--model", "null", "--examples", "2",
+            "--steps", "20", "--seed", "3", "--results-dir", str(tmp_path)]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "rejected malformed" not in captured.out + captured.err
+    m = re.search(r"faults injected: .*malformed_frame=(\d+)", captured.out)
+    assert m, captured.out  # this seed injects them (the run is derandomized)
+    (log,) = tmp_path.glob("engines-*.log")
+    assert f"engine logs: {log}" in captured.out
+    rejected = [ln for ln in log.read_text().splitlines() if "rejected malformed" in ln]
+    assert rejected and all("(expected: the harness injects malformed_frame" in ln
+                            for ln in rejected), rejected

@@ -50,3 +50,30 @@ def test_a_gap_fails_the_report_and_is_named() -> None:
     assert "spec check FAILED" in text
     stale = SpecReport(stale_declared=["engine: READY --SHUTDOWN--> SHUTDOWN"])
     assert not stale.ok and "remove it" in render_report(stale)
+
+
+def test_quick_runs_the_spec_and_only_the_quick_controls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--quick`` checks every property on the spec itself and runs only QUICK_CONTROLS of
+    the negative controls (both kinds among them); the report says how to run all."""
+    from enginewire.spec.properties import LIVENESS, SAFETY, control_targets
+    from enginewire.testing import spec_check as sc
+
+    targets = control_targets()
+    assert set(sc.QUICK_CONTROLS) <= set(targets)
+    kinds = {p.name: p.kind for p in (*SAFETY, *LIVENESS)}
+    assert {kinds[t] for bug in sc.QUICK_CONTROLS for t in targets[bug]} == {
+        "safety", "liveness"}
+    ran: list[str] = []
+
+    def control(bug: str, want: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+        ran.append(bug)
+        return want, ""
+
+    monkeypatch.setattr(sc, "_explorer_control", control)
+    lines: list[str] = []
+    assert sc.run_spec_check(spin=False, quick=True, out=lines.append) == 0
+    assert ran == [b for b in targets if b in sc.QUICK_CONTROLS]
+    text = "\n".join(lines)
+    assert f"quick check: {len(ran)} of {len(targets)} negative controls" in text
+    assert "properties held" in text  # the spec itself was explored in full
