@@ -364,6 +364,19 @@ def _campaign(args: argparse.Namespace) -> int:
     _writable_dir("--results-dir", args.results_dir)
     _check_model(args.model)
     _require("hypothesis", "enginewire campaign")
+    if args.factory is not None:
+        from .testing.campaign import load_factory
+
+        if args.client not in ("inproc", "sync", "async"):
+            raise UsageError("--factory builds clients of one kind: give --client inproc, sync"
+                             " or async with it")
+        if args.mutant is not None or args.mutants is not None:
+            raise UsageError("--factory with --mutant/--mutants: the mutant bank seeds bugs"
+                             " in the built-in clients only")
+        try:
+            load_factory(args.factory)
+        except ValueError as exc:
+            raise UsageError(f"--factory: {exc}") from None
     return int(run_campaign(
         client=args.client,
         examples=args.examples,
@@ -377,6 +390,7 @@ def _campaign(args: argparse.Namespace) -> int:
         results_dir=args.results_dir,
         profile=args.profile,
         verbose=args.verbose,
+        factory=args.factory,
     ))
 
 
@@ -513,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
         " source named in ENGINEWIRE_WEIGHT_SOURCES (as faults matrix --model)",
     )
     camp.add_argument("--mutant", metavar="NAME", help="run with one seeded bug switched on")
+    camp.add_argument(
+        "--factory", metavar="MODULE:FUNCTION",
+        help="drive the clients your own factory builds (the conformance suite's ClientFactory"
+        " contract; docs/campaigns.md), of the one kind --client names",
+    )
     camp.add_argument("--verbose", action="store_true",
                       help="also print every transition never reached, with its reason (the"
                       " JSON report always lists them)")

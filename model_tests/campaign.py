@@ -64,7 +64,15 @@ from ..spec import (
     UtilityEvent,
 )
 
-__all__ = ["ALL_CLIENTS", "CLIENTS", "PROFILES", "UNREACHED", "ClientResult", "run_campaign"]
+__all__ = [
+    "ALL_CLIENTS",
+    "CLIENTS",
+    "PROFILES",
+    "UNREACHED",
+    "ClientResult",
+    "load_factory",
+    "run_campaign",
+]
 
 # "standalone": sync and async front ends taking turns on one engine started on its own
 # (stateful.StandaloneEngineStateMachine). Not in "all": a duration run splits its time
@@ -205,6 +213,32 @@ class ClientResult:
         return self.steps / warm if warm > 0 else 0.0
 
 
+def load_factory(ref: str) -> Any:
+    """The client factory ``ref`` names as ``module:function`` (the ``ClientFactory`` contract
+    of ``enginewire.testing.conformance``); ``ValueError`` naming what is wrong."""
+    import importlib
+
+    module, sep, qualname = ref.partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"factory {ref!r}: expected module:function, e.g. my_tests.factories:sync")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # As `python -m` does: a factory module beside the caller imports (the console
+        # script's sys.path has only its own directory and site-packages).
+        sys.path.append(os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"factory {ref!r}: cannot import {module!r}: {e}") from e
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"factory {ref!r}: {module!r} has no {qualname!r}") from None
+    if not callable(obj):
+        raise ValueError(f"factory {ref!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
 def _vocab_size(model: str) -> int:
     """The token ids the campaign draws prompts from: the tiny model's range (every built-in
     and GGUF model has at least that many), narrowed to a smaller vocabulary of the model's."""
@@ -273,7 +307,7 @@ def _describe(e: BaseException) -> str:
 
 
 def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
-                recorded: list[str] | None = None) -> str:
+                recorded: list[str] | None = None, factory: str | None = None) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
     runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
     timing-dependent failure can make it), the program the machine recorded of the last
@@ -302,6 +336,16 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
         made = (f"state = StandaloneEngineStateMachine(pool, faults={faults!r},"
                 f" exact_tokens={model == 'null'!r})")
         first = "state = StandaloneEngineStateMachine("
+    elif factory is not None:
+        head += [
+            "from enginewire.testing.campaign import load_factory",
+            "from enginewire.testing.stateful import EngineClientStateMachine",
+            "",
+            f"factory = load_factory({factory!r})",
+        ]
+        made = (f"state = EngineClientStateMachine(factory, kind={kind!r}, faults={faults!r},"
+                " exact_tokens=None)")
+        first = "state = EngineClientStateMachine("
     else:
         head += [
             "from enginewire.testing.stateful import EngineClientStateMachine, builtin_factory",
@@ -319,7 +363,8 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
 
 def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, faults: bool,
                 duration: float | None, model: str, profile: str, results_dir: Path,
-                shrink: bool, progress: Any) -> tuple[ClientResult, Any]:
+                shrink: bool, progress: Any,
+                factory: str | None = None) -> tuple[ClientResult, Any]:
     import hypothesis.core
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
@@ -336,6 +381,10 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     )
 
     vocab_size = _vocab_size(model)  # before any snapshot: a GGUF header read maps the file
+    if factory is not None:
+        from ..runtime.model import TINY_ARCH
+
+        vocab_size = TINY_ARCH.vocab_size  # the machine's default; the factory's engine
     config = _config(model)
     stats = CampaignStats()
     if progress is not None:
@@ -346,10 +395,12 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         pool = AttachPool(StandaloneEngine(config, faults=faults), stats)
         stats.engines_started += 1
         stats.seconds["(engine start)"] += time.monotonic() - start
+    elif factory is not None:
+        pool = ClientPool(load_factory(factory), stats)
     else:
         pool = ClientPool(builtin_factory(kind, config, faults=faults), stats)
     orphan = None
-    if kind == "sync" and faults:
+    if kind == "sync" and faults and factory is None:  # the orphan check spawns our engine
         orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
 
     # Longer programs let each engine live longer before a crash or shutdown may end it (an
@@ -365,7 +416,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                                                 vocab_size=vocab_size, stats=stats,
                                                 min_life=min_life)
         return EngineClientStateMachine(pool.factory, kind=kind, faults=faults,
-                                        exact_tokens=model == "null",
+                                        # a factory's config says its model (None: ask it)
+                                        exact_tokens=None if factory else model == "null",
                                         vocab_size=vocab_size, pool=pool,
                                         stats=stats, orphan_config=orphan, min_life=min_life,
                                         orphan_min_life=orphan_min_life)
@@ -394,7 +446,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 result.failure = _describe(e)
                 notes = [str(n) for n in getattr(e, "__notes__", [])]
                 result.reproducer = _reproducer(lines + notes, kind, model, faults,
-                                                stats.failed_program)
+                                                stats.failed_program, factory)
                 break
             finally:
                 hypothesis.core.global_force_seed = saved
@@ -496,10 +548,13 @@ def run_campaign(
     results_dir: str = "results",
     profile: str = "ci",
     verbose: bool = False,
+    factory: str | None = None,
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
     ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
-    prints every transition never reached, with its reason (the report always has them)."""
+    prints every transition never reached, with its reason (the report always has them).
+    ``factory`` (``module:function``) drives clients a factory of the user's builds, of the
+    one kind ``client`` names, instead of the built-in ones."""
     from ..runtime import _mutants
 
     if client != "all" and client not in CLIENTS:
@@ -522,6 +577,14 @@ def run_campaign(
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if mutant is not None and mutant not in _mutants.BANK:
         raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
+    if factory is not None:
+        if client not in CLIENTS or client == "standalone":
+            raise ValueError(f"a factory builds clients of one kind: give client as one of"
+                             f" {[c for c in CLIENTS if c != 'standalone']}, not {client!r}")
+        if mutant is not None or mutants_all:
+            raise ValueError("the mutant bank seeds bugs in the built-in clients, not in a"
+                             " factory's: drop the factory or the mutants")
+        load_factory(factory)  # before the run: a bad reference costs nothing
     # Before the run, so a bad path costs nothing.
     out_dir = Path(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -569,7 +632,7 @@ def run_campaign(
     try:
         return _run_kinds(kinds, client=client, examples=examples, steps=steps, seed=seed,
                           faults=faults, duration=duration, model=model, profile=profile,
-                          out_dir=out_dir, verbose=verbose)
+                          out_dir=out_dir, verbose=verbose, factory=factory)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -592,7 +655,7 @@ def _hypothesis_home(out_dir: Path) -> Path | None:
 
 def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
                faults: bool, duration: float | None, model: str, profile: str,
-               out_dir: Path, verbose: bool = False) -> int:
+               out_dir: Path, verbose: bool = False, factory: str | None = None) -> int:
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
     # Engine processes log to a file in the results directory, not the terminal: most of what
@@ -609,7 +672,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
         return _run_kinds_logged(kinds, client=client, examples=examples, steps=steps,
                                  seed=seed, faults=faults, duration=duration, model=model,
                                  profile=profile, out_dir=out_dir, verbose=verbose,
-                                 engine_log=engine_log)
+                                 engine_log=engine_log, factory=factory)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -621,7 +684,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
 def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: int,
                       seed: int | None, faults: bool, duration: float | None, model: str,
                       profile: str, out_dir: Path, verbose: bool,
-                      engine_log: Path | None) -> int:
+                      engine_log: Path | None, factory: str | None = None) -> int:
     from ..runtime import _mutants
     from .oracle import Coverage
 
@@ -651,7 +714,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
             res, cov = _run_client(kind, examples=examples, steps=steps, seed=seed,
                                    faults=faults, duration=per_client, model=model,
                                    profile=profile, results_dir=out_dir,
-                                   shrink=not stop_at_first, progress=tick)
+                                   shrink=not stop_at_first, progress=tick, factory=factory)
             results.append(res)
             coverage.merge(cov)
             if stop_at_first and res.failure is not None:
@@ -673,7 +736,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
         "coverage": cov,
         "settings": {"client": client, "examples": examples, "steps": steps, "seed": seed,
                      "faults": faults, "duration": duration, "model": model,
-                     "profile": profile, "mutant": _mutants.ACTIVE},
+                     "profile": profile, "mutant": _mutants.ACTIVE, "factory": factory},
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }

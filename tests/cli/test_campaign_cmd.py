@@ -135,3 +135,61 @@ def test_campaign_takes_the_models_the_fault_matrix_takes(
     assert main(["campaign", "--client", "inproc", "--model", "smollm2-135m", "--examples", "1",
                  "--steps", "6", "--seed", "1", "--results-dir", str(tmp_path)]) == 0
     assert "verdict: OK" in capsys.readouterr().out
+
+
+_FACTORIES = '''
+from typing import Any
+
+from enginewire.runtime.config import EngineConfig
+from enginewire.runtime.mp_client import SyncMPClient
+from enginewire.testing.conformance import ClientUnderTest
+from enginewire.faults import FaultPlan
+
+CONFIG = EngineConfig(model="null", max_num_seqs=16, max_model_len=2048)
+
+
+class ForgetfulClient(SyncMPClient):
+    """A client of the user's own whose utility calls answer strings with a character
+    missing (a truncating decoder, say)."""
+
+    def call_utility(self, method: str, *args: Any, timeout: Any = None) -> Any:
+        result = super().call_utility(method, *args, timeout=timeout)
+        return result[:-1] if isinstance(result, str) and result else result
+
+
+def good(**options: Any) -> ClientUnderTest:
+    config = options.pop("config", CONFIG)
+    options.setdefault("engine_fault", FaultPlan(allow_arm=True))
+    trace: list = []
+    return ClientUnderTest(SyncMPClient(config, trace=trace, **options), "sync", trace)
+
+
+def forgetful(**options: Any) -> ClientUnderTest:
+    config = options.pop("config", CONFIG)
+    options.setdefault("engine_fault", FaultPlan(allow_arm=True))
+    trace: list = []
+    return ClientUnderTest(ForgetfulClient(config, trace=trace, **options), "sync", trace)
+'''
+
+
+def test_campaign_runs_a_factory_of_the_users_own_and_finds_its_bug(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--factory module:function`` from the command line, the module beside the caller (as
+    ``python -m`` finds it): a correct client passes, one that truncates replies fails, with a
+    reproducer that loads the same factory."""
+    (tmp_path / "user_factories.py").write_text(_FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["campaign", "--client", "sync", "--examples", "3", "--steps", "20", "--seed", "5",
+            "--results-dir", str(tmp_path / "r")]
+    assert main([*base, "--factory", "user_factories:good"]) == 0
+    assert "verdict: OK" in capsys.readouterr().out
+    assert main([*base, "--factory", "user_factories:forgetful"]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: FAILED on sync" in out
+    assert "load_factory('user_factories:forgetful')" in out
+    assert main([*base, "--factory", "user_factories:missing"]) == 2
+    assert "--factory" in capsys.readouterr().err
+    assert main(["campaign", "--client", "all", "--factory", "user_factories:good",
+                 "--results-dir", str(tmp_path / "r")]) == 2
