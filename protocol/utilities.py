@@ -25,6 +25,7 @@ from ..spec.engine import PAUSE_EVENTS
 
 __all__ = [
     "BY_NAME",
+    "LOOP_THREAD_METHODS",
     "PAUSE_MODES",
     "POWER_METHODS",
     "REMOTE_METHODS",
@@ -67,6 +68,9 @@ class Utility:
     check: str | None = None  # a statement run before the call (it raises on bad input)
     power: PowerReply | None = None
     remote: bool = True  # on the engine's allow-list
+    # Served on the engine's loop thread only, never on the idle fast path of its input
+    # thread: torch's profiler must start, stop and export on one thread (else SIGSEGV).
+    loop_thread: bool = False
     timeout_positional: bool = False  # echo(value, timeout): kept as it always was
     example: tuple[object, ...] | None = ()  # arguments safe on any engine; None: none are
 
@@ -85,7 +89,7 @@ UTILITIES: tuple[Utility, ...] = (
         Param("is_start", "bool", "True"), Param("path", "str | None", "None"),
     ), "str | None", "Start the engine's profiler, or stop it and get the trace file's path.",
         wire="*profile_args(is_start, path)",
-        convert="None if result is None else str(result)", example=None),
+        convert="None if result is None else str(result)", example=None, loop_thread=True),
     Utility("reset_prefix_cache", (), "bool",
             "Drop every cached prefix block; True when the cache was reset.",
             convert="bool(result)"),
@@ -115,6 +119,7 @@ UTILITIES: tuple[Utility, ...] = (
 BY_NAME: dict[str, Utility] = {u.name: u for u in UTILITIES}
 REMOTE_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.remote)
 POWER_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.power is not None)
+LOOP_THREAD_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.loop_thread)
 
 
 _WIDTH = 100  # ruff's line length: the generated file is linted like the rest

@@ -82,6 +82,7 @@ from ..protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.engine import EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import TraceEntry
@@ -720,6 +721,8 @@ class EngineCoreProc:
         sending its reply is the round trip's own time (it runs cold, after a wake-up), while
         code after the send overlaps the reply's way to the client. The busy loop, if woken
         here, waits for the engine lock, so nothing it sends can overtake the reply."""
+        if call.method in LOOP_THREAD_METHODS:
+            return False  # e.g. the profiler: one thread for start, stop and export
         lock = self._engine_lock
         if not lock.acquire(blocking=False):
             return False
