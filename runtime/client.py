@@ -23,6 +23,7 @@ import concurrent.futures
 import itertools
 import operator
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any, Self
@@ -54,6 +55,7 @@ from ..spec.errors import (
     ProtocolError,
     SpecViolation,
     UtilityError,
+    UtilityTimeoutError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import (
@@ -397,6 +399,20 @@ class SyncClientMixin(SyncUtilityMethods):
     declarations: runtime/_utilities.py)."""
 
 
+# How often an in-process deferred call with nothing to step looks at its shutdown flag.
+_IDLE_POLL_S = 0.01
+
+
+class _TimedOut(BaseException):
+    """Carries a deferred call's UtilityTimeoutError past the handler that turns the
+    engine's own exceptions into a UtilityError (a BaseException: ``except Exception`` must
+    not take it)."""
+
+    def __init__(self, error: UtilityTimeoutError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class InprocClient(SyncClientMixin, EngineCoreClient):
     """The engine in the caller's thread: ``get_output`` runs one step. No threads, sockets."""
 
@@ -477,7 +493,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
         return outputs
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        check_timeout(timeout)
+        timeout = check_timeout(timeout)
         check_method(method)
         check_no_dataclass(args)
         self.ensure_alive()
@@ -497,16 +513,9 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 self.ensure_alive()
                 result = self.engine.call_utility(wired.method, wired.args)
                 if isinstance(result, concurrent.futures.Future):
-                    # Nothing else steps the engine in-process: drive it until the reply.
-                    # A shutdown from another thread waits for this lock: end the call then
-                    # (as a pending call at shutdown ends), not after the drain.
-                    while not result.done():
-                        if self.is_closed:
-                            raise ClientClosedError(self._closed_message)
-                        outputs = self._step()
-                        if outputs.outputs or outputs.finished_requests:
-                            self._buffered.append(outputs)
-                    result = result.result()
+                    result = self._drive_deferred(result, method, timeout, lc)
+            except _TimedOut as e:  # its lifecycle already says so
+                raise e.error from None
             except (EngineDeadError, ClientClosedError) as e:
                 lc.fire(UtilityEvent.ENGINE_DIED if isinstance(e, EngineDeadError)
                         else UtilityEvent.CLIENT_SHUTDOWN)
@@ -527,6 +536,32 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             if wired.method in POWER_METHODS:
                 self._on_power_reply(wired.method, result)
         return result
+
+    def _drive_deferred(self, fut: concurrent.futures.Future[Any], method: str,
+                        timeout: float | None, lc: Lifecycle[Any, UtilityEvent]) -> Any:
+        """A deferred reply's result. Nothing else steps the engine in-process: it is
+        stepped while it has work; otherwise the future is waited on (a user's utility that
+        another thread resolves). A shutdown from another thread waits for the engine lock:
+        the call ends then (as a pending call at shutdown ends), not after the drain; and the
+        caller's timeout applies, as on every client."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        engine = self.engine
+        while not fut.done():
+            if self.is_closed:
+                raise ClientClosedError(self._closed_message)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                lc.fire(UtilityEvent.TIMEOUT)
+                assert timeout is not None
+                raise _TimedOut(UtilityTimeoutError(method, timeout))
+            if engine.has_unfinished_requests() or engine.has_pending_outputs():
+                outputs = self._step()
+                if outputs.outputs or outputs.finished_requests:
+                    self._buffered.append(outputs)
+            else:
+                concurrent.futures.wait([fut], timeout=_IDLE_POLL_S if left is None
+                                        else min(_IDLE_POLL_S, left))
+        return fut.result()
 
     def sleep(self, level: int = 1, mode: str = "abort", *,
               timeout: float | None = None) -> None:

@@ -436,6 +436,7 @@ class EngineCoreProc:
         self._guard = TransportGuard(self._ctx, curve, side="engine")
         self._threads: list[threading.Thread] = []
         self._deferred: set[concurrent.futures.Future[Any]] = set()
+        self._loop_thread: int | None = None  # the busy loop's thread, once it runs
         self._replies: list[UtilityOutput] = []
         self._input_ready = threading.Event()
         # A front end's connection completed its handshake at least once. Not _input_ready
@@ -943,11 +944,13 @@ class EngineCoreProc:
         self._fault(FaultPoint.AFTER_READY)
         if self._signals is not None:
             self._signals.arm(self.input_queue)
+        self._loop_thread = threading.get_ident()
         idle_rounds = 0
         while True:
             if not self._drain_input(block=not self._has_work(), idle_rounds=idle_rounds):
                 return
             if not self._has_work():
+                self._flush_replies()  # a deferred reply whose future just completed
                 continue
             outputs = self.engine.step()
             progressed = self._emit(outputs) | self._flush_replies()
@@ -1099,15 +1102,21 @@ class EngineCoreProc:
             self._deferred.add(result)
 
             def done(fut: concurrent.futures.Future[Any]) -> None:
-                self._deferred.discard(fut)
                 exc = fut.exception()
                 if exc is not None:
                     out = utility_output(call.call_id, call.method, error=exc)
                 else:
                     out = utility_output(call.call_id, call.method, result=fut.result())
                 # Completed inside step(): held until that step's outputs are queued, so a
-                # "wait" reply follows the last outputs it waited for.
+                # "wait" reply follows the last outputs it waited for. Queued before the
+                # future leaves _deferred: the loop, seeing no work left, flushes it then.
                 self._replies.append(out)
+                self._deferred.discard(fut)
+                if threading.get_ident() != self._loop_thread:
+                    # Completed by another thread (a user's utility resolving later): an
+                    # idle loop is parked on its input queue, and would send it only after
+                    # the next input; wake it to send it now.
+                    self.input_queue.put((_Control.WAKE, None))
 
             result.add_done_callback(done)
             return None
