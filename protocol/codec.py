@@ -33,7 +33,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, Generic, TypeVar, cast
 
 import msgspec
 
@@ -106,6 +106,8 @@ class Limits(msgspec.Struct, frozen=True):
     # max_frame_bytes): its arguments are untyped, and small containers decode to some 70
     # times their wire size, so this bound is what keeps a call's memory in proportion.
     max_call_bytes: int = 1024 * 1024
+    # SamplingParams.stop_token_ids (it had no bound: 64 MiB of stop ids took 0.92 GB).
+    max_stop_tokens: int = 4096
 
     def __post_init__(self) -> None:
         # A zero or negative bound would refuse every message (or, as libzmq's MAXMSGSIZE,
@@ -356,6 +358,12 @@ def _check_request(obj: EngineCoreRequest, limits: Limits) -> None:
             f"expected at most {limits.max_prompt_tokens} prompt tokens, got {n}"
             f" (request {obj.request_id!r})"
         )
+    n = len(obj.sampling_params.stop_token_ids)
+    if n > limits.max_stop_tokens:
+        raise ProtocolError(
+            f"expected at most {limits.max_stop_tokens} stop token ids, got {n}"
+            f" (request {obj.request_id!r})"
+        )
 
 
 def _check_outputs(obj: EngineCoreOutputs, limits: Limits) -> None:
@@ -403,18 +411,97 @@ class _AddSkeleton(msgspec.Struct, array_like=True, gc=False):
 _add_skeleton = msgspec.msgpack.Decoder(_AddSkeleton)
 
 
+class _SamplingSkeleton(msgspec.Struct, array_like=True, gc=False):
+    """SamplingParams' fields, skipped; only the stop ids' array header is read."""
+
+    max_tokens: msgspec.Raw = msgspec.Raw(b"")
+    temperature: msgspec.Raw = msgspec.Raw(b"")
+    top_p: msgspec.Raw = msgspec.Raw(b"")
+    top_k: msgspec.Raw = msgspec.Raw(b"")
+    seed: msgspec.Raw = msgspec.Raw(b"")
+    stop_token_ids: msgspec.Raw = msgspec.Raw(b"")
+
+
+_sampling_skeleton = msgspec.msgpack.Decoder(_SamplingSkeleton)
+
+
+class _OutputsSkeleton(msgspec.Struct, array_like=True, gc=False):
+    """EngineCoreOutputs' list fields as raw msgpack: their lengths, read from the headers."""
+
+    engine_index: msgspec.Raw = msgspec.Raw(b"")
+    outputs: msgspec.Raw = msgspec.Raw(b"")
+    timestamp: msgspec.Raw = msgspec.Raw(b"")
+    finished_requests: msgspec.Raw = msgspec.Raw(b"")
+    scheduler_stats: msgspec.Raw = msgspec.Raw(b"")
+    utility_output: msgspec.Raw = msgspec.Raw(b"")
+    stream_ids: msgspec.Raw = msgspec.Raw(b"")
+    stream_tokens: msgspec.Raw = msgspec.Raw(b"")
+
+
+_outputs_skeleton = msgspec.msgpack.Decoder(_OutputsSkeleton)
+
+
+def _array_len(raw: msgspec.Raw) -> int:
+    """The element count a msgpack array header says (0 for anything else: the typed decode
+    refuses a wrong type without allocating)."""
+    head = bytes(memoryview(raw)[:5])
+    if not head:
+        return 0
+    tag = head[0]
+    if 0x90 <= tag <= 0x9F:
+        return tag & 0x0F
+    if tag == 0xDC:
+        return int.from_bytes(head[1:3], "big")
+    if tag == 0xDD:
+        return int.from_bytes(head[1:5], "big")
+    return 0
+
+
+def _bound(count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise ProtocolError(f"expected at most {limit} {what}, got {count} (refused from the"
+                            " msgpack headers, before anything was decoded)")
+
+
+def _screen_large_outputs(payload: Frame, limits: Limits) -> None:
+    """Before a large batch is decoded (client side): its lists' lengths, from their headers."""
+    try:
+        head = _outputs_skeleton.decode(payload)
+    except msgspec.MsgspecError:
+        return  # the full decode reports it
+    except RecursionError as e:
+        raise ProtocolError(f"expected EngineCoreOutputs, got msgpack nested too deeply ({e})"
+                            ) from e
+    _bound(_array_len(head.outputs) + _array_len(head.stream_ids), limits.max_batch,
+           "outputs in a batch")
+    _bound(_array_len(head.stream_tokens), limits.max_batch, "stream tokens in a batch")
+    _bound(_array_len(head.finished_requests), limits.max_batch, "finished ids")
+
+
 def _screen_large_add(payload: Frame, limits: Limits) -> None:
     """Before a large ADD is decoded: its ``tensors`` values must be arrays. Typed ``Any``
     (they are ext values), anything else there would decode untyped, some 70 times its size
     (a 20 MB ADD of empty maps took an engine to 1.5 GB)."""
     try:
-        _add_skeleton.decode(payload)
+        head = _add_skeleton.decode(payload)
     except msgspec.ValidationError as e:
         raise ProtocolError(
             f"expected EngineCoreRequest.tensors to map names to arrays (a payload over"
             f" {limits.max_call_bytes} bytes is screened before it is decoded): {e}") from e
     except msgspec.DecodeError:
-        pass  # the full decode reports it
+        return  # the full decode reports it
+    except RecursionError as e:  # nested deeper than any request is: still the peer's
+        raise ProtocolError(f"expected an EngineCoreRequest, got msgpack nested too deeply"
+                            f" to decode ({e})") from e
+    # Counts from the array headers, before any list exists (a 100 MB prompt decoded to
+    # 0.86 GB, 64 MiB of stop ids to 0.92 GB, before the count was checked).
+    _bound(_array_len(head.prompt_token_ids), limits.max_prompt_tokens, "prompt tokens")
+    if len(head.sampling_params):
+        try:
+            sp = _sampling_skeleton.decode(head.sampling_params)
+        except (msgspec.MsgspecError, RecursionError):
+            return  # the full decode reports it
+        _bound(_array_len(sp.stop_token_ids), limits.max_stop_tokens, "stop token ids")
 
 
 class Decoder(Generic[T]):
@@ -436,9 +523,19 @@ class Decoder(Generic[T]):
             # A call's payload is refused past this; an ADD's is screened (_screen_large_add).
             self._max_payload = min(limits.max_call_bytes, limits.max_frame_bytes)
         self._aux: Sequence[Frame] = ()
+        self._too_long: str | None = None  # what a too-long top-level array is refused as
+        decoded: Any = type_
+        if type_ == list[str]:
+            # An ABORT's ids: msgspec refuses a longer array from its header, before one id
+            # exists (64 MiB of 2-character ids decoded to 1.6 GB, then failed the count).
+            decoded = Annotated[list[str], msgspec.Meta(max_length=limits.max_batch)]
+            self._too_long = f"expected at most {limits.max_batch} request ids"
         self._dec: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(
-            type_, ext_hook=self._ext_hook
+            decoded, ext_hook=self._ext_hook
         )
+        if type_ is EngineCoreOutputs:
+            # Batches under this size cannot hold more than max_batch of anything.
+            self._max_payload = min(self._max_payload, limits.max_batch)
         self._check = _POST_CHECKS.get(type_)
         self._any_dec: msgspec.msgpack.Decoder[Any] | None = None
         # msgspec's own decode of one payload frame: the type is checked, not the size bound
@@ -468,6 +565,9 @@ class Decoder(Generic[T]):
         except ProtocolError:
             raise
         except msgspec.ValidationError as e:
+            if self._too_long is not None and "of length <=" in str(e):
+                raise ProtocolError(f"{self._too_long} (refused from the array header: {e})"
+                                    ) from e
             raise ProtocolError(f"expected a valid {self._name}: {e}") from e
         except msgspec.DecodeError as e:
             raise ProtocolError(f"expected msgpack of a {self._name}: {e}") from e
@@ -510,6 +610,9 @@ class Decoder(Generic[T]):
         if _nbytes(seq[0]) > self._max_payload:
             if self.type is EngineCoreRequest:
                 _screen_large_add(seq[0], limits)
+                return
+            if self.type is EngineCoreOutputs:
+                _screen_large_outputs(seq[0], limits)
                 return
             raise ProtocolError(
                 f"expected a utility call payload of at most {limits.max_call_bytes} bytes"
@@ -771,8 +874,45 @@ def peek_request_id(frames: Sequence[Frame]) -> str | None:
     would stay live at its client forever. Callers shorten it for log lines themselves."""
     try:
         return _add_head.decode(frames[0]).request_id
+    except RecursionError:  # a well-formed head, and the rest nested past what decodes
+        try:
+            return _first_str_of_array(frames[0])
+        except Exception:
+            return None
     except Exception:
         return None
+
+
+def _first_str_of_array(frame: Frame) -> str | None:
+    """The first element of a msgpack array when it is a str, read from the headers alone
+    (a decode would walk the whole payload first: a deeply nested prompt then raised
+    RecursionError and cost the request its ERROR output); None for any other shape."""
+    buf = memoryview(frame).cast("B") if not isinstance(frame, bytes) else frame
+    if not buf:
+        return None
+    tag, at = buf[0], 1
+    if 0x90 <= tag <= 0x9F:
+        pass
+    elif tag == 0xDC:
+        at = 3
+    elif tag == 0xDD:
+        at = 5
+    else:
+        return None
+    if len(buf) <= at:
+        return None
+    tag = buf[at]
+    if 0xA0 <= tag <= 0xBF:
+        start, size = at + 1, tag & 0x1F
+    elif tag in (0xD9, 0xDA, 0xDB):
+        width = {0xD9: 1, 0xDA: 2, 0xDB: 4}[tag]
+        start = at + 1 + width
+        size = int.from_bytes(bytes(buf[at + 1:start]), "big")
+    else:
+        return None
+    if len(buf) < start + size:
+        return None
+    return bytes(buf[start:start + size]).decode("utf-8")
 
 
 def peek_call_id(frames: Sequence[Frame]) -> int | None:
@@ -1080,12 +1220,27 @@ def send_frames(
     return tracker
 
 
-def recv_rest(sock: zmq.Socket[Any], frames: list[Any]) -> list[Any]:
+def recv_rest(sock: zmq.Socket[Any], frames: list[Any],
+              max_frames: int | None = None) -> list[Any]:
     """Append the rest of a message whose first part was received and said more follows
-    (zero-copy; the parts of a message arrive together, so this never waits)."""
+    (zero-copy; the parts of a message arrive together, so this never waits).
+
+    With ``max_frames``, parts past that count are read one by one and released as they are
+    read, never held together, and the message is refused (``ProtocolError``) once it is
+    all read, so the socket stays in step. (libzmq delivers a multi-part message only once
+    every part has arrived: what it holds until then is bounded by ``ZMQ_MAXMSGSIZE`` per
+    part only; docs/security.md.)"""
     recv = sock.recv
     while True:
         frame = recv(0, copy=False)
-        frames.append(frame)
+        if max_frames is None or len(frames) < max_frames:
+            frames.append(frame)
+        else:
+            extra = 1
+            while frame.more:
+                frame = recv(0, copy=False)  # the previous part is released here
+                extra += 1
+            raise ProtocolError(f"expected at most {max_frames} frames in a message, got"
+                                f" {len(frames) + extra} (the rest were read and dropped)")
         if not frame.more:
             return frames

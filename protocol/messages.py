@@ -210,6 +210,27 @@ input ends that front end's session (the session's end, above), not the engine: 
 link must not take down an engine that serves front ends one after another. The same
 failure on the front end's side is its own to handle (``MPClient``: engine dead).
 
+## Bounds (``protocol.codec.Limits``)
+
+Every bound is checked before the memory it guards is held:
+
+* ``max_frame_bytes`` (256 MiB): one frame; libzmq refuses a larger one from its header
+  (``ZMQ_MAXMSGSIZE``) and drops the connection.
+* ``max_frames`` (64): parts of one message; past it the rest are read one at a time and
+  released as read, and the message is refused (an ADD's id, when readable, gets ``ERROR``).
+  libzmq delivers a multi-part message only once all its parts have arrived, so until then
+  it holds them, bounded per part by ``max_frame_bytes`` only.
+* ``max_call_bytes`` (1 MiB): a UTILITY's payload (its arguments decode untyped); an ADD
+  over it is screened from its msgpack headers before it is decoded.
+* ``max_prompt_tokens`` (2**20) and ``max_stop_tokens`` (4096): an ADD's
+  ``prompt_token_ids`` and ``stop_token_ids``, read from their array headers in a screened
+  ADD (a smaller one cannot hold more elements than it has bytes).
+* ``max_batch`` (2**16): an ABORT's ids (msgspec refuses a longer array from its header),
+  and a batch's ``outputs`` + ``stream_ids``, ``stream_tokens`` and ``finished_requests``
+  (screened from the headers of a batch over 64 KiB, on the front end).
+* Nesting: msgpack nested deeper than the decoder recurses is a malformed message
+  (``ProtocolError``), never a ``RecursionError``; an ADD's id is still read from its head.
+
 ## Versioning
 
 Evolution rule (msgspec's schema-evolution guide): Structs are ``array_like`` (positional),

@@ -470,6 +470,8 @@ class EngineCoreProc:
         self._call_decoder = Decoder(UtilityRequest, limits)
         self._decode_call = self._call_decoder.decode_unchecked
         self._max_call_frame = 1 + limits.max_call_bytes  # the type byte, then the payload
+        # Parts held per message: the payload's frames, and the integrity trailer.
+        self._max_parts = limits.max_frames + 1
         self._reply_encoder = msgspec.msgpack.Encoder()
         self._fast_calls = not integrity and not self._reuse_early
         self._last_send = 0.0
@@ -632,15 +634,20 @@ class EngineCoreProc:
         parts (aux frames, the integrity trailer) when it has them: parts of one message
         arrive together, so that never waits."""
         frames: list[Any] = [first]
+        try:
+            if (self._refused or first[:1] == _ATTACH_BYTE or self._integrity is not None
+                    ) and sock.get(ZMQ_RCVMORE):
+                # The whole message (an ATTACH or a refused peer's, whatever it is), or the
+                # integrity trailer and the aux frames before it.
+                recv_rest(sock, frames, self._max_parts)
+        except ProtocolError as e:  # more parts than any message has: read, dropped
+            self._reject(first, e)
+            return
         if self._refused or first[:1] == _ATTACH_BYTE:
-            if sock.get(ZMQ_RCVMORE):
-                recv_rest(sock, frames)  # the whole message, whatever it is
             if first[:1] == _ATTACH_BYTE:
                 self._accept_attach(frames)  # unsealed: it starts the counts afresh
             return
         if self._integrity is not None:
-            if sock.get(ZMQ_RCVMORE):
-                recv_rest(sock, frames)  # the trailer, and aux frames before it
             try:
                 frames = self._integrity.open(frames)
             except ProtocolError as e:
@@ -659,7 +666,8 @@ class EngineCoreProc:
                 # fails alone; with them it may decode. A message without more fails as is.
                 if self._integrity is not None or not sock.get(ZMQ_RCVMORE):
                     raise
-                kind, payload = decode_input(recv_rest(sock, frames), self.limits)
+                frames = recv_rest(sock, frames, self._max_parts)
+                kind, payload = decode_input(frames, self.limits)
         except ProtocolError as e:
             if _mutants.active("input_thread_dies_on_malformed_frame"):
                 raise

@@ -138,6 +138,9 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
+# Parts of one engine message the client holds (payload, aux frames, integrity trailer):
+# the rest of a longer one is read and released part by part, and the message refused.
+_MAX_PARTS = DEFAULT_LIMITS.max_frames + 1
 
 READY_TIMEOUT_ENV = "ENGINEWIRE_ENGINE_READY_TIMEOUT_S"
 DEFAULT_READY_TIMEOUT_S = 120.0
@@ -1172,7 +1175,7 @@ class MPClient(EngineCoreClient):
 
     def _before_marker(self, first: bytes, sock: zmq.Socket[Any]) -> None:
         """``_on_message`` until the attach marker: only the marker and the sentinel count."""
-        frames = recv_rest(sock, [first]) if sock.get(ZMQ_RCVMORE) else [first]
+        frames = recv_rest(sock, [first], _MAX_PARTS) if sock.get(ZMQ_RCVMORE) else [first]
         if self._stamp_seen:
             self.resources.last_seen[0] = time.monotonic()  # a message: the engine is alive
         if is_dead_sentinel(frames):
@@ -1553,7 +1556,7 @@ class MPClient(EngineCoreClient):
                     raise
         elif not sock.get(ZMQ_RCVMORE):
             return self._on_frames([first])  # no trailer: integrity reports it
-        return self._on_frames(recv_rest(sock, [first]))
+        return self._on_frames(recv_rest(sock, [first], _MAX_PARTS))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engine pid={self.engine_pid} {self.lifecycle.state.name}>"
