@@ -369,17 +369,26 @@ def _reconnect(sock: zmq.Socket[Any], address: str) -> None:
     sock.connect(address)
 
 
+class _SendAbandoned(Exception):
+    """A send still blocked past the engine's stop deadline: its peer is gone or stalled."""
+
+
 def _send_reconnecting(
-    sock: zmq.Socket[Any], address: str, link: _Link, send: Callable[[], T]
+    sock: zmq.Socket[Any], address: str, link: _Link, send: Callable[[], T],
+    give_up: Callable[[], bool] | None = None,
 ) -> T:
     """``send()`` under the socket's SNDTIMEO, connecting again whenever the link dropped
-    for good (a peer with no pipe would otherwise block the send for good)."""
+    for good (a peer with no pipe would otherwise block the send for good). ``give_up``
+    (asked at each SNDTIMEO) ends the retries with ``_SendAbandoned``: a stopping engine
+    must not wait on a peer that no longer reads."""
     while True:
         if link.take_due():
             _reconnect(sock, address)
         try:
             return send()
         except zmq.Again:
+            if give_up is not None and give_up():
+                raise _SendAbandoned from None
             continue
 
 
@@ -437,6 +446,8 @@ class EngineCoreProc:
         self._threads: list[threading.Thread] = []
         self._deferred: set[concurrent.futures.Future[Any]] = set()
         self._loop_thread: int | None = None  # the busy loop's thread, once it runs
+        # Set by close(): past it a send that still blocks is abandoned (its peer is gone).
+        self._stop_by: float | None = None
         self._replies: list[UtilityOutput] = []
         self._input_ready = threading.Event()
         # A front end's connection completed its handshake at least once. Not _input_ready
@@ -823,8 +834,18 @@ class EngineCoreProc:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
         link = _Link()  # reconnect after a protocol error only (see _Link)
-        self._guard.connect_as_client(sock, "output", on_drop=link.drop,
-                                      on_connect=link.mend, on_retry=link.mend)
+        peer = threading.Event()  # a front end's connection is up (the monitor says)
+
+        def dropped() -> None:
+            peer.clear()
+            link.drop()
+
+        def connected() -> None:
+            peer.set()
+            link.mend()
+
+        self._guard.connect_as_client(sock, "output", on_drop=dropped,
+                                      on_connect=connected, on_retry=link.mend)
         hb = self.heartbeat_interval_s
         try:
             sock.connect(address)
@@ -838,12 +859,19 @@ class EngineCoreProc:
                 except queue.Empty:
                     # Idle heartbeat: lets an attached client tell "idle" from "gone". Direct
                     # sends count as traffic, so a busy link carries no extra heartbeats.
+                    # Only to a connected peer whose pipe has room: a beat queued for nobody
+                    # is stale when it arrives, and a standalone engine alone for long filled
+                    # its pipe with them until a send blocked for good (SIGTERM then wedged).
                     with self._out_lock:
                         if self._out_pending == 0 and (
                             hb is None or time.monotonic() - self._last_send >= hb
                         ):
-                            self._send_locked(EngineCoreOutputs(
-                                engine_index=self.engine_index, timestamp=EngineCoreOutputs.now()))
+                            if peer.is_set() and sock.poll(0, zmq.POLLOUT):
+                                self._send_locked(EngineCoreOutputs(
+                                    engine_index=self.engine_index,
+                                    timestamp=EngineCoreOutputs.now()))
+                            else:
+                                self._last_send = time.monotonic()  # next beat: an interval on
                     continue
                 if item is _STOP:
                     return
@@ -853,6 +881,10 @@ class EngineCoreProc:
                 if isinstance(item, bytes):  # the engine-dead sentinel: nothing follows it
                     return
         except zmq.ContextTerminated:
+            return
+        except _SendAbandoned:
+            logger.warning("engine stopping: its front end stopped reading; outputs still"
+                           " queued for it are dropped")
             return
         except BaseException:
             logger.exception("engine output thread failed")
@@ -871,12 +903,13 @@ class EngineCoreProc:
         if out is None:
             return
         sock, address, link = out
+        give_up = self._past_stop
         if isinstance(item, bytes):  # the engine-dead sentinel
-            _send_reconnecting(sock, address, link, functools.partial(sock.send, item))
+            _send_reconnecting(sock, address, link, functools.partial(sock.send, item), give_up)
             return
         if type(item) is _Encoded:  # a direct send that found the pipe full
             _send_reconnecting(sock, address, link, functools.partial(
-                send_frames, sock, item.frames))
+                send_frames, sock, item.frames), give_up)
             self._last_send = time.monotonic()
             return
         if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
@@ -888,7 +921,7 @@ class EngineCoreProc:
             frames = [*frames, self._integrity.seal(frames, restart=mode)]
         # The payload's own tracker decides when ``buf`` may be reused.
         tracker = _send_reconnecting(sock, address, link, functools.partial(
-            send_frames, sock, frames, track=True))
+            send_frames, sock, frames, track=True), give_up)
         if self._reuse_early:
             sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
         pool.release(buf, tracker)
@@ -915,6 +948,10 @@ class EngineCoreProc:
                     return
             self._out_pending += 1
             self.output_queue.put(item)
+
+    def _past_stop(self) -> bool:
+        stop_by = self._stop_by
+        return stop_by is not None and time.monotonic() > stop_by
 
     def _send_failed(self, error: BaseException) -> None:
         """A direct send raised: nothing more can reach the client, so the engine stops."""
@@ -1155,6 +1192,8 @@ class EngineCoreProc:
         """Queue the sentinel and give the output thread a bounded time to flush it."""
         if self.engine is not None and self.engine.lifecycle.can(EngineEvent.FATAL_ERROR):
             self.engine.lifecycle.fire(EngineEvent.FATAL_ERROR)
+        if self._stop_by is None:  # a send blocked on a gone peer must not hold the exit
+            self._stop_by = time.monotonic() + OUTPUT_FLUSH_S
         self._put_output(ENGINE_DEAD_SENTINEL, direct=False)
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
@@ -1165,6 +1204,10 @@ class EngineCoreProc:
     def close(self, *, say_gone: bool = False) -> None:
         """Shut the engine down, flush its last outputs, stop the IO threads; bounded.
         ``say_gone``: end with the engine-dead sentinel if a front end is attached."""
+        # The last outputs get OUTPUT_FLUSH_S to leave, if a front end ever connected; a
+        # send blocked past that is abandoned, so no stop waits on a peer that stopped reading.
+        self._stop_by = time.monotonic() + (
+            OUTPUT_FLUSH_S if self._peer_seen.is_set() else 0.1)
         if self.engine is not None:
             try:
                 self._fault(FaultPoint.SHUTDOWN)
