@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ import pytest
 from enginewire import make_client
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import EngineCoreProc, _Control
 from enginewire.spec import UtilityTimeoutError
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")
@@ -43,36 +41,14 @@ def _install(engine: Any) -> None:
 
 
 @pytest.fixture(params=["inproc", "sync", "async"])
-def client(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+def client(request: pytest.FixtureRequest, attach_client: Any) -> Iterator[Any]:
     if request.param == "inproc":
         with make_client(CONFIG, multiprocess=False, asyncio=False) as c:
             _install(c.engine)
             yield c
         return
-    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
-    holder: dict[str, Any] = {}
-
-    def serve() -> None:
-        proc = EngineCoreProc(CONFIG, input_address=inp, output_address=out)
-        _install(proc.engine)
-        holder["proc"] = proc
-        try:
-            proc.run_busy_loop()
-        finally:
-            proc.close()
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    c = make_client(CONFIG, multiprocess=True, asyncio=request.param == "async",
-                    launch_engine=False, input_address=inp, output_address=out,
-                    ready_timeout_s=BOUND_S)
-    try:
+    with attach_client(CONFIG, _install, asyncio=request.param == "async") as c:
         yield c
-    finally:
-        c.shutdown()
-        if "proc" in holder:
-            holder["proc"].input_queue.put((_Control.SHUTDOWN, None))
-        server.join(BOUND_S)
 
 
 def _call(c: Any, method: str, *args: Any, timeout: float) -> Any:

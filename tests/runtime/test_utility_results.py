@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +27,6 @@ from enginewire.protocol.codec import (
 )
 from enginewire.protocol.messages import EngineCoreOutputs
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import EngineCoreProc, _Control
 from enginewire.spec import UtilityError
 
 torch.set_num_threads(1)
@@ -111,35 +108,10 @@ def _install(engine: Any) -> None:
 
 
 @pytest.fixture
-def attached(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A sync or async subprocess-style client attached to an engine whose loop runs on a
-    thread here (so the test can give it utilities of its own)."""
-    inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
-    holder: dict[str, Any] = {}
-
-    def serve() -> None:
-        proc = EngineCoreProc(CONFIG, input_address=inp, output_address=out)
-        _install(proc.engine)
-        holder["proc"] = proc
-        try:
-            proc.run_busy_loop()
-        finally:
-            proc.close()
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    client = make_client(CONFIG, multiprocess=True, asyncio=request.param == "async",
-                         launch_engine=False, input_address=inp, output_address=out,
-                         ready_timeout_s=BOUND_S)
-    try:
+def attached(attach_client: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A sync or async client attached to an engine with the utilities above."""
+    with attach_client(CONFIG, _install, asyncio=request.param == "async") as client:
         yield client
-    finally:
-        client.shutdown()
-        proc = holder.get("proc")
-        if proc is not None:
-            proc.input_queue.put((_Control.SHUTDOWN, None))
-        server.join(BOUND_S)
-        assert not server.is_alive()
 
 
 def _call(client: Any, method: str, *args: Any) -> Any:
