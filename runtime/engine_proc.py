@@ -354,6 +354,11 @@ class _Link:
     def mend(self) -> None:
         self._dropped_at = None
 
+    def due_in(self) -> float | None:
+        """Seconds until ``take_due`` turns true; None while the link is not down."""
+        at = self._dropped_at
+        return None if at is None else max(0.0, at + DROP_GRACE_S - time.monotonic())
+
     def take_due(self) -> bool:
         """True (once) when the link dropped DROP_GRACE_S ago and libzmq is not on it."""
         at = self._dropped_at
@@ -540,13 +545,18 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, 0)
         # libzmq drops the connection on a larger frame before allocating it, and after such
         # a protocol error (or a refused handshake) it does not reconnect: the monitor
-        # reports the drop, and this thread (woken by its poll's timeout or SNDTIMEO)
-        # connects again.
+        # reports the drop and wakes this thread's poll, which connects again once the
+        # drop's grace (DROP_GRACE_S) ended.
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         sock.setsockopt(zmq.RCVTIMEO, int(BUSY_RECV_S * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
+        # Queue only on a connection whose handshake completed, and drop what is queued when
+        # it goes: a ready must reach the front end on the connection it announces. Without
+        # this a ready sent while the link was down waited in the pipe and arrived on the
+        # next connection ahead of that one's own ready; a front end that took the extra one
+        # as the next re-ready sent into a link about to drop (#27: 1 ATTACH in 8 lost).
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         link = _Link()
         # Every connection that completes its handshake may be a new front end, which learns
         # of this engine only from a ready (a duplicate to the same front end is ignored).
@@ -554,6 +564,7 @@ class EngineCoreProc:
         # goes out at once (it used to wait for a receive timeout: 0.5 s per attach).
         connects = itertools.count(1)
         connected = [0]  # handshakes so far (counted by the monitor thread)
+        readied = [0]  # the handshake count when the ready was last sent (this thread)
         wakeup = _Wakeup()
 
         def on_connect() -> None:
@@ -562,22 +573,42 @@ class EngineCoreProc:
             connected[0] = next(connects)
             wakeup.set()
 
+        def on_drop() -> None:
+            link.drop()
+            wakeup.set()  # the poll then waits only until the link is due for mending
+
+        def send_ready() -> None:
+            """One ready per completed handshake, on that connection or not at all: if it
+            dropped since (no pipe: not writable), the next handshake brings its own. The
+            EVENTS read (unlike a send) processes libzmq's pending commands, the new pipe's
+            attachment among them, so it cannot miss a connection that is there."""
+            readied[0] = connected[0]
+            if sock.get(zmq.EVENTS) & zmq.POLLOUT:
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart(ready_frames, zmq.NOBLOCK, copy=False)
+                    self._input_ready.set()
+
         try:
-            self._guard.connect_as_client(sock, "input", on_drop=link.drop,
+            self._guard.connect_as_client(sock, "input", on_drop=on_drop,
                                           on_connect=on_connect, on_retry=link.mend)
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             wake_fd = wakeup.fileno()  # a poll reports an fd by its number
             poller.register(wake_fd, zmq.POLLIN)
             idle_ms = int(IDLE_WAKE_S * 1000)
-            sock.connect(address)
             ready_frames = Encoder().encode(ready)
-            _send_reconnecting(sock, address, link,
-                               functools.partial(sock.send_multipart, ready_frames, copy=False))
-            readied = connected[0]  # the handshake count when the ready was last sent
-            self._input_ready.set()
+            sock.connect(address)
+            if self._guard.curve is None:
+                # A plain engine waits for its front end without a deadline; the first ready
+                # goes out at the first handshake, as every later one does (a CURVE engine's
+                # start-up waits for it: security.md).
+                self._input_ready.set()
             recv = sock.recv
             while True:
+                if connected[0] != readied[0]:
+                    # A handshake while messages keep coming: announce it now, not at the
+                    # next idle moment, when that connection may have gone.
+                    send_ready()
                 # A message's first frame (type byte + payload) is received as plain bytes:
                 # 0.4 µs against 2 for a Frame and its more flag. Further parts are read only
                 # when the payload refers to them or a trailer follows (``_accept``).
@@ -587,15 +618,16 @@ class EngineCoreProc:
                     return
                 except zmq.Again:
                     # Idle for BUSY_RECV_S: wait for a message, a handshake (the ready goes
-                    # out at once), or IDLE_WAKE_S (a dropped link is mended at each wake-up).
+                    # out at once), IDLE_WAKE_S, or a dropped link's grace to end (it is then
+                    # mended).
                     while True:
                         if link.take_due():
                             _reconnect(sock, address)
-                        if connected[0] != readied:
-                            readied = connected[0]
-                            _send_reconnecting(sock, address, link, functools.partial(
-                                sock.send_multipart, ready_frames, copy=False))
-                        events = dict(poller.poll(idle_ms))
+                        if connected[0] != readied[0]:
+                            send_ready()
+                        due = link.due_in()
+                        wait_ms = idle_ms if due is None else min(idle_ms, int(due * 1000) + 1)
+                        events = dict(poller.poll(wait_ms))
                         if wake_fd in events:
                             wakeup.clear()
                         if sock in events:
