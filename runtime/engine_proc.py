@@ -583,7 +583,7 @@ class EngineCoreProc:
             EVENTS read (unlike a send) processes libzmq's pending commands, the new pipe's
             attachment among them, so it cannot miss a connection that is there."""
             readied[0] = connected[0]
-            if sock.get(zmq.EVENTS) & zmq.POLLOUT:
+            if int(sock.get(zmq.EVENTS)) & zmq.POLLOUT:
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart(ready_frames, zmq.NOBLOCK, copy=False)
                     self._input_ready.set()
