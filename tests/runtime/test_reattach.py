@@ -7,6 +7,7 @@ before the attach marker, and nothing of it reaches the new front end.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -400,6 +401,9 @@ def test_a_front_end_expecting_another_engine_index_is_told_so(tmp_path: Path) -
 
 
 def _own_fds() -> int:
+    # Collect first: an fd held by an earlier test's garbage may close during this one, so a
+    # leak is more fds than before, never merely a different count.
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -442,7 +446,7 @@ def test_the_ready_goes_out_at_a_new_front_ends_handshake(
     finally:
         proc.close()
         ctx.destroy(linger=0)
-    assert _own_fds() == fds
+    assert _own_fds() <= fds
     assert set(threading.enumerate()) <= threads
 
 
