@@ -57,7 +57,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
@@ -588,9 +588,10 @@ class BackgroundResources:
             if proc.is_alive():
                 proc.terminate()
                 # A stopped engine (SIGSTOP, a debugger) would hold SIGTERM pending and cost
-                # the whole grace: let it run to handle it.
-                with contextlib.suppress(OSError):
-                    os.kill(proc.pid, signal.SIGCONT)
+                # the whole grace: let it run to handle it (only a pid on this host).
+                if getattr(proc, "local", True) and proc.pid is not None:
+                    with contextlib.suppress(OSError):
+                        os.kill(proc.pid, signal.SIGCONT)
                 proc.join(None if math.isinf(timeout) else timeout)
             if proc.is_alive():
                 logger.warning("engine core did not stop within %.1f s; killing it", timeout)
@@ -821,6 +822,40 @@ def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
 
 
 # Every multi-process client of this process, for the fork hook below.
+class EngineProcess(Protocol):
+    """What the client needs of a started engine: ``multiprocessing.Process``'s subset. A
+    handle for an engine elsewhere (a Ray actor) answers the same; its ``local`` is False,
+    so no signal is sent to its pid on this host."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+
+    def is_alive(self) -> bool: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def close(self) -> None: ...
+
+
+EngineLauncher = Callable[[type, bytes, dict[str, Any], str], EngineProcess]
+
+
+def _spawn_engine(config_type: type, config: bytes, kwargs: dict[str, Any], name: str
+                  ) -> EngineProcess:
+    """The default launcher: a spawned subprocess on this host."""
+    from .engine_proc import _process_main
+
+    mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
+    proc = mp.Process(target=_process_main, args=(config_type, config, kwargs), name=name,
+                      daemon=True)
+    proc.start()
+    return proc
+
+
 _CLIENTS: weakref.WeakSet[MPClient] = weakref.WeakSet()
 
 
@@ -867,6 +902,10 @@ class MPClient(EngineCoreClient):
         engine_curve: CurveConfig | None = None,
         allow_insecure_tcp: bool = False,
         engine_limits: Any = None,  # protocol.codec.Limits for the launched engine's input
+        # Starts the engine instead of a local spawn: (config type, encoded config, the
+        # engine's keyword arguments, process name) -> a started process-like handle (see
+        # ``EngineLauncher``). The Ray backend places engines with one (ray_backend.py).
+        engine_launcher: EngineLauncher | None = None,
     ) -> None:
         # Refused before anything is created: a deadline the waits cannot hold (inf, nan, a
         # negative one) would otherwise surface later as a dead monitor or a hang.
@@ -891,6 +930,9 @@ class MPClient(EngineCoreClient):
         for name, index in (("engine_index", engine_index), ("client_index", client_index)):
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 1 << 16:
                 raise ValueError(f"{name}={index!r}: must be an integer in [0, 65535]")
+        if engine_launcher is not None and not callable(engine_launcher):
+            raise ValueError(f"engine_launcher={engine_launcher!r}: must be callable")
+        self._launcher = engine_launcher
         super().__init__(config, trace=trace)
         # Read by _start (security.py): transport, keys, and the engine's input bounds.
         self._security = (transport, curve, engine_curve, allow_insecure_tcp, engine_limits)
@@ -1000,8 +1042,6 @@ class MPClient(EngineCoreClient):
                     res.bound_ipc_paths.append((path, _file_id(os.lstat(path))))
 
         if launch_engine:
-            from .engine_proc import _process_main
-
             if heartbeat_timeout_s and heartbeat_interval_s is None:
                 # A deadline without beats would declare every idle engine dead.
                 heartbeat_interval_s = heartbeat_timeout_s / 4
@@ -1022,14 +1062,10 @@ class MPClient(EngineCoreClient):
                 "integrity": self._integrity is not None,
                 **engine_kwargs,
             }
-            proc = mp.Process(
-                target=_process_main,
-                args=(type(self.config), msgspec.msgpack.encode(self.config), kwargs),
-                name=f"EngineCore_{self.engine_index}",
-                daemon=True,
-            )
+            launcher = self._launcher or _spawn_engine
             try:
-                proc.start()
+                proc = launcher(type(self.config), msgspec.msgpack.encode(self.config), kwargs,
+                                f"EngineCore_{self.engine_index}")
             finally:
                 report_w.close()  # the child has its own copy: EOF once it exits
             res.proc = proc
@@ -1932,9 +1968,14 @@ class SyncMPClient(SyncClientMixin, MPClient):
     """Blocking client: a reader thread feeds a ``queue.Queue`` that ``get_output`` reads."""
 
     def __init__(self, config: Any, **options: Any) -> None:
-        self._outputs: queue.Queue[Any] = queue.Queue()
+        self._outputs: queue.Queue[Any] = self._new_output_queue()
         self._reader: _SyncReader | None = None
         super().__init__(config, **options)
+
+    def _new_output_queue(self) -> queue.Queue[Any]:
+        """The queue batches and markers go to (a data-parallel member's also wakes the
+        client that reads every member: dp_client.py)."""
+        return queue.Queue()
 
     def _start_reader(self) -> None:
         res = self.resources
@@ -2116,7 +2157,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             raise ClientClosedError(self._closed_message)
         # Batches and markers queued on a closed loop's queue are carried over unread.
         kept = _drain(self._outputs) if self._outputs is not None else []
-        outputs = self._outputs = asyncio.Queue()
+        outputs = self._outputs = self._new_output_queue()
         for x in kept:
             outputs.put_nowait(x)
         self._loop = loop
@@ -2166,6 +2207,10 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         on_readable()
         if self.is_dead and not any(x is _DEAD for x in kept):
             outputs.put_nowait(_DEAD)
+
+    def _new_output_queue(self) -> asyncio.Queue[Any]:
+        """See ``SyncMPClient._new_output_queue``; made on the loop the reader binds to."""
+        return asyncio.Queue()
 
     def _wake_waiters(self, marker: object) -> None:
         self._call_on_loop(lambda: self._outputs.put_nowait(marker) if self._outputs else None)

@@ -15,6 +15,7 @@ from .errors import (
     UtilityTimeoutError,
 )
 from .machine import Lifecycle, Machine, TraceEntry, Transition, validate_trace
+from .membership import MEMBERSHIP, MembershipEvent, MembershipState
 from .request import (
     CLIENT_REQUEST,
     ENGINE_REQUEST,
@@ -34,6 +35,7 @@ __all__ = [
     "ENGINE",
     "ENGINE_REQUEST",
     "MACHINES",
+    "MEMBERSHIP",
     "UTILITY",
     "ClientClosedError",
     "ClientEvent",
@@ -49,6 +51,8 @@ __all__ = [
     "EngineWireError",
     "Lifecycle",
     "Machine",
+    "MembershipEvent",
+    "MembershipState",
     "ProtocolError",
     "SpecViolation",
     "TraceEntry",
