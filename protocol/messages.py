@@ -339,6 +339,9 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True, omit_defau
     # Optional tensors (e.g. prompt embeddings) travel as out-of-band frames via the codec.
     tensors: dict[str, Any] | None = None
     client_index: int = 0
+    # Which engine of a data-parallel client serves it (None: the least loaded); engines
+    # ignore it.
+    data_parallel_rank: int | None = None
 
 
 class UtilityRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):

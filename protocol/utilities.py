@@ -25,6 +25,7 @@ from ..spec.engine import PAUSE_EVENTS
 
 __all__ = [
     "BY_NAME",
+    "COMBINERS",
     "LOOP_THREAD_METHODS",
     "PAUSE_MODES",
     "POWER_METHODS",
@@ -72,8 +73,15 @@ class Utility:
     # thread: torch's profiler must start, stop and export on one thread (else SIGSEGV).
     loop_thread: bool = False
     timeout_positional: bool = False  # echo(value, timeout): kept as it always was
+    # On a data-parallel client (runtime/dp_client.py): None goes to one serving engine; a
+    # name sends it to every serving engine and combines the replies (in index order) as
+    # ``COMBINERS`` says: "all" their truth, "none" nothing, "first" the first one.
+    every_engine: str | None = None
     example: tuple[object, ...] | None = ()  # arguments safe on any engine; None: none are
 
+
+# How a reply per engine becomes one (see ``Utility.every_engine``).
+COMBINERS: frozenset[str] = frozenset({"all", "none", "first"})
 
 UTILITIES: tuple[Utility, ...] = (
     Utility("echo", (Param("value", "Any"),), "Any",
@@ -89,34 +97,43 @@ UTILITIES: tuple[Utility, ...] = (
         Param("is_start", "bool", "True"), Param("path", "str | None", "None"),
     ), "str | None", "Start the engine's profiler, or stop it and get the trace file's path.",
         wire="*profile_args(is_start, path)",
-        convert="None if result is None else str(result)", example=None, loop_thread=True),
+        convert="None if result is None else str(result)", example=None, loop_thread=True,
+        every_engine="first"),
     Utility("reset_prefix_cache", (), "bool",
             "Drop every cached prefix block; True when the cache was reset.",
-            convert="bool(result)"),
+            convert="bool(result)", every_engine="all"),
     Utility("save_sharded_state", (Param("path", "str"),), "list[str]",
             "Write the weights under ``path`` (on the engine's host); return the files.",
             wire="path", convert="list(result)", example=None),
     Utility("get_stats", (), "Any", "The scheduler's counters and the KV cache's usage."),
     Utility("pause_scheduler", (Param("mode", "str", '"abort"'),), "None",
             "Stop scheduling; ``mode`` says what happens to requests in flight.",
-            wire="mode", convert="None", power=SLEPT, example=("abort",)),
+            wire="mode", convert="None", power=SLEPT, example=("abort",),
+            every_engine="none"),
     Utility("resume_scheduler", (), "None", "Resume scheduling after a pause.",
-            convert="None", power=RESUMED),
+            convert="None", power=RESUMED, every_engine="none"),
     Utility("sleep", (Param("level", "int", "1"), Param("mode", "str", '"abort"')), "None",
             "Pause, then release memory: level 0 nothing, 1 weights offloaded and KV freed,"
             " 2 both freed.",
             wire="level, mode", convert="None", check="check_sleep_args(level, mode)",
-            power=SLEPT, example=(0, "abort")),
+            power=SLEPT, example=(0, "abort"), every_engine="none"),
     Utility("wake_up", (Param("tags", "list[str] | None", "None"),), "bool",
             "Restore the memory ``tags`` (all by default); True when fully awake.",
             wire="check_wake_tags(tags)", convert="bool(result)", power=WOKE,
-            example=(None,)),
+            example=(None,), every_engine="all"),
     Utility("is_sleeping", (), "bool",
             "Whether the engine is paused, draining for a pause, or any memory is asleep.",
-            convert="bool(result)"),
+            convert="bool(result)", every_engine="all"),
 )
 
 BY_NAME: dict[str, Utility] = {u.name: u for u in UTILITIES}
+for _u in UTILITIES:
+    if _u.every_engine is not None and _u.every_engine not in COMBINERS:
+        raise ValueError(f"utility {_u.name}: every_engine={_u.every_engine!r} is not one of"
+                         f" {sorted(COMBINERS)}")
+    if _u.power is not None and _u.every_engine is None:
+        # One engine asleep and the others awake is no state the client machine has.
+        raise ValueError(f"utility {_u.name}: a power utility must apply to every engine")
 REMOTE_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.remote)
 POWER_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.power is not None)
 LOOP_THREAD_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.loop_thread)
@@ -232,8 +249,11 @@ def render_utilities_page() -> str:
         " lifecycle",
         "(`docs/spec.md`, machine `client`).",
         "",
-        "| method | arguments | returns | power effect | what it does |",
-        "|---|---|---|---|---|",
+        "On a data-parallel client a call goes to one serving engine, or, where *engines* says",
+        "how the replies combine, to every serving engine (`call_utility_all` returns each).",
+        "",
+        "| method | arguments | returns | power effect | engines | what it does |",
+        "|---|---|---|---|---|---|",
     ]
     for u in UTILITIES:
         args = ", ".join(f"`{p.name}: {p.annotation}`" + ("" if p.default is None else
@@ -246,5 +266,6 @@ def render_utilities_page() -> str:
         else:
             power = f"`{u.power.event.name}`" + (f" [{u.power.guard}]" if u.power.guard else "")
         doc = u.doc.replace("``", "`")
-        rows.append(f"| `{u.name}` | {args} | `{u.returns}` | {power} | {doc} |")
+        engines = "one" if u.every_engine is None else f"every ({u.every_engine})"
+        rows.append(f"| `{u.name}` | {args} | `{u.returns}` | {power} | {engines} | {doc} |")
     return "\n".join(rows) + "\n"

@@ -398,6 +398,12 @@ class SyncClientMixin(SyncUtilityMethods):
     """The sync method set, written once over ``call_utility`` (generated from the utility
     declarations: runtime/_utilities.py)."""
 
+    def call_utility_all(self, method: str, *args: Any, timeout: float | None = None
+                         ) -> list[Any]:
+        """One result per engine, in index order: here the one engine's (the data-parallel
+        client asks each of its engines)."""
+        return [self.call_utility(method, *args, timeout=timeout)]
+
 
 # How often an in-process deferred call with nothing to step looks at its shutdown flag.
 _IDLE_POLL_S = 0.01

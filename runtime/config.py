@@ -24,6 +24,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 # ("SmolLM2-135M" is how the model's card spells it). Paths and registered names keep theirs.
 BUILTIN_MODELS = ("tiny", "null", "smollm2", "smollm2-135m", "smollm2-135m-instruct")
 SCHEDULING_POLICIES = ("priority", "fcfs")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+# One client drives at most this many engine cores (each has its own sockets and process).
+MAX_DATA_PARALLEL_SIZE = 256
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +53,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # order only, and a request with a non-zero priority finishes with ERROR (as vLLM refuses
     # it). The default is "priority", the behaviour this engine always had for admission.
     scheduling_policy: str = "priority"
+    # Data parallel (runtime/dp_client.py): how many engine cores one multi-process client
+    # drives, and where they run: "mp" subprocesses of this host, "ray" Ray actors.
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -98,6 +105,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(self.scheduling_policy, str) or (
                 self.scheduling_policy not in SCHEDULING_POLICIES):
             raise bad("scheduling_policy", f"must be one of {SCHEDULING_POLICIES}")
+        if not is_int(self.data_parallel_size) or not (
+                1 <= self.data_parallel_size <= MAX_DATA_PARALLEL_SIZE):
+            raise bad("data_parallel_size",
+                      f"must be an integer in [1, {MAX_DATA_PARALLEL_SIZE}]")
+        if not isinstance(self.data_parallel_backend, str) or (
+                self.data_parallel_backend not in DATA_PARALLEL_BACKENDS):
+            raise bad("data_parallel_backend", f"must be one of {DATA_PARALLEL_BACKENDS}")
 
     def resolved_device(self) -> str:
         """The concrete device: ``auto`` picks CUDA when one is visible (the null model, which

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .client import EngineCoreClient, InprocClient
+from .dp_client import AsyncDPClient, SyncDPClient
 from .mp_client import AsyncMPClient, SyncMPClient
 
 __all__ = ["make_client", "make_client_async"]
@@ -26,6 +27,13 @@ def make_client(
             "asyncio=True needs multiprocess=True: the engine core steps synchronously, so"
             " an in-process engine cannot be awaited; run it in a subprocess instead"
         )
+    if _data_parallel(config, options):
+        if not multiprocess:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size} needs multiprocess=True:"
+                " an in-process client steps one engine in the caller's thread; several"
+                " engine cores each run in a process of their own")
+        return AsyncDPClient(config, **options) if asyncio else SyncDPClient(config, **options)
     if not multiprocess:
         return InprocClient(config, **options)
     if asyncio:
@@ -33,7 +41,14 @@ def make_client(
     return SyncMPClient(config, **options)
 
 
-async def make_client_async(config: Any, **options: Any) -> AsyncMPClient:
+def _data_parallel(config: Any, options: dict[str, Any]) -> bool:
+    """Whether the config (or a restart policy) asks for the data-parallel client."""
+    return bool(getattr(config, "data_parallel_size", 1) > 1
+                or getattr(config, "data_parallel_backend", "mp") != "mp"
+                or options.get("restart_dead_engines"))
+
+
+async def make_client_async(config: Any, **options: Any) -> AsyncMPClient | AsyncDPClient:
     """``make_client(config, multiprocess=True, asyncio=True)`` for code on an event loop.
 
     Starting the engine process and waiting for its ready handshake takes from half a second
@@ -48,10 +63,11 @@ async def make_client_async(config: Any, **options: Any) -> AsyncMPClient:
     # stays referenced while the awaiting task runs on (its wake-up call holds it), so a
     # caller that drops the client without awaiting again would keep it, and its engine,
     # alive (vLLM's delete test has that shape).
-    box: list[AsyncMPClient] = []
+    box: list[AsyncMPClient | AsyncDPClient] = []
+    kind = AsyncDPClient if _data_parallel(config, options) else AsyncMPClient
 
     def build() -> None:
-        box.append(AsyncMPClient(config, **options))
+        box.append(kind(config, **options))
 
     fut = loop.run_in_executor(None, build)
     try:

@@ -875,6 +875,9 @@ class MPClient(EngineCoreClient):
     """Shared by the sync and async clients: launch, handshake, monitor, registry, teardown."""
 
     multiprocess = True
+    # Set by the owner of a client still being built (a data-parallel client shutting down
+    # while it restarts an engine): the ready wait gives up within a poll slice.
+    _abandon: threading.Event | None = None
 
     def __init__(
         self,
@@ -1149,6 +1152,8 @@ class MPClient(EngineCoreClient):
         strangers: set[int] = set()  # engine indexes heard from that are not ours
         while True:
             remaining = deadline - time.monotonic()
+            if self._abandon is not None and self._abandon.is_set():
+                raise EngineStartupError("start-up abandoned: the client is shutting down")
             if remaining <= 0:
                 if strangers:
                     raise EngineStartupError(
@@ -2265,6 +2270,29 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Next batch; an empty batch if ``timeout`` passes first (see ``SyncMPClient``)."""
         timeout = check_timeout(timeout)
+        out = self._output_nowait()
+        if out is not None:
+            return out
+        q = self._outputs
+        assert q is not None
+        # The wait runs in this task (asyncio.timeout, not wait_for's inner task): the batch
+        # this caller dequeues is the one it tracks next, so concurrent callers track batches
+        # in queue order, and a zero timeout still takes what is already queued.
+        if timeout is None:
+            item = await q.get()
+        elif timeout <= 0:
+            return EngineCoreOutputs()
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await q.get()
+            except TimeoutError:
+                return EngineCoreOutputs()
+        return self._accept(item)
+
+    def _output_nowait(self) -> EngineCoreOutputs | None:
+        """What ``get_output_async`` returns without waiting: a batch already queued (or
+        tracked for redelivery), the error of a closed or dead client, or None. On the loop."""
         if self.is_closed:
             raise ClientClosedError(self._closed_message)
         if self._pending_sends:
@@ -2275,25 +2303,18 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         assert q is not None
         if self._redeliver:  # tracked already (see _track_outputs), and before any death
             return self._redeliver.popleft()
-        if self.is_dead and q.empty():
-            raise self._dead_error()
-        # The wait runs in this task (asyncio.timeout, not wait_for's inner task): the batch
-        # this caller dequeues is the one it tracks next, so concurrent callers track batches
-        # in queue order, and a zero timeout still takes what is already queued.
-        if not q.empty():
-            item = q.get_nowait()
-        elif timeout is None:
-            item = await q.get()
-        elif timeout <= 0:
-            return EngineCoreOutputs()
-        else:
-            try:
-                async with asyncio.timeout(timeout):
-                    item = await q.get()
-            except TimeoutError:
-                return EngineCoreOutputs()
+        if q.empty():
+            if self.is_dead:
+                raise self._dead_error()
+            return None
+        return self._accept(q.get_nowait())
+
+    def _accept(self, item: Any) -> EngineCoreOutputs:
+        """A dequeued item as ``get_output_async`` returns it: a batch tracked, or a marker's
+        error (the marker stays queued for the next waiter)."""
         if item is _DEAD or item is _CLOSED:
-            q.put_nowait(item)
+            assert self._outputs is not None
+            self._outputs.put_nowait(item)
             if item is _CLOSED or self.is_closed:
                 raise ClientClosedError(self._closed_message)
             raise self._dead_error()
@@ -2330,6 +2351,12 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
                 raise UtilityTimeoutError(method, timeout) from None
         # The outcome won the race: its entry is gone and its setter is about to set it.
         return await fut
+
+    async def call_utility_all_async(
+        self, method: str, *args: Any, timeout: float | None = None
+    ) -> list[Any]:
+        """See ``SyncClientMixin.call_utility_all``: this client has one engine."""
+        return [await self.call_utility_async(method, *args, timeout=timeout)]
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
         """``shutdown`` off the event loop's thread: the engine's grace period (and the joins)

@@ -54,7 +54,7 @@ LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     ),
     EngineCoreRequest: (
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
-        "tensors", "client_index",
+        "tensors", "client_index", "data_parallel_rank",
     ),
     UtilityRequest: ("client_index", "call_id", "method", "args"),
     EngineCoreOutput: (

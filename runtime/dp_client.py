@@ -1,0 +1,855 @@
+"""Data parallel: one client over N engine cores (``EngineConfig.data_parallel_size``).
+
+Theory of operation
+-------------------
+Rule 1: the client drives its own CLIENT lifecycle and one CLIENT_REQUEST lifecycle per
+request, as every client does, and one MEMBERSHIP lifecycle per engine index
+(spec/membership.py); which members take work and which still count are the spec's named
+sets, never a state spelled here.
+Rule 2: the loss of one engine is not the loss of the client. Its live requests end with an
+output whose ``finish_reason`` is ``ERROR``, after every batch it sent before dying; its
+pending utility calls raise ``EngineDeadError`` naming it; new requests go to the others.
+The client itself is DEAD only when no engine is left (vLLM fails the whole front end).
+
+Each engine core is a *member*: a one-engine client of its own (``SyncMPClient`` or
+``AsyncMPClient``: process, sockets, handshake, monitor, utility registry, teardown), so
+every hardening of the one-engine client holds per engine, and a replacement engine has a
+channel of its own: nothing meant for its predecessor can reach it. A member's output queue
+wakes this client whenever something is put in it; ``get_output`` takes the next batch from
+the members in turn, so a busy engine cannot starve another's outputs.
+
+Routing: an ADD goes to ``EngineCoreRequest.data_parallel_rank`` when set, else to the
+serving engine with the lowest load, ``4 * waiting + running`` as the engine last reported
+them (``SchedulerStats`` on its step batches), with the ADDs sent since that report counted
+as waiting, each term capped by the requests this client has in flight there (a report
+taken just before the last request finished does not make an idle engine look busy). Ties
+go to fewer requests in flight, then round robin, so N idle engines fill evenly. An abort
+goes to the owning engine only.
+
+Utilities: a call goes to one serving engine (in turn), unless its declaration says it
+applies to every engine (``Utility.every_engine``, protocol/utilities.py: sleep, wake-up,
+pause, resume, reset of the prefix cache, profile, is_sleeping), whose replies combine as
+declared; ``call_utility_all`` returns one result per serving engine, in index order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import msgspec
+
+from ..protocol.codec import check_no_dataclass
+from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
+from ..spec.client import ClientEvent
+from ..spec.errors import ClientClosedError, EngineDeadError, EngineStartupError
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.membership import (
+    MEMBER_LEFT,
+    MEMBER_ROUTABLE,
+    MEMBERSHIP,
+    MembershipEvent,
+    MembershipState,
+)
+from ._utilities import AsyncUtilityMethods
+from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
+from .client import EngineCoreClient, SyncClientMixin
+from .mp_client import AsyncMPClient, MPClient, SyncMPClient
+
+__all__ = ["AsyncDPClient", "SyncDPClient"]
+
+logger = logging.getLogger(__name__)
+
+# Options that name one engine's channel or identity: the client assigns them per engine.
+_PER_ENGINE = ("input_address", "output_address", "engine_connect", "engine_index",
+               "launch_engine", "engine_launcher")
+
+
+def _combine(how: str, results: list[Any]) -> Any:
+    """One reply from one per engine, as ``Utility.every_engine`` declares."""
+    if how == "all":
+        return all(results)
+    if how == "none":
+        return None
+    return results[0]  # "first"
+
+
+class _NotifyingQueue(queue.Queue[Any]):
+    """A sync member's output queue: every put also wakes the data-parallel client."""
+
+    def __init__(self, notify: Callable[[], None]) -> None:
+        super().__init__()
+        self._notify = notify
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        self._notify()
+
+
+class _NotifyingAsyncQueue(asyncio.Queue[Any]):
+    """An async member's output queue (on its loop): every put wakes the client."""
+
+    def __init__(self, notify: Callable[[], None]) -> None:
+        super().__init__()
+        self._notify = notify
+
+    def put_nowait(self, item: Any) -> None:
+        super().put_nowait(item)
+        self._notify()
+
+
+class _MemberMixin:
+    """What a member adds to a one-engine client: it tells its owner of arrivals and death."""
+
+    _dp_notify: Callable[[], None]
+    _dp_died: Callable[[MPClient, BaseException], None]
+    _abandon: threading.Event | None
+
+    def _init_member(self, notify: Callable[[], None],
+                     died: Callable[[MPClient, BaseException], None],
+                     abandon: threading.Event) -> None:
+        self._dp_notify, self._dp_died = notify, died
+        self._abandon = abandon
+
+    def _on_engine_dead(self, cause: BaseException) -> None:
+        super()._on_engine_dead(cause)  # type: ignore[misc]
+        if self.is_dead:  # type: ignore[attr-defined]
+            self._dp_died(self, cause)  # type: ignore[arg-type]
+
+
+class _SyncMember(_MemberMixin, SyncMPClient):
+    def __init__(self, config: Any, *, notify: Callable[[], None],
+                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
+                 **options: Any) -> None:
+        self._init_member(notify, died, abandon)
+        super().__init__(config, **options)
+
+    def _new_output_queue(self) -> queue.Queue[Any]:
+        return _NotifyingQueue(self._dp_notify)
+
+    def has_output(self) -> bool:
+        return bool(self._outputs.qsize() or self._redeliver)
+
+    def take(self) -> EngineCoreOutputs | None:
+        out = self.get_output(0)
+        return out if out.outputs or out.scheduler_stats or out.finished_requests else None
+
+
+class _AsyncMember(_MemberMixin, AsyncMPClient):
+    def __init__(self, config: Any, *, notify: Callable[[], None],
+                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
+                 **options: Any) -> None:
+        self._init_member(notify, died, abandon)
+        super().__init__(config, **options)
+
+    def _new_output_queue(self) -> asyncio.Queue[Any]:
+        return _NotifyingAsyncQueue(self._dp_notify)
+
+    def has_output(self) -> bool:
+        q = self._outputs
+        return bool((q is not None and not q.empty()) or self._redeliver)
+
+    def take(self) -> EngineCoreOutputs | None:
+        return self._output_nowait()
+
+
+class _Member:
+    """One engine index: its membership lifecycle, its current client and load figures."""
+
+    def __init__(self, index: int, trace: list[TraceEntry] | None) -> None:
+        self.index = index
+        self.lifecycle: Lifecycle[MembershipState, MembershipEvent] = MEMBERSHIP.lifecycle(
+            trace=trace)
+        self.client: Any = None  # _SyncMember | _AsyncMember; None while restarting
+        # Dead incarnations whose queued batches are still to be read (then ERROR outputs).
+        self.retired: list[Any] = []
+        self.cause: BaseException | None = None
+        self.restarts = 0
+        self.in_flight = 0  # this client's requests routed here and not finished
+        self.waiting = 0  # the engine's last report
+        self.running = 0
+        self.sent_since_report = 0
+
+    def reset_load(self) -> None:
+        self.in_flight = self.waiting = self.running = self.sent_since_report = 0
+
+    @property
+    def routable(self) -> bool:
+        client = self.client
+        return (self.lifecycle.state in MEMBER_ROUTABLE and client is not None
+                and not client.is_dead)
+
+    def load(self) -> tuple[int, int]:
+        n = self.in_flight
+        return 4 * min(self.waiting + self.sent_since_report, n) + min(self.running, n), n
+
+
+class _DPClient(EngineCoreClient):
+    """What the sync and async data-parallel clients share: members, routing, death."""
+
+    multiprocess = True
+    _member_type: type[_SyncMember] | type[_AsyncMember]
+
+    def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
+                 restart_dead_engines: bool = False, **options: Any) -> None:
+        if not isinstance(restart_dead_engines, bool):
+            raise ValueError(f"restart_dead_engines={restart_dead_engines!r}: must be True or"
+                             " False")
+        for name in _PER_ENGINE:
+            if name in options:
+                raise ValueError(
+                    f"{name}: a data-parallel client assigns each engine its own (engine i"
+                    " gets engine_index i, its own sockets and process); build one-engine"
+                    " clients to attach engines by address")
+        super().__init__(config, trace=trace)
+        self.data_parallel_size: int = config.data_parallel_size
+        self._restart = restart_dead_engines
+        faults = options.pop("engine_fault", None)
+        if isinstance(faults, dict):
+            bad = [k for k in faults if not isinstance(k, int) or isinstance(k, bool)
+                   or not 0 <= k < self.data_parallel_size]
+            if bad:
+                raise ValueError(f"engine_fault: keys {bad!r} are not engine indexes in"
+                                 f" [0, {self.data_parallel_size})")
+            self._faults: dict[int, Any] = dict(faults)
+        else:
+            self._faults = dict.fromkeys(range(self.data_parallel_size), faults)
+        self._options = options
+        self._abandon = threading.Event()
+        self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
+        self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to
+        self._failed: list[EngineCoreOutputs] = []  # ERROR batches not yet returned
+        self._drained: set[int] = set()  # id() of dead member clients read to their end
+        self._turn = 0  # where the routing's round robin starts
+        self._turn_out = 0  # the member get_output looks at first
+        self._utility_turn = 0
+        self._threads: set[threading.Thread] = set()  # restarts in progress
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._placement: Any = None  # RayEngines for the "ray" backend
+        ref = weakref.ref(self)
+
+        def notify() -> None:
+            client = ref()
+            if client is not None:
+                client._notify()
+
+        def died(member: MPClient, cause: BaseException) -> None:
+            client = ref()
+            if client is not None:
+                client._member_died(member, cause)
+
+        self._notify_cb, self._died_cb = notify, died
+        try:
+            if config.data_parallel_backend == "ray":
+                from .ray_backend import RayEngines
+
+                self._placement = RayEngines(
+                    self.data_parallel_size,
+                    strategy=options.pop("ray_placement_strategy", "SPREAD"),
+                    address=options.pop("ray_address", None))
+            self._start_all()
+        except BaseException:
+            self._mark_closed()
+            self._teardown()
+            raise
+
+    # -- members ----------------------------------------------------------------------------
+
+    def _build(self, index: int) -> Any:
+        options = dict(self._options)
+        if self._placement is not None:
+            options.setdefault("transport", "tcp")  # across hosts: tcp, CURVE on by default
+            options["engine_launcher"] = self._placement.launcher(index)
+        return self._member_type(
+            self.config, notify=self._notify_cb, died=self._died_cb, abandon=self._abandon,
+            engine_index=index, engine_fault=self._faults.get(index), **options)
+
+    def _start_all(self) -> None:
+        """Start every engine at once (each waits for its own handshake)."""
+        n = self.data_parallel_size
+        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart"
+                                                   ) as pool:
+            futures = [pool.submit(self._build, i) for i in range(n)]
+            errors: list[tuple[int, BaseException]] = []
+            for i, fut in enumerate(futures):
+                try:
+                    self._members[i].client = fut.result()
+                except BaseException as e:  # each is reported below
+                    errors.append((i, e))
+                    self._abandon.set()  # the others need not finish starting
+        if errors:
+            i, first = errors[0]
+            raise EngineStartupError(
+                f"engine {i} of {n} failed to start: {first}") from first
+        with self._state_lock:
+            for m in self._members:
+                m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
+            self._apply_ready(self._members[0].client.ready_response)
+            self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
+            for m in self._members:  # died after its handshake, before the others'
+                if m.client.is_dead:
+                    self._member_died(m.client, m.client._dead_cause or EngineDeadError())
+
+    def _notify(self) -> None:
+        raise NotImplementedError
+
+    def _member_died(self, client: MPClient, cause: BaseException) -> None:
+        """A member's engine died (its monitor, reader or a send saw it); idempotent."""
+        with self._state_lock:
+            m = self._members[client.engine_index]
+            if m.client is not client or m.lifecycle.state not in MEMBER_ROUTABLE:
+                return  # a retired incarnation, a second notice, or a shutdown
+            m.lifecycle.fire(MembershipEvent.DIED)
+            m.cause = cause
+            left = [x.index for x in self._members if x.lifecycle.state in MEMBER_LEFT]
+            logger.warning("engine %d died (%s); engines left: %s", m.index, cause, left)
+            if self._restart and not self.is_closed:
+                m.lifecycle.fire(MembershipEvent.RESTART)
+                m.retired.append(client)
+                m.client = None
+                m.reset_load()
+                thread = threading.Thread(target=self._restart_member, args=(m,),
+                                          name=f"EngineCoreRestart_{m.index}", daemon=True)
+                self._threads.add(thread)
+                thread.start()
+            elif not left:
+                self._mark_dead(self._all_dead_cause())
+        self._notify()
+
+    def _all_dead_cause(self) -> BaseException:
+        causes = ", ".join(f"engine {m.index}: {m.cause}" for m in self._members)
+        return EngineDeadError(f"every engine core of this client is dead ({causes})")
+
+    def _restart_member(self, m: _Member) -> None:
+        try:
+            client = self._build(m.index)
+        except BaseException as e:  # reported as the member's death
+            with self._state_lock:
+                if m.lifecycle.state is MembershipState.RESTARTING:
+                    m.lifecycle.fire(MembershipEvent.DIED)
+                    m.cause = e
+                    logger.warning("engine %d: its replacement failed to start: %s", m.index, e)
+                    if not any(x.lifecycle.state in MEMBER_LEFT for x in self._members):
+                        self._mark_dead(self._all_dead_cause())
+            self._notify()
+            return
+        finally:
+            self._threads.discard(threading.current_thread())
+        with self._state_lock:
+            keep = (not self.is_closed and not self.is_dead
+                    and m.lifecycle.state is MembershipState.RESTARTING)
+            if keep:
+                m.client = client
+                m.restarts += 1
+                m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
+                logger.info("engine %d restarted (pid %s)", m.index, client.engine_pid)
+        if not keep:
+            client.shutdown()
+        self._notify()
+
+    def _serving(self) -> list[_Member]:
+        return [m for m in self._members if m.routable]
+
+    def _no_engine(self) -> EngineDeadError:
+        self.ensure_alive()
+        states = ", ".join(f"{m.index}: {m.lifecycle.state.value}" for m in self._members)
+        return EngineDeadError(f"no engine core is serving ({states})")
+
+    def _engine_died(self, m: _Member, error: EngineDeadError) -> EngineDeadError:
+        """``error`` from engine ``m``'s client, naming the engine."""
+        err = EngineDeadError(f"engine {m.index} of {self.data_parallel_size} died; see"
+                              " __cause__ and the engine log")
+        err.__cause__ = error.__cause__ or error
+        return err
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _pick(self, request: EngineCoreRequest, tried: set[int]) -> _Member:
+        rank = request.data_parallel_rank
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or not (
+                    0 <= rank < self.data_parallel_size):
+                raise ValueError(f"data_parallel_rank={rank!r}: must be None or an engine"
+                                 f" index in [0, {self.data_parallel_size})")
+            m = self._members[rank]
+            if not m.routable or rank in tried:
+                raise EngineDeadError(f"engine {rank} (the request's data_parallel_rank) is"
+                                      f" {m.lifecycle.state.value}")
+            return m
+        n = self.data_parallel_size
+        best: _Member | None = None
+        best_key: tuple[int, int, int] | None = None
+        for k in range(n):
+            m = self._members[(self._turn + k) % n]
+            if m.index in tried or not m.routable:
+                continue
+            key = (*m.load(), k)
+            if best_key is None or key < best_key:
+                best, best_key = m, key
+        if best is None:
+            raise self._no_engine()
+        self._turn = (best.index + 1) % n
+        return best
+
+    def _route_add(self, request: EngineCoreRequest) -> None:
+        if not isinstance(request, EngineCoreRequest):
+            raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
+        rid = request.request_id
+        tried: set[int] = set()
+        with self._state_lock:  # members never call back into it while holding their locks
+            self._track_add(request)
+            try:
+                while True:
+                    m = self._pick(request, tried)
+                    client = m.client
+                    try:
+                        client._send_add(request)
+                    except EngineDeadError:
+                        tried.add(m.index)  # it died since: the request never left
+                        continue
+                    self._owner[rid] = client
+                    m.in_flight += 1
+                    m.sent_since_report += 1
+                    return
+            except BaseException:
+                self._untrack_add(rid)
+                raise
+
+    def _route_abort(self, request_ids: list[str]) -> None:
+        ids = check_request_ids(request_ids)
+        if self.is_closed:
+            raise ClientClosedError(self._closed_message)
+        if not ids or self.is_dead:
+            return
+        groups: dict[int, tuple[Any, list[str]]] = {}
+        with self._state_lock:
+            self._track_abort(ids)
+            for rid in ids:
+                client = self._owner.get(rid)
+                if client is not None and not client.is_dead:
+                    groups.setdefault(id(client), (client, []))[1].append(rid)
+        for client, group in groups.values():
+            try:
+                client._send_abort(group)
+            except (EngineDeadError, ClientClosedError):
+                pass  # died or replaced since: its requests end with ERROR instead
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def _take(self) -> EngineCoreOutputs | None:
+        """The next batch from any member, in turn, or None; holds nothing while idle."""
+        with self._state_lock:
+            if self._redeliver:
+                return self._redeliver.popleft()
+            if self._failed:
+                return self._deliver_failed()
+            n = self.data_parallel_size
+            for k in range(n):
+                m = self._members[(self._turn_out + k) % n]
+                for client in (*m.retired, m.client):
+                    if client is None or id(client) in self._drained or not client.has_output():
+                        continue
+                    try:
+                        out = client.take()
+                    except EngineDeadError:
+                        self._drain_done(m, client)
+                        if self._failed:
+                            return self._deliver_failed()
+                        continue
+                    except ClientClosedError:  # its engine was stopped: gone, as a death
+                        self._drain_done(m, client)
+                        if self._failed:
+                            return self._deliver_failed()
+                        continue
+                    if out is None:
+                        continue
+                    self._turn_out = (m.index + 1) % n
+                    return self._deliver(m, client, out)
+            return None
+
+    def _deliver(self, m: _Member, client: Any, out: EngineCoreOutputs) -> EngineCoreOutputs:
+        if out.engine_index != m.index:
+            out = msgspec.structs.replace(out, engine_index=m.index)
+        stats = out.scheduler_stats
+        if stats is not None and client is m.client:
+            m.waiting, m.running, m.sent_since_report = stats.num_waiting, stats.num_running, 0
+        owner = self._owner
+        for o in out.outputs:
+            if o.finish_reason is not None and owner.get(o.request_id) is client:
+                del owner[o.request_id]
+                if client is m.client:
+                    m.in_flight -= 1
+        self._track_outputs(out)
+        return out
+
+    def _drain_done(self, m: _Member, client: Any) -> None:
+        """Every batch of dead ``client`` was returned: its requests still live here end
+        with ERROR (one batch), unless no engine is left (the client is then DEAD)."""
+        self._drained.add(id(client))
+        if client in m.retired:
+            m.retired.remove(client)
+        if client is m.client and m.lifecycle.state in MEMBER_ROUTABLE:
+            self._member_died(client, client._dead_cause or ClientClosedError(
+                f"engine {m.index}'s client was shut down"))
+        owner = self._owner
+        rids = [rid for rid, c in owner.items() if c is client]
+        for rid in rids:
+            del owner[rid]
+        if client is m.client:
+            m.reset_load()
+        live = set(self.live_requests()) if rids else set()
+        rids = [r for r in rids if r in live]
+        if rids and not self.is_dead and not self.is_closed:
+            why = f"engine {m.index} died: {m.cause or client._dead_cause}"
+            self._failed.append(EngineCoreOutputs(
+                engine_index=m.index, timestamp=EngineCoreOutputs.now(),
+                outputs=[EngineCoreOutput(r, [], FinishReason.ERROR, error=why) for r in rids]))
+
+    def _deliver_failed(self) -> EngineCoreOutputs:
+        out = self._failed.pop(0)
+        self._track_outputs(out)
+        return out
+
+    def _dead_error(self) -> EngineDeadError:
+        err = EngineDeadError("every engine core of this client is dead; see __cause__ and"
+                              " the engine logs")
+        err.__cause__ = self._dead_cause
+        return err
+
+    # -- utilities --------------------------------------------------------------------------
+
+    def _utility_member(self) -> _Member:
+        with self._state_lock:
+            self.ensure_alive()
+            serving = self._serving()
+            if not serving:
+                raise self._no_engine()
+            m = serving[self._utility_turn % len(serving)]
+            self._utility_turn += 1
+            return m
+
+    def _targets(self, method: str, args: Sequence[Any]) -> list[_Member]:
+        check_method(method)
+        check_no_dataclass(tuple(args))
+        with self._state_lock:
+            self.ensure_alive()
+            serving = self._serving()
+            if not serving:
+                raise self._no_engine()
+            return serving
+
+    def _after_all(self, method: str, results: list[Any]) -> Any:
+        """The combined reply of a call every engine answered; the lifecycle follows it."""
+        decl = UTILITY_DECLARATIONS[method]
+        assert decl.every_engine is not None
+        combined = _combine(decl.every_engine, results)
+        if decl.power is not None:
+            self._on_power_reply(method, combined)
+        return combined
+
+    def _outcomes(self, targets: list[_Member], outcomes: Iterator[tuple[bool, Any]]
+                  ) -> list[Any]:
+        results: list[Any] = []
+        error: BaseException | None = None
+        for m, (ok, value) in zip(targets, outcomes, strict=True):
+            if ok:
+                results.append(value)
+            elif error is None:
+                error = (self._engine_died(m, value) if isinstance(value, EngineDeadError)
+                         else value)
+        if error is not None:
+            raise error
+        return results
+
+    # -- reporting --------------------------------------------------------------------------
+
+    @property
+    def engines(self) -> dict[int, MembershipState]:
+        """Each engine index's membership state (spec/membership.py)."""
+        with self._state_lock:
+            return {m.index: m.lifecycle.state for m in self._members}
+
+    @property
+    def dead_engines(self) -> list[int]:
+        """The engine indexes not serving now (dead, or restarting after a death)."""
+        with self._state_lock:
+            return [m.index for m in self._members if m.lifecycle.state not in MEMBER_ROUTABLE
+                    and m.lifecycle.state is not MembershipState.SHUT_DOWN]
+
+    @property
+    def engine_pids(self) -> list[int | None]:
+        with self._state_lock:
+            return [None if m.client is None else m.client.engine_pid for m in self._members]
+
+    def engine_client(self, index: int) -> Any:
+        """The one-engine client behind engine ``index`` (for tests and the fault harness);
+        None while that engine restarts."""
+        return self._members[index].client
+
+    def pending_utility_calls(self) -> int:
+        return sum(m.client.pending_utility_calls() for m in self._members
+                   if m.client is not None)
+
+    def queued_outputs(self) -> int:
+        with self._state_lock:
+            n = len(self._failed) + len(self._redeliver)
+            for m in self._members:
+                for c in (*m.retired, m.client):
+                    if c is not None and id(c) not in self._drained:
+                        n += c.queued_outputs()
+            return n
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every engine (each as ``SyncMPClient.shutdown`` does, all at once) and free
+        everything; idempotent."""
+        if timeout is not None:
+            check_timeout(timeout)
+        self._mark_closed()
+        self._teardown(timeout)
+
+    def _teardown(self, timeout: float | None = None) -> None:
+        self._abandon.set()
+        with self._state_lock:
+            clients = [c for m in self._members for c in (*m.retired, m.client)
+                       if c is not None]
+            for m in self._members:
+                if m.lifecycle.can(MembershipEvent.SHUTDOWN):
+                    m.lifecycle.fire(MembershipEvent.SHUTDOWN)
+            self._failed.clear()
+        if len(clients) == 1:
+            clients[0].shutdown(timeout)
+        elif clients:
+            threads = [threading.Thread(target=c.shutdown, args=(timeout,),
+                                        name="EngineCoreStop", daemon=True) for c in clients]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for t in list(self._threads):  # a restart gives up within a poll slice
+            t.join()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        placement, self._placement = self._placement, None
+        if placement is not None:
+            placement.close()
+        self._notify()
+
+    def __repr__(self) -> str:
+        states = ", ".join(f"{i}:{s.value}" for i, s in self.engines.items())
+        return f"<{type(self).__name__} engines=[{states}] {self.lifecycle.state.name}>"
+
+
+class SyncDPClient(SyncClientMixin, _DPClient):
+    """Blocking data-parallel client over ``data_parallel_size`` engine cores."""
+
+    _member_type = _SyncMember
+
+    def __init__(self, config: Any, **options: Any) -> None:
+        self._arrival = threading.Condition(threading.Lock())
+        self._arrivals = 0  # bumped on every put into a member's queue
+        super().__init__(config, **options)
+
+    def _notify(self) -> None:
+        with self._arrival:
+            self._arrivals += 1
+            self._arrival.notify_all()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._route_add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._route_abort(request_ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next batch from any engine (its ``engine_index`` says which); an empty batch
+        if ``timeout`` passes first. ``EngineDeadError`` only once no engine is left."""
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.is_closed:
+                raise ClientClosedError(self._closed_message)
+            seen = self._arrivals
+            out = self._take()
+            if out is not None:
+                return out
+            if self.is_dead:
+                raise self._dead_error()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return EngineCoreOutputs()
+            with self._arrival:
+                if self._arrivals == seen:
+                    self._arrival.wait(MAX_WAIT_SLICE_S if remaining is None
+                                       else min(remaining, MAX_WAIT_SLICE_S))
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        timeout = check_timeout(timeout)
+        check_method(method)
+        decl = UTILITY_DECLARATIONS.get(method)
+        if decl is not None and decl.every_engine is not None:
+            return self._after_all(method, self.call_utility_all(method, *args, timeout=timeout))
+        m = self._utility_member()
+        try:
+            return m.client.call_utility(method, *args, timeout=timeout)
+        except EngineDeadError as e:
+            raise self._engine_died(m, e) from None
+
+    def call_utility_all(self, method: str, *args: Any, timeout: float | None = None
+                         ) -> list[Any]:
+        """``call_utility`` on every serving engine at once; their results in index order.
+        The first failure (in index order) is raised once every engine answered."""
+        timeout = check_timeout(timeout)
+        targets = self._targets(method, args)
+        if len(targets) == 1:
+            calls: list[Callable[[], Any]] = [
+                lambda: targets[0].client.call_utility(method, *args, timeout=timeout)]
+            return self._outcomes(targets, map(_attempt, calls))
+        with self._state_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.data_parallel_size, thread_name_prefix="EngineCoreUtility")
+            pool = self._pool
+        futures = [pool.submit(m.client.call_utility, method, *args, timeout=timeout)
+                   for m in targets]
+        return self._outcomes(targets, (_result(f) for f in futures))
+
+
+def _attempt(call: Callable[[], Any]) -> tuple[bool, Any]:
+    try:
+        return True, call()
+    except Exception as e:  # handed back in order, raised by _outcomes
+        return False, e
+
+
+def _result(fut: concurrent.futures.Future[Any]) -> tuple[bool, Any]:
+    try:
+        return True, fut.result()
+    except Exception as e:  # as _attempt
+        return False, e
+
+
+class AsyncDPClient(AsyncUtilityMethods, _DPClient):
+    """asyncio data-parallel client; bound to the loop it first runs on, as AsyncMPClient."""
+
+    _member_type = _AsyncMember
+
+    def __init__(self, config: Any, **options: Any) -> None:
+        self._arrived: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        super().__init__(config, **options)
+
+    def _notify(self) -> None:
+        event, loop = self._arrived, self._loop
+        if event is None or loop is None:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            event.set()
+            return
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:
+            pass  # its loop is closed: nobody waits there
+
+    def _bind(self) -> None:
+        """Members read on the running loop; the arrival event lives there too."""
+        loop = asyncio.get_running_loop()
+        if self.is_closed:
+            raise ClientClosedError(self._closed_message)
+        if self._loop is not loop:
+            for m in self._members:
+                for c in (*m.retired, m.client):
+                    if c is not None and not c.is_closed:
+                        c._ensure_reader()
+            self._loop, self._arrived = loop, asyncio.Event()
+        else:
+            for m in self._members:
+                c = m.client
+                if c is not None and c._loop is not loop and not c.is_closed:
+                    c._ensure_reader()  # a replacement, built off the loop
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._bind()
+        self._route_add(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._route_abort(request_ids)
+
+    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """See ``SyncDPClient.get_output``."""
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.is_closed:
+                raise ClientClosedError(self._closed_message)
+            self._bind()
+            event = self._arrived
+            assert event is not None
+            event.clear()  # on the loop: nothing is put between this and the look below
+            out = self._take()
+            if out is not None:
+                return out
+            if self.is_dead:
+                raise self._dead_error()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return EngineCoreOutputs()
+            try:
+                async with asyncio.timeout(min(remaining or MAX_WAIT_SLICE_S,
+                                               MAX_WAIT_SLICE_S)):
+                    await event.wait()
+            except TimeoutError:
+                pass
+
+    async def call_utility_async(self, method: str, *args: Any,
+                                 timeout: float | None = None) -> Any:
+        timeout = check_timeout(timeout)
+        check_method(method)
+        self._bind()
+        decl = UTILITY_DECLARATIONS.get(method)
+        if decl is not None and decl.every_engine is not None:
+            results = await self.call_utility_all_async(method, *args, timeout=timeout)
+            return self._after_all(method, results)
+        m = self._utility_member()
+        try:
+            return await m.client.call_utility_async(method, *args, timeout=timeout)
+        except EngineDeadError as e:
+            raise self._engine_died(m, e) from None
+
+    async def call_utility_all_async(self, method: str, *args: Any,
+                                     timeout: float | None = None) -> list[Any]:
+        """See ``SyncDPClient.call_utility_all``."""
+        timeout = check_timeout(timeout)
+        self._bind()
+        targets = self._targets(method, args)
+        got = await asyncio.gather(
+            *(m.client.call_utility_async(method, *args, timeout=timeout) for m in targets),
+            return_exceptions=True)
+        outcomes = ((not isinstance(g, BaseException), g) for g in got)
+        for g in got:  # a cancellation is the caller's, not an engine's outcome
+            if isinstance(g, asyncio.CancelledError):
+                raise g
+        return self._outcomes(targets, outcomes)
+
+    async def shutdown_async(self, timeout: float | None = None) -> None:
+        await asyncio.to_thread(self.shutdown, timeout)
+
+    async def __aenter__(self) -> AsyncDPClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown_async()
