@@ -50,7 +50,7 @@ from ..protocol.codec import check_no_dataclass
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
 from ..spec.client import ClientEvent
-from ..spec.errors import ClientClosedError, EngineDeadError, EngineStartupError
+from ..spec.errors import ClientClosedError, EngineDeadError, EngineStartupError, SpecViolation
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.membership import (
     MEMBER_LEFT,
@@ -59,6 +59,7 @@ from ..spec.membership import (
     MembershipEvent,
     MembershipState,
 )
+from ..spec.request import CLIENT_REQUEST, ClientRequestEvent
 from ._utilities import AsyncUtilityMethods
 from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
 from .client import EngineCoreClient, SyncClientMixin
@@ -119,10 +120,13 @@ class _MemberMixin:
         self._dp_notify, self._dp_died = notify, died
         self._abandon = abandon
 
-    def _on_engine_dead(self, cause: BaseException) -> None:
-        super()._on_engine_dead(cause)  # type: ignore[misc]
-        if self.is_dead:  # type: ignore[attr-defined]
-            self._dp_died(self, cause)  # type: ignore[arg-type]
+    def _mark_dead(self, cause: BaseException | None) -> bool:
+        # Told before the engine's calls fail: a caller whose call raised EngineDeadError
+        # finds the engine dead in the owner's membership too.
+        first: bool = super()._mark_dead(cause)  # type: ignore[misc]
+        if first:
+            self._dp_died(self, cause or EngineDeadError())  # type: ignore[arg-type]
+        return first
 
 
 class _SyncMember(_MemberMixin, SyncMPClient):
@@ -230,6 +234,7 @@ class _DPClient(EngineCoreClient):
         self._drained: set[int] = set()  # id() of dead member clients read to their end
         self._turn = 0  # where the routing's round robin starts
         self._turn_out = 0  # the member get_output looks at first
+        self._last_routed = 0
         self._utility_turn = 0
         self._threads: set[threading.Thread] = set()  # restarts in progress
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -416,6 +421,7 @@ class _DPClient(EngineCoreClient):
                         tried.add(m.index)  # it died since: the request never left
                         continue
                     self._owner[rid] = client
+                    self._last_routed = m.index
                     m.in_flight += 1
                     m.sent_since_report += 1
                     return
@@ -482,13 +488,37 @@ class _DPClient(EngineCoreClient):
         if stats is not None and client is m.client:
             m.waiting, m.running, m.sent_since_report = stats.num_waiting, stats.num_running, 0
         owner = self._owner
+        foreign: list[str] = []
         for o in out.outputs:
-            if o.finish_reason is not None and owner.get(o.request_id) is client:
-                del owner[o.request_id]
-                if client is m.client:
-                    m.in_flight -= 1
+            sent_to = owner.get(o.request_id)
+            if sent_to is client:
+                if o.finish_reason is not None:
+                    del owner[o.request_id]
+                    if client is m.client:
+                        m.in_flight -= 1
+            elif sent_to is not None:
+                foreign.append(o.request_id)
+        if foreign:
+            raise self._refuse_foreign(m, out, foreign)
         self._track_outputs(out)
         return out
+
+    def _refuse_foreign(self, m: _Member, out: EngineCoreOutputs, foreign: list[str]
+                        ) -> SpecViolation:
+        """Outputs from engine ``m`` for requests another engine (or a predecessor of ``m``)
+        serves: none of them touches a request; the rest of the batch is tracked and comes
+        with the next ``get_output``, as for any output the spec forbids."""
+        bad = set(foreign)
+        rest = msgspec.structs.replace(
+            out, outputs=[o for o in out.outputs if o.request_id not in bad])
+        self._track_outputs(rest)
+        self._redeliver.append(rest)
+        err = SpecViolation(CLIENT_REQUEST.name, "owned by another engine",
+                            ClientRequestEvent.OUTPUT.name)
+        err.args = (f"engine {m.index} sent {len(foreign)} output(s) for request(s) it was not"
+                    f" sent: {', '.join(map(repr, foreign[:20]))}; the batch's other outputs"
+                    " were tracked and the next get_output returns them",)
+        return err
 
     def _drain_done(self, m: _Member, client: Any) -> None:
         """Every batch of dead ``client`` was returned: its requests still live here end
@@ -588,6 +618,16 @@ class _DPClient(EngineCoreClient):
     def engine_pids(self) -> list[int | None]:
         with self._state_lock:
             return [None if m.client is None else m.client.engine_pid for m in self._members]
+
+    def send_raw_frames(self, frames: list[bytes], engine_index: int | None = None) -> None:
+        """``MPClient.send_raw_frames`` to engine ``engine_index`` (default: the engine the
+        last ADD went to): for conformance tests that put malformed input on the wire."""
+        with self._state_lock:
+            index = self._last_routed if engine_index is None else engine_index
+            client = self._members[index].client
+            if client is None:
+                raise self._no_engine()
+        client.send_raw_frames(frames)
 
     def engine_client(self, index: int) -> Any:
         """The one-engine client behind engine ``index`` (for tests and the fault harness);

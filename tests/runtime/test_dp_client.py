@@ -34,6 +34,7 @@ from enginewire.spec import (
     EngineDeadError,
     EngineStartupError,
     MembershipState,
+    SpecViolation,
     validate_trace,
 )
 
@@ -268,3 +269,25 @@ def test_one_engine_failing_to_start_fails_the_construction_cleanly(kind: str) -
 def test_one_engine_clients_answer_call_utility_all() -> None:
     with make_client(EngineConfig(model="null"), multiprocess=True, asyncio=False) as c:
         assert c.call_utility_all("echo", 4) == [4]
+
+
+def test_an_output_from_an_engine_not_sent_the_request_is_refused() -> None:
+    with open_dp("sync") as dp:
+        dp("add_request", req("mine", n=10_000, rank=0))
+        dp("add_request", req("theirs", n=3, rank=1))
+        from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs
+
+        # Engine 1 claims engine 0's request, next to one of its own (as a confused or a
+        # restarted engine might): the claim touches nothing, the rest is delivered. (Engine
+        # 1's own client refuses it first; the data-parallel client's owner check is the
+        # second line.)
+        dp.client.engine_client(1)._outputs.put(EngineCoreOutputs(engine_index=1, outputs=[
+            EngineCoreOutput("mine", [9], FinishReason.STOP),
+            EngineCoreOutput("theirs", [7])]))
+        with pytest.raises(SpecViolation, match="'mine'"):
+            while True:
+                dp("get_output", timeout=1.0)
+        assert "mine" in dp.client.live_requests()
+        dp("abort_requests", ["mine"])
+        assert dp.collect({"mine", "theirs"}) == {
+            "mine": (FinishReason.ABORT, 0), "theirs": (FinishReason.LENGTH, 1)}
