@@ -43,6 +43,7 @@ class _BaseRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     priority: int = 0
     tensors: dict[str, Any] | None = None
     client_index: int = 0
+    data_parallel_rank: int | None = None
 
 
 class _BaseOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):

@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["SECTIONS", "TARGETS", "collect", "main", "run_bench"]
 
-SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model")
+SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model", "dp")
 
 # key -> (op, bar, goal, judged on "ratio" or "value"); issue 10's target table.
 TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -32,6 +32,8 @@ TARGETS: dict[str, tuple[str, float, float, str]] = {
     "compute_share_1024": ("<=", 30.0, 12.0, "value"),
     "codec_256": ("<=", 1.3, 1.1, "ratio"),
     "spec_transition_us": ("<=", 1.0, 0.3, "value"),
+    # Issue 29: two engines deliver 1.8x one engine's tokens/s on compute-bound steps.
+    "dp_scaling_2": (">=", 1.8, 1.9, "ratio"),
 }
 # Shown with a verdict but not counted in the exit status: targets owned by other issues.
 _INFO_TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -174,7 +176,8 @@ def _model_rows(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
-def collect(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
+def collect(quick: bool, only: list[str] | None = None, engines: int = 2
+            ) -> list[dict[str, Any]]:
     """Run the selected sections; return their rows, not yet judged."""
     from .floor import freeze_heap
     from .ipc import (
@@ -244,6 +247,10 @@ def collect(quick: bool, only: list[str] | None = None) -> list[dict[str, Any]]:
         elif "model" in sel and only:  # asked for by name: say why it is missing
             print("bench: the model section runs in the full run only (not with --quick)",
                   file=sys.stderr)
+        if "dp" in sel:
+            from .dp import bench_dp
+
+            rows += bench_dp(engines, quick)
     finally:
         if not was_frozen:
             gc.unfreeze()
@@ -392,6 +399,7 @@ def run_bench(
     json_out: str | None = None,
     plot_out: str | None = None,
     only: list[str] | None = None,
+    engines: int = 2,
 ) -> int:
     """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed.
 
@@ -409,7 +417,7 @@ def run_bench(
             raise FileNotFoundError(f"the model section: {missing}")
     t0 = time.perf_counter()
     machine = _machine()
-    rows = collect(quick, only)
+    rows = collect(quick, only, engines)
     ok = judge(rows)
     elapsed = time.perf_counter() - t0
     mode = "quick" if quick else "full"

@@ -425,7 +425,14 @@ def _bench(args: argparse.Namespace) -> int:
         missing = _model_missing()
         if missing is not None:
             raise MissingError(f"--only model: {missing}")
-    return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only))
+    if args.engines < 1:
+        raise UsageError(f"--engines {args.engines}: must be at least 1")
+    if args.engines > 1 and not only:
+        only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
+    elif only and "dp" in only and args.engines == 1:
+        args.engines = 2
+    return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only,
+                         engines=args.engines))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -598,8 +605,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--only",
         metavar="SECTIONS",
         help="comma-separated subset of: echo, delivery, compute, codec, spec, inproc, engine, "
-        "model",
+        "model, dp",
     )
+    bench.add_argument(
+        "--engines", type=int, default=1, metavar="N",
+        help="data parallel: N engines' tokens/s over one engine's on compute-bound steps, and "
+        "the routing cost per request (alone, the dp section only; the full run uses 2)")
     bench.set_defaults(handler=_bench)
 
     gen = sub.add_parser(

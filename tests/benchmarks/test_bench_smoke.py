@@ -166,3 +166,13 @@ def test_codec_baselines_encode_to_the_same_bytes_as_ours() -> None:
     pairs = [codec._outputs(n, rng) for n in (1, 32)] + [codec._add(rng)]
     for ours, theirs in pairs:
         assert enc.encode(ours)[0] == base.encode(theirs)
+
+
+def test_dp_rows() -> None:
+    from enginewire.benchmarks.dp import bench_dp
+
+    rows = bench_dp(2, reps=1, rounds=1, n_adds=50)
+    _check(rows, "dp", 2)
+    assert rows[0]["key"] == "dp_scaling_2" and rows[0]["speedup"] > 0
+    with pytest.raises(ValueError, match="at least 2"):
+        bench_dp(1)
