@@ -156,6 +156,7 @@ def run_generate(
     max_tokens: int,
     temperature: float,
     seed: int,
+    engines: int = 1,
 ) -> int:
     ids = None
     if prompt_tokens is not None:  # "" too: an empty list must not fall back to --prompt
@@ -177,6 +178,7 @@ def run_generate(
             temperature=temperature,
             seed=seed,
             on_text=_print_now,
+            engine_options={"data_parallel_size": engines} if engines > 1 else None,
         )
     except FileNotFoundError as exc:
         print(f"enginewire generate: error: {exc}", file=sys.stderr)
@@ -201,8 +203,9 @@ def run_generate(
         print(f"enginewire generate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print()
+    where = f"{client}, {engines} engines" if engines > 1 else client
     print(
-        f"[{client}] {len(res.token_ids)} tokens, finish={res.finish_reason}, "
+        f"[{where}] {len(res.token_ids)} tokens, finish={res.finish_reason}, "
         f"ttft={res.ttft_s * 1e3:.1f} ms, {res.tokens_per_s:.1f} tok/s after the first, "
         f"total={res.total_s:.2f} s",
         file=sys.stderr,

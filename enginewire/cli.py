@@ -189,6 +189,10 @@ def _spec_diagrams(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from ._generate import run_generate
 
+    if args.engines > 1 and args.client == "inproc":
+        raise UsageError(f"--engines {args.engines} needs --client sync or async: an"
+                         " in-process client steps one engine in this thread")
+
     name = args.model.lower()
     if name.endswith(".gguf") or name.startswith("smollm2"):
         for package in ("gguf", "tokenizers"):
@@ -202,6 +206,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        engines=args.engines,
     )
 
 
@@ -638,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="0 means greedy (>= 0)"
     )
     gen.add_argument("--seed", type=_int_in(0, _MAX_SEED), default=0, help="sampling seed (>= 0)")
+    gen.add_argument(
+        "--engines", type=_int_in(1, 256), default=1, metavar="N",
+        help="data parallel: a client over N engine cores (not with --client inproc)")
     gen.set_defaults(handler=_generate)
 
     eng = sub.add_parser(

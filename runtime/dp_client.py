@@ -69,9 +69,11 @@ __all__ = ["AsyncDPClient", "SyncDPClient"]
 
 logger = logging.getLogger(__name__)
 
-# Options that name one engine's channel or identity: the client assigns them per engine.
-_PER_ENGINE = ("input_address", "output_address", "engine_connect", "engine_index",
-               "launch_engine", "engine_launcher")
+# Options that name one engine's identity or launcher: the client assigns them per engine.
+_ASSIGNED = ("engine_index", "engine_launcher")
+# Options that name one engine's channel: a data-parallel client takes one per engine, in
+# index order (engines started on their own, e.g. ``enginewire engine --engine-index i``).
+_PER_ENGINE = ("input_address", "output_address", "engine_connect")
 
 
 def _combine(how: str, results: list[Any]) -> Any:
@@ -207,12 +209,23 @@ class _DPClient(EngineCoreClient):
         if not isinstance(restart_dead_engines, bool):
             raise ValueError(f"restart_dead_engines={restart_dead_engines!r}: must be True or"
                              " False")
-        for name in _PER_ENGINE:
+        for name in _ASSIGNED:
             if name in options:
                 raise ValueError(
                     f"{name}: a data-parallel client assigns each engine its own (engine i"
-                    " gets engine_index i, its own sockets and process); build one-engine"
-                    " clients to attach engines by address")
+                    " gets engine_index i, and is started by the client's backend)")
+        n = getattr(config, "data_parallel_size", 1)
+        self._per_engine: dict[str, list[Any]] = {}
+        for name in _PER_ENGINE:
+            value = options.pop(name, None)
+            if value is None:
+                continue
+            if not isinstance(value, list | tuple) or len(value) != n or (
+                    name != "engine_connect" and not all(isinstance(v, str) for v in value)):
+                raise ValueError(
+                    f"{name}={value!r}: a data-parallel client takes one per engine, a list"
+                    f" of {n} in engine index order")
+            self._per_engine[name] = list(value)
         super().__init__(config, trace=trace)
         self.data_parallel_size: int = config.data_parallel_size
         self._restart = restart_dead_engines
@@ -270,6 +283,8 @@ class _DPClient(EngineCoreClient):
 
     def _build(self, index: int) -> Any:
         options = dict(self._options)
+        for name, values in self._per_engine.items():
+            options[name] = values[index]
         if self._placement is not None:
             options.setdefault("transport", "tcp")  # across hosts: tcp, CURVE on by default
             options["engine_launcher"] = self._placement.launcher(index)

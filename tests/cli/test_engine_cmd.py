@@ -119,3 +119,55 @@ def test_engine_command_refuses_half_configured_curve(tmp_path: Path) -> None:
     )
     assert res.returncode == 2  # a usage mistake, not an unusable key file (3)
     assert "--curve-peer" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_engines_started_on_their_own_serve_a_data_parallel_front_end(tmp_path: Path) -> None:
+    """Two ``enginewire engine --engine-index i`` processes, one front end over both (vLLM's
+    headless data parallel): requests spread over the two, and the kill of one ends only
+    its requests."""
+    from collections import Counter
+
+    from enginewire.protocol.messages import FinishReason
+
+    n = 2
+    inp = [f"ipc://{tmp_path}/in{i}" for i in range(n)]
+    out = [f"ipc://{tmp_path}/out{i}" for i in range(n)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "enginewire.cli", "engine", "--model", "null",
+         "--engine-index", str(i), "--input-address", inp[i], "--output-address", out[i],
+         "--heartbeat-interval", "0.1"]) for i in range(n)]
+    try:
+        config = EngineConfig(model="null", data_parallel_size=n)
+        with make_client(config, multiprocess=True, asyncio=False, launch_engine=False,
+                         input_address=inp, output_address=out,
+                         engine_heartbeat_timeout_s=2.0, ready_timeout_s=BOUND_S) as client:
+            for i in range(6):
+                client.add_request(EngineCoreRequest(f"h{i}", [5, 6, 7],
+                                                     SamplingParams(max_tokens=4)))
+            engines: Counter[int] = Counter()
+            left = {f"h{i}" for i in range(6)}
+            while left:
+                batch = client.get_output(timeout=BOUND_S)
+                for o in batch.outputs:
+                    if o.finished:
+                        left.discard(o.request_id)
+                        engines[batch.engine_index] += 1
+            assert engines == {0: 3, 1: 3}
+            client.add_request(EngineCoreRequest("lost", [5], SamplingParams(max_tokens=200),
+                                                 data_parallel_rank=1))
+            procs[1].kill()
+            reason = None
+            while reason is None:
+                for o in client.get_output(timeout=BOUND_S).outputs:
+                    if o.request_id == "lost" and o.finished:
+                        reason = o.finish_reason
+            assert reason in (FinishReason.ERROR, FinishReason.LENGTH)
+            assert client.call_utility_all("echo", "ping", timeout=BOUND_S) == ["ping"]
+            assert client.dead_engines == [1]
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(BOUND_S) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(BOUND_S)

@@ -40,6 +40,25 @@ def test_cli_generate_streams_and_reports(capsys: pytest.CaptureFixture[str]) ->
     assert len(out.split()) == 4 and "tok/s" in err
 
 
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_cli_generate_over_two_engines(client: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--client", client, "--engines", "2", "--prompt-tokens", "5,6,7",
+            "--max-tokens", "4"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert len(out.split()) == 4 and f"[{client}, 2 engines]" in err
+    # The same greedy tokens as one engine.
+    one = generate(model="tiny", prompt_ids=[5, 6, 7], prompt="", client="inproc",
+                   max_tokens=4, temperature=0.0, seed=0)
+    assert out.split() == [str(t) for t in one.token_ids]
+
+
+def test_cli_generate_engines_needs_a_process_client(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    assert main(["generate", "--client", "inproc", "--engines", "2"]) == 2
+    assert "--engines 2 needs --client sync or async" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tokens", ["5,x", "", " , "])
 def test_cli_generate_rejects_bad_token_list(tokens: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:

@@ -136,7 +136,7 @@ def test_config_and_factory_refuse_what_cannot_work() -> None:
         EngineConfig(data_parallel_backend="slurm")
     with pytest.raises(ValueError, match="multiprocess=True"):
         make_client(DP2, multiprocess=False, asyncio=False)
-    for option in ("input_address", "engine_index", "launch_engine"):
+    for option in ("input_address", "engine_index", "engine_launcher"):
         with pytest.raises(ValueError, match=option):
             make_client(DP2, multiprocess=True, asyncio=False, **{option: 1})
     with pytest.raises(ValueError, match="engine_fault"):
