@@ -44,8 +44,8 @@ def _drain(client: Any, rids: set[str], bound_s: float = 300.0) -> None:
 
 
 def _tokens_per_s(engines: int, requests: int, reps: int) -> list[float]:
-    client = make_client(_config(engines, STEP_DELAY_S, SEQS), multiprocess=True,
-                         asyncio=False)
+    client: Any = make_client(_config(engines, STEP_DELAY_S, SEQS), multiprocess=True,
+                              asyncio=False)
     rates = []
     try:
         for rep in range(reps):
@@ -62,7 +62,7 @@ def _tokens_per_s(engines: int, requests: int, reps: int) -> list[float]:
 
 
 def _us_per_add(engines: int, n: int, reps: int) -> list[float]:
-    client = make_client(_config(engines, 0.0, 256), multiprocess=True, asyncio=False)
+    client: Any = make_client(_config(engines, 0.0, 256), multiprocess=True, asyncio=False)
     costs = []
     try:
         for rep in range(reps):

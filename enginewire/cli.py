@@ -405,9 +405,18 @@ def _faults_matrix(args: argparse.Namespace) -> int:
 
     _writable_dir("--results-dir", args.results_dir)
     _check_model(args.model)  # before any cell: every one would read startup_error
+    if args.engines > 1 and args.client and "inproc" in args.client:
+        raise UsageError(f"--engines {args.engines}: the data-parallel cells need --client sync"
+                         " or async (an in-process client has one engine)")
+    config = EngineConfig(model=args.model, max_num_seqs=4)
+    if args.engines > 1:
+        from .faults import run_dp_fault_matrix
+
+        return int(run_dp_fault_matrix(args.client or None, quick=args.quick,
+                                       results_dir=args.results_dir, engines=args.engines,
+                                       config=config))
     rc: int = run_fault_matrix(args.client or None, quick=args.quick,
-                               results_dir=args.results_dir,
-                               config=EngineConfig(model=args.model, max_num_seqs=4))
+                               results_dir=args.results_dir, config=config)
     return rc
 
 
@@ -595,6 +604,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="results",
         help="directory for fault_matrix.json (created; checked writable before the run)",
     )
+    matrix.add_argument(
+        "--engines", type=_int_in(1, 16), default=1, metavar="N",
+        help="data parallel: the cells where one engine of N is killed, stopped, crashes or "
+        "gets corrupted frames while the others serve (instead of the one-engine matrix)")
     matrix.set_defaults(handler=_faults_matrix)
 
     bench = sub.add_parser(

@@ -8,7 +8,9 @@ Break an engine on purpose and check that the front end survives it as the spec 
 * ``Interposer`` with ``FrameRule``: a ZMQ proxy that drops, delays, duplicates, reorders,
   truncates or bit-flips frames (client option ``engine_connect=proxy.engine_addresses``);
 * ``run_fault_matrix``: every fault at every point in every lifecycle state, checked against
-  the spec, with detection latency and leaks; ``enginewire faults matrix [--quick]``.
+  the spec, with detection latency and leaks; ``enginewire faults matrix [--quick]``;
+* ``run_dp_fault_matrix``: a fault on one engine of a data-parallel client while the others
+  serve (``enginewire faults matrix --engines 2``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .testing.fault_matrix import (
     run_cell,
     run_fault_matrix,
 )
+from .testing.fault_matrix_dp import run_dp_fault_matrix
 from .testing.interposer import Direction, FrameAction, FrameKind, FrameRule, Interposer
 
 __all__ = [
@@ -56,5 +59,6 @@ __all__ = [
     "expected_outcome",
     "matrix_cells",
     "run_cell",
+    "run_dp_fault_matrix",
     "run_fault_matrix",
 ]

@@ -105,6 +105,9 @@ class Outcome(enum.StrEnum):
     HANG = "hang"  # the cell's bound passed with nothing detected
     SILENT_CORRUPTION = "silent_corruption"  # wrong tokens delivered without an error
     HARNESS_ERROR = "harness_error"  # the cell itself raised something unexpected
+    # Data parallel (fault_matrix_dp.py): the faulty engine's work ended with ERROR, the
+    # other engines served on, the client lives.
+    ONE_DOWN = "one_down"
 
 
 class Scenario(enum.StrEnum):
@@ -561,6 +564,7 @@ def run_fault_matrix(
 
     Returns the exit status: 0 when every cell matched the spec, 1 otherwise. ``extra_cells``
     are callables ``(workdir) -> CellResult`` (the interposer's cells register here).
+    The data-parallel cells run through here too (fault_matrix_dp.py).
     """
     clients = list(dict.fromkeys(clients or CLIENT_KINDS))  # --client sync --client sync: once
     bad = [c for c in clients if c not in CLIENT_KINDS]
@@ -577,10 +581,16 @@ def run_fault_matrix(
         from .interposer import interposer_cells
 
         extra_cells = interposer_cells(clients, quick, config)
+    # Without cells of its own, the clean warm-up run (see _warm_up) is for the kinds of the
+    # extra cells (the data-parallel ones name theirs).
+    warm = todo or [Cell(k, Scenario.GENERATE, Fault(point=FaultPoint.STEP,
+                                                     action=FaultAction.DELAY, arg=0.0))
+                    for k in sorted({getattr(x, "client", "inproc") for x in extra_cells})
+                    if k in CLIENT_KINDS and k != "inproc"]
     results: list[CellResult] = []
     t0 = time.monotonic()
     with _engine_threads(), tempfile.TemporaryDirectory(prefix="enginewire-faults-") as work:
-        _warm_up(config, todo, work)
+        _warm_up(config, warm, work)
         for cell in todo:
             results.append(_bounded(functools.partial(run_cell, cell, config, work),
                                     cell.name))

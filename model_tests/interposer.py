@@ -59,7 +59,6 @@ _SETUP_S = 5.0
 # load 4, which failed a quick matrix as a startup error); what they check is the model-free
 # hand-shake. Short enough that a lost-attach cell costs the quick matrix under 10 s.
 ATTACH_READY_S = 5.0
-_ENGINE_IDENTITY = (0).to_bytes(2, "little")
 
 
 class Direction(enum.StrEnum):
@@ -173,6 +172,9 @@ class Interposer:
 
     rules: list[FrameRule] = field(default_factory=list)
     seed: int = 0
+    # The engine it stands in for: its identity on the client's ROUTER (a data-parallel
+    # client's engine i answers as i).
+    engine_index: int = 0
     events: list[tuple[str, str, str]] = field(default_factory=list)
     # time.monotonic() of each entry in ``events``: detection latency starts there.
     applied_at: list[float] = field(default_factory=list)
@@ -187,6 +189,11 @@ class Interposer:
                                 f" got {type(r).__name__} {r!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"Interposer.seed must be an int, got {self.seed!r}")
+        if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) or not (
+                0 <= self.engine_index < 1 << 16):
+            raise ValueError(f"Interposer.engine_index={self.engine_index!r}: must be an"
+                             " integer in [0, 65535]")
+        self._identity = self.engine_index.to_bytes(2, "little")
         self._rng = random.Random(self.seed)
         self._states = [_RuleState(r) for r in self.rules]
         self._dir: str | None = None
@@ -326,7 +333,7 @@ class Interposer:
         socks = (eng_in, eng_out, cli_in, cli_out)
         for s in socks:
             s.setsockopt(zmq.LINGER, 0)
-        cli_in.setsockopt(zmq.IDENTITY, _ENGINE_IDENTITY)
+        cli_in.setsockopt(zmq.IDENTITY, self._identity)
         try:
             try:
                 eng_in.bind(self.engine_addresses[0])
@@ -357,7 +364,7 @@ class Interposer:
 
             def send(direction: Direction, frames: list[bytes]) -> None:
                 if direction is Direction.TO_ENGINE:
-                    eng_in.send_multipart([_ENGINE_IDENTITY, *frames])
+                    eng_in.send_multipart([self._identity, *frames])
                 elif frames and frames[0] == b"\x00READY":
                     cli_in.send_multipart(frames[1:])
                 else:
