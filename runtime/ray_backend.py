@@ -1,0 +1,600 @@
+"""Engine cores as Ray actors: the placement behind ``data_parallel_backend="ray"`` (issue 29).
+
+Theory of operation. ``RayEngines(n)`` reserves one placement group of ``n`` bundles and
+places one actor in each. The actor is a small nanny, not the engine: on a client's launch it
+spawns ``_process_main`` on its own node exactly as ``mp_client._spawn_engine`` does on this
+host, with ``parent_pid`` set to the actor's pid, so an engine never outlives its actor (the
+engine's parent watch). The engine then connects to the front end over the addresses in its
+kwargs like any launched engine; Ray carries only the launch, the exit code and signals.
+
+Rule 1: an actor's death is an engine death. On this side a handle (``RayEngineProcess``)
+answers ``mp_client.EngineProcess``; its watcher thread waits on the actor's ``wait`` method,
+which returns the engine's exit code, and raises once the actor (or its node) is gone. Either
+way the handle's ``exitcode`` is set and its sentinel becomes readable, so the client's own
+monitor reports the death; nothing in the client knows about Ray.
+
+Rule 2: no plaintext crosses hosts. An engine placed on another host is refused an ipc
+address, a loopback address or plain tcp (``EngineStartupError`` before it is spawned), so
+its traffic crosses hosts only under CURVE. The engine's key pair (fresh per launch, made by
+the client) travels in the launch, over Ray's own channel: where that channel is not trusted,
+turn on Ray's TLS (``RAY_USE_TLS``).
+
+Ray is an optional extra (``pip install 'enginewire[ray]'``); it is imported when
+``RayEngines`` is built, never by importing this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..spec.errors import EngineStartupError
+
+if TYPE_CHECKING:
+    from .mp_client import EngineLauncher
+
+logger = logging.getLogger(__name__)
+
+Strategy = Literal["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"]
+STRATEGIES: tuple[str, ...] = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+
+INSTALL_HINT = "pip install 'enginewire[ray]'"
+
+# What the handle reports as the exit code when the actor died before telling one: the
+# actor's process is gone (ray.kill SIGKILLs it; a lost node is as good as killed), and the
+# engine follows it through its parent watch.
+ACTOR_DIED_EXITCODE = -int(signal.SIGKILL)
+
+# A bundle and its actor ask for a sliver of a CPU, not a whole one: the engine's own
+# threads are not Ray's to count, and a two-core CI machine must fit two engines per node.
+DEFAULT_RESOURCES: Mapping[str, float] = {"CPU": 0.01}
+DEFAULT_READY_TIMEOUT_S = 60.0
+# The nanny answers wait and terminate/kill at once: one blocked thread per engine it ran
+# (one at a time, normally) and room for the signals and where().
+_ACTOR_CONCURRENCY = 4
+# How often the watcher looks up from its wait to see whether it is to stop (close()); death
+# itself wakes it at once (the wait's result arrives).
+_WATCH_POLL_S = 0.25
+# Bounds: the actor's answer to a launch or a signal, a watcher's join, a kill's escalation.
+_CALL_S = 10.0
+_JOIN_S = 5.0
+_KILL_ESCALATE_S = 2.0
+# A locally started Ray holds only launches and exit codes in its object store: the least
+# Ray accepts is 75 MiB; a default (30% of memory) would just be taken from the engines.
+_LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or ``EngineStartupError`` saying how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise EngineStartupError(
+            "data_parallel_backend='ray' needs Ray, which is not installed; install the"
+            f" optional extra: {INSTALL_HINT}") from e
+    return ray
+
+
+# --- the actor: a nanny on the engine's node -------------------------------------------------
+
+
+class EngineNanny:
+    """Runs on the engine's node as a threaded Ray actor (``max_concurrency`` >= 2, so a
+    blocked ``wait`` never holds up ``terminate``). Each ``start`` is one engine, named by a
+    generation number; at most one runs at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._procs: dict[int, Any] = {}  # generation -> multiprocessing.Process
+        self._reports: dict[int, multiprocessing.connection.Connection] = {}
+        self._results: dict[int, tuple[int, str | None]] = {}
+
+    def where(self) -> tuple[str, str, int]:
+        """(Ray node id, node IP address, this actor's pid)."""
+        ray = import_ray()
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                os.getpid())
+
+    def start(self, config_type: type, config_bytes: bytes, kwargs: dict[str, Any],
+              name: str) -> tuple[int, int]:
+        """Spawn the engine here; (generation, engine pid)."""
+        from .engine_proc import _process_main
+
+        with self._lock:
+            for gen, proc in self._procs.items():
+                if proc.is_alive():
+                    raise RuntimeError(
+                        f"this Ray actor already runs an engine (pid {proc.pid}, launch {gen});"
+                        " shut its client down before launching another")
+            mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
+            report_r, report_w = mp.Pipe(duplex=False)
+            kwargs = {**kwargs, "parent_pid": os.getpid(), "startup_report": report_w}
+            proc = mp.Process(target=_process_main, args=(config_type, config_bytes, kwargs),
+                              name=name, daemon=True)
+            try:
+                proc.start()
+            except BaseException:
+                report_r.close()
+                raise
+            finally:
+                report_w.close()  # the engine has its own copy: EOF once it exits
+            gen = self._next
+            self._next += 1
+            self._procs[gen] = proc
+            self._reports[gen] = report_r
+            assert proc.pid is not None
+            return gen, proc.pid
+
+    def wait(self, gen: int) -> tuple[int, str | None]:
+        """Block until engine ``gen`` exits: (exit code, the start-up failure it reported)."""
+        with self._lock:
+            if gen in self._results:
+                return self._results[gen]
+            proc = self._procs[gen]
+        proc.join()
+        with self._lock:
+            if gen not in self._results:
+                report = self._reports.pop(gen)
+                reason: str | None = None
+                with contextlib.suppress(EOFError, OSError):
+                    if proc.exitcode != 0 and report.poll(0):  # written before it exited
+                        reason = str(report.recv())
+                report.close()
+                code = proc.exitcode
+                assert code is not None
+                self._results[gen] = (code, reason)
+                del self._procs[gen]
+                proc.close()
+            return self._results[gen]
+
+    def signal(self, gen: int, signum: int) -> None:
+        """Send ``signum`` to engine ``gen`` if it still runs (SIGCONT first for SIGTERM: a
+        stopped engine would hold it pending and cost the whole grace)."""
+        with self._lock:
+            proc = self._procs.get(gen)
+            pid = proc.pid if proc is not None and proc.is_alive() else None
+        if pid is None:
+            return
+        with contextlib.suppress(OSError):
+            if signum == signal.SIGTERM:
+                os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signum)
+
+
+# --- the handle on this side -----------------------------------------------------------------
+
+
+class RayEngineProcess:
+    """``mp_client.EngineProcess`` for an engine a Ray actor runs. ``local`` is False: its
+    pid is on the actor's node, so the client signals nothing here.
+
+    A watcher thread waits on the actor's ``wait``; when it returns (the exit code) or
+    raises (the actor or its node died: ``ACTOR_DIED_EXITCODE``), ``exitcode`` is set and
+    ``sentinel`` becomes readable. A start-up failure the engine reported is written to the
+    client's start-up pipe first, so the client's ``EngineStartupError`` names it."""
+
+    local = False
+
+    def __init__(self, ray: Any, actor: Any, gen: int, pid: int, node_id: str,
+                 report: multiprocessing.connection.Connection | None, name: str) -> None:
+        self._ray = ray
+        self._actor = actor
+        self._gen = gen
+        self._pid = pid
+        self.node_id = node_id
+        self.name = name
+        self._report = report
+        self._exitcode: int | None = None
+        self.exit_reason: str | None = None  # why, in words, once it exited
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self._fd_lock = threading.Lock()
+        self._sentinel_r, self._sentinel_w = os.pipe()
+        self._closed = False
+        self._watcher = threading.Thread(target=self._watch, name=f"RayEngineWatch_{name}",
+                                         daemon=True)
+        self._watcher.start()
+
+    def __repr__(self) -> str:
+        state = "alive" if self._exitcode is None else f"exitcode={self._exitcode}"
+        return f"<RayEngineProcess {self.name} pid={self._pid} node={self.node_id[:12]} {state}>"
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._exitcode
+
+    @property
+    def sentinel(self) -> int:
+        self._check_open()
+        return self._sentinel_r
+
+    def is_alive(self) -> bool:
+        self._check_open()
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._check_open()
+        self._done.wait(timeout)
+
+    def terminate(self) -> None:
+        self._check_open()
+        self._send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL through the actor; an actor that does not answer is killed itself (the
+        engine follows its parent)."""
+        self._check_open()
+        ref = self._send(signal.SIGKILL)
+        if ref is None:
+            return
+        ready, _ = self._ray.wait([ref], timeout=_KILL_ESCALATE_S)
+        if not ready and not self._done.is_set():
+            logger.warning("Ray actor of %s does not answer; killing the actor", self.name)
+            with contextlib.suppress(Exception):
+                self._ray.kill(self._actor, no_restart=True)
+
+    def close(self) -> None:
+        """Stop the watcher and release the pipe. Idempotent. Like a closed
+        ``multiprocessing.Process``, a closed handle raises ``ValueError`` when used."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(_JOIN_S)
+        with self._fd_lock:
+            for fd in (self._sentinel_r, self._sentinel_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._sentinel_r = self._sentinel_w = -1
+            self._close_report()
+
+    # -- internals --
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("process object is closed")
+
+    def _send(self, signum: int) -> Any:
+        if self._done.is_set():
+            return None  # gone already (and Ray may be shut down: no call can be made)
+        try:
+            return self._actor.signal.remote(self._gen, int(signum))
+        except Exception as e:  # the actor is gone: the watcher says so
+            logger.debug("signal to the Ray actor of %s failed: %r", self.name, e)
+            return None
+
+    def _watch(self) -> None:
+        ray = self._ray
+        code: int | None = None
+        reason: str | None = None
+        try:
+            ref = self._actor.wait.remote(self._gen)
+            while code is None:
+                if self._stop.is_set():
+                    return
+                ready, _ = ray.wait([ref], timeout=_WATCH_POLL_S)
+                if not ready:
+                    continue
+                try:
+                    code, reason = ray.get(ref)
+                except Exception as e:  # RayActorError, ActorDiedError, a lost node, ...
+                    code = ACTOR_DIED_EXITCODE
+                    self.exit_reason = f"the Ray actor running it died: {e}"
+                    logger.warning("engine %s: %s", self.name, self.exit_reason)
+        except Exception as e:  # Ray itself failed under the watch: death can't be seen
+            code = ACTOR_DIED_EXITCODE
+            self.exit_reason = f"the watch of its Ray actor failed: {e!r}"
+            logger.warning("engine %s: %s", self.name, self.exit_reason)
+        self._finish(code, reason)
+
+    def _finish(self, code: int, reason: str | None) -> None:
+        """Record the exit: the reason to the start-up pipe first, then the sentinel."""
+        with self._fd_lock:
+            if self._done.is_set():
+                return
+            if reason is not None:
+                if self.exit_reason is None:
+                    self.exit_reason = reason
+                if self._report is not None:
+                    with contextlib.suppress(OSError, ValueError):  # the client stopped reading
+                        self._report.send(reason)
+            self._close_report()
+            self._exitcode = code
+            self._done.set()
+            if self._sentinel_w >= 0:
+                os.close(self._sentinel_w)  # EOF: the read end stays readable for good
+                self._sentinel_w = -1
+
+    def _close_report(self) -> None:
+        report, self._report = self._report, None
+        if report is not None:
+            report.close()
+
+    def _orphan(self, why: str) -> None:
+        """Ray is going away under a live watch: stop it and record the engine as gone (its
+        actor is killed), so no later call reaches a Ray that is shut down."""
+        self._stop.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(_JOIN_S)
+        if not self._done.is_set():
+            self.exit_reason = why
+            self._finish(ACTOR_DIED_EXITCODE, None)
+
+
+# --- the placement ---------------------------------------------------------------------------
+
+
+class RayEngines:
+    """``n`` engine nannies as Ray actors in one placement group, one bundle each.
+
+    If Ray is not initialized, connects to ``address`` (or ``RAY_ADDRESS``) when given, else
+    starts a local instance on 127.0.0.1 (no dashboard); ``close()`` shuts down only a Ray
+    this object initialized. ``resources_per_engine`` is one bundle (default a hundredth of
+    a CPU; ask ``{"GPU": 1}`` for a GPU engine). ``strategy`` is the placement group's."""
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        strategy: Strategy = "SPREAD",
+        address: str | None = None,
+        resources_per_engine: Mapping[str, float] | None = None,
+        ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+    ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n={n!r}: must be a positive integer")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r}: must be one of {', '.join(STRATEGIES)}")
+        if not ready_timeout_s > 0:
+            raise ValueError(f"ready_timeout_s={ready_timeout_s!r}: must be positive")
+        resources = dict(DEFAULT_RESOURCES if resources_per_engine is None
+                         else resources_per_engine)
+        if not resources or any(not (isinstance(v, int | float) and v > 0)
+                                for v in resources.values()):
+            raise ValueError(f"resources_per_engine={resources_per_engine!r}: must name at least"
+                             " one resource, each a positive amount")
+        ray = import_ray()
+        self._ray = ray
+        self.n = n
+        self.strategy = strategy
+        self._ready_timeout = float(ready_timeout_s)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owns_ray = False
+        self._sigterm: tuple[Any, Any] = (None, None)
+        self._pg: Any = None
+        self._actors: list[Any] = []
+        self._where: list[tuple[str, str, int]] = []
+        self._handles: list[RayEngineProcess] = []
+        try:
+            self._init_ray(address)
+            self._place(resources)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_ray(self, address: str | None) -> None:
+        ray = self._ray
+        if ray.is_initialized():
+            return
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        before = signal.getsignal(signal.SIGTERM)
+        if address is None:
+            # "local": a new instance even if a `ray start` cluster runs on this host.
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=False,
+                     object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
+        else:
+            ray.init(address=address, logging_level=logging.WARNING)
+        self._owns_ray = True
+        # ray.init installs a SIGTERM handler in this process (sys.exit) that ray.shutdown
+        # leaves behind: close() puts the caller's back.
+        self._sigterm = (before, signal.getsignal(signal.SIGTERM))
+
+    def _place(self, resources: dict[str, float]) -> None:
+        ray = self._ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._pg = placement_group([dict(resources) for _ in range(self.n)],
+                                   strategy=self.strategy)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._ready_timeout)
+        if not ready:
+            raise EngineStartupError(
+                f"Ray could not place {self.n} engine bundle(s) of {resources} with strategy"
+                f" {self.strategy} within {self._ready_timeout:g} s (ready_timeout_s); the"
+                f" cluster has {ray.available_resources()} available")
+        rest = dict(resources)
+        options = {
+            "num_cpus": rest.pop("CPU", 0),
+            "num_gpus": rest.pop("GPU", 0),
+            "resources": rest,
+            "max_concurrency": _ACTOR_CONCURRENCY,
+            "max_restarts": 0,  # a restarted nanny would have lost its engine
+        }
+        cls = ray.remote(EngineNanny)
+
+        def new_actor(i: int) -> Any:
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=i)
+            return cls.options(scheduling_strategy=strategy, **options).remote()
+
+        self._new_actor = new_actor  # a dead actor's bundle gets a new one (a restart)
+        for i in range(self.n):
+            self._actors.append(new_actor(i))
+        try:
+            self._where = ray.get([a.where.remote() for a in self._actors],
+                                  timeout=self._ready_timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise EngineStartupError(
+                f"the Ray engine actors did not start within {self._ready_timeout:g} s"
+                " (ready_timeout_s)") from e
+
+    # -- public --
+
+    def launcher(self, index: int) -> EngineLauncher:
+        """The ``engine_launcher`` for a client whose engine runs in actor ``index``."""
+        self._check_index(index)
+
+        def launch(config_type: type, config_bytes: bytes, kwargs: dict[str, Any],
+                   name: str) -> RayEngineProcess:
+            return self._launch(index, config_type, config_bytes, kwargs, name)
+
+        return launch
+
+    def node_of(self, index: int) -> str:
+        """The Ray node id actor ``index`` runs on."""
+        self._check_index(index)
+        return self._where[index][0]
+
+    def actor(self, index: int) -> Any:
+        """Actor ``index``'s Ray handle (a test kills it to kill an engine)."""
+        self._check_index(index)
+        return self._actors[index]
+
+    def close(self) -> None:
+        """Kill the actors (their engines follow), remove the placement group, shut down a
+        Ray this object initialized. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        ray = self._ray
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        handles, self._handles = self._handles, []
+        deadline = time.monotonic() + _JOIN_S
+        for handle in handles:  # their watchers see the actors die
+            handle._done.wait(max(0.0, deadline - time.monotonic()))
+        for handle in handles:
+            handle._orphan("its Ray actor was killed (RayEngines.close)")
+        if self._pg is not None:
+            pg, self._pg = self._pg, None
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        if self._owns_ray:
+            self._owns_ray = False
+            ray.shutdown()
+            before, ours = self._sigterm
+            if ours is not before and signal.getsignal(signal.SIGTERM) is ours:
+                with contextlib.suppress(ValueError, TypeError):  # not the main thread
+                    signal.signal(signal.SIGTERM, before)
+
+    def __enter__(self) -> RayEngines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --
+
+    def _replace(self, index: int) -> None:
+        """A new actor in bundle ``index`` for one that died; where it runs is asked anew."""
+        ray = self._ray
+        with self._lock:
+            if self._closed:
+                raise EngineStartupError("RayEngines is closed")
+            old = self._actors[index]
+            self._actors[index] = actor = self._new_actor(index)
+        with contextlib.suppress(Exception):
+            ray.kill(old, no_restart=True)
+        self._where[index] = ray.get(actor.where.remote(), timeout=self._ready_timeout)
+
+    def _check_index(self, index: int) -> None:
+        if self._closed:
+            raise EngineStartupError("RayEngines is closed")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.n:
+            raise ValueError(f"index={index!r}: must be an integer in [0, {self.n})")
+
+    def _launch(self, index: int, config_type: type, config_bytes: bytes,
+                kwargs: dict[str, Any], name: str) -> RayEngineProcess:
+        self._check_index(index)
+        ray = self._ray
+        node_id, node_ip, _ = self._where[index]
+        kwargs = dict(kwargs)
+        # A multiprocessing Connection cannot cross Ray; the handle writes the engine's
+        # start-up failure to its own copy of the client's end instead.
+        theirs = kwargs.pop("startup_report", None)
+        kwargs.pop("parent_pid", None)  # the actor's own, set there
+        _check_reach(kwargs, node_ip, ray.util.get_node_ip_address(), name)
+        report = None
+        if theirs is not None:
+            report = multiprocessing.connection.Connection(os.dup(theirs.fileno()),
+                                                           readable=False)
+        try:
+            try:
+                try:
+                    gen, pid = ray.get(self._actors[index].start.remote(
+                        config_type, config_bytes, kwargs, name), timeout=_CALL_S)
+                except ray.exceptions.RayActorError:
+                    # Its actor died (killed, or its engine's death took it): a replacing
+                    # engine (restart_dead_engines) gets a new actor in the same bundle.
+                    self._replace(index)
+                    node_id, node_ip, _ = self._where[index]
+                    _check_reach(kwargs, node_ip, ray.util.get_node_ip_address(), name)
+                    gen, pid = ray.get(self._actors[index].start.remote(
+                        config_type, config_bytes, kwargs, name), timeout=_CALL_S)
+            except ray.exceptions.RayError as e:
+                raise EngineStartupError(
+                    f"the Ray actor for engine {index} on node {node_id} could not start it:"
+                    f" {e}") from e
+            handle = RayEngineProcess(ray, self._actors[index], gen, pid, node_id, report, name)
+        except BaseException:
+            if report is not None:
+                report.close()
+            raise
+        with self._lock:
+            self._handles = [h for h in self._handles if not h._done.is_set()]
+            self._handles.append(handle)
+        return handle
+
+
+_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+
+
+def _check_reach(kwargs: Mapping[str, Any], node_ip: str, here_ip: str, name: str) -> None:
+    """Refuse what an engine on another host could not reach, or should not be sent (Rule 2)."""
+    if node_ip == here_ip:
+        return  # the same host: loopback and ipc reach it
+    for key in ("input_address", "output_address"):
+        address = str(kwargs.get(key, ""))
+        where = f"{name} is placed on {node_ip}, another host than this front end ({here_ip})"
+        if address.startswith("ipc://"):
+            raise EngineStartupError(f"{where}: ipc does not cross hosts ({key}={address!r});"
+                                     " use transport='tcp' bound to an address it can reach")
+        host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+        if host.startswith(_LOOPBACK):
+            raise EngineStartupError(f"{where}: {key}={address!r} is this host's loopback;"
+                                     " bind the client to an address that node can reach")
+    if kwargs.get("curve") is None:
+        raise EngineStartupError(f"{name} is placed on {node_ip}, another host: plain tcp is"
+                                 " refused across hosts; leave CURVE on (the default for tcp)")
+
+
+__all__ = [
+    "ACTOR_DIED_EXITCODE",
+    "INSTALL_HINT",
+    "EngineNanny",
+    "RayEngineProcess",
+    "RayEngines",
+    "import_ray",
+]
