@@ -18,10 +18,11 @@ from pathlib import Path
 
 from enginewire.protocol.catalogue import render_protocol_page
 from enginewire.protocol.utilities import render_utilities_page, render_wrappers
-from enginewire.spec import MACHINES, compose, properties
+from enginewire.spec import MACHINES, compose, compose_dp, properties
 from enginewire.spec.diagrams import render_dot, render_mermaid, render_spec_page
 from enginewire.spec.machine import render_runtime_tables
 from enginewire.spec.promela import render_promela
+from enginewire.spec.promela_dp import render_promela_dp
 
 __all__ = [
     "ROOT",
@@ -108,6 +109,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
     files: dict[Path, str] = {
         root / "spec" / "_tables.py": render_runtime_tables(MACHINES),
         root / "spec" / "enginewire.pml": render_promela(),
+        root / "spec" / "enginewire_dp.pml": render_promela_dp(),
     }
     for name, text in _diagrams().items():
         files[root / "docs" / "diagrams" / name] = text
@@ -118,6 +120,11 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
         bounds={"BUDGET": compose.BUDGET, "FAULTS": compose.FAULTS, "IN_CAP": compose.IN_CAP,
                 "OUT_CAP": compose.OUT_CAP, "TOKENS": compose.TOKENS},
         controls=properties.control_targets(),
+        dp_doc=compose_dp.__doc__ or "",
+        dp_bounds={"N": compose_dp.N, "REQS": compose_dp.REQS, "BUDGET": compose_dp.BUDGET,
+                   "FAULTS": compose_dp.FAULTS, "IN_CAP": compose_dp.IN_CAP,
+                   "OUT_CAP": compose_dp.OUT_CAP},
+        dp_controls=properties.dp_control_targets(),
     )
     files[root / "docs" / "protocol.md"] = render_protocol_page()
     files[root / "runtime" / "_utilities.py"] = render_wrappers()

@@ -2,12 +2,15 @@
 
 What runs:
 1. each machine alone (BFS): an unreachable state or transition is a failure;
-2. the composed model (BFS): every safety property after each step, every liveness
+2. the composed models (BFS): the one-engine model (``compose.py``) and the two-engine one
+   (``compose_dp.py``), every safety property after each step, every liveness
    obligation at each quiescent world; a counterexample is printed as its shortest run;
-   every table row must be exercised or declared unexercised with a reason
-   (``compose.UNEXERCISED``), and a declared row that became exercised fails too;
-3. SPIN on the Promela model rendered afresh from the tables (``render_promela()``, the text
-   of the committed ``spec/enginewire.pml`` when ``generate --check`` passes): every property
+   every table row of the machines a model covers (``COVERS``) must be exercised or declared
+   unexercised with a reason (``UNEXERCISED``), and a declared row that became exercised
+   fails too;
+3. SPIN on both Promela models rendered afresh from the tables (``render_promela()`` and
+   ``render_promela_dp()``, the text of the committed ``spec/enginewire.pml`` and
+   ``spec/enginewire_dp.pml`` when ``generate --check`` passes): every property
    as LTL, ``pan -a -f`` (acceptance cycles under weak fairness); ``pan`` exits 0 even on a
    violation, so the verdict is parsed from ``errors: N``, and the trail is replayed with
    ``spin -t`` into the actor steps that lead to it;
@@ -33,23 +36,37 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from enginewire.spec import MACHINES
-from enginewire.spec.compose import BUGS, UNEXERCISED
+from enginewire.spec import MACHINES, compose, compose_dp, promela, promela_dp
+from enginewire.spec.compose import BUGS
 from enginewire.spec.explore import (
     ExploreResult,
     MachineReport,
     explore,
+    explore_dp,
     explore_machine,
     uncovered_rows,
 )
 from enginewire.spec.promela import render_promela
-from enginewire.spec.properties import LIVENESS, PROPERTIES, SAFETY, control_targets
+from enginewire.spec.promela_dp import render_promela_dp
+from enginewire.spec.properties import (
+    DP_LIVENESS,
+    DP_PROPERTIES,
+    DP_SAFETY,
+    LIVENESS,
+    PROPERTIES,
+    SAFETY,
+    control_targets,
+    dp_control_targets,
+)
 
 __all__ = [
+    "ALL_BUGS",
     "QUICK_CONTROLS",
+    "UNEXERCISED",
     "ControlResult",
     "SpecReport",
     "SpinResult",
+    "all_control_targets",
     "coverage_gaps",
     "main",
     "render_report",
@@ -60,6 +77,15 @@ __all__ = [
 ]
 
 SPIN_TIMEOUT_S = 300
+# Every negative control of both models, and every row either model may leave unexercised.
+ALL_BUGS: tuple[str, ...] = (*BUGS, *compose_dp.BUGS)
+UNEXERCISED: dict[tuple[str, str], str] = {**compose.UNEXERCISED, **compose_dp.UNEXERCISED}
+_KINDS = {p.name: p.kind for p in (*PROPERTIES, *DP_PROPERTIES)}
+
+
+def all_control_targets() -> dict[str, tuple[str, ...]]:
+    """Both models' ``negative control -> properties it must break``, one-engine first."""
+    return {**control_targets(), **dp_control_targets()}
 
 
 @dataclass(frozen=True)
@@ -91,6 +117,7 @@ class ControlResult:
 class SpecReport:
     machines: list[MachineReport] = field(default_factory=list)
     composed: ExploreResult | None = None
+    dp_composed: ExploreResult | None = None  # the two-engine model
     uncovered: dict[str, list[str]] = field(default_factory=dict)
     # rows neither exercised nor declared; declared rows that are exercised after all
     undeclared: list[str] = field(default_factory=list)
@@ -106,6 +133,7 @@ class SpecReport:
         return (
             all(m.ok for m in self.machines)
             and (self.composed is None or self.composed.ok)
+            and (self.dp_composed is None or self.dp_composed.ok)
             and not self.undeclared
             and not self.stale_declared
             and all(r.errors == 0 for r in self.spin)
@@ -127,13 +155,17 @@ def _sh(cmd: list[str], cwd: Path) -> str:
     return proc.stdout
 
 
-def _compile(pml: str, workdir: Path, defines: Sequence[str], *, optimize: bool) -> Path:
+def _compile(pml: str, workdir: Path, defines: Sequence[str], *, optimize: bool,
+             nfair: int = promela.NFAIR) -> Path:
+    # Either model is written as enginewire.pml here: replay_trail reads that name.
     (workdir / "enginewire.pml").write_text(pml, encoding="utf-8")
     _sh(["spin", *(f"-D{d}" for d in defines), "-a", "enginewire.pml"], workdir)
-    # NFAIR for 7 processes. -O2 costs ~10 s more to compile and halves a full search (about a
-    # million states per property): worth it for a sweep of every property, not for a
-    # negative control, whose search stops at its first counterexample.
-    _sh(["gcc", "-O2" if optimize else "-O0", "-w", "-DNFAIR=3", "-o", "pan", "pan.c"], workdir)
+    # NFAIR=3 for the one-engine model's 7 processes, 4 for the two-engine one's 10
+    # (promela.NFAIR, promela_dp.NFAIR). -O2 costs ~10 s more to compile and halves a full
+    # search (about a million states per property): worth it for a sweep of every property,
+    # not for a negative control, whose search stops at its first counterexample.
+    _sh(["gcc", "-O2" if optimize else "-O0", "-w", f"-DNFAIR={nfair}", "-o", "pan", "pan.c"],
+        workdir)
     return workdir / "pan"
 
 
@@ -198,15 +230,18 @@ def _run_pan(workdir: Path, prop: str, bug: str | None, defines: Sequence[str]) 
 
 
 def run_spin(props: Sequence[str], bug: str | None = None, *, pml: str | None = None,
-             jobs: int = 2) -> list[SpinResult]:
-    """Compile the model once (with ``-DBUG_<bug>``) and check each named property."""
-    pml = pml if pml is not None else render_promela()
+             jobs: int = 2, dp: bool = False) -> list[SpinResult]:
+    """Compile the model once (with ``-DBUG_<bug>``) and check each named property.
+    ``dp``: the two-engine model (``pml`` defaults to ``render_promela_dp()``)."""
+    if pml is None:
+        pml = render_promela_dp() if dp else render_promela()
     defines = [f"BUG_{bug.upper()}"] if bug else []
     if bug:  # only the claims under test: each claim costs compile time
         defines += ["LTL_ONLY", *(f"LTL_{p}" for p in props)]
     with tempfile.TemporaryDirectory(prefix="enginewire-spin-") as tmp:
         work = Path(tmp)
-        _compile(pml, work, defines, optimize=bug is None and len(props) > 2)
+        _compile(pml, work, defines, optimize=bug is None and len(props) > 2,
+                 nfair=promela_dp.NFAIR if dp else promela.NFAIR)
         if len(props) <= 1 or jobs <= 1:
             return [_run_pan(work, p, bug, defines) for p in props]
         # pan writes its trail next to the model; one copy per worker avoids clashes.
@@ -226,8 +261,9 @@ def run_spin(props: Sequence[str], bug: str | None = None, *, pml: str | None = 
 # ---- the whole check -------------------------------------------------------------------------
 
 def coverage_gaps(uncovered: dict[str, list[str]]) -> tuple[list[str], list[str]]:
-    """``(undeclared, stale)``: rows neither exercised nor in ``compose.UNEXERCISED``, and
-    rows listed there that the model exercises after all (so the list stays true)."""
+    """``(undeclared, stale)``: rows neither exercised nor in ``UNEXERCISED`` (both models'
+    lists), and rows listed there that the model exercises after all (so the lists stay
+    true)."""
     missing = {(mach, row) for mach, rows in uncovered.items() for row in rows}
     undeclared = sorted(f"{mach}: {row}" for mach, row in missing - set(UNEXERCISED))
     stale = sorted(f"{mach}: {row}" for mach, row in set(UNEXERCISED) - missing
@@ -236,7 +272,8 @@ def coverage_gaps(uncovered: dict[str, list[str]]) -> tuple[list[str], list[str]
 
 
 def _explorer_control(bug: str, targets: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
-    res = explore(bug, stop_when=frozenset(targets))
+    run = explore_dp if bug in compose_dp.BUGS else explore
+    res = run(bug, stop_when=frozenset(targets))
     broke = tuple(p for p in targets if p in res.violations)
     text = "\n".join(res.violations[p].render() for p in broke)
     return broke, text
@@ -244,12 +281,15 @@ def _explorer_control(bug: str, targets: tuple[str, ...]) -> tuple[tuple[str, ..
 
 # ``spec check --quick``: every property on the spec itself, but only these negative controls
 # (the two of vLLM's known gaps the spec closes, one broken safety property, one broken
-# liveness property), so the README's first command stays short; the full check runs all.
+# liveness property, and two of the two-engine model's), so the README's first command stays
+# short; the full check runs all.
 QUICK_CONTROLS: tuple[str, ...] = (
     "forget_pending_on_death",  # utility futures that hang on engine death (vLLM)
     "no_startup_deadline",  # no startup deadline (vLLM)
     "abort_ack_before_flush",  # safety: an output after the finish
     "no_monitor",  # liveness: a death nobody notices
+    "death_fails_every_engine",  # data parallel: one engine's loss fails the others' work
+    "replacement_unmonitored",  # data parallel: a replacement's death nobody notices
 )
 
 
@@ -269,10 +309,13 @@ def run_spec_check(
     the same).
     """
     t0 = time.perf_counter()
-    if negative is not None and negative not in BUGS:
-        print(f"unknown negative control {negative!r}; choose one of: {', '.join(BUGS)}",
+    if negative is not None and negative not in ALL_BUGS:
+        print(f"unknown negative control {negative!r}; choose one of: {', '.join(ALL_BUGS)}",
               file=sys.stderr)
         return 2
+    # A control of one model switches that model only; the other is checked as specified.
+    neg_one = negative if negative in BUGS else None
+    neg_dp = negative if negative in compose_dp.BUGS else None
     if spin is None:
         spin = spin_available()
         if not spin:
@@ -285,24 +328,30 @@ def run_spec_check(
     with ThreadPoolExecutor(max_workers=1) as pool:
         # SPIN's searches are subprocesses: they run while the explorer (holding the GIL)
         # walks the same model here.
-        sweep = pool.submit(run_spin, [p.name for p in PROPERTIES], negative) if spin else None
-        report.composed = explore(negative)
-        report.uncovered = uncovered_rows(report.composed, MACHINES)
+        sweep = pool.submit(run_spin, [p.name for p in PROPERTIES], neg_one) if spin else None
+        sweep_dp = (pool.submit(run_spin, [p.name for p in DP_PROPERTIES], neg_dp, dp=True)
+                    if spin else None)
+        report.composed = explore(neg_one)
+        report.dp_composed = explore_dp(neg_dp)
+        report.uncovered = {**uncovered_rows(report.composed, compose.COVERS),
+                            **uncovered_rows(report.dp_composed, compose_dp.COVERS)}
         if negative is None:  # a control changes what runs; the declarations are the spec's
             report.undeclared, report.stale_declared = coverage_gaps(report.uncovered)
-        if sweep is not None:
-            report.spin = sweep.result()
+        if sweep is not None and sweep_dp is not None:
+            report.spin = sweep.result() + sweep_dp.result()
         else:
             report.spin_skipped = "spin not run"
-    chosen = {bug: targets for bug, targets in control_targets().items()
+    targets_all = all_control_targets()
+    chosen = {bug: targets for bug, targets in targets_all.items()
               if not quick or bug in QUICK_CONTROLS}
-    report.controls_skipped = len(control_targets()) - len(chosen) if controls else 0
+    report.controls_skipped = len(targets_all) - len(chosen) if controls else 0
     if controls and negative is None:
         # SPIN's compiles run two at a time in the background while the explorer (CPU-bound,
         # holding the GIL) works through the same controls here.
         with ThreadPoolExecutor(max_workers=2) as pool:
             pending = {
-                bug: pool.submit(run_spin, list(targets), bug, jobs=1)
+                bug: pool.submit(run_spin, list(targets), bug, jobs=1,
+                                 dp=bug in compose_dp.BUGS)
                 for bug, targets in chosen.items()
             } if spin else {}
             for bug, targets in chosen.items():
@@ -343,6 +392,17 @@ def render_report(report: SpecReport) -> str:
         )
         for v in comp.violations.values():
             lines.append(v.render())
+    dpc = report.dp_composed
+    if dpc is not None:
+        held = sum(1 for p in DP_PROPERTIES if p.name not in dpc.violations)
+        lines.append(
+            f"two-engine model{' (negative control ' + dpc.bug + ')' if dpc.bug else ''}: "
+            f"{dpc.states} worlds, {dpc.edges} steps, {dpc.quiescent} quiescent, "
+            f"{dpc.seconds:.2f}s; properties held {held}/{len(DP_PROPERTIES)} "
+            f"({len(DP_SAFETY)} safety, {len(DP_LIVENESS)} liveness)"
+        )
+        for v in dpc.violations.values():
+            lines.append(v.render())
     for m in report.machines:
         for t in (*m.unreachable_states, *m.unreachable_transitions):
             lines.append(f"UNREACHABLE in {m.machine}: {t}")
@@ -350,8 +410,8 @@ def render_report(report: SpecReport) -> str:
                 if (mach, row) in UNEXERCISED]
     if declared:
         lines.append("")
-        lines.append(f"table rows the composed model does not exercise ({len(declared)}, "
-                     "compose.UNEXERCISED):")
+        lines.append(f"table rows the composed models do not exercise ({len(declared)}, "
+                     "compose.UNEXERCISED, compose_dp.UNEXERCISED):")
         lines += [f"  {mach}: {row}  -- {UNEXERCISED[mach, row]}" for mach, row in declared]
     for row in report.undeclared:
         lines.append(f"NOT EXERCISED and not declared in compose.UNEXERCISED: {row}")
@@ -362,10 +422,9 @@ def render_report(report: SpecReport) -> str:
         w = max(len("SPIN property"), *(len(r.prop) for r in report.spin))
         srow = "{:<" + str(w) + "} {:<8} {:>7} {:>9} {:>8}"
         lines.append(srow.format("SPIN property", "kind", "errors", "states", "time"))
-        kinds = {p.name: p.kind for p in PROPERTIES}
         for r in report.spin:
             took = f"{r.seconds:.1f}s"
-            lines.append(srow.format(r.prop, kinds[r.prop], r.errors, r.states, took))
+            lines.append(srow.format(r.prop, _KINDS[r.prop], r.errors, r.states, took))
             if r.errors:  # the replay when there is one, else pan's own last words
                 at = r.output.find("SPIN trail for")
                 lines.append(r.output[at:] if at >= 0 else r.output[-2000:])
@@ -416,7 +475,7 @@ def spec_transition_cost_ns(n: int = 200_000, repeat: int = 5) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m enginewire.testing.spec_check")
-    parser.add_argument("--negative", metavar="NAME", help=f"one of: {', '.join(BUGS)}")
+    parser.add_argument("--negative", metavar="NAME", help=f"one of: {', '.join(ALL_BUGS)}")
     parser.add_argument("--no-spin", action="store_true", help="explorer only")
     parser.add_argument("--no-controls", action="store_true", help="skip the negative controls")
     parser.add_argument("--quick", action="store_true",

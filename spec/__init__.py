@@ -27,7 +27,9 @@ from .request import (
 from .utility import UTILITY, UtilityEvent, UtilityState
 
 # Every machine, in a fixed order (generators iterate this, never a set).
-MACHINES: tuple[Machine, ...] = (CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY)  # type: ignore[type-arg]
+MACHINES: tuple[Machine, ...] = (  # type: ignore[type-arg]
+    CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY, MEMBERSHIP,
+)
 
 __all__ = [
     "CLIENT",

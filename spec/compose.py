@@ -78,6 +78,7 @@ from .utility import UTILITY, UtilityEvent, UtilityState
 
 __all__ = [
     "BUGS",
+    "COVERS",
     "FIELDS",
     "IN_MSGS",
     "OUT_MSGS",
@@ -162,6 +163,10 @@ BUGS = (
     "shutdown_leaves_work",
     "session_end_unannounced",
 )
+
+# The machines whose every row this model must exercise (membership is the two-engine
+# model's, compose_dp.py).
+COVERS: tuple[Machine[Any, Any], ...] = (CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY)
 
 # Table rows no run of this model fires, each with why (machine, row as explore prints it).
 # ``enginewire spec check`` fails when a row is neither exercised nor listed here, and when a

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .machine import Machine, Transition
-from .properties import LIVENESS, SAFETY, Property
+from .properties import DP_LIVENESS, DP_SAFETY, LIVENESS, SAFETY, Property
 
 __all__ = ["edges", "render_dot", "render_mermaid", "render_spec_page"]
 
@@ -85,11 +85,36 @@ def _theory(doc: str) -> str:
     return body.replace("Theory of operation\n-------------------\n", "**Theory of operation.**\n")
 
 
+def _property_tables(safety: Sequence[Property], liveness: Sequence[Property],
+                     controls: dict[str, tuple[str, ...]], level: str) -> list[str]:
+    out: list[str] = []
+    sections: tuple[tuple[str, Sequence[Property]], ...] = (
+        ("Safety (explorer after every step; SPIN `[]`)", safety),
+        ("Liveness (SPIN LTL under weak fairness; explorer at quiescence)", liveness),
+    )
+    for title, props in sections:
+        out += [f"{level} {title}", "", "| property | statement | negative controls | LTL |",
+                "|---|---|---|---|"]
+        for prop in props:
+            ltl = prop.promela.replace("|", "\\|")
+            bugs = ", ".join(f"`{c}`" for c in prop.controls)
+            out.append(f"| `{prop.name}` | {prop.text} | {bugs} | `{ltl}` |")
+        out.append("")
+    out += [f"{level} Negative controls", "", "| control | must break |", "|---|---|"]
+    for bug, names in controls.items():
+        out.append(f"| `{bug}` | {', '.join(f'`{n}`' for n in names)} |")
+    out.append("")
+    return out
+
+
 def render_spec_page(
     machines: Sequence[Machine[Any, Any]], *, composition_doc: str, properties_doc: str,
     bounds: dict[str, int], controls: dict[str, tuple[str, ...]],
+    dp_doc: str = "", dp_bounds: dict[str, int] | None = None,
+    dp_controls: dict[str, tuple[str, ...]] | None = None,
 ) -> str:
-    """``docs/spec.md``: prose per machine, its diagram and table, then the properties."""
+    """``docs/spec.md``: prose per machine, its diagram and table, then the properties; then
+    the two-engine model and its properties when ``dp_doc`` is given."""
     out = [
         f"<!-- {_GEN} -->",
         "# The enginewire specification",
@@ -113,22 +138,16 @@ def render_spec_page(
     out += ["## The composed model", "", _theory(composition_doc), "", "Bounds: " + ", ".join(
         f"`{k}` = {v}" for k, v in bounds.items()) + ".", ""]
     out += ["## Properties", "", _theory(properties_doc), ""]
-    sections: tuple[tuple[str, tuple[Property, ...]], ...] = (
-        ("Safety (explorer after every step; SPIN `[]`)", SAFETY),
-        ("Liveness (SPIN LTL under weak fairness; explorer at quiescence)", LIVENESS),
-    )
-    for title, props in sections:
-        out += [f"### {title}", "", "| property | statement | negative controls | LTL |",
-                "|---|---|---|---|"]
-        for prop in props:
-            ltl = prop.promela.replace("|", "\\|")
-            bugs = ", ".join(f"`{c}`" for c in prop.controls)
-            out.append(f"| `{prop.name}` | {prop.text} | {bugs} | `{ltl}` |")
-        out.append("")
-    out += ["### Negative controls", "", "| control | must break |", "|---|---|"]
-    for bug, names in controls.items():
-        out.append(f"| `{bug}` | {', '.join(f'`{n}`' for n in names)} |")
-    out.append("")
+    out += _property_tables(SAFETY, LIVENESS, controls, "###")
+    if dp_doc:
+        out += ["## The two-engine model (data parallel)", "", _theory(dp_doc),
+                "", "Bounds: " + ", ".join(
+                    f"`{k}` = {v}" for k, v in (dp_bounds or {}).items()) + ".", ""]
+        out += ["### Properties of the two-engine model", "",
+                "Checked as above: the explorer over `compose_dp.py`, SPIN over the generated",
+                "`spec/enginewire_dp.pml`, each property broken by its negative controls in both.",
+                ""]
+        out += _property_tables(DP_SAFETY, DP_LIVENESS, dp_controls or {}, "####")
     text = "\n".join(out)
     stamp = hashlib.sha256(text.encode()).hexdigest()[:16]
     return text.replace(f"<!-- {_GEN} -->", f"<!-- {_GEN} stamp {stamp} -->", 1)

@@ -11,23 +11,39 @@ Rule 2: no I/O; ``time.perf_counter`` only measures. Callers print.
 choice and reports the transitions and states no path reaches (each is a modelling defect).
 ``explore`` walks the composed model, checks every safety property after each step and every
 liveness obligation at each quiescent world, and records which table rows the composition
-exercised.
+exercised; ``explore_dp`` does the same for the two-engine model (``compose_dp.py``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
+from . import compose_dp
 from .compose import Composition, World, describe_world
 from .machine import Machine, Transition
-from .properties import LIVENESS, SAFETY, Property
+from .properties import DP_LIVENESS, DP_SAFETY, LIVENESS, SAFETY, Property
 
-__all__ = ["ExploreResult", "MachineReport", "Violation", "explore", "explore_machine"]
+__all__ = [
+    "ExploreResult",
+    "MachineReport",
+    "Violation",
+    "explore",
+    "explore_dp",
+    "explore_machine",
+]
+
+
+class _Model(Protocol):
+    covered: set[tuple[str, int, int, str | None]]
+
+    def initial(self) -> World: ...
+
+    def successors(self, world: World) -> Iterator[tuple[str, World]]: ...
 
 
 @dataclass(frozen=True)
@@ -127,14 +143,17 @@ def explore(
     liveness: Sequence[Property] = LIVENESS,
     max_states: int = 2_000_000,
     stop_when: frozenset[str] = frozenset(),
+    model: Callable[[str | None], _Model] = Composition,
+    describe: Callable[[World], dict[str, object]] = describe_world,
 ) -> ExploreResult:
     """Explore the composed model (with negative control ``bug``) exhaustively, BFS.
 
     ``stop_when``: stop as soon as every named property has a counterexample (negative
     controls need only their own shortest counterexamples, not the whole space).
+    ``model``/``describe``: another composition (``explore_dp`` passes the two-engine one).
     """
     t0 = time.perf_counter()
-    comp = Composition(bug)
+    comp = model(bug)
     init = comp.initial()
     parents: dict[World, tuple[World | None, str]] = {init: (None, "")}
     todo = deque([init])
@@ -149,7 +168,7 @@ def explore(
                 broken = True
                 if prop.name not in res.violations:
                     res.violations[prop.name] = Violation(
-                        prop.name, "safety", _trace(parents, world), describe_world(world)
+                        prop.name, "safety", _trace(parents, world), describe(world)
                     )
         if broken:
             continue  # a violating world is a dead end: its successors prove nothing new
@@ -168,12 +187,26 @@ def explore(
                 if (prop.name not in res.violations and prop.trigger(world)  # type: ignore[misc]
                         and not prop.discharged(world)):  # type: ignore[misc]
                     res.violations[prop.name] = Violation(
-                        prop.name, "liveness", _trace(parents, world), describe_world(world)
+                        prop.name, "liveness", _trace(parents, world), describe(world)
                     )
     res.states = len(parents)
     res.covered = comp.covered
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def explore_dp(
+    bug: str | None = None,
+    *,
+    safety: Sequence[Property] = DP_SAFETY,
+    liveness: Sequence[Property] = DP_LIVENESS,
+    max_states: int = 2_000_000,
+    stop_when: frozenset[str] = frozenset(),
+) -> ExploreResult:
+    """``explore`` over the two-engine model (``compose_dp.DPComposition``)."""
+    return explore(bug, safety=safety, liveness=liveness, max_states=max_states,
+                   stop_when=stop_when, model=compose_dp.DPComposition,
+                   describe=compose_dp.describe_world)
 
 
 def uncovered_rows(

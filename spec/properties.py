@@ -22,9 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import compose as m
+from . import compose_dp as dp
 from .compose import World
 
-__all__ = ["LIVENESS", "PROPERTIES", "SAFETY", "Property", "control_targets"]
+__all__ = [
+    "DP_LIVENESS",
+    "DP_PROPERTIES",
+    "DP_SAFETY",
+    "LIVENESS",
+    "PROPERTIES",
+    "SAFETY",
+    "Property",
+    "control_targets",
+    "dp_control_targets",
+]
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,8 @@ class Property:
     discharged: Callable[[World], bool] | None = None  # liveness: goal or excuse reached
 
 
-def _flag(name: str) -> Callable[[World], bool]:
-    return lambda w: w[m.BAD] != name
+def _flag(name: str, bad: int = m.BAD) -> Callable[[World], bool]:
+    return lambda w: w[bad] != name
 
 
 def _safety(name: str, text: str, controls: tuple[str, ...], promela: str,
@@ -253,10 +264,141 @@ LIVENESS: tuple[Property, ...] = (
 PROPERTIES: tuple[Property, ...] = SAFETY + LIVENESS
 
 
-def control_targets() -> dict[str, tuple[str, ...]]:
-    """``negative control -> properties it must break``, in ``compose.BUGS`` order."""
-    out: dict[str, list[str]] = {bug: [] for bug in m.BUGS}
-    for prop in PROPERTIES:
+
+# ---- the two-engine model (compose_dp.py) ----------------------------------------------------
+# In Promela the per-engine and per-request fields are arrays (``mem[i]``, ``creq[r]``); the
+# macros ``creq_live(r)``, ``member_left(i)`` ... are generated from the same named sets.
+
+def _settled(w: World, gen: int, owner: int) -> bool:
+    """A live request or pending call is its engine's current incarnation's, and that engine
+    is serving (or being shut down, which fails it at the end)."""
+    return bool(w[dp.GEN[owner]] == gen
+                and w[dp.MEM[owner]] in (dp.M_SERVING, dp.M_SHUT_DOWN))
+
+
+def _none_left_behind(w: World) -> bool:
+    for r in range(dp.REQS):
+        if w[dp.CREQ[r]] in dp.Q_LIVE and not _settled(w, w[dp.OGEN[r]], w[dp.OWN[r]]):
+            return False
+    return w[dp.UTIL] != dp.U_PENDING or _settled(w, w[dp.UGEN], w[dp.UOWN])
+
+
+def _any_left(w: World) -> bool:
+    return any(w[dp.MEM[i]] in dp.M_LEFT for i in range(dp.N))
+
+
+def _each(fmt: str, n: int, join: str) -> str:
+    return "(" + f" {join} ".join(fmt.format(i=i) for i in range(n)) + ")"
+
+
+_DP_SETTLED = (
+    "(gen[{own}] == {gen} && (mem[{own}] == MEMBERSHIP_S_SERVING "
+    "|| mem[{own}] == MEMBERSHIP_S_SHUT_DOWN))"
+)
+_DP_NONE_LEFT_BEHIND = " && ".join(
+    [f"(!creq_live({r}) || " + _DP_SETTLED.format(own=f"own[{r}]", gen=f"ogen[{r}]") + ")"
+     for r in range(dp.REQS)]
+    + [f"(util != {dp.U_PENDING} || " + _DP_SETTLED.format(own="uown", gen="ugen") + ")"]
+)
+_DP_ANY_LEFT = _each("member_left({i})", dp.N, "||")
+_DP_ANY_LIVE = _each("creq_live({i})", dp.REQS, "||")
+_DP_ANY_RESTARTING = _each("mem[{i}] == MEMBERSHIP_S_RESTARTING", dp.N, "||")
+
+
+def _dp_flag(name: str) -> Callable[[World], bool]:
+    return _flag(name, dp.BAD)
+
+
+DP_SAFETY: tuple[Property, ...] = (
+    _safety(
+        "dp_spec_conformance",
+        "Every component of the two-engine model only fires events its machine table allows "
+        "(a membership event included).",
+        ("every_handshake_readies_client",),
+        "!v_dp_spec_conformance",
+        _dp_flag("dp_spec_conformance"),
+    ),
+    _safety(
+        "dp_death_fails_its_own",
+        "The loss of one engine fails exactly its own live requests and pending calls: none "
+        "of another engine is failed, and none of the dead one is left live or pending once "
+        "the client knows (or after it was replaced).",
+        ("death_fails_every_engine", "fail_only_when_client_dies"),
+        f"!v_dp_death_fails_its_own && {_DP_NONE_LEFT_BEHIND}",
+        lambda w: w[dp.BAD] != "dp_death_fails_its_own" and _none_left_behind(w),
+    ),
+    _safety(
+        "dp_routes_to_serving",
+        "A request or utility call is only ever sent to an engine whose member is serving "
+        "(MEMBER_ROUTABLE), never to a dead, starting or restarting one.",
+        ("route_to_restarting",),
+        "!v_dp_routes_to_serving",
+        _dp_flag("dp_routes_to_serving"),
+    ),
+    _safety(
+        "dp_request_ends_once",
+        "No request or call ends twice: no finish or reply reaches one that already ended, "
+        "with an error by its engine's death or otherwise (requests that died are not "
+        "replayed).",
+        ("replay_on_restart",),
+        "!v_dp_request_ends_once",
+        _dp_flag("dp_request_ends_once"),
+    ),
+    _safety(
+        "dp_fresh_channel",
+        "A replacement engine reads no frame sent to its predecessor, and the client reads no "
+        "frame of the predecessor as the replacement's: each incarnation has a channel of its "
+        "own.",
+        ("restart_reuses_channel",),
+        "!v_dp_fresh_channel",
+        _dp_flag("dp_fresh_channel"),
+    ),
+    _safety(
+        "dp_client_dead_iff_none_left",
+        "The client is DEAD only when no member is left (MEMBER_LEFT is empty), and a "
+        "constructed client that is not shutting down is DEAD once none is.",
+        ("client_dies_with_first_member",),
+        f"(client != {dp.C_DEAD} || !{_DP_ANY_LEFT}) && (!client_live || closing "
+        f"|| {_DP_ANY_LEFT})",
+        lambda w: (w[dp.C] != dp.C_DEAD or not _any_left(w))
+        and (w[dp.C] not in dp.C_LIVE or bool(w[dp.CLOSING]) or _any_left(w)),
+    ),
+)
+
+DP_LIVENESS: tuple[Property, ...] = (
+    _live(
+        "dp_request_ends",
+        "Every request eventually ends, whichever engine it went to, and even when that engine "
+        "is a replacement that dies too.",
+        ("replacement_unmonitored",),
+        (_DP_ANY_LIVE, lambda w: any(w[q] in dp.Q_LIVE for q in dp.CREQ)),
+        (f"!{_DP_ANY_LIVE}", lambda w: not any(w[q] in dp.Q_LIVE for q in dp.CREQ)),
+    ),
+    _live(
+        "dp_restart_completes",
+        "A restarting member eventually serves again, or is known dead, or is shut down.",
+        ("reader_forgets_replacement",),
+        (_DP_ANY_RESTARTING, lambda w: any(w[x] == dp.M_RESTARTING for x in dp.MEM)),
+        (f"!{_DP_ANY_RESTARTING}", lambda w: not any(w[x] == dp.M_RESTARTING for x in dp.MEM)),
+    ),
+)
+
+DP_PROPERTIES: tuple[Property, ...] = DP_SAFETY + DP_LIVENESS
+
+
+def _targets(bugs: tuple[str, ...], props: tuple[Property, ...]) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {bug: [] for bug in bugs}
+    for prop in props:
         for bug in prop.controls:
             out[bug].append(prop.name)
     return {bug: tuple(names) for bug, names in out.items()}
+
+
+def control_targets() -> dict[str, tuple[str, ...]]:
+    """``negative control -> properties it must break``, in ``compose.BUGS`` order."""
+    return _targets(m.BUGS, PROPERTIES)
+
+
+def dp_control_targets() -> dict[str, tuple[str, ...]]:
+    """The same for the two-engine model, in ``compose_dp.BUGS`` order."""
+    return _targets(dp.BUGS, DP_PROPERTIES)

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from enginewire.spec.compose import UNEXERCISED
-from enginewire.testing.spec_check import SpecReport, coverage_gaps, render_report, run_spec_check
+from enginewire.testing.spec_check import (
+    UNEXERCISED,
+    SpecReport,
+    coverage_gaps,
+    render_report,
+    run_spec_check,
+)
 
 
 def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> None:
@@ -16,6 +21,20 @@ def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> 
     assert "safety property shutdown_reclaims violated after 4 steps:" in text
     assert "shutdown_finish" in text
     assert "spec check FAILED" in text
+
+
+def test_a_two_engine_control_as_the_spec_fails_that_model_only() -> None:
+    lines: list[str] = []
+    rc = run_spec_check(negative="route_to_restarting", spin=False, controls=False,
+                        out=lines.append)
+    text = "\n".join(lines)
+    assert rc == 1
+    assert "two-engine model (negative control route_to_restarting)" in text
+    assert "safety property dp_routes_to_serving violated after" in text
+    from enginewire.spec.properties import PROPERTIES
+
+    n = len(PROPERTIES)
+    assert "composed model: " in text and f"properties held {n}/{n}" in text  # untouched
 
 
 def test_unknown_negative_control_is_a_usage_error(
@@ -56,14 +75,18 @@ def test_quick_runs_the_spec_and_only_the_quick_controls(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``--quick`` checks every property on the spec itself and runs only QUICK_CONTROLS of
     the negative controls (both kinds among them); the report says how to run all."""
-    from enginewire.spec.properties import LIVENESS, SAFETY, control_targets
+    from enginewire.spec import compose_dp
+    from enginewire.spec.properties import DP_PROPERTIES, LIVENESS, SAFETY
     from enginewire.testing import spec_check as sc
 
-    targets = control_targets()
+    targets = sc.all_control_targets()
     assert set(sc.QUICK_CONTROLS) <= set(targets)
-    kinds = {p.name: p.kind for p in (*SAFETY, *LIVENESS)}
+    kinds = {p.name: p.kind for p in (*SAFETY, *LIVENESS, *DP_PROPERTIES)}
     assert {kinds[t] for bug in sc.QUICK_CONTROLS for t in targets[bug]} == {
         "safety", "liveness"}
+    # the two-engine model's controls are among them, a safety and a liveness one
+    dp_quick = [b for b in sc.QUICK_CONTROLS if b in compose_dp.BUGS]
+    assert {kinds[t] for bug in dp_quick for t in targets[bug]} == {"safety", "liveness"}
     ran: list[str] = []
 
     def control(bug: str, want: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
@@ -77,3 +100,5 @@ def test_quick_runs_the_spec_and_only_the_quick_controls(
     text = "\n".join(lines)
     assert f"quick check: {len(ran)} of {len(targets)} negative controls" in text
     assert "properties held" in text  # the spec itself was explored in full
+    n = len(DP_PROPERTIES)
+    assert "two-engine model: " in text and f"properties held {n}/{n}" in text

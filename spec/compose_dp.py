@@ -1,0 +1,535 @@
+"""The two-engine model: one data-parallel client over two engines, channels and monitors.
+
+Theory of operation
+-------------------
+Rule 1: as in the one-engine model (``compose.py``), every component fires its events through
+the machine tables of this package, and an event the tables forbid is a violation
+(``dp_spec_conformance``); each engine index has a ``membership`` lifecycle
+(``membership.py``), and the client reads its named sets (``MEMBER_ROUTABLE``,
+``MEMBER_LEFT``) exactly as the runtime does.
+Rule 2: this model is about what data parallelism adds, so everything one engine already
+does is left to the one-engine model: no power calls, aborts, attach, hangs or corrupt
+frames here. It is bounded: ``N`` engines, ``REQS`` request slots (ids, reusable once
+finished), one utility call, ``BUDGET`` owner actions, ``FAULTS`` engine deaths, channels of
+``IN_CAP`` and ``OUT_CAP`` frames.
+
+The owner constructs the client with or without restarts (``restart_dead_engines``). The
+constructor waits for every engine's handshake; an engine lost before then fails the
+construction (every engine is killed, the client ends in SHUTDOWN). An ADD or a utility call
+goes to one engine the owner's router may pick: any engine whose member is in
+``MEMBER_ROUTABLE``. An engine dies silently (its monitor notices the exit) or with the dead
+sentinel (its reader notices; the monitor's later notice loops in DEAD), at any time, also
+while starting. The client learns it once per incarnation: the member goes DEAD, exactly the
+live requests and pending calls that engine owns end (``FinishReason.ERROR``,
+``EngineDeadError``), its channel is closed and what was in flight on it dropped. With
+restarts the member goes RESTARTING at once and a replacement starts under the same index
+with a fresh channel and a new *incarnation* number; its handshake makes the member SERVING,
+its death before that leaves the member DEAD (no second restart). The client is DEAD only
+when no member is in ``MEMBER_LEFT``. shutdown() ends every member at once (an engine's exit
+after it loops in SHUT_DOWN), kills every engine and fails what is still live; a second
+shutdown() changes nothing.
+
+Every frame carries the incarnation of the engine it was sent to or by, so the model can
+tell a frame meant for a predecessor from one meant for its replacement
+(``dp_fresh_channel``). Negative controls (``BUGS``) are one-line deviations, carried by the
+generated ``spec/enginewire_dp.pml`` under ``#ifdef BUG_<NAME>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from enum import Enum
+from typing import Any
+
+from .client import CLIENT, CLIENT_LIVE, ClientEvent, ClientState
+from .compose import Action, _ix, _Table
+from .engine import ENGINE, EngineEvent, EngineState
+from .membership import (
+    MEMBER_LEFT,
+    MEMBER_ROUTABLE,
+    MEMBERSHIP,
+    MembershipEvent,
+    MembershipState,
+)
+from .request import (
+    CLIENT_REQUEST,
+    CLIENT_REQUEST_LIVE,
+    ENGINE_REQUEST,
+    ENGINE_REQUEST_LIVE,
+    ClientRequestEvent,
+    ClientRequestState,
+    EngineRequestEvent,
+    EngineRequestState,
+)
+from .utility import UTILITY, UtilityEvent, UtilityState
+
+__all__ = [
+    "BUGS",
+    "COVERS",
+    "FIELDS",
+    "UNEXERCISED",
+    "DPComposition",
+    "World",
+    "describe_world",
+]
+
+# ---- bounds --------------------------------------------------------------------------------
+N = 2  # engines
+REQS = 2  # request slots (ids), reusable once finished
+BUDGET = 3  # owner calls: construction aside, shutdown() included
+FAULTS = 2  # engine deaths: two, so that both engines can be lost, or a replacement too
+IN_CAP = 2
+OUT_CAP = 2
+
+# ---- frames: kind in the low 3 bits, request slot in bit 3, incarnation above ---------------
+IN_MSGS = ("ADD", "UTIL")
+OUT_MSGS = ("HS", "FIN", "UREPLY", "DEAD")
+I_ADD, I_UTIL = 1, 2
+O_HS, O_FIN, O_UREPLY, O_DEAD = 1, 2, 3, 4
+
+
+def frame(kind: int, slot: int, gen: int) -> int:
+    return kind | slot << 3 | gen << 4
+
+
+# ---- world layout ----------------------------------------------------------------------------
+_GLOBAL = ("client", "started", "restart_on", "util", "uown", "ugen", "closing", "budget",
+           "faults")
+_PER_REQ = ("creq", "own", "ogen", "ereq")  # own/ogen: the engine and incarnation it went to
+_PER_ENGINE = ("mem", "eng", "gen", "inq", "outq", "exited", "seen")
+FIELDS: tuple[str, ...] = (
+    *_GLOBAL,
+    *(f"{name}{r}" for name in _PER_REQ for r in range(REQS)),
+    *(f"{name}{i}" for name in _PER_ENGINE for i in range(N)),
+    "bad",
+)
+_AT = {name: i for i, name in enumerate(FIELDS)}
+C, STARTED, RESTART_ON, UTIL, UOWN, UGEN, CLOSING, BUDGET_LEFT, FAULTS_LEFT = (
+    _AT[n] for n in _GLOBAL)
+CREQ, OWN, OGEN, EREQ = (tuple(_AT[f"{n}{r}"] for r in range(REQS)) for n in _PER_REQ)
+MEM, ENG, GEN, INQ, OUTQ, EXITED, SEEN = (tuple(_AT[f"{n}{i}"] for i in range(N))
+                                          for n in _PER_ENGINE)
+BAD = _AT["bad"]
+# started: the owner has constructed the client (choosing restarts or not); seen: the monitor
+# reported the exit of this incarnation.
+NO_UTIL = -1
+World = tuple[Any, ...]
+
+BUGS = (
+    "every_handshake_readies_client",
+    "death_fails_every_engine",
+    "fail_only_when_client_dies",
+    "route_to_restarting",
+    "replay_on_restart",
+    "restart_reuses_channel",
+    "client_dies_with_first_member",
+    "replacement_unmonitored",
+    "reader_forgets_replacement",
+)
+
+# The machines whose every row this model must exercise (the others are the one-engine
+# model's; it fires some of their rows too).
+COVERS = (MEMBERSHIP,)
+UNEXERCISED: dict[tuple[str, str], str] = {}
+
+CS, CE = ClientState, ClientEvent
+ES, EE = EngineState, EngineEvent
+MS, ME = MembershipState, MembershipEvent
+RS, RE = EngineRequestState, EngineRequestEvent
+QS, QE = ClientRequestState, ClientRequestEvent
+US, UE = UtilityState, UtilityEvent
+
+C_CONSTRUCTING, C_DEAD, C_SHUTDOWN = _ix(CS.CONSTRUCTING), _ix(CS.DEAD), _ix(CS.SHUTDOWN)
+C_LIVE = frozenset(_ix(s) for s in CLIENT_LIVE)
+M_STARTING, M_SERVING, M_DEAD, M_RESTARTING, M_SHUT_DOWN = (_ix(s) for s in MS)
+M_ROUTABLE = frozenset(_ix(s) for s in MEMBER_ROUTABLE)
+M_LEFT = frozenset(_ix(s) for s in MEMBER_LEFT)
+E_CONSTRUCTING, E_IDLE, E_RUNNING = _ix(ES.CONSTRUCTING), _ix(ES.IDLE), _ix(ES.RUNNING)
+E_LOOP = frozenset({E_IDLE, E_RUNNING})  # the states this model's engines serve input in
+R_UNKNOWN, R_WAITING = _ix(RS.UNKNOWN), _ix(RS.WAITING)
+R_LIVE = frozenset(_ix(s) for s in ENGINE_REQUEST_LIVE)
+Q_LIVE = frozenset(_ix(s) for s in CLIENT_REQUEST_LIVE)
+Q_FREE = frozenset(_ix(s) for s in QS) - Q_LIVE
+Q_ERROR = _ix(QS.FINISHED_ERROR)
+U_PENDING = _ix(US.PENDING)
+
+
+class _Step:
+    """A mutable copy of a world for one action; ``fire`` reads the machine tables."""
+
+    __slots__ = ("comp", "w")
+
+    def __init__(self, comp: DPComposition, world: World) -> None:
+        self.comp = comp
+        self.w = list(world)
+
+    def fire(self, field: int, table: _Table, event: Enum, guard: str | None = None) -> None:
+        key = (self.w[field], event._ix, guard)  # type: ignore[attr-defined]
+        new = table.rows.get(key)
+        if new is None:
+            self.flag("dp_spec_conformance")
+            return
+        self.comp.covered.add((table.machine.name, *key))
+        self.w[field] = new
+
+    def flag(self, prop: str) -> None:
+        if not self.w[BAD]:
+            self.w[BAD] = prop
+
+    def freeze(self) -> World:
+        return tuple(self.w)
+
+
+def owns(w: World | list[Any], r: int, i: int) -> bool:
+    """Request slot ``r`` was sent to engine ``i``'s current incarnation."""
+    return bool(w[OWN[r]] == i and w[OGEN[r]] == w[GEN[i]])
+
+
+class DPComposition:
+    """The two-engine model; ``bug`` selects one negative control (``None``: the protocol)."""
+
+    def __init__(self, bug: str | None = None) -> None:
+        if bug is not None and bug not in BUGS:
+            raise ValueError(f"unknown negative control {bug!r}; choose one of {', '.join(BUGS)}")
+        self.bug = bug
+        self.covered: set[tuple[str, int, int, str | None]] = set()
+        self.t_client = _Table(CLIENT)
+        self.t_mem = _Table(MEMBERSHIP)
+        self.t_engine = _Table(ENGINE)
+        self.t_ereq = _Table(ENGINE_REQUEST)
+        self.t_creq = _Table(CLIENT_REQUEST)
+        self.t_util = _Table(UTILITY)
+        self.actions: tuple[Action, ...] = self._actions()
+
+    def initial(self) -> World:
+        w: list[Any] = [0] * len(FIELDS)
+        w[C] = C_CONSTRUCTING
+        w[UTIL] = NO_UTIL
+        w[BUDGET_LEFT] = BUDGET
+        w[FAULTS_LEFT] = FAULTS
+        for r in range(REQS):
+            w[CREQ[r]] = _ix(QS.UNKNOWN)
+            w[EREQ[r]] = R_UNKNOWN
+        for i in range(N):
+            w[MEM[i]] = M_STARTING
+            w[ENG[i]] = E_CONSTRUCTING
+            w[INQ[i]] = w[OUTQ[i]] = ()
+        w[BAD] = ""
+        return tuple(w)
+
+    def successors(self, world: World) -> Iterator[tuple[str, World]]:
+        if world[BAD]:
+            return
+        for action in self.actions:
+            yield from action.run(world)
+
+    # ---- shared effects ----------------------------------------------------------------------
+    def _fail_request(self, s: _Step, r: int, dead: int) -> None:
+        if not owns(s.w, r, dead):
+            s.flag("dp_death_fails_its_own")  # another engine's request, failed by this death
+        s.fire(CREQ[r], self.t_creq, QE.ENGINE_DIED)
+
+    def _fail_call(self, s: _Step, dead: int) -> None:
+        if not (s.w[UOWN] == dead and s.w[UGEN] == s.w[GEN[dead]]):
+            s.flag("dp_death_fails_its_own")
+        s.fire(UTIL, self.t_util, UE.ENGINE_DIED)
+
+    def _fail_owned(self, s: _Step, i: int, *, everyone: bool = False) -> None:
+        """Exactly engine ``i``'s live requests and pending call end (``everyone``: all)."""
+        for r in range(REQS):
+            if s.w[CREQ[r]] in Q_LIVE and (everyone or owns(s.w, r, i)):
+                self._fail_request(s, r, i)
+        if s.w[UTIL] == U_PENDING and (everyone or (s.w[UOWN] == i
+                                                    and s.w[UGEN] == s.w[GEN[i]])):
+            self._fail_call(s, i)
+
+    def _close_channel(self, s: _Step, i: int) -> None:
+        if self.bug != "restart_reuses_channel":
+            s.w[INQ[i]] = s.w[OUTQ[i]] = ()
+
+    def _notice(self, s: _Step, i: int) -> None:
+        """The client learns that engine ``i``'s current incarnation is gone."""
+        bug = self.bug
+        before = s.w[MEM[i]]
+        s.fire(MEM[i], self.t_mem, ME.DIED)  # DEAD and SHUT_DOWN loop: a later notice
+        if before not in M_LEFT:
+            return
+        if s.w[C] == C_CONSTRUCTING:  # an engine lost before every handshake: start-up fails
+            s.fire(C, self.t_client, CE.CONSTRUCTION_FAILED)
+            for j in range(N):
+                s.fire(MEM[j], self.t_mem, ME.SHUTDOWN)
+                s.w[EXITED[j]] = 1  # the constructor kills and reaps every engine
+                s.w[INQ[j]] = s.w[OUTQ[j]] = ()
+            return
+        if bug != "fail_only_when_client_dies":
+            self._fail_owned(s, i, everyone=bug == "death_fails_every_engine")
+        self._close_channel(s, i)
+        if before == M_SERVING and s.w[RESTART_ON]:
+            s.fire(MEM[i], self.t_mem, ME.RESTART)
+            s.w[GEN[i]] += 1  # a new incarnation: a new process with a fresh channel
+            s.w[ENG[i]] = E_CONSTRUCTING
+            s.w[EXITED[i]] = s.w[SEEN[i]] = 0
+        left = any(s.w[MEM[j]] in M_LEFT for j in range(N))
+        if not left or (bug == "client_dies_with_first_member" and s.w[C] != C_DEAD):
+            s.fire(C, self.t_client, CE.ENGINE_DIED)
+            if bug == "fail_only_when_client_dies":  # the one-engine client's death path
+                for j in range(N):
+                    self._fail_owned(s, j)
+
+    def _engine_exits(self, s: _Step, i: int) -> None:
+        """The process is gone, and every request it held with it."""
+        s.w[EXITED[i]] = 1
+        for r in range(REQS):
+            if owns(s.w, r, i):
+                s.w[EREQ[r]] = R_UNKNOWN
+
+    def _replay(self, s: _Step, i: int) -> None:
+        """BUG replay_on_restart: the predecessor's failed requests go to the replacement."""
+        for r in range(REQS):
+            if (s.w[CREQ[r]] == Q_ERROR and s.w[OWN[r]] == i
+                    and s.w[OGEN[r]] == s.w[GEN[i]] - 1 and len(s.w[INQ[i]]) < IN_CAP):
+                s.w[OGEN[r]] = s.w[GEN[i]]
+                s.w[INQ[i]] = (*s.w[INQ[i]], frame(I_ADD, r, s.w[GEN[i]]))
+
+    # ---- actions -----------------------------------------------------------------------------
+    def _actions(self) -> tuple[Action, ...]:
+        bug = self.bug
+        acts: list[Action] = []
+
+        def add(actor: str, name: str, fn: Callable[[World], Iterator[tuple[str, World]]]
+                ) -> None:
+            acts.append(Action(actor, name, fn))
+
+        def routable(w: World, i: int) -> bool:
+            return w[MEM[i]] in M_ROUTABLE or (bug == "route_to_restarting"
+                                               and w[MEM[i]] == M_RESTARTING)
+
+        def owner_may_call(w: World) -> bool:
+            return bool(w[STARTED] and not w[CLOSING] and w[BUDGET_LEFT] > 0)
+
+        def route(s: _Step, i: int, kind: int, slot: int) -> None:
+            if s.w[MEM[i]] not in M_ROUTABLE:
+                s.flag("dp_routes_to_serving")
+            s.w[INQ[i]] = (*s.w[INQ[i]], frame(kind, slot, s.w[GEN[i]]))
+
+        # -- the owner -------------------------------------------------------------------------
+        def construct(w: World) -> Iterator[tuple[str, World]]:
+            if not w[STARTED]:
+                for restart, label in ((0, "construct"), (1, "construct_with_restarts")):
+                    s = _Step(self, w)
+                    s.w[STARTED] = 1
+                    s.w[RESTART_ON] = restart
+                    yield label, s.freeze()
+
+        add("user", "construct", construct)
+
+        for i in range(N):
+            def add_request(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (owner_may_call(w) and w[C] in C_LIVE and routable(w, i)
+                        and len(w[INQ[i]]) < IN_CAP):
+                    return
+                free = [r for r in range(REQS) if w[CREQ[r]] in Q_FREE]
+                if not free:
+                    return
+                r = free[0]
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.fire(C, self.t_client, CE.ADD_REQUEST)
+                s.fire(CREQ[r], self.t_creq, QE.SEND)
+                s.w[OWN[r]], s.w[OGEN[r]] = i, s.w[GEN[i]]
+                route(s, i, I_ADD, r)
+                yield f"add_request_{i}", s.freeze()
+
+            def call_utility(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (owner_may_call(w) and w[UTIL] == NO_UTIL and w[C] in C_LIVE
+                        and routable(w, i) and len(w[INQ[i]]) < IN_CAP):
+                    return
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.w[UTIL], s.w[UOWN], s.w[UGEN] = U_PENDING, i, s.w[GEN[i]]
+                route(s, i, I_UTIL, 0)
+                yield f"call_utility_{i}", s.freeze()
+
+            add("user", f"add_request_{i}", add_request)
+            add("user", f"call_utility_{i}", call_utility)
+
+        def shutdown(w: World) -> Iterator[tuple[str, World]]:
+            if owner_may_call(w) and (w[C] in C_LIVE or w[C] == C_DEAD):
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.w[CLOSING] = 1
+                for i in range(N):
+                    s.fire(MEM[i], self.t_mem, ME.SHUTDOWN)
+                yield "shutdown", s.freeze()
+            elif w[CLOSING] and w[BUDGET_LEFT] > 0 and w[C] == C_SHUTDOWN:
+                s = _Step(self, w)  # shutdown() again: idempotent
+                s.w[BUDGET_LEFT] -= 1
+                s.fire(C, self.t_client, CE.SHUTDOWN)
+                for i in range(N):
+                    s.fire(MEM[i], self.t_mem, ME.SHUTDOWN)
+                yield "shutdown_again", s.freeze()
+
+        add("user", "shutdown", shutdown)
+
+        # -- the client: teardown, one reader and one monitor per engine ----------------------
+        for i in range(N):
+            def kill(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if w[CLOSING] and not w[EXITED[i]]:
+                    s = _Step(self, w)
+                    s.w[EXITED[i]] = 1
+                    yield f"shutdown_kill_{i}", s.freeze()
+
+            add("client", f"shutdown_kill_{i}", kill)
+
+        def finish(w: World) -> Iterator[tuple[str, World]]:
+            if w[CLOSING] and w[C] != C_SHUTDOWN and all(w[EXITED[i]] for i in range(N)):
+                s = _Step(self, w)
+                s.fire(C, self.t_client, CE.SHUTDOWN)
+                for r in range(REQS):
+                    if s.w[CREQ[r]] in Q_LIVE:
+                        s.fire(CREQ[r], self.t_creq, QE.FINISH_ERROR)
+                if s.w[UTIL] == U_PENDING:
+                    s.fire(UTIL, self.t_util, UE.CLIENT_SHUTDOWN)
+                yield "shutdown_finish", s.freeze()
+
+        add("client", "shutdown_finish", finish)
+
+        for i in range(N):
+            def reader(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (w[OUTQ[i]] and w[MEM[i]] in M_LEFT and w[C] not in (C_DEAD, C_SHUTDOWN)):
+                    return
+                if bug == "reader_forgets_replacement" and w[GEN[i]] > 0:
+                    return
+                s = _Step(self, w)
+                msg, s.w[OUTQ[i]] = s.w[OUTQ[i]][0], s.w[OUTQ[i]][1:]
+                kind, r = msg & 7, (msg >> 3) & 1
+                if msg >> 4 != s.w[GEN[i]]:
+                    s.flag("dp_fresh_channel")  # a frame of the predecessor's
+                elif kind == O_HS:
+                    s.fire(MEM[i], self.t_mem, ME.HANDSHAKE_OK)
+                    ready = all(s.w[MEM[j]] in M_ROUTABLE for j in range(N))
+                    if (s.w[C] == C_CONSTRUCTING and ready) or (
+                            bug == "every_handshake_readies_client"):
+                        s.fire(C, self.t_client, CE.HANDSHAKE_OK)
+                    if bug == "replay_on_restart":
+                        self._replay(s, i)
+                elif kind == O_FIN:
+                    if s.w[CREQ[r]] in Q_LIVE and owns(s.w, r, i):
+                        s.fire(CREQ[r], self.t_creq, QE.FINISH_STOP)
+                    else:
+                        s.flag("dp_request_ends_once")
+                elif kind == O_UREPLY:
+                    if s.w[UTIL] == U_PENDING and s.w[UOWN] == i:
+                        s.fire(UTIL, self.t_util, UE.REPLY_OK)
+                    else:
+                        s.flag("dp_request_ends_once")
+                else:  # O_DEAD, the sentinel
+                    self._notice(s, i)
+                yield f"receive_output_{i}", s.freeze()
+
+            def monitor(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (w[EXITED[i]] and not w[SEEN[i]]):
+                    return
+                if bug == "replacement_unmonitored" and w[GEN[i]] > 0:
+                    return
+                s = _Step(self, w)
+                s.w[SEEN[i]] = 1
+                self._notice(s, i)
+                yield f"process_exit_noticed_{i}", s.freeze()
+
+            add("client", f"receive_output_{i}", reader)
+            add("monitor", f"process_exit_noticed_{i}", monitor)
+
+        # -- the engines -------------------------------------------------------------------
+        for i in range(N):
+            def start(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if w[STARTED] and not w[EXITED[i]] and w[ENG[i]] == E_CONSTRUCTING:
+                    s = _Step(self, w)
+                    s.fire(ENG[i], self.t_engine, EE.BUILT, "subprocess")
+                    s.fire(ENG[i], self.t_engine, EE.HANDSHAKE_SENT)
+                    s.fire(ENG[i], self.t_engine, EE.LOOP_STARTED)
+                    s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_HS, 0, s.w[GEN[i]]))
+                    yield f"engine_start_{i}", s.freeze()
+
+            def receive(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (not w[EXITED[i]] and w[INQ[i]] and w[ENG[i]] in E_LOOP
+                        and len(w[OUTQ[i]]) < OUT_CAP):
+                    return
+                s = _Step(self, w)
+                msg, s.w[INQ[i]] = s.w[INQ[i]][0], s.w[INQ[i]][1:]
+                kind, r = msg & 7, (msg >> 3) & 1
+                if msg >> 4 != s.w[GEN[i]]:
+                    s.flag("dp_fresh_channel")  # a frame sent to the predecessor
+                elif kind == I_ADD:
+                    s.fire(EREQ[r], self.t_ereq, RE.ADD)
+                    if s.w[ENG[i]] == E_IDLE:
+                        s.fire(ENG[i], self.t_engine, EE.WORK_ARRIVED)
+                else:  # I_UTIL
+                    s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_UREPLY, 0, s.w[GEN[i]]))
+                yield f"engine_receive_{i}", s.freeze()
+
+            def step(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (not w[EXITED[i]] and w[ENG[i]] == E_RUNNING
+                        and len(w[OUTQ[i]]) < OUT_CAP):
+                    return
+                mine = [r for r in range(REQS) if owns(w, r, i) and w[EREQ[r]] == R_WAITING]
+                if not mine:
+                    return
+                r = mine[0]  # first come, first served
+                s = _Step(self, w)
+                s.fire(EREQ[r], self.t_ereq, RE.SCHEDULE)
+                s.fire(EREQ[r], self.t_ereq, RE.STOP)
+                s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_FIN, r, s.w[GEN[i]]))
+                if not any(owns(s.w, q, i) and s.w[EREQ[q]] in R_LIVE for q in range(REQS)):
+                    s.fire(ENG[i], self.t_engine, EE.ALL_FINISHED)
+                yield f"engine_finish_{i}", s.freeze()
+
+            add("engine", f"engine_start_{i}", start)
+            add("engine", f"engine_receive_{i}", receive)
+            add("engine", f"engine_finish_{i}", step)
+
+        # -- faults --------------------------------------------------------------------------
+        def faults(w: World) -> Iterator[tuple[str, World]]:
+            if not (w[STARTED] and w[FAULTS_LEFT] and not w[CLOSING]):
+                return
+            s = _Step(self, w)
+            s.w[FAULTS_LEFT] = 0  # the run may stay fault-free from here on
+            yield "no_more_faults", s.freeze()
+            for i in range(N):
+                if w[EXITED[i]]:
+                    continue
+                s = _Step(self, w)
+                s.w[FAULTS_LEFT] -= 1
+                self._engine_exits(s, i)
+                yield f"crash_silently_{i}", s.freeze()
+                if w[ENG[i]] in E_LOOP:
+                    s = _Step(self, w)
+                    s.w[FAULTS_LEFT] -= 1
+                    s.fire(ENG[i], self.t_engine, EE.FATAL_ERROR)
+                    s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_DEAD, 0, s.w[GEN[i]]))  # past the cap
+                    self._engine_exits(s, i)
+                    yield f"crash_with_sentinel_{i}", s.freeze()
+
+        add("fault", "faults", faults)
+        return tuple(acts)
+
+
+def describe_world(world: World) -> dict[str, object]:
+    """A readable view of a world (enum names instead of ints) for counterexamples."""
+    enums: dict[str, type[Enum]] = {
+        "client": ClientState, "creq": ClientRequestState, "ereq": EngineRequestState,
+        "mem": MembershipState, "eng": EngineState,
+    }
+    out: dict[str, object] = {}
+    for i, name in enumerate(FIELDS):
+        v = world[i]
+        base = name.rstrip("0123456789")
+        if base in enums:
+            v = list(enums[base])[v].name
+        elif name == "util":
+            v = "none" if v == NO_UTIL else list(UtilityState)[v].name
+        elif base in ("inq", "outq"):
+            names = IN_MSGS if base == "inq" else OUT_MSGS
+            v = [f"{names[(m & 7) - 1]}(slot {(m >> 3) & 1}, gen {m >> 4})" for m in v]
+        out[name] = v
+    return out

@@ -1,0 +1,168 @@
+"""The two-engine model (spec/compose_dp.py): safe and live, every membership row exercised,
+each negative control rejected by the explorer and by SPIN, and the runs the membership
+docstring describes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from enginewire.spec import MEMBERSHIP
+from enginewire.spec import compose_dp as d
+from enginewire.spec.compose_dp import BUGS, DPComposition, World
+from enginewire.spec.explore import ExploreResult, explore_dp, uncovered_rows
+from enginewire.spec.properties import DP_PROPERTIES, dp_control_targets
+from enginewire.testing.generate import ROOT
+from enginewire.testing.spec_check import run_spin, spin_available
+
+DP_PML = (ROOT / "spec" / "enginewire_dp.pml").read_text()
+needs_spin = pytest.mark.skipif(
+    not spin_available() and not os.environ.get("CI"), reason="spin not installed")
+
+
+def test_the_two_engine_model_satisfies_every_property(composed_dp: ExploreResult) -> None:
+    res = composed_dp
+    assert res.ok, "\n".join(v.render() for v in res.violations.values())
+    assert res.states > 10_000 and res.quiescent > 0
+
+
+def test_every_membership_row_is_exercised(composed_dp: ExploreResult) -> None:
+    missing = uncovered_rows(composed_dp, d.COVERS)
+    assert missing == {MEMBERSHIP.name: []}
+    assert d.UNEXERCISED == {}
+
+
+def test_every_property_has_a_control_and_every_control_a_target() -> None:
+    targets = dp_control_targets()
+    assert set(targets) == set(BUGS) and all(targets.values())
+    assert {p.name for p in DP_PROPERTIES} == {p for ps in targets.values() for p in ps}
+    # the four the data-parallel issue (#29) asks for, each with a control of its own
+    for name in ("dp_death_fails_its_own", "dp_routes_to_serving", "dp_request_ends_once",
+                 "dp_fresh_channel"):
+        assert any(name in ps for ps in targets.values()), name
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_each_negative_control_is_rejected_with_a_shortest_counterexample(bug: str) -> None:
+    targets = dp_control_targets()[bug]
+    res = explore_dp(bug, stop_when=frozenset(targets))
+    for prop in targets:
+        assert prop in res.violations, f"{bug} does not break {prop}: the property is vacuous"
+        trace = res.violations[prop].trace
+        assert _breaks(bug, trace, prop) and not _breaks(bug, trace[:-1], prop)
+
+
+def _follow(trace: tuple[str, ...], bug: str | None = None) -> set[World]:
+    comp = DPComposition(bug)
+    frontier = {comp.initial()}
+    for label in trace:
+        frontier = {nxt for w in frontier for lab, nxt in comp.successors(w) if lab == label}
+        assert frontier, f"step {label} not enabled"
+    return frontier
+
+
+def _breaks(bug: str, trace: tuple[str, ...], name: str) -> bool:
+    comp = DPComposition(bug)
+    prop = next(p for p in DP_PROPERTIES if p.name == name)
+    for w in _follow(trace, bug):
+        if prop.kind == "safety" and not prop.holds(w):  # type: ignore[misc]
+            return True
+        if (prop.kind == "liveness" and not any(True for _ in comp.successors(w))
+                and prop.trigger(w) and not prop.discharged(w)):  # type: ignore[misc]
+            return True
+    return False
+
+
+def test_unknown_negative_control_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="route_to_restarting"):
+        DPComposition("no_such_bug")
+
+
+# ---- the runs spec/membership.py describes ---------------------------------------------------
+
+_UP = ("engine_start_0", "engine_start_1", "receive_output_0", "receive_output_1")
+# one request on each engine, both admitted there
+_TWO = ("add_request_0", "add_request_1", "engine_receive_0", "engine_receive_1")
+
+
+def _names(w: World) -> dict[str, object]:
+    return d.describe_world(w)
+
+
+def test_the_client_is_ready_once_every_engine_has_handshaken() -> None:
+    for w in _follow(("construct", *_UP[:3])):
+        assert _names(w)["client"] == "CONSTRUCTING"
+        assert (_names(w)["mem0"], _names(w)["mem1"]) == ("SERVING", "STARTING")
+    for w in _follow(("construct", *_UP)):
+        assert _names(w)["client"] == "READY"
+
+
+def test_a_death_fails_exactly_the_dead_engines_request() -> None:
+    for w in _follow(("construct", *_UP, *_TWO, "crash_silently_0", "process_exit_noticed_0")):
+        v = _names(w)
+        assert (v["mem0"], v["mem1"]) == ("DEAD", "SERVING")
+        assert (v["creq0"], v["creq1"]) == ("FINISHED_ERROR", "SENT")
+        assert v["client"] == "RUNNING" and v["inq0"] == v["outq0"] == []
+    # the survivor's request still ends as its engine says
+    run = ("construct", *_UP, *_TWO, "crash_silently_0", "process_exit_noticed_0",
+           "engine_finish_1", "receive_output_1")
+    for w in _follow(run):
+        assert _names(w)["creq1"] == "FINISHED_STOPPED"
+
+
+def test_the_client_dies_with_its_last_engine_only() -> None:
+    run = ("construct", *_UP, "crash_silently_0", "process_exit_noticed_0")
+    for w in _follow(run):
+        assert _names(w)["client"] == "READY"
+    for w in _follow((*run, "crash_with_sentinel_1", "receive_output_1")):
+        assert _names(w)["client"] == "DEAD"
+    # the monitor's later notice loops in DEAD
+    for w in _follow((*run, "crash_with_sentinel_1", "receive_output_1",
+                      "process_exit_noticed_1")):
+        assert _names(w)["mem1"] == "DEAD" and not w[d.BAD]
+
+
+def test_a_replacement_gets_a_fresh_channel_and_requests_only_once_it_serves() -> None:
+    comp = DPComposition()
+    run = ("construct_with_restarts", *_UP, "add_request_0", "crash_silently_0",
+           "process_exit_noticed_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["gen0"], v["creq0"]) == ("RESTARTING", 1, "FINISHED_ERROR")
+        assert v["inq0"] == v["outq0"] == [] and not w[d.EXITED[0]]
+        labels = {lab for lab, _ in comp.successors(w)}
+        assert "add_request_0" not in labels and "add_request_1" in labels
+    for w in _follow((*run, "engine_start_0", "receive_output_0")):
+        assert _names(w)["mem0"] == "SERVING"
+        assert "add_request_0" in {lab for lab, _ in comp.successors(w)}
+    # a failed replacement leaves the member dead: no second restart
+    for w in _follow((*run, "crash_silently_0", "process_exit_noticed_0")):
+        assert _names(w)["mem0"] == "DEAD" and _names(w)["client"] == "RUNNING"
+
+
+def test_an_engine_lost_during_construction_fails_it() -> None:
+    for w in _follow(("construct", "crash_silently_0", "process_exit_noticed_0")):
+        v = _names(w)
+        assert v["client"] == "SHUTDOWN" and (v["mem0"], v["mem1"]) == ("SHUT_DOWN", "SHUT_DOWN")
+        assert all(w[x] for x in d.EXITED)
+
+
+# ---- SPIN ---------------------------------------------------------------------------------
+
+@needs_spin
+def test_spin_proves_every_property_of_the_committed_model(composed_dp: ExploreResult) -> None:
+    results = run_spin([p.name for p in DP_PROPERTIES], pml=DP_PML, dp=True)
+    failed = [r for r in results if r.errors]
+    assert not failed, "\n\n".join(f"{r.prop}:\n{r.output[-3000:]}" for r in failed)
+    # the same model: the explorer's worlds, plus init's two table-filling states
+    assert {r.states for r in results if r.prop == "dp_spec_conformance"} == {
+        composed_dp.states + 2}
+
+
+@needs_spin
+@pytest.mark.parametrize("bug", BUGS)
+def test_spin_rejects_each_negative_control(bug: str) -> None:
+    for r in run_spin(list(dp_control_targets()[bug]), bug, pml=DP_PML, jobs=1, dp=True):
+        assert r.errors > 0, f"SPIN accepts {bug} for {r.prop}: the property is vacuous"
+        assert f"SPIN trail for {r.prop}:" in r.output, r.output[-2000:]
