@@ -91,3 +91,36 @@ def test_profile_on_cuda(tmp_path: object) -> None:
     greedy_run(eng, {"x": [1, 2, 3]}, 3)
     assert eng.profile("stop").endswith(".json")  # type: ignore[union-attr]
     eng.shutdown()
+
+
+def test_two_engines_on_cuda_serve_and_survive_one_loss() -> None:
+    """Data parallel on the device: two engine cores share the GPU, requests spread over
+    both, and the kill of one ends only its request."""
+    import os
+    import signal
+
+    from enginewire.protocol.messages import FinishReason
+    from enginewire.runtime import make_client
+
+    config = cfg(data_parallel_size=2)
+    with make_client(config, multiprocess=True, asyncio=False) as client:
+        for i in range(4):
+            client.add_request(EngineCoreRequest(f"g{i}", [1, 2, 3],
+                                                 SamplingParams(max_tokens=8)))
+        client.add_request(EngineCoreRequest("long", [1, 2], SamplingParams(max_tokens=200),
+                                             data_parallel_rank=1))
+        done: dict[str, FinishReason | None] = {}
+        os.kill(client.engine_client(1).engine_pid, signal.SIGKILL)
+        while len(done) < 5:
+            batch = client.get_output(timeout=60.0)
+            for o in batch.outputs:
+                if o.finished:
+                    done[o.request_id] = o.finish_reason
+        assert done["long"] is FinishReason.ERROR
+        assert client.dead_engines == [1]
+        client.add_request(EngineCoreRequest("after", [1], SamplingParams(max_tokens=4)))
+        while "after" not in done:
+            for o in client.get_output(timeout=60.0).outputs:
+                if o.finished:
+                    done[o.request_id] = o.finish_reason
+        assert done["after"] is FinishReason.LENGTH
