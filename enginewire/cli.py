@@ -42,7 +42,7 @@ class MissingError(Exception):
 
 # Optional packages -> the extra that installs them (pyproject's optional-dependencies).
 _EXTRAS = {"hypothesis": "test", "transitions": "test", "matplotlib": "docs",
-           "gguf": "gguf", "tokenizers": "gguf"}
+           "gguf": "gguf", "tokenizers": "gguf", "ray": "ray"}
 
 
 def _require(package: str, purpose: str) -> None:
@@ -382,6 +382,17 @@ def _campaign(args: argparse.Namespace) -> int:
             load_factory(args.factory)
         except ValueError as exc:
             raise UsageError(f"--factory: {exc}") from None
+    if args.engines > 1 or args.backend != "mp":
+        what = f"--engines {args.engines}" + (f" --backend {args.backend}"
+                                              if args.backend != "mp" else "")
+        if args.client not in ("sync", "async", "all"):
+            raise UsageError(f"{what}: the data-parallel machine drives --client sync, async"
+                             f" or all, not {args.client} (an in-process client has one engine)")
+        if args.factory is not None or args.mutant is not None or args.mutants is not None:
+            raise UsageError(f"{what}: the data-parallel machine runs the built-in clients,"
+                             " without --factory, --mutant or --mutants")
+        if args.backend == "ray":
+            _require("ray", f"enginewire campaign {what}")
     return int(run_campaign(
         client=args.client,
         examples=args.examples,
@@ -396,6 +407,8 @@ def _campaign(args: argparse.Namespace) -> int:
         profile=args.profile,
         verbose=args.verbose,
         factory=args.factory,
+        engines=args.engines,
+        backend=args.backend,
     ))
 
 
@@ -571,6 +584,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--results-dir",
         default="results",
         help="directory for the JSON report (created; checked writable before the run)",
+    )
+    camp.add_argument(
+        "--engines", type=_int_in(1), default=1, metavar="N",
+        help="engine cores per client (default 1); N > 1 runs the data-parallel machine (kill"
+        " one of N, restarts, broadcast utilities) on the sync and async clients",
+    )
+    camp.add_argument(
+        "--backend", choices=("mp", "ray"), default="mp",
+        help="where the data-parallel engines run: mp (local processes) or ray (Ray actors;"
+        " EngineConfig.data_parallel_backend)",
     )
     camp.set_defaults(handler=_campaign)
 

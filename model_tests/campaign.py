@@ -83,6 +83,9 @@ __all__ = [
 CLIENTS = ("inproc", "sync", "async", "standalone")
 ALL_CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")
+# The data-parallel machine (stateful_dp.py): its clients, and the backends that place engines.
+DP_CLIENTS = ("sync", "async")
+DP_BACKENDS = ("mp", "ray")
 # Per-mutant bound on the child campaign (it stops at the first failure).
 MUTANT_TIMEOUT_S = 300.0
 # A single ``mutant`` run whose child crashed has no verdict: neither 0 (not detected) nor 1.
@@ -254,16 +257,19 @@ def _vocab_size(model: str) -> int:
     return min(TINY_ARCH.vocab_size, int(arch.vocab_size))
 
 
-def _config(model: str) -> Any:
+def _config(model: str, engines: int = 1, backend: str = "mp") -> Any:
     from ..runtime.config import EngineConfig
 
+    dp: dict[str, Any] = {}
+    if engines != 1 or backend != "mp":  # the data-parallel machine (stateful_dp.py)
+        dp = {"data_parallel_size": engines, "data_parallel_backend": backend}
     # Room for stateful.LONG_MAX_TOKENS on top of short prompts.
     if model in ("null", "tiny"):
-        return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0)
+        return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0, **dp)
     # A real model's blocks are far larger than the tiny one's (SmolLM2-135M: 720 KiB per
     # 16 tokens): room for a few full-length sequences, the rest preempted.
     return EngineConfig(model=model, max_num_seqs=16, max_model_len=2048, seed=0,
-                        kv_cache_memory_bytes=512 << 20)
+                        kv_cache_memory_bytes=512 << 20, **dp)
 
 
 def _settings(profile: str, examples: int, steps: int, seed: int | None, results_dir: Path,
@@ -307,7 +313,8 @@ def _describe(e: BaseException) -> str:
 
 
 def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
-                recorded: list[str] | None = None, factory: str | None = None) -> str:
+                recorded: list[str] | None = None, factory: str | None = None,
+                dp: tuple[int, str] | None = None) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
     runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
     timing-dependent failure can make it), the program the machine recorded of the last
@@ -324,7 +331,20 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
         "# Reproducer printed by `enginewire campaign`; paste it into a test.",
         "from enginewire.testing.campaign import _config",
     ]
-    if kind == "standalone":
+    if dp is not None:
+        head += [
+            "from enginewire.testing.stateful import CampaignStats",
+            "from enginewire.testing.stateful_dp import (",
+            "    DataParallelStateMachine, DPClientPool, dp_factory)",
+            "",
+            "# In a script, under `if __name__ == '__main__':` (the engine processes are spawned).",
+            f"pool = DPClientPool(dp_factory({kind!r}, _config({model!r}, {dp[0]!r},"
+            f" {dp[1]!r})), CampaignStats())",
+        ]
+        made = (f"state = DataParallelStateMachine(pool, kind={kind!r}, faults={faults!r},"
+                f" exact_tokens={model == 'null'!r})")
+        first = "state = DataParallelStateMachine("
+    elif kind == "standalone":
         head += [
             "from enginewire.testing.stateful import (",
             "    AttachPool, CampaignStats, StandaloneEngine, StandaloneEngineStateMachine)",
@@ -356,7 +376,7 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
                 f" exact_tokens={model == 'null'!r})")
         first = "state = EngineClientStateMachine("
     out = [made if ln.startswith(first) else ln for ln in body]
-    if kind == "standalone":
+    if kind == "standalone" or dp is not None:
         out.append("pool.close()")
     return "\n".join(head + out)
 
@@ -364,7 +384,8 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
 def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, faults: bool,
                 duration: float | None, model: str, profile: str, results_dir: Path,
                 shrink: bool, progress: Any,
-                factory: str | None = None) -> tuple[ClientResult, Any]:
+                factory: str | None = None,
+                dp: tuple[int, str] | None = None) -> tuple[ClientResult, Any]:
     import hypothesis.core
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
@@ -385,12 +406,16 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         from ..runtime.model import TINY_ARCH
 
         vocab_size = TINY_ARCH.vocab_size  # the machine's default; the factory's engine
-    config = _config(model)
+    config = _config(model) if dp is None else _config(model, *dp)
     stats = CampaignStats()
     if progress is not None:
         stats.on_step = progress
-    pool: ClientPool
-    if kind == "standalone":
+    pool: Any
+    if dp is not None:
+        from .stateful_dp import DPClientPool, dp_factory
+
+        pool = DPClientPool(dp_factory(kind, config), stats)
+    elif kind == "standalone":
         start = time.monotonic()
         pool = AttachPool(StandaloneEngine(config, faults=faults), stats)
         stats.engines_started += 1
@@ -400,7 +425,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     else:
         pool = ClientPool(builtin_factory(kind, config, faults=faults), stats)
     orphan = None
-    if kind == "sync" and faults and factory is None:  # the orphan check spawns our engine
+    if kind == "sync" and faults and factory is None and dp is None:  # spawns our engine
         orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
 
     # Longer programs let each engine live longer before a crash or shutdown may end it (an
@@ -409,7 +434,14 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     min_life = 3 if steps <= 25 else steps // 4
     orphan_min_life = ORPHAN_MIN_LIFE if steps <= 25 else steps * 3 // 4
 
-    def make() -> EngineClientStateMachine:
+    def make() -> Any:
+        if dp is not None:
+            from .stateful_dp import DataParallelStateMachine
+
+            return DataParallelStateMachine(pool, kind=kind, faults=faults,
+                                            exact_tokens=model == "null",
+                                            vocab_size=vocab_size, stats=stats,
+                                            min_life=min_life)
         if isinstance(pool, AttachPool):
             return StandaloneEngineStateMachine(pool, faults=faults,
                                                 exact_tokens=model == "null",
@@ -446,7 +478,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 result.failure = _describe(e)
                 notes = [str(n) for n in getattr(e, "__notes__", [])]
                 result.reproducer = _reproducer(lines + notes, kind, model, faults,
-                                                stats.failed_program, factory)
+                                                stats.failed_program, factory, dp)
                 break
             finally:
                 hypothesis.core.global_force_seed = saved
@@ -549,12 +581,16 @@ def run_campaign(
     profile: str = "ci",
     verbose: bool = False,
     factory: str | None = None,
+    engines: int = 1,
+    backend: str = "mp",
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
     ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
     prints every transition never reached, with its reason (the report always has them).
     ``factory`` (``module:function``) drives clients a factory of the user's builds, of the
-    one kind ``client`` names, instead of the built-in ones."""
+    one kind ``client`` names, instead of the built-in ones. ``engines`` > 1 (or ``backend``
+    "ray") runs the data-parallel machine (``stateful_dp.py``) on sync and async clients over
+    that many engine cores (``EngineConfig.data_parallel_size``/``data_parallel_backend``)."""
     from ..runtime import _mutants
 
     if client != "all" and client not in CLIENTS:
@@ -577,6 +613,20 @@ def run_campaign(
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if mutant is not None and mutant not in _mutants.BANK:
         raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
+    if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
+        raise ValueError(f"engines must be an integer >= 1, got {engines!r}")
+    if backend not in DP_BACKENDS:
+        raise ValueError(f"backend must be one of {DP_BACKENDS}, got {backend!r}")
+    dp = None if engines == 1 and backend == "mp" else (engines, backend)
+    if dp is not None:
+        if client not in ("all", *DP_CLIENTS):
+            raise ValueError(f"engines={engines}, backend={backend!r}: the data-parallel"
+                             f" machine drives {' and '.join(DP_CLIENTS)} clients (or all"
+                             f" of them), not {client!r}")
+        if factory is not None or mutant is not None or mutants_all:
+            raise ValueError(f"engines={engines}, backend={backend!r}: the data-parallel"
+                             " machine runs the built-in clients without the mutant bank:"
+                             " drop the factory or the mutants")
     if factory is not None:
         if client not in CLIENTS or client == "standalone":
             raise ValueError(f"a factory builds clients of one kind: give client as one of"
@@ -591,6 +641,11 @@ def run_campaign(
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise PermissionError(f"results_dir {results_dir!r} is not writable")
     kinds = list(ALL_CLIENTS) if client == "all" else [client]
+    if dp is not None:
+        kinds = list(DP_CLIENTS) if client == "all" else [client]
+        if client == "all":
+            print(f"data parallel: {engines} engines ({backend}) on sync and async; inproc"
+                  " does not apply (one engine in this process)", flush=True)
     if client == "all" and (mutants_all or mutant is not None):
         # Each mutant runs only on the clients its bank entry names: "standalone" is there
         # for the attach-path mutants and for no other.
@@ -632,7 +687,7 @@ def run_campaign(
     try:
         return _run_kinds(kinds, client=client, examples=examples, steps=steps, seed=seed,
                           faults=faults, duration=duration, model=model, profile=profile,
-                          out_dir=out_dir, verbose=verbose, factory=factory)
+                          out_dir=out_dir, verbose=verbose, factory=factory, dp=dp)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -655,7 +710,8 @@ def _hypothesis_home(out_dir: Path) -> Path | None:
 
 def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
                faults: bool, duration: float | None, model: str, profile: str,
-               out_dir: Path, verbose: bool = False, factory: str | None = None) -> int:
+               out_dir: Path, verbose: bool = False, factory: str | None = None,
+               dp: tuple[int, str] | None = None) -> int:
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
     # Engine processes log to a file in the results directory, not the terminal: most of what
@@ -672,7 +728,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
         return _run_kinds_logged(kinds, client=client, examples=examples, steps=steps,
                                  seed=seed, faults=faults, duration=duration, model=model,
                                  profile=profile, out_dir=out_dir, verbose=verbose,
-                                 engine_log=engine_log, factory=factory)
+                                 engine_log=engine_log, factory=factory, dp=dp)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -684,7 +740,8 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
 def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: int,
                       seed: int | None, faults: bool, duration: float | None, model: str,
                       profile: str, out_dir: Path, verbose: bool,
-                      engine_log: Path | None, factory: str | None = None) -> int:
+                      engine_log: Path | None, factory: str | None = None,
+                      dp: tuple[int, str] | None = None) -> int:
     from ..runtime import _mutants
     from .oracle import Coverage
 
@@ -714,7 +771,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
             res, cov = _run_client(kind, examples=examples, steps=steps, seed=seed,
                                    faults=faults, duration=per_client, model=model,
                                    profile=profile, results_dir=out_dir,
-                                   shrink=not stop_at_first, progress=tick, factory=factory)
+                                   shrink=not stop_at_first, progress=tick, factory=factory,
+                                   dp=dp)
             results.append(res)
             coverage.merge(cov)
             if stop_at_first and res.failure is not None:
@@ -736,7 +794,9 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
         "coverage": cov,
         "settings": {"client": client, "examples": examples, "steps": steps, "seed": seed,
                      "faults": faults, "duration": duration, "model": model,
-                     "profile": profile, "mutant": _mutants.ACTIVE, "factory": factory},
+                     "profile": profile, "mutant": _mutants.ACTIVE, "factory": factory,
+                     "engines": 1 if dp is None else dp[0],
+                     "backend": "mp" if dp is None else dp[1]},
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }

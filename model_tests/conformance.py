@@ -696,7 +696,9 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
     import msgspec
 
     rid = f"{prefix}-0"
-    n = _fit(cut, 8, "check_rejected_add_spares_live_request")
+    # Long enough to be live still when the pause lands (on a data-parallel client the pause
+    # goes to every engine, after the ADD went to one).
+    n = _fit(cut, 64, "check_rejected_add_spares_live_request")
     cut.add_request(request(rid, n))
     # Parked, the request stays live however fast the engine is, until the rejection was
     # handled (the echo below is answered after it, in order).

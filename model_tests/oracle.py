@@ -40,11 +40,13 @@ from ..spec import MACHINES, ClientState, TraceEntry, validate_trace
 
 __all__ = [
     "Coverage",
+    "DPOracle",
     "Oracle",
     "OracleViolation",
     "Phase",
     "RequestModel",
     "ResourceSnapshot",
+    "check_reaped",
     "check_released",
     "check_traces",
     "null_tokens",
@@ -404,5 +406,130 @@ def check_released(before: ResourceSnapshot, *, engine_pid: int | None,
     if threads_fds and not _wait(lambda: me.num_fds() <= before.fds, bound):
         problems.append(f"fds leaked: {me.num_fds()} > {before.fds}"
                         f"{_describe_new_fds(before.fd_targets)}")
+    if problems:
+        raise OracleViolation("; ".join(problems))
+
+
+# --- data parallel: one client over N engines -------------------------------------------------
+
+
+class DPOracle(Oracle):
+    """The request model of a data-parallel client (runtime/dp_client.py) over ``engines``
+    engine cores, on top of ``Oracle``'s per-request judgement.
+
+    It is told which engines the test killed (``engine_died``) and which requests it pinned
+    (``add(..., rank=k)``); it learns where a routed request runs from its first output's
+    ``engine_index``, and then judges: a request's outputs all come from one engine; none
+    comes from an engine that was dead when the request was added; an ERROR ending comes only
+    from an engine whose death could have ended it (it ran there, or nobody knew where it ran
+    yet), and names that engine; a request known to run on a killed engine must end (a drain
+    waits for it even when it was parked). The client is DEAD only when every engine is."""
+
+    def __init__(self, *, exact_tokens: bool, engines: int,
+                 dead: Iterable[int] = ()) -> None:
+        super().__init__(exact_tokens=exact_tokens)
+        self.engines = engines
+        self.dead: set[int] = set(dead)
+        self.placed: dict[str, int] = {}  # rid -> the engine it was pinned to or seen on
+        self.avoid: dict[str, frozenset[int]] = {}  # rid -> engines dead when it was added
+        self.may_fail_on: dict[str, set[int]] = {}  # rid -> engines whose death may end it
+        self.doomed: set[str] = set()  # known to run on an engine that died: must end
+        self._batch_engine: int | None = None
+
+    def serving(self) -> list[int]:
+        return [i for i in range(self.engines) if i not in self.dead]
+
+    def add(self, rid: str, max_tokens: int, expected: list[int] | None,
+            stop_index: int | None, *, invalid: bool = False, rank: int | None = None,
+            avoid: Iterable[int] | None = None) -> None:
+        super().add(rid, max_tokens, expected, stop_index, invalid=invalid)
+        self.placed.pop(rid, None)
+        if rank is not None:
+            self.placed[rid] = rank
+        self.avoid[rid] = frozenset(self.dead if avoid is None else avoid)
+        self.may_fail_on[rid] = set()
+        self.doomed.discard(rid)
+
+    def engine_died(self, index: int, *, restarted: bool = False) -> None:
+        """Engine ``index`` was killed and its death seen (``restarted``: a replacement under
+        the same index serves again). Ends the client when no engine is left."""
+        for rid in self.live_ids():
+            where = self.placed.get(rid)
+            if where is None or where == index:
+                self.may_fail_on[rid].add(index)
+            if where == index:
+                self.doomed.add(rid)
+        if not restarted:
+            self.dead.add(index)
+            if not self.serving():
+                self.died()
+
+    def must_finish_ids(self) -> list[str]:
+        doomed = {r for r in self.doomed if not self.requests[r].finished}
+        return sorted(set(super().must_finish_ids()) | doomed)
+
+    def observe(self, batch: EngineCoreOutputs) -> list[str]:
+        e = batch.engine_index
+        for out in batch.outputs:
+            rid = out.request_id
+            m = self.requests.get(rid)
+            if m is None or m.finished:
+                continue  # judged by Oracle.observe
+            if e in self.avoid.get(rid, ()):
+                raise OracleViolation(
+                    f"{rid!r} was added while engine {e} was dead, yet engine {e} sent an"
+                    " output for it: a request was routed to a dead engine")
+            where = self.placed.get(rid)
+            if where is None:
+                self.placed[rid] = e
+            elif where != e:
+                raise OracleViolation(f"{rid!r} runs on engine {where}, yet engine {e} sent an"
+                                      " output for it")
+        self._batch_engine = e
+        try:
+            return super().observe(batch)
+        finally:
+            self._batch_engine = None
+
+    def _finish(self, m: RequestModel, reason: FinishReason, error: str | None) -> None:
+        e = self._batch_engine
+        if (reason is FinishReason.ERROR and not (m.error_ok or m.duplicated)):
+            if e not in self.may_fail_on.get(m.rid, ()):
+                died = sorted(i for r in self.may_fail_on.values() for i in r) or "none"
+                raise OracleViolation(
+                    f"{m.rid!r} ended with ERROR from engine {e} ({error!r}), whose death"
+                    f" could not end it (it ran on {self.placed.get(m.rid)}; engines killed"
+                    f" while it was live: {died})")
+            if not error or f"engine {e}" not in error:
+                raise OracleViolation(f"{m.rid!r}: the ERROR ending of engine {e}'s death does"
+                                      f" not name the engine: {error!r}")
+            m.finish = reason
+            self.finished_ids.append(m.rid)
+            return
+        super()._finish(m, reason, error)
+
+
+def check_reaped(pids: Iterable[int], before: ResourceSnapshot, bound: float = 5.0) -> None:
+    """After a shutdown: every engine process in ``pids`` is gone (reaped, not a zombie), and
+    this process has no child it did not have in ``before`` (multiprocessing's resource
+    tracker aside: started once per process and kept)."""
+    problems = [f"engine process {pid} was not reaped" for pid in sorted(set(pids))
+                if not _wait(lambda pid=pid: _reaped(pid), bound)]
+
+    def new_children() -> list[int]:
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            if p.pid in before.children:
+                continue
+            try:
+                if "resource_tracker" in " ".join(p.cmdline()) or p.status() == "zombie":
+                    continue
+            except psutil.Error:
+                continue
+            out.append(p.pid)
+        return out
+
+    if not _wait(lambda: not new_children(), bound):
+        problems.append(f"child processes left: {new_children()}")
     if problems:
         raise OracleViolation("; ".join(problems))

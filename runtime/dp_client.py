@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -50,7 +51,14 @@ from ..protocol.codec import check_no_dataclass
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
 from ..spec.client import ClientEvent
-from ..spec.errors import ClientClosedError, EngineDeadError, EngineStartupError, SpecViolation
+from ..spec.errors import (
+    ClientClosedError,
+    EngineDeadError,
+    EngineStartupError,
+    SpecViolation,
+    UtilityError,
+    UtilityTimeoutError,
+)
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.membership import (
     MEMBER_LEFT,
@@ -60,6 +68,7 @@ from ..spec.membership import (
     MembershipState,
 )
 from ..spec.request import CLIENT_REQUEST, ClientRequestEvent
+from ..spec.utility import UtilityEvent
 from ._utilities import AsyncUtilityMethods
 from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
 from .client import EngineCoreClient, SyncClientMixin
@@ -74,6 +83,18 @@ _ASSIGNED = ("engine_index", "engine_launcher")
 # Options that name one engine's channel: a data-parallel client takes one per engine, in
 # index order (engines started on their own, e.g. ``enginewire engine --engine-index i``).
 _PER_ENGINE = ("input_address", "output_address", "engine_connect")
+
+
+# What ends a call that raised, by its error (the first match in this order); an error
+# raised before anything was sent (bad arguments) ends nothing.
+_UTILITY_OUTCOME: dict[type[BaseException], UtilityEvent] = {
+    UtilityTimeoutError: UtilityEvent.TIMEOUT,
+    UtilityError: UtilityEvent.REPLY_ERROR,
+    EngineDeadError: UtilityEvent.ENGINE_DIED,
+    ClientClosedError: UtilityEvent.CLIENT_SHUTDOWN,
+    asyncio.CancelledError: UtilityEvent.CANCEL,
+    KeyboardInterrupt: UtilityEvent.CANCEL,
+}
 
 
 def _combine(how: str, results: list[Any]) -> Any:
@@ -249,7 +270,8 @@ class _DPClient(EngineCoreClient):
         self._turn_out = 0  # the member get_output looks at first
         self._last_routed = 0
         self._utility_turn = 0
-        self._threads: set[threading.Thread] = set()  # restarts in progress
+        self._threads: set[threading.Thread] = set()  # restarts and reaps in progress
+        self._spent: list[Any] = []  # dead incarnations read to their end (shut down)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._placement: Any = None  # RayEngines for the "ray" backend
         ref = weakref.ref(self)
@@ -540,7 +562,14 @@ class _DPClient(EngineCoreClient):
         with ERROR (one batch), unless no engine is left (the client is then DEAD)."""
         self._drained.add(id(client))
         if client in m.retired:
+            # Read to its end: its process, sockets and reader go now, off this lock (a
+            # dead engine's teardown may wait out a grace), and teardown waits for them.
             m.retired.remove(client)
+            self._spent.append(client)
+            reaper = threading.Thread(target=self._reap, args=(client,),
+                                      name=f"EngineCoreReap_{m.index}", daemon=True)
+            self._threads.add(reaper)
+            reaper.start()
         if client is m.client and m.lifecycle.state in MEMBER_ROUTABLE:
             self._member_died(client, client._dead_cause or ClientClosedError(
                 f"engine {m.index}'s client was shut down"))
@@ -557,6 +586,12 @@ class _DPClient(EngineCoreClient):
             self._failed.append(EngineCoreOutputs(
                 engine_index=m.index, timestamp=EngineCoreOutputs.now(),
                 outputs=[EngineCoreOutput(r, [], FinishReason.ERROR, error=why) for r in rids]))
+
+    def _reap(self, client: Any) -> None:
+        try:
+            client.shutdown()
+        finally:
+            self._threads.discard(threading.current_thread())
 
     def _deliver_failed(self) -> EngineCoreOutputs:
         out = self._failed.pop(0)
@@ -590,6 +625,22 @@ class _DPClient(EngineCoreClient):
             if not serving:
                 raise self._no_engine()
             return serving
+
+    @contextlib.contextmanager
+    def _utility_lifecycle(self) -> Iterator[Lifecycle[Any, UtilityEvent]]:
+        """One UTILITY lifecycle per call on this client (its engines' clients keep their
+        own): the caller fires REPLY_OK; an error fires the outcome its type names."""
+        lc = self._new_utility_lifecycle()
+        try:
+            yield lc
+        except BaseException as e:
+            event = _UTILITY_OUTCOME.get(type(e))
+            if event is None:
+                event = next((ev for kind, ev in _UTILITY_OUTCOME.items()
+                              if isinstance(e, kind)), None)
+            if event is not None and lc.can(event):
+                lc.fire(event)
+            raise
 
     def _after_all(self, method: str, results: list[Any]) -> Any:
         """The combined reply of a call every engine answered; the lifecycle follows it."""
@@ -676,7 +727,7 @@ class _DPClient(EngineCoreClient):
         self._abandon.set()
         with self._state_lock:
             clients = [c for m in self._members for c in (*m.retired, m.client)
-                       if c is not None]
+                       if c is not None] + self._spent
             for m in self._members:
                 if m.lifecycle.can(MembershipEvent.SHUTDOWN):
                     m.lifecycle.fire(MembershipEvent.SHUTDOWN)
@@ -752,19 +803,30 @@ class SyncDPClient(SyncClientMixin, _DPClient):
         timeout = check_timeout(timeout)
         check_method(method)
         decl = UTILITY_DECLARATIONS.get(method)
-        if decl is not None and decl.every_engine is not None:
-            return self._after_all(method, self.call_utility_all(method, *args, timeout=timeout))
-        m = self._utility_member()
-        try:
-            return m.client.call_utility(method, *args, timeout=timeout)
-        except EngineDeadError as e:
-            raise self._engine_died(m, e) from None
+        with self._utility_lifecycle() as lc:
+            if decl is not None and decl.every_engine is not None:
+                result = self._after_all(method, self._call_all(method, args, timeout))
+            else:
+                m = self._utility_member()
+                try:
+                    result = m.client.call_utility(method, *args, timeout=timeout)
+                except EngineDeadError as e:
+                    raise self._engine_died(m, e) from None
+            lc.fire(UtilityEvent.REPLY_OK)
+        return result
 
     def call_utility_all(self, method: str, *args: Any, timeout: float | None = None
                          ) -> list[Any]:
         """``call_utility`` on every serving engine at once; their results in index order.
         The first failure (in index order) is raised once every engine answered."""
         timeout = check_timeout(timeout)
+        with self._utility_lifecycle() as lc:
+            results = self._call_all(method, args, timeout)
+            lc.fire(UtilityEvent.REPLY_OK)
+        return results
+
+    def _call_all(self, method: str, args: tuple[Any, ...], timeout: float | None
+                  ) -> list[Any]:
         targets = self._targets(method, args)
         if len(targets) == 1:
             calls: list[Callable[[], Any]] = [
@@ -876,20 +938,31 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
         check_method(method)
         self._bind()
         decl = UTILITY_DECLARATIONS.get(method)
-        if decl is not None and decl.every_engine is not None:
-            results = await self.call_utility_all_async(method, *args, timeout=timeout)
-            return self._after_all(method, results)
-        m = self._utility_member()
-        try:
-            return await m.client.call_utility_async(method, *args, timeout=timeout)
-        except EngineDeadError as e:
-            raise self._engine_died(m, e) from None
+        with self._utility_lifecycle() as lc:
+            if decl is not None and decl.every_engine is not None:
+                result = self._after_all(method, await self._call_all_async(method, args,
+                                                                            timeout))
+            else:
+                m = self._utility_member()
+                try:
+                    result = await m.client.call_utility_async(method, *args, timeout=timeout)
+                except EngineDeadError as e:
+                    raise self._engine_died(m, e) from None
+            lc.fire(UtilityEvent.REPLY_OK)
+        return result
 
     async def call_utility_all_async(self, method: str, *args: Any,
                                      timeout: float | None = None) -> list[Any]:
         """See ``SyncDPClient.call_utility_all``."""
         timeout = check_timeout(timeout)
         self._bind()
+        with self._utility_lifecycle() as lc:
+            results = await self._call_all_async(method, args, timeout)
+            lc.fire(UtilityEvent.REPLY_OK)
+        return results
+
+    async def _call_all_async(self, method: str, args: tuple[Any, ...],
+                              timeout: float | None) -> list[Any]:
         targets = self._targets(method, args)
         got = await asyncio.gather(
             *(m.client.call_utility_async(method, *args, timeout=timeout) for m in targets),

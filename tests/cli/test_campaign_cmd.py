@@ -193,3 +193,30 @@ def test_campaign_runs_a_factory_of_the_users_own_and_finds_its_bug(
     assert "--factory" in capsys.readouterr().err
     assert main(["campaign", "--client", "all", "--factory", "user_factories:good",
                  "--results-dir", str(tmp_path / "r")]) == 2
+
+
+def test_campaign_on_two_engines_exits_0(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["campaign", "--engines", "2", "--examples", "2", "--steps", "10", "--model",
+                 "null", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "inproc does not apply" in out and "verdict: OK" in out
+    (report,) = tmp_path.glob("campaign-*.json")
+    data = json.loads(report.read_text())
+    assert [c["client"] for c in data["clients"]] == ["sync", "async"]
+    assert data["settings"]["engines"] == 2 and data["settings"]["backend"] == "mp"
+
+
+@pytest.mark.parametrize("extra", [["--client", "inproc"], ["--client", "standalone"],
+                                   ["--mutants", "all"], ["--engines", "0"],
+                                   ["--backend", "slurm"]])
+def test_campaign_engines_refuses_what_does_not_apply(
+        extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["campaign", "--engines", "2", "--results-dir", str(tmp_path), *extra]
+    try:
+        code = main(args)  # a handler's UsageError
+    except SystemExit as exc:  # argparse's own refusal
+        code = int(exc.code or 0)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ("--engines" in err or "--backend" in err)
