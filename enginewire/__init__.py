@@ -31,11 +31,11 @@ __version__ = "0.1.0"
 # Runtime names load torch; resolve them on first use so `import enginewire` (and the CLI's
 # --help) stays light.
 _LAZY = {
-    "AsyncMPClient": "mp_client",
+    "AsyncMPClient": "async_mp_client",
     "EngineConfig": "config",
     "EngineCoreClient": "client",
     "InprocClient": "client",
-    "SyncMPClient": "mp_client",
+    "SyncMPClient": "sync_mp_client",
     "make_client": "factory",
     "make_client_async": "factory",
     "run_engine_core": "engine_proc",

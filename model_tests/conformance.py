@@ -724,8 +724,9 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
 def _inject(cut: ClientUnderTest, batch: EngineCoreOutputs) -> None:
     """Queue ``batch`` where a built-in client puts what its engine sent, untracked: what an
     engine that breaks the spec would deliver (NotApplicable for any other client)."""
+    from ..runtime.async_mp_client import AsyncMPClient
     from ..runtime.client import InprocClient
-    from ..runtime.mp_client import AsyncMPClient, SyncMPClient
+    from ..runtime.sync_mp_client import SyncMPClient
 
     client = cut.client
     if isinstance(client, InprocClient):

@@ -71,8 +71,10 @@ from ..spec.request import CLIENT_REQUEST, ClientRequestEvent
 from ..spec.utility import UtilityEvent
 from ._utilities import AsyncUtilityMethods
 from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
+from .async_mp_client import AsyncMPClient
 from .client import EngineCoreClient, SyncClientMixin
-from .mp_client import AsyncMPClient, MPClient, SyncMPClient
+from .mp_client import MPClient
+from .sync_mp_client import SyncMPClient
 
 __all__ = ["AsyncDPClient", "SyncDPClient"]
 

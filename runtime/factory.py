@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .async_mp_client import AsyncMPClient
 from .client import EngineCoreClient, InprocClient
 from .dp_client import AsyncDPClient, SyncDPClient
-from .mp_client import AsyncMPClient, SyncMPClient
+from .sync_mp_client import SyncMPClient
 
 __all__ = ["make_client", "make_client_async"]
 

@@ -124,5 +124,5 @@ def test_no_import_cycle_but_the_documented_ones() -> None:
 
 
 def test_the_scan_sees_relative_and_lazy_imports() -> None:
-    assert "enginewire.runtime.mp_client" in EDGES["enginewire.runtime.factory"]
+    assert "enginewire.runtime.sync_mp_client" in EDGES["enginewire.runtime.factory"]
     assert "enginewire.runtime.gguf_loader" not in EDGES["enginewire.runtime.model"]

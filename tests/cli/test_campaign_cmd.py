@@ -141,7 +141,7 @@ _FACTORIES = '''
 from typing import Any
 
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.mp_client import SyncMPClient
+from enginewire.runtime.sync_mp_client import SyncMPClient
 from enginewire.testing.conformance import ClientUnderTest
 from enginewire.faults import FaultPlan
 

@@ -10,7 +10,7 @@ import time
 import weakref
 from typing import Any
 
-from enginewire.runtime.mp_client import _monitor_engine
+from enginewire.runtime._background import _monitor_engine
 
 DEADLINE_S = 0.3
 BOUND_S = 5.0

@@ -210,7 +210,11 @@ def test_bounded_campaign(client: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(_mutants.BANK))
 def test_mutant_is_detected(name: str, tmp_path: Path) -> None:
     """The mutant table, one row per test: the campaign must find every seeded bug."""
-    assert run_campaign(mutant=name, examples=8, steps=25, results_dir=str(tmp_path)) == 1, (
+    # The attach-path mutants show only when a previous front end's messages are still in
+    # flight at a handover, which timing decides: they get more examples to meet one.
+    examples = 24 if _mutants.BANK[name].clients == ("standalone",) else 8
+    assert run_campaign(mutant=name, examples=examples, steps=25,
+                        results_dir=str(tmp_path)) == 1, (
         (tmp_path / f"mutant-{name}.log").read_text()[-3000:])
     report = _report(tmp_path, f"mutant-{name}-*.json")
     failing = [c for c in report["clients"] if c["failure"]]

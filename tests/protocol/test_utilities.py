@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 
 from enginewire.protocol.utilities import BY_NAME, POWER_METHODS, REMOTE_METHODS, UTILITIES
+from enginewire.runtime.async_mp_client import AsyncMPClient
 from enginewire.runtime.client import InprocClient
 from enginewire.runtime.engine import EngineCore
-from enginewire.runtime.mp_client import AsyncMPClient, SyncMPClient
+from enginewire.runtime.sync_mp_client import SyncMPClient
 from enginewire.spec.client import CLIENT
 
 

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from enginewire.protocol.utilities import UTILITIES
+from enginewire.runtime import _background as bg
 from enginewire.runtime import make_client
 from enginewire.runtime import mp_client as mp
 from enginewire.runtime.args import check_option_seconds, check_request_ids, check_timeout
@@ -181,7 +182,7 @@ def test_a_monitor_that_fails_declares_the_engine_dead(monkeypatch: pytest.Monke
         ready.wait(30)
         raise OverflowError("timeout value is too large")
 
-    monkeypatch.setattr(mp, "_watch_engine", broken)
+    monkeypatch.setattr(bg, "_watch_engine", broken)
     client = make_client(NULL, multiprocess=True, asyncio=False)
     ready.set()
     try:
@@ -360,7 +361,7 @@ def test_an_engine_that_fails_to_start_says_why_to_the_client() -> None:
     before = snapshot()
     with pytest.raises(EngineStartupError, match="unknown model") as err:
         make_client(EngineConfig(model="no-such-model"), multiprocess=True, asyncio=False)
-    assert isinstance(err.value.__cause__, mp.EngineProcessDied)
+    assert isinstance(err.value.__cause__, bg.EngineProcessDied)
     assert "exit code 1" in str(err.value)
     assert_nothing_leaked(before)
 
@@ -424,11 +425,11 @@ def test_a_sentinel_readable_before_the_exit_is_polled_not_spun_on() -> None:
     proc = FakeProc()
     try:
         t0 = time.monotonic()
-        cause = mp._watch_engine(proc, stop_r, None, [time.monotonic()], [math.inf])
+        cause = bg._watch_engine(proc, stop_r, None, [time.monotonic()], [math.inf])
         took = time.monotonic() - t0
     finally:
         for fd in (r, stop_r, stop_w):
             os.close(fd)
-    assert isinstance(cause, mp.EngineProcessDied) and "SIGKILL" in str(cause), cause
+    assert isinstance(cause, bg.EngineProcessDied) and "SIGKILL" in str(cause), cause
     assert proc.checks <= 8  # one look per poll (and one to describe the exit)
-    assert took >= 4 * mp._SENTINEL_POLL_S * 0.9  # it waited between looks
+    assert took >= 4 * bg._SENTINEL_POLL_S * 0.9  # it waited between looks

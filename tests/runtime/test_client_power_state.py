@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from enginewire import EngineConfig, EngineCoreRequest, SamplingParams
-from enginewire.runtime import make_client, mp_client
+from enginewire.runtime import make_client, sync_mp_client
 from enginewire.spec import UtilityTimeoutError
 from enginewire.spec.client import ClientState
 
@@ -26,7 +26,7 @@ def test_a_sleeper_resuming_after_a_wake_does_not_put_the_client_back_to_sleep(
     """The engine sleeps, then wakes; the sleeping caller resumes only after the wake-up has
     returned. Applied by the callers, the client ended SLEEPING with the engine awake."""
     replied, woke = threading.Event(), threading.Event()
-    result = mp_client._SyncCall.result
+    result = sync_mp_client._SyncCall.result
 
     def held_result(call: Any) -> Any:
         if threading.current_thread().name == "sleeper":
@@ -34,7 +34,7 @@ def test_a_sleeper_resuming_after_a_wake_does_not_put_the_client_back_to_sleep(
             assert woke.wait(30)
         return result(call)
 
-    monkeypatch.setattr(mp_client._SyncCall, "result", held_result)
+    monkeypatch.setattr(sync_mp_client._SyncCall, "result", held_result)
     with make_client(NULL, multiprocess=True, asyncio=False) as client:
         errors: list[BaseException] = []
 

@@ -19,8 +19,8 @@ import pytest
 
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.mp_client import SyncMPClient
 from enginewire.runtime.ray_backend import INSTALL_HINT, RayEngines, _check_reach
+from enginewire.runtime.sync_mp_client import SyncMPClient
 from enginewire.spec import EngineDeadError, EngineStartupError
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it

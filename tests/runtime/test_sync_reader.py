@@ -12,7 +12,7 @@ import pytest
 
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.mp_client import SyncMPClient
+from enginewire.runtime.sync_mp_client import SyncMPClient
 
 NULL = EngineConfig(model="null", device="cpu")
 BOUND_S = 20.0
@@ -113,7 +113,7 @@ def test_sync_call_outcome_is_set_once() -> None:
     """The lock-free outcome slot of a sync utility call: one outcome, read after it is set."""
     import concurrent.futures
 
-    from enginewire.runtime.mp_client import _SyncCall
+    from enginewire.runtime.sync_mp_client import _SyncCall
 
     call = _SyncCall()
     assert not call.done()
