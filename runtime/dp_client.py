@@ -334,13 +334,19 @@ class _DPClient(EngineCoreClient):
             raise EngineStartupError(
                 f"engine {i} of {n} failed to start: {first}") from first
         with self._state_lock:
+            # The client is ready once every engine is: one that died after its own
+            # handshake, while the others were still starting, fails the construction too
+            # (as the two-engine model says, spec/compose_dp.py).
+            for m in self._members:
+                if m.client.is_dead:
+                    cause = m.client._dead_cause
+                    raise EngineStartupError(
+                        f"engine {m.index} of {n} died while the others started: {cause}"
+                    ) from cause
             for m in self._members:
                 m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
             self._apply_ready(self._members[0].client.ready_response)
             self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
-            for m in self._members:  # died after its handshake, before the others'
-                if m.client.is_dead:
-                    self._member_died(m.client, m.client._dead_cause or EngineDeadError())
 
     def _notify(self) -> None:
         raise NotImplementedError
