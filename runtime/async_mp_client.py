@@ -30,7 +30,7 @@ from ._utilities import AsyncUtilityMethods
 from .args import check_timeout
 from .mp_client import _CLOSED, _DEAD, MPClient
 
-__all__ = ["AsyncMPClient"]
+__all__ = ["AsyncMPClient", "call_on_loop"]
 
 # One logger for the multi-process client, whichever of its modules logs.
 logger = logging.getLogger("enginewire.runtime.mp_client")
@@ -58,6 +58,24 @@ def _route(
     if batch is not None:
         put(batch)
     return True
+
+
+def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on ``loop``: now when called there, else soon from its thread; nothing when
+    there is no loop or it is closed (nobody waits on it any more)."""
+    if loop is None:
+        return
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        fn()
+        return
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:
+        pass
 
 
 class AsyncMPClient(AsyncUtilityMethods, MPClient):
@@ -207,20 +225,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             self._call_on_loop(fail)
 
     def _call_on_loop(self, fn: Any) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            fn()
-            return
-        try:
-            loop.call_soon_threadsafe(fn)
-        except RuntimeError:
-            pass  # loop closed: nobody is waiting on it any more
+        call_on_loop(self._loop, fn)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_reader()

@@ -71,7 +71,7 @@ from ..spec.request import CLIENT_REQUEST, ClientRequestEvent
 from ..spec.utility import UtilityEvent
 from ._utilities import AsyncUtilityMethods
 from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
-from .async_mp_client import AsyncMPClient
+from .async_mp_client import AsyncMPClient, call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
 from .sync_mp_client import SyncMPClient
@@ -139,11 +139,13 @@ class _MemberMixin:
     _dp_died: Callable[[MPClient, BaseException], None]
     _abandon: threading.Event | None
 
-    def _init_member(self, notify: Callable[[], None],
-                     died: Callable[[MPClient, BaseException], None],
-                     abandon: threading.Event) -> None:
+    def __init__(self, config: Any, *, notify: Callable[[], None],
+                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
+                 **options: Any) -> None:
+        # Set before the one-engine client starts: its output queue and death hook use them.
         self._dp_notify, self._dp_died = notify, died
         self._abandon = abandon
+        super().__init__(config, **options)  # type: ignore[call-arg]
 
     def _mark_dead(self, cause: BaseException | None) -> bool:
         # Told before the engine's calls fail: a caller whose call raised EngineDeadError
@@ -155,12 +157,6 @@ class _MemberMixin:
 
 
 class _SyncMember(_MemberMixin, SyncMPClient):
-    def __init__(self, config: Any, *, notify: Callable[[], None],
-                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
-                 **options: Any) -> None:
-        self._init_member(notify, died, abandon)
-        super().__init__(config, **options)
-
     def _new_output_queue(self) -> queue.Queue[Any]:
         return _NotifyingQueue(self._dp_notify)
 
@@ -173,12 +169,6 @@ class _SyncMember(_MemberMixin, SyncMPClient):
 
 
 class _AsyncMember(_MemberMixin, AsyncMPClient):
-    def __init__(self, config: Any, *, notify: Callable[[], None],
-                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
-                 **options: Any) -> None:
-        self._init_member(notify, died, abandon)
-        super().__init__(config, **options)
-
     def _new_output_queue(self) -> asyncio.Queue[Any]:
         return _NotifyingAsyncQueue(self._dp_notify)
 
@@ -875,20 +865,9 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
         super().__init__(config, **options)
 
     def _notify(self) -> None:
-        event, loop = self._arrived, self._loop
-        if event is None or loop is None:
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            event.set()
-            return
-        try:
-            loop.call_soon_threadsafe(event.set)
-        except RuntimeError:
-            pass  # its loop is closed: nobody waits there
+        event = self._arrived
+        if event is not None:
+            call_on_loop(self._loop, event.set)
 
     def _bind(self) -> None:
         """Members read on the running loop; the arrival event lives there too."""
