@@ -136,6 +136,12 @@ def close_dp_and_check(live: _DPLive, *, check: bool = True) -> float:
     return took
 
 
+# The heartbeat deadline of the campaign's clients: a SIGSTOPped engine (kill_engine's
+# "sigstop") is declared dead by it. Long enough that a live engine on a loaded 2-core
+# machine never misses it (the beat comes every 1/20 of it).
+STOP_HEARTBEAT_TIMEOUT_S = 3.0
+
+
 class DPClientPool:
     """Keeps one healthy client between examples. An example that asks for the other
     ``restart_dead_engines`` setting, or a client that lost an engine, costs a new one: the
@@ -159,7 +165,9 @@ class DPClientPool:
             resource_tracker.ensure_running()  # process-wide, once: not a leak
         before = ResourceSnapshot.take()
         start = time.monotonic()
-        cut = self.factory(restart_dead_engines=restarts)
+        cut = self.factory(restart_dead_engines=restarts,
+                           engine_heartbeat_timeout_s=STOP_HEARTBEAT_TIMEOUT_S,
+                           engine_heartbeat_interval_s=STOP_HEARTBEAT_TIMEOUT_S / 20)
         self.stats.engines_started += int(cut.client.data_parallel_size)
         self.stats.seconds["(engine start)"] += time.monotonic() - start
         live = _DPLive(cut, before, restarts)
@@ -559,42 +567,49 @@ class DataParallelStateMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alive and self.faults and self._life >= self.min_life
                   # a replacement comes up awake: the model keeps one pause state for all
                   and not (self.restarts and self.oracle.paused))
-    @rule(pick=st.integers(0, 3), observers=st.booleans())
-    def kill_engine(self, pick: int, observers: bool) -> None:
-        """SIGKILL one serving engine. With ``observers`` a ``call_utility_all`` is held
-        pending on it (SIGSTOP first): it must raise EngineDeadError naming the engine. A
-        long request pinned to it first is live when it dies: it must end with ERROR."""
+    @rule(pick=st.integers(0, 3), observers=st.booleans(),
+          how=st.sampled_from(["sigkill", "sigstop"]))
+    def kill_engine(self, pick: int, observers: bool, how: str = "sigkill") -> None:
+        """SIGKILL one serving engine, or SIGSTOP it and leave it stopped (alive, silent:
+        only the heartbeat deadline, ``STOP_HEARTBEAT_TIMEOUT_S``, reveals it). With
+        ``observers`` a ``call_utility_all`` is held pending on it (SIGSTOP first): it must
+        raise EngineDeadError naming the engine. A long request pinned to it first is live
+        when it dies: it must end with ERROR."""
         with self._rule("kill_engine", locals()):
             serving = self.oracle.serving()
             k = serving[pick % len(serving)]
             client = self.cut.client
             old = client.engine_client(k).engine_pid
             assert old is not None
-            self.stats.faults["engine_sigkill"] += 1
+            self.stats.faults[f"engine_{how}"] += 1
             if not self.oracle.paused and len(self.oracle.live_ids()) < MAX_LIVE:
                 req, expected, _ = self._request(
                     self._fresh_id(), [4, 5, 6], self.limits.cap(3, DOOMED_TOKENS), 3, None,
                     rank=k, ignore_eos=True)
                 self._send(req, expected, None)
             pending: concurrent.futures.Future[Any] | None = None
-            if observers:
+            if observers or how == "sigstop":
                 cf.stop_process(old)
+            if observers:
                 try:
                     pending = self.cut.submit("call_utility_all", "echo", "pending")
                     self._wait_pending(1, pending)
                 except BaseException:
                     os.kill(old, signal.SIGKILL)
                     raise
-            os.kill(old, signal.SIGKILL)
+            if how == "sigkill":
+                os.kill(old, signal.SIGKILL)
+            # A stopped engine is left stopped: its client's teardown resumes and ends it.
             start = time.monotonic()
+            bound = DEATH_BOUND_S + 3 + (STOP_HEARTBEAT_TIMEOUT_S if how == "sigstop" else 0)
             # Told at once: outputs read from here on may show the death.
             self.oracle.engine_died(k, restarted=self.restarts)
             assert self.live is not None
             if not self.restarts:
                 self.live.dead.add(k)
             if pending is not None:
-                self._pending_fails(pending, k)
-            self._await_membership(k, start, old)
+                self._pending_fails(pending, k, bound)
+            self._await_membership(k, start, old, bound)
             self.live.note_pids()
             if self.restarts:
                 self.stats.engines_started += 1
@@ -602,12 +617,13 @@ class DataParallelStateMachine(RuleBasedStateMachine):
                 raise OracleViolation("every engine is dead, yet the client is"
                                       f" {client.state.name}")
             # Its requests end (ERROR, after its queued batches) soon after the death is seen.
-            self._drain(sorted(self.oracle.doomed), bound=DEATH_BOUND_S + 3)
+            self._drain(sorted(self.oracle.doomed), bound=bound)
             self._drain()
 
-    def _pending_fails(self, fut: concurrent.futures.Future[Any], k: int) -> None:
+    def _pending_fails(self, fut: concurrent.futures.Future[Any], k: int, bound: float
+                       ) -> None:
         try:
-            got = fut.result(timeout=DEATH_BOUND_S + 3)
+            got = fut.result(timeout=bound)
         except EngineDeadError as e:
             if f"engine {k} of {self.engines}" not in str(e):
                 raise OracleViolation(f"a call pending on engine {k} when it died raised"
@@ -618,16 +634,16 @@ class DataParallelStateMachine(RuleBasedStateMachine):
                                   " death") from None
         raise OracleViolation(f"a call pending on engine {k} when it died returned {got!r}")
 
-    def _await_membership(self, k: int, start: float, old: int) -> None:
+    def _await_membership(self, k: int, start: float, old: int, bound: float) -> None:
         """Until engine ``k``'s death is seen: DEAD, or (restarts) SERVING under a new pid,
         with an ADD routed while it was not serving; reads outputs meanwhile."""
         client = self.cut.client
         while client.engines[k] is MembershipState.SERVING and (
                 client.engine_client(k) is not None
                 and client.engine_client(k).engine_pid == old):
-            if time.monotonic() > start + DEATH_BOUND_S + 3:
+            if time.monotonic() > start + bound:
                 raise OracleViolation(f"engine {k}'s death not seen within"
-                                      f" {DEATH_BOUND_S + 3} s (engines {self._states()})")
+                                      f" {bound:g} s (engines {self._states()})")
             with contextlib.suppress(EngineDeadError):
                 self._poll(0.01)
         if not self.restarts:

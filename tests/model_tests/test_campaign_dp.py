@@ -180,3 +180,16 @@ def test_a_restarted_engine_serves_again_and_the_client_is_released(kind: str) -
         state.teardown()
     finally:
         pool.close()
+
+
+def test_a_stopped_engine_is_found_by_its_heartbeat(machine: DataParallelStateMachine) -> None:
+    """SIGSTOP, left stopped: only the heartbeat deadline declares the engine dead; its
+    requests and a call pending on it fail, the other engine serves on, and the stopped
+    process is ended by the client's teardown (every pid reaped)."""
+    machine._send(*machine._request("kept", [4, 5], 2000, 1, None, rank=0, ignore_eos=True))
+    machine.kill_engine(pick=1, observers=True, how="sigstop")
+    assert machine.cut.client.dead_engines == [1]
+    assert machine.stats.faults["engine_sigstop"] == 1
+    machine.echo_all(value=4)
+    machine.drain()
+    machine.teardown()
