@@ -31,6 +31,7 @@ detected) and 1 otherwise (for a single ``mutant``: 1 means the campaign found i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -685,9 +686,16 @@ def run_campaign(
         torch.set_num_threads(1)
     saved_home = _hypothesis_home(out_dir)
     try:
-        return _run_kinds(kinds, client=client, examples=examples, steps=steps, seed=seed,
-                          faults=faults, duration=duration, model=model, profile=profile,
-                          out_dir=out_dir, verbose=verbose, factory=factory, dp=dp)
+        with contextlib.ExitStack() as stack:
+            if dp is not None and dp[1] == "ray":
+                from ..runtime.ray_backend import ray_session
+
+                # One Ray for the whole campaign, up before any client's leak snapshot.
+                stack.enter_context(ray_session())
+            return _run_kinds(kinds, client=client, examples=examples, steps=steps,
+                              seed=seed, faults=faults, duration=duration, model=model,
+                              profile=profile, out_dir=out_dir, verbose=verbose,
+                              factory=factory, dp=dp)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)

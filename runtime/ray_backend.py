@@ -33,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..spec.errors import EngineStartupError
@@ -389,22 +389,9 @@ class RayEngines:
             raise
 
     def _init_ray(self, address: str | None) -> None:
-        ray = self._ray
-        if ray.is_initialized():
-            return
-        address = address or os.environ.get("RAY_ADDRESS") or None
-        before = signal.getsignal(signal.SIGTERM)
-        if address is None:
-            # "local": a new instance even if a `ray start` cluster runs on this host.
-            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=False,
-                     object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
-        else:
-            ray.init(address=address, logging_level=logging.WARNING)
-        self._owns_ray = True
-        # ray.init installs a SIGTERM handler in this process (sys.exit) that ray.shutdown
-        # leaves behind: close() puts the caller's back.
-        self._sigterm = (before, signal.getsignal(signal.SIGTERM))
+        started = _start_ray(self._ray, address)
+        if started is not None:
+            self._owns_ray, self._sigterm = True, started
 
     def _place(self, resources: dict[str, float]) -> None:
         ray = self._ray
@@ -493,11 +480,7 @@ class RayEngines:
                 remove_placement_group(pg)
         if self._owns_ray:
             self._owns_ray = False
-            ray.shutdown()
-            before, ours = self._sigterm
-            if ours is not before and signal.getsignal(signal.SIGTERM) is ours:
-                with contextlib.suppress(ValueError, TypeError):  # not the main thread
-                    signal.signal(signal.SIGTERM, before)
+            _stop_ray(ray, self._sigterm)
 
     def __enter__(self) -> RayEngines:
         return self
@@ -568,6 +551,49 @@ class RayEngines:
         return handle
 
 
+def _start_ray(ray: Any, address: str | None) -> tuple[Any, Any] | None:
+    """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray on 127.0.0.1, unless
+    one is initialized here already (then None). Returns the SIGTERM handlers before and
+    after ``ray.init``, for ``_stop_ray``."""
+    if ray.is_initialized():
+        return None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    before = signal.getsignal(signal.SIGTERM)
+    if address is None:
+        # "local": a new instance even if a `ray start` cluster runs on this host.
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False,
+                 object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
+    # ray.init installs a SIGTERM handler in this process (sys.exit) that ray.shutdown
+    # leaves behind: _stop_ray puts the caller's back.
+    return before, signal.getsignal(signal.SIGTERM)
+
+
+def _stop_ray(ray: Any, sigterm: tuple[Any, Any]) -> None:
+    ray.shutdown()
+    before, ours = sigterm
+    if ours is not before and signal.getsignal(signal.SIGTERM) is ours:
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread
+            signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None) -> Iterator[Any]:
+    """Ray for the duration of a block: the one initialized here, else one joined or started
+    as ``RayEngines`` would, shut down at the end. Clients built inside share it: a campaign
+    builds many, and Ray keeps a session's file descriptors after its shutdown, which a
+    leak check per client would otherwise count."""
+    ray = import_ray()
+    started = _start_ray(ray, address)
+    try:
+        yield ray
+    finally:
+        if started is not None:
+            _stop_ray(ray, started)
+
+
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
@@ -597,4 +623,5 @@ __all__ = [
     "RayEngineProcess",
     "RayEngines",
     "import_ray",
+    "ray_session",
 ]

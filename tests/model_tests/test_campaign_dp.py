@@ -193,3 +193,25 @@ def test_a_stopped_engine_is_found_by_its_heartbeat(machine: DataParallelStateMa
     machine.echo_all(value=4)
     machine.drain()
     machine.teardown()
+
+
+def test_the_machine_on_ray_engines(tmp_path: Path) -> None:
+    """`--backend ray`: the same machine over engines placed as Ray actors (a local Ray on
+    127.0.0.1, one for the whole run): a kill of one, restarts on, the replacement serves;
+    and a short campaign passes."""
+    pytest.importorskip("ray")
+    from enginewire.runtime.ray_backend import ray_session
+
+    with ray_session():
+        pool = DPClientPool(dp_factory("sync", _config("null", 2, "ray")), CampaignStats())
+        try:
+            state = DataParallelStateMachine(pool, kind="sync", min_life=0)
+            state.start(restarts=True)
+            state.kill_engine(pick=1, observers=False)
+            state.echo_all(value=2)
+            state.drain()
+            state.teardown()
+        finally:
+            pool.close()
+    assert run_campaign(client="sync", engines=2, backend="ray", examples=2, steps=10,
+                        seed=SEED, results_dir=str(tmp_path)) == 0
