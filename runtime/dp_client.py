@@ -26,6 +26,11 @@ taken just before the last request finished does not make an idle engine look bu
 go to fewer requests in flight, then round robin, so N idle engines fill evenly. An abort
 goes to the owning engine only.
 
+Start-up: every engine starts at once and the client is ready when all are; any engine
+that fails to start, or dies before the others are up, fails the construction (nothing is
+left). A dead engine's client is shut down once its batches are read (with restarts) or
+with this client.
+
 Utilities: a call goes to one serving engine (in turn), unless its declaration says it
 applies to every engine (``Utility.every_engine``, protocol/utilities.py: sleep, wake-up,
 pause, resume, reset of the prefix cache, profile, is_sleeping), whose replies combine as
