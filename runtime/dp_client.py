@@ -43,7 +43,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -60,7 +59,6 @@ from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
     EngineStartupError,
-    SpecViolation,
     UtilityError,
     UtilityTimeoutError,
 )
@@ -72,14 +70,13 @@ from ..spec.membership import (
     MembershipEvent,
     MembershipState,
 )
-from ..spec.request import CLIENT_REQUEST, ClientRequestEvent
 from ..spec.utility import UtilityEvent
+from ._dp_members import AsyncMember, SyncMember
 from ._utilities import AsyncUtilityMethods
 from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
-from .async_mp_client import AsyncMPClient, call_on_loop
+from .async_mp_client import call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
-from .sync_mp_client import SyncMPClient
 
 __all__ = ["AsyncDPClient", "SyncDPClient"]
 
@@ -113,78 +110,6 @@ def _combine(how: str, results: list[Any]) -> Any:
     return results[0]  # "first"
 
 
-class _NotifyingQueue(queue.Queue[Any]):
-    """A sync member's output queue: every put also wakes the data-parallel client."""
-
-    def __init__(self, notify: Callable[[], None]) -> None:
-        super().__init__()
-        self._notify = notify
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        super().put(item, block, timeout)
-        self._notify()
-
-
-class _NotifyingAsyncQueue(asyncio.Queue[Any]):
-    """An async member's output queue (on its loop): every put wakes the client."""
-
-    def __init__(self, notify: Callable[[], None]) -> None:
-        super().__init__()
-        self._notify = notify
-
-    def put_nowait(self, item: Any) -> None:
-        super().put_nowait(item)
-        self._notify()
-
-
-class _MemberMixin:
-    """What a member adds to a one-engine client: it tells its owner of arrivals and death."""
-
-    _dp_notify: Callable[[], None]
-    _dp_died: Callable[[MPClient, BaseException], None]
-    _abandon: threading.Event | None
-
-    def __init__(self, config: Any, *, notify: Callable[[], None],
-                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
-                 **options: Any) -> None:
-        # Set before the one-engine client starts: its output queue and death hook use them.
-        self._dp_notify, self._dp_died = notify, died
-        self._abandon = abandon
-        super().__init__(config, **options)  # type: ignore[call-arg]
-
-    def _mark_dead(self, cause: BaseException | None) -> bool:
-        # Told before the engine's calls fail: a caller whose call raised EngineDeadError
-        # finds the engine dead in the owner's membership too.
-        first: bool = super()._mark_dead(cause)  # type: ignore[misc]
-        if first:
-            self._dp_died(self, cause or EngineDeadError())  # type: ignore[arg-type]
-        return first
-
-
-class _SyncMember(_MemberMixin, SyncMPClient):
-    def _new_output_queue(self) -> queue.Queue[Any]:
-        return _NotifyingQueue(self._dp_notify)
-
-    def has_output(self) -> bool:
-        return bool(self._outputs.qsize() or self._redeliver)
-
-    def take(self) -> EngineCoreOutputs | None:
-        out = self.get_output(0)
-        return out if out.outputs or out.scheduler_stats or out.finished_requests else None
-
-
-class _AsyncMember(_MemberMixin, AsyncMPClient):
-    def _new_output_queue(self) -> asyncio.Queue[Any]:
-        return _NotifyingAsyncQueue(self._dp_notify)
-
-    def has_output(self) -> bool:
-        q = self._outputs
-        return bool((q is not None and not q.empty()) or self._redeliver)
-
-    def take(self) -> EngineCoreOutputs | None:
-        return self._output_nowait()
-
-
 class _Member:
     """One engine index: its membership lifecycle, its current client and load figures."""
 
@@ -192,18 +117,17 @@ class _Member:
         self.index = index
         self.lifecycle: Lifecycle[MembershipState, MembershipEvent] = MEMBERSHIP.lifecycle(
             trace=trace)
-        self.client: Any = None  # _SyncMember | _AsyncMember; None while restarting
+        self.client: Any = None  # SyncMember | AsyncMember; None while restarting
         # Dead incarnations whose queued batches are still to be read (then ERROR outputs).
         self.retired: list[Any] = []
         self.cause: BaseException | None = None
         self.restarts = 0
-        self.in_flight = 0  # this client's requests routed here and not finished
         self.waiting = 0  # the engine's last report
         self.running = 0
         self.sent_since_report = 0
 
     def reset_load(self) -> None:
-        self.in_flight = self.waiting = self.running = self.sent_since_report = 0
+        self.waiting = self.running = self.sent_since_report = 0
 
     @property
     def routable(self) -> bool:
@@ -212,7 +136,8 @@ class _Member:
                 and not client.is_dead)
 
     def load(self) -> tuple[int, int]:
-        n = self.in_flight
+        # In flight: the engine's own client tracks each live request it was sent.
+        n = 0 if self.client is None else len(self.client._requests)
         return 4 * min(self.waiting + self.sent_since_report, n) + min(self.running, n), n
 
 
@@ -220,7 +145,7 @@ class _DPClient(EngineCoreClient):
     """What the sync and async data-parallel clients share: members, routing, death."""
 
     multiprocess = True
-    _member_type: type[_SyncMember] | type[_AsyncMember]
+    _member_type: type[SyncMember] | type[AsyncMember]
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
                  restart_dead_engines: bool = False, **options: Any) -> None:
@@ -378,7 +303,8 @@ class _DPClient(EngineCoreClient):
             client = self._build(m.index)
         except BaseException as e:  # reported as the member's death
             with self._state_lock:
-                if m.lifecycle.state is MembershipState.RESTARTING:
+                # Still waiting for this replacement's handshake (not shut down meanwhile).
+                if m.lifecycle.can(MembershipEvent.HANDSHAKE_OK):
                     m.lifecycle.fire(MembershipEvent.DIED)
                     m.cause = e
                     logger.warning("engine %d: its replacement failed to start: %s", m.index, e)
@@ -390,7 +316,7 @@ class _DPClient(EngineCoreClient):
             self._threads.discard(threading.current_thread())
         with self._state_lock:
             keep = (not self.is_closed and not self.is_dead
-                    and m.lifecycle.state is MembershipState.RESTARTING)
+                    and m.lifecycle.can(MembershipEvent.HANDSHAKE_OK))
             if keep:
                 m.client = client
                 m.restarts += 1
@@ -460,10 +386,15 @@ class _DPClient(EngineCoreClient):
                     except EngineDeadError:
                         tried.add(m.index)  # it died since: the request never left
                         continue
-                    self._owner[rid] = client
+                    owner = self._owner
+                    owner[rid] = client
                     self._last_routed = m.index
-                    m.in_flight += 1
                     m.sent_since_report += 1
+                    if len(owner) > 2 * len(self._requests) + 64:
+                        # Entries of finished requests are dropped here, in bulk, not per
+                        # output: aborts and deaths read only the live ones.
+                        live = self._requests
+                        self._owner = {r: c for r, c in owner.items() if r in live}
                     return
             except BaseException:
                 self._untrack_add(rid)
@@ -527,38 +458,10 @@ class _DPClient(EngineCoreClient):
         stats = out.scheduler_stats
         if stats is not None and client is m.client:
             m.waiting, m.running, m.sent_since_report = stats.num_waiting, stats.num_running, 0
-        owner = self._owner
-        foreign: list[str] = []
-        for o in out.outputs:
-            sent_to = owner.get(o.request_id)
-            if sent_to is client:
-                if o.finish_reason is not None:
-                    del owner[o.request_id]
-                    if client is m.client:
-                        m.in_flight -= 1
-            elif sent_to is not None:
-                foreign.append(o.request_id)
-        if foreign:
-            raise self._refuse_foreign(m, out, foreign)
+        # No per-output work beyond the tracking: the engine's own client already refused
+        # any output for a request it was not sent (an id lives in one engine's client).
         self._track_outputs(out)
         return out
-
-    def _refuse_foreign(self, m: _Member, out: EngineCoreOutputs, foreign: list[str]
-                        ) -> SpecViolation:
-        """Outputs from engine ``m`` for requests another engine (or a predecessor of ``m``)
-        serves: none of them touches a request; the rest of the batch is tracked and comes
-        with the next ``get_output``, as for any output the spec forbids."""
-        bad = set(foreign)
-        rest = msgspec.structs.replace(
-            out, outputs=[o for o in out.outputs if o.request_id not in bad])
-        self._track_outputs(rest)
-        self._redeliver.append(rest)
-        err = SpecViolation(CLIENT_REQUEST.name, "owned by another engine",
-                            ClientRequestEvent.OUTPUT.name)
-        err.args = (f"engine {m.index} sent {len(foreign)} output(s) for request(s) it was not"
-                    f" sent: {', '.join(map(repr, foreign[:20]))}; the batch's other outputs"
-                    " were tracked and the next get_output returns them",)
-        return err
 
     def _drain_done(self, m: _Member, client: Any) -> None:
         """Every batch of dead ``client`` was returned: its requests still live here end
@@ -681,7 +584,7 @@ class _DPClient(EngineCoreClient):
         """The engine indexes not serving now (dead, or restarting after a death)."""
         with self._state_lock:
             return [m.index for m in self._members if m.lifecycle.state not in MEMBER_ROUTABLE
-                    and m.lifecycle.state is not MembershipState.SHUT_DOWN]
+                    and m.lifecycle.state not in MEMBERSHIP.terminal]
 
     @property
     def engine_pids(self) -> list[int | None]:
@@ -762,7 +665,7 @@ class _DPClient(EngineCoreClient):
 class SyncDPClient(SyncClientMixin, _DPClient):
     """Blocking data-parallel client over ``data_parallel_size`` engine cores."""
 
-    _member_type = _SyncMember
+    _member_type = SyncMember
 
     def __init__(self, config: Any, **options: Any) -> None:
         self._arrival = threading.Condition(threading.Lock())
@@ -862,7 +765,7 @@ def _result(fut: concurrent.futures.Future[Any]) -> tuple[bool, Any]:
 class AsyncDPClient(AsyncUtilityMethods, _DPClient):
     """asyncio data-parallel client; bound to the loop it first runs on, as AsyncMPClient."""
 
-    _member_type = _AsyncMember
+    _member_type = AsyncMember
 
     def __init__(self, config: Any, **options: Any) -> None:
         self._arrived: asyncio.Event | None = None
