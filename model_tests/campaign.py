@@ -64,6 +64,7 @@ from ..spec import (
     Machine,
     UtilityEvent,
 )
+from .reproducer import _reproducer
 
 __all__ = [
     "ALL_CLIENTS",
@@ -311,75 +312,6 @@ def _describe(e: BaseException) -> str:
         text += f"\n  while handling {type(cause).__name__}: {cause}"
         cause = cause.__cause__ or cause.__context__
     return text
-
-
-def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
-                recorded: list[str] | None = None, factory: str | None = None,
-                dp: tuple[int, str] | None = None) -> str:
-    """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
-    runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
-    timing-dependent failure can make it), the program the machine recorded of the last
-    failing example, not shrunk."""
-    body = []
-    for chunk in lines:
-        for ln in str(chunk).splitlines():
-            if ln.startswith("state") or ln.startswith("@reproduce_failure"):
-                body.append(ln if ln.startswith("state") else f"# {ln}")
-    if not any(ln.startswith("state") for ln in body) and recorded:
-        body = ["# Not shrunk: Hypothesis reported its replay as flaky (the failure depends on",
-                "# timing); this is the last failing example as it ran.", *recorded]
-    head = [
-        "# Reproducer printed by `enginewire campaign`; paste it into a test.",
-        "from enginewire.testing.campaign import _config",
-    ]
-    if dp is not None:
-        head += [
-            "from enginewire.testing.stateful import CampaignStats",
-            "from enginewire.testing.stateful_dp import (",
-            "    DataParallelStateMachine, DPClientPool, dp_factory)",
-            "",
-            "# In a script, under `if __name__ == '__main__':` (the engine processes are spawned).",
-            f"pool = DPClientPool(dp_factory({kind!r}, _config({model!r}, {dp[0]!r},"
-            f" {dp[1]!r})), CampaignStats())",
-        ]
-        made = (f"state = DataParallelStateMachine(pool, kind={kind!r}, faults={faults!r},"
-                f" exact_tokens={model == 'null'!r})")
-        first = "state = DataParallelStateMachine("
-    elif kind == "standalone":
-        head += [
-            "from enginewire.testing.stateful import (",
-            "    AttachPool, CampaignStats, StandaloneEngine, StandaloneEngineStateMachine)",
-            "",
-            "# In a script, under `if __name__ == '__main__':` (the engine process is spawned).",
-            f"pool = AttachPool(StandaloneEngine(_config({model!r}), faults={faults!r}),"
-            " CampaignStats())",
-        ]
-        made = (f"state = StandaloneEngineStateMachine(pool, faults={faults!r},"
-                f" exact_tokens={model == 'null'!r})")
-        first = "state = StandaloneEngineStateMachine("
-    elif factory is not None:
-        head += [
-            "from enginewire.testing.campaign import load_factory",
-            "from enginewire.testing.stateful import EngineClientStateMachine",
-            "",
-            f"factory = load_factory({factory!r})",
-        ]
-        made = (f"state = EngineClientStateMachine(factory, kind={kind!r}, faults={faults!r},"
-                " exact_tokens=None)")
-        first = "state = EngineClientStateMachine("
-    else:
-        head += [
-            "from enginewire.testing.stateful import EngineClientStateMachine, builtin_factory",
-            "",
-            f"factory = builtin_factory({kind!r}, _config({model!r}), faults={faults!r})",
-        ]
-        made = (f"state = EngineClientStateMachine(factory, kind={kind!r}, faults={faults!r},"
-                f" exact_tokens={model == 'null'!r})")
-        first = "state = EngineClientStateMachine("
-    out = [made if ln.startswith(first) else ln for ln in body]
-    if kind == "standalone" or dp is not None:
-        out.append("pool.close()")
-    return "\n".join(head + out)
 
 
 def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, faults: bool,
