@@ -1018,7 +1018,6 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         self.engine.lifecycle.fire(EngineEvent.LOOP_STARTED)
-        self._fault(FaultPoint.AFTER_READY)
         if self._signals is not None:
             self._signals.arm(self.input_queue)
         self._loop_thread = threading.get_ident()
@@ -1128,6 +1127,10 @@ class EngineCoreProc:
     def _attach(self, session: bytes) -> None:
         """A front end attaches: a new session ends what came before it; then the marker,
         after which the front end reads everything as its own."""
+        # The handshake is complete here: an ATTACH proves the front end has the ready. A
+        # fault any earlier could take the ready with it, unsent (os._exit drops libzmq's
+        # queue), and leave the front end's view racing the death.
+        self._fault(FaultPoint.AFTER_READY)
         if session != self._session:
             dropped = self._drop_session()
             if self._session is not None or dropped:

@@ -17,7 +17,7 @@ class FaultPoint(enum.StrEnum):
     """Where in the engine process a fault can fire."""
 
     BEFORE_READY = "before_ready"  # engine built, ready handshake not yet sent
-    AFTER_READY = "after_ready"  # handshake sent, busy loop about to run
+    AFTER_READY = "after_ready"  # handshake done: a front end's ATTACH arrived (the Nth)
     STEP = "step"  # start of EngineCore.step()
     FORWARD = "forward"  # inside the step, just before the model forward
     UTILITY = "utility"  # before a utility runs (``method`` narrows it to one name)

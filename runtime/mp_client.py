@@ -464,6 +464,11 @@ class MPClient(EngineCoreClient):
         self._apply_ready(ready)
         self._attach()
         res.last_seen[0] = time.monotonic()
+        # Ready once the engine's handshake is in and the ATTACH is out: the watchers start
+        # after, so a death they see is a ready client's (DEAD), never a race with the end of
+        # construction. A death before the handshake was _wait_ready's (a startup error).
+        with self._state_lock:
+            self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
 
         stop_r, stop_w = os.pipe()
         res.monitor_pipe = (stop_r, stop_w)
@@ -479,13 +484,6 @@ class MPClient(EngineCoreClient):
         )
         res.monitor_thread.start()
         self._start_reader()
-        with self._state_lock:
-            if self.lifecycle.state is ClientState.DEAD:
-                # The monitor saw the engine go (or go silent) before the handshake ended.
-                raise EngineStartupError(
-                    f"the engine core died during start-up: {self._dead_cause}"
-                ) from self._dead_cause
-            self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
 
     def _secure_transport(
         self, input_address: str | None, output_address: str | None, launch_engine: bool

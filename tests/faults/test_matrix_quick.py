@@ -132,3 +132,20 @@ def test_a_client_named_twice_runs_once(tmp_path: Path) -> None:
                               cells=[], extra_cells=[], echo=None)
     assert status == 0
     assert json.loads((tmp_path / "fault_matrix.json").read_text())["clients"] == ["sync"]
+
+
+def test_a_death_right_after_the_handshake_is_always_a_ready_clients_death(
+        tmp_path: Path) -> None:
+    """CI once saw ``after_ready:exit`` as a startup error: the fault fired with the ready
+    still in the engine's libzmq queue (os._exit drops it), and a death the monitor saw in
+    the constructor's last steps failed construction. Now the point fires once the ATTACH
+    is in (the front end has the ready) and the client is READY before its watchers start,
+    so every repeat on both clients is DEAD, never STARTUP_ERROR."""
+    cells = [Cell(client, Scenario.STARTUP, Fault(point=FaultPoint.AFTER_READY, action=action))
+             for _ in range(2) for client in ("sync", "async")
+             for action in (FaultAction.EXIT, FaultAction.SIGKILL)]
+    status = run_fault_matrix(["sync", "async"], quick=True, results_dir=str(tmp_path),
+                              cells=cells, extra_cells=[], echo=None)
+    report = json.loads((tmp_path / "fault_matrix.json").read_text())
+    assert status == 0, report
+    assert [r["outcome"] for r in report["results"]] == ["dead"] * len(cells), report

@@ -195,21 +195,20 @@ def test_a_monitor_that_fails_declares_the_engine_dead(monkeypatch: pytest.Monke
         client.shutdown()
 
 
-def test_an_engine_declared_dead_during_the_handshake_is_a_startup_error() -> None:
-    """A heartbeat deadline shorter than the handshake's last steps: never a SpecViolation."""
+def test_an_engine_declared_dead_at_once_after_the_handshake_is_a_ready_clients_death() -> None:
+    """A heartbeat deadline shorter than the handshake's last steps: the client is READY
+    before its monitor starts, so the verdict is a death, never a SpecViolation and never a
+    construction that failed after the engine's ready was in."""
     before = snapshot()
     for _ in range(3):
-        try:
-            client = make_client(NULL, multiprocess=True, asyncio=False,
-                                 engine_heartbeat_timeout_s=1e-9,
-                                 engine_heartbeat_interval_s=1.0)
-        except EngineStartupError as e:
-            assert "during start-up" in str(e)
-        else:  # the handshake won the race: then the monitor's verdict lands right after
-            with pytest.raises(EngineDeadError):
-                for _ in range(1000):
-                    client.echo(1, timeout=5)
-            client.shutdown()
+        client = make_client(NULL, multiprocess=True, asyncio=False,
+                             engine_heartbeat_timeout_s=1e-9,
+                             engine_heartbeat_interval_s=1.0)
+        with pytest.raises(EngineDeadError):
+            for _ in range(1000):
+                client.echo(1, timeout=5)
+        assert client.state is ClientState.DEAD
+        client.shutdown()
     assert_nothing_leaked(before)
 
 
