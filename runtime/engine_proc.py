@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import msgspec
 import zmq
@@ -266,8 +266,9 @@ class _ShutdownSignals:
             raise EngineShutdownRequested()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed."""
+def _watch_parent(parent_pid: int, lifeline: int | None = None) -> None:
+    """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed.
+    ``lifeline``: an fd whose write end only the parent holds (EOF: it is gone)."""
     if _mutants.active("engine_ignores_parent_death"):
         return
     if sys.platform.startswith("linux"):
@@ -285,7 +286,8 @@ def _watch_parent(parent_pid: int) -> None:
 
     def watchdog() -> None:
         parent = multiprocessing.parent_process()
-        sentinel = getattr(parent, "sentinel", None) if parent is not None else None
+        sentinel = lifeline if lifeline is not None else (
+            getattr(parent, "sentinel", None) if parent is not None else None)
         while True:
             if sentinel is not None:
                 # The spawn parent holds the write end of this pipe: EOF means it is gone.
@@ -1315,6 +1317,7 @@ def run_engine_core(
     limits: Limits = DEFAULT_LIMITS,
     integrity: bool = False,
     raise_startup_errors: bool = False,
+    parent_lifeline: int | None = None,
 ) -> int:
     """Build the engine, handshake with the client at the given addresses, serve until told
     to stop. Returns the process exit status (0 clean, 1 fatal); with
@@ -1323,11 +1326,12 @@ def run_engine_core(
     parent-death watch; engines started by ``enginewire engine`` pass None. ``fault`` is a
     test hook: a ``FaultPlan``, ``Fault`` or spec string (``runtime/faults.py``). ``curve``
     makes both sockets CURVE clients of the front end (plain tcp needs
-    ``allow_insecure_tcp=True``); ``limits`` bounds the input (docs/security.md)."""
+    ``allow_insecure_tcp=True``); ``limits`` bounds the input (docs/security.md).
+    ``parent_lifeline``: an fd that reads EOF once the parent is gone (runtime/engine_launch.py)."""
     signals = _ShutdownSignals()
     signals.install()
     if parent_pid is not None:
-        _watch_parent(parent_pid)
+        _watch_parent(parent_pid, parent_lifeline)
     proc: EngineCoreProc | None = None
     constructed = stopped = False
     try:
@@ -1417,9 +1421,20 @@ def _configure_logging() -> None:
 
 
 def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
-    """Entry point of a spawned engine process (importable, so spawn can find it)."""
-    _configure_logging()
+    """A ``multiprocessing`` target for an engine (tests, a Ray actor's own child): the
+    clients start theirs as a program of its own (runtime/engine_launch.py)."""
     config: Any = msgspec.msgpack.decode(config_bytes, type=config_type)
+    report = kwargs.pop("startup_report", None)
+    serve_launched(config, kwargs, report=None if report is None else report.send)
+
+
+def serve_launched(config: Any, kwargs: dict[str, Any], *,
+                   report: Callable[[str], None] | None,
+                   lifeline: int | None = None) -> NoReturn:
+    """Serve a launched engine until it stops, then exit the process. ``report`` takes a
+    start-up failure's reason back to the launching client (which otherwise sees only an exit
+    code; the traceback is in this log)."""
+    _configure_logging()
     threads = os.environ.get("ENGINEWIRE_ENGINE_THREADS")
     if threads and getattr(config, "model", None) != "null":
         # CPU engines on a shared machine (CI) oversubscribe cores with torch's default; a
@@ -1427,17 +1442,16 @@ def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]
         import torch
 
         torch.set_num_threads(int(threads))
-    # The launching client's end of a pipe: a start-up failure's reason goes back through it
-    # (the client otherwise sees only an exit code; the traceback is in this log).
-    report = kwargs.pop("startup_report", None)
     try:
-        code = run_engine_core(config, **kwargs, raise_startup_errors=report is not None)
+        code = run_engine_core(config, **kwargs, raise_startup_errors=report is not None,
+                               parent_lifeline=lifeline)
     except Exception as e:
         # The client raises this reason; the traceback is for whoever debugs the engine.
         logger.error("engine core failed to start: %s: %s", type(e).__name__, e)
         logger.debug("engine core start-up failure", exc_info=True)
-        with contextlib.suppress(Exception):
-            report.send(f"{type(e).__name__}: {e}")
+        if report is not None:
+            with contextlib.suppress(Exception):
+                report(f"{type(e).__name__}: {e}")
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

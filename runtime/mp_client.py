@@ -43,8 +43,6 @@ import collections
 import contextlib
 import logging
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import threading
@@ -110,6 +108,7 @@ from .args import (
     check_timeout,
 )
 from .client import EngineCoreClient
+from .engine_launch import EngineSubprocess, StartupReport, launch_engine_process
 from .faults import as_plan
 from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
 from .ipc import IpcDir
@@ -226,14 +225,9 @@ EngineLauncher = Callable[[type, bytes, dict[str, Any], str], EngineProcess]
 
 def _spawn_engine(config_type: type, config: bytes, kwargs: dict[str, Any], name: str
                   ) -> EngineProcess:
-    """The default launcher: a spawned subprocess on this host."""
-    from .engine_proc import _process_main
-
-    mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
-    proc = mp.Process(target=_process_main, args=(config_type, config, kwargs), name=name,
-                      daemon=True)
-    proc.start()
-    return proc
+    """The default launcher: the engine as a program of its own on this host (not a fork:
+    unsafe once CUDA is up; not multiprocessing's spawn: it re-imports the user's script)."""
+    return launch_engine_process(config_type, config, kwargs, name)
 
 
 _CLIENTS: weakref.WeakSet[MPClient] = weakref.WeakSet()
@@ -349,7 +343,7 @@ class MPClient(EngineCoreClient):
         self._pending_sends: collections.deque[tuple[list[Any], list[Any]]] = collections.deque()
         self.engine_pid: int | None = None
         self.ready_response: Any = None
-        self._startup_report: Any = None  # multiprocessing Connection while starting
+        self._startup_report: StartupReport | None = None  # while starting
         self._integrity = (
             LinkIntegrity(loss_deadline_s=DEFAULT_LOSS_DEADLINE_S) if frame_integrity else None)
         try:
@@ -429,10 +423,9 @@ class MPClient(EngineCoreClient):
                 # A deadline without beats would declare every idle engine dead.
                 heartbeat_interval_s = heartbeat_timeout_s / 4
 
-            mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
             # The engine writes why it failed to start here (EngineStartupError says it).
-            report_r, report_w = mp.Pipe(duplex=False)
-            self._startup_report = report_r
+            report_r, report_w = os.pipe()
+            self._startup_report = StartupReport(report_r)
             kwargs = {
                 "startup_report": report_w,
                 "input_address": connect[0] if connect else self.input_address,
@@ -450,7 +443,7 @@ class MPClient(EngineCoreClient):
                 proc = launcher(type(self.config), msgspec.msgpack.encode(self.config), kwargs,
                                 f"EngineCore_{self.engine_index}")
             finally:
-                report_w.close()  # the child has its own copy: EOF once it exits
+                os.close(report_w)  # the child has its own copy: EOF once it exits
             res.proc = proc
             self.engine_pid = proc.pid
         elif heartbeat_timeout_s is None:
@@ -743,10 +736,11 @@ class MPClient(EngineCoreClient):
         self._requests.clear()
         self._streaming.clear()
         proc = self.resources.proc
-        if proc is not None:
-            children = getattr(multiprocessing.process, "_children", None)
-            if isinstance(children, set):
-                children.discard(proc)
+        if isinstance(proc, EngineSubprocess):
+            # The copies of the engine's lifeline and sentinel only: had this child kept
+            # them, the engine would not see its real parent go (the watch falls back to
+            # polling the parent's pid).
+            proc.forget()
 
     def _abort_left_behind(self) -> None:
         """An attached engine outlives this front end: abort what it still runs for us, so it

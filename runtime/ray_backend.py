@@ -2,10 +2,11 @@
 
 Theory of operation. ``RayEngines(n)`` reserves one placement group of ``n`` bundles and
 places one actor in each. The actor is a small nanny, not the engine: on a client's launch it
-spawns ``_process_main`` on its own node exactly as ``mp_client._spawn_engine`` does on this
-host, with ``parent_pid`` set to the actor's pid, so an engine never outlives its actor (the
-engine's parent watch). The engine then connects to the front end over the addresses in its
-kwargs like any launched engine; Ray carries only the launch, the exit code and signals.
+starts the engine program on its own node exactly as ``mp_client._spawn_engine`` does on this
+host (runtime/engine_launch.py), with ``parent_pid`` set to the actor's pid, so an engine
+never outlives its actor (the engine's parent watch). The engine then connects to the front
+end over the addresses in its kwargs like any launched engine; Ray carries only the launch,
+the exit code and signals.
 
 Rule 1: an actor's death is an engine death. On this side a handle (``RayEngineProcess``)
 answers ``mp_client.EngineProcess``; its watcher thread waits on the actor's ``wait`` method,
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import threading
@@ -37,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..spec.errors import EngineStartupError
+from .engine_launch import write_report
 
 if TYPE_CHECKING:
     from .mp_client import EngineLauncher
@@ -94,8 +94,8 @@ class EngineNanny:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
-        self._procs: dict[int, Any] = {}  # generation -> multiprocessing.Process
-        self._reports: dict[int, multiprocessing.connection.Connection] = {}
+        self._procs: dict[int, Any] = {}  # generation -> EngineSubprocess
+        self._reports: dict[int, Any] = {}  # generation -> its StartupReport
         self._results: dict[int, tuple[int, str | None]] = {}
 
     def where(self) -> tuple[str, str, int]:
@@ -107,7 +107,7 @@ class EngineNanny:
     def start(self, config_type: type, config_bytes: bytes, kwargs: dict[str, Any],
               name: str) -> tuple[int, int]:
         """Spawn the engine here; (generation, engine pid)."""
-        from .engine_proc import _process_main
+        from .engine_launch import StartupReport, launch_engine_process
 
         with self._lock:
             for gen, proc in self._procs.items():
@@ -115,22 +115,19 @@ class EngineNanny:
                     raise RuntimeError(
                         f"this Ray actor already runs an engine (pid {proc.pid}, launch {gen});"
                         " shut its client down before launching another")
-            mp = multiprocessing.get_context("spawn")  # fork is unsafe once CUDA is up
-            report_r, report_w = mp.Pipe(duplex=False)
+            report_r, report_w = os.pipe()
             kwargs = {**kwargs, "parent_pid": os.getpid(), "startup_report": report_w}
-            proc = mp.Process(target=_process_main, args=(config_type, config_bytes, kwargs),
-                              name=name, daemon=True)
             try:
-                proc.start()
+                proc = launch_engine_process(config_type, config_bytes, kwargs, name)
             except BaseException:
-                report_r.close()
+                os.close(report_r)
                 raise
             finally:
-                report_w.close()  # the engine has its own copy: EOF once it exits
+                os.close(report_w)  # the engine has its own copy: EOF once it exits
             gen = self._next
             self._next += 1
             self._procs[gen] = proc
-            self._reports[gen] = report_r
+            self._reports[gen] = StartupReport(report_r)
             assert proc.pid is not None
             return gen, proc.pid
 
@@ -185,7 +182,7 @@ class RayEngineProcess:
     local = False
 
     def __init__(self, ray: Any, actor: Any, gen: int, pid: int, node_id: str,
-                 report: multiprocessing.connection.Connection | None, name: str) -> None:
+                 report: int | None, name: str) -> None:
         self._ray = ray
         self._actor = actor
         self._gen = gen
@@ -310,9 +307,10 @@ class RayEngineProcess:
             if reason is not None:
                 if self.exit_reason is None:
                     self.exit_reason = reason
-                if self._report is not None:
-                    with contextlib.suppress(OSError, ValueError):  # the client stopped reading
-                        self._report.send(reason)
+                report, self._report = self._report, None
+                if report is not None:
+                    with contextlib.suppress(OSError):  # the client stopped reading
+                        write_report(report, reason)  # closes it
             self._close_report()
             self._exitcode = code
             self._done.set()
@@ -323,7 +321,7 @@ class RayEngineProcess:
     def _close_report(self) -> None:
         report, self._report = self._report, None
         if report is not None:
-            report.close()
+            os.close(report)
 
     def _orphan(self, why: str) -> None:
         """Ray is going away under a live watch: stop it and record the engine as gone (its
@@ -514,15 +512,14 @@ class RayEngines:
         ray = self._ray
         node_id, node_ip, _ = self._where[index]
         kwargs = dict(kwargs)
-        # A multiprocessing Connection cannot cross Ray; the handle writes the engine's
-        # start-up failure to its own copy of the client's end instead.
+        # A pipe cannot cross Ray; the handle writes the engine's start-up failure to its
+        # own copy of the client's end instead.
         theirs = kwargs.pop("startup_report", None)
         kwargs.pop("parent_pid", None)  # the actor's own, set there
         _check_reach(kwargs, node_ip, ray.util.get_node_ip_address(), name)
         report = None
         if theirs is not None:
-            report = multiprocessing.connection.Connection(os.dup(theirs.fileno()),
-                                                           readable=False)
+            report = os.dup(theirs)
         try:
             try:
                 try:
@@ -543,7 +540,7 @@ class RayEngines:
             handle = RayEngineProcess(ray, self._actors[index], gen, pid, node_id, report, name)
         except BaseException:
             if report is not None:
-                report.close()
+                os.close(report)
             raise
         with self._lock:
             self._handles = [h for h in self._handles if not h._done.is_set()]
