@@ -24,6 +24,7 @@ from .request import (
     EngineRequestEvent,
     EngineRequestState,
 )
+from .transitions_export import to_transitions
 from .utility import UTILITY, UtilityEvent, UtilityState
 
 # Every machine, in a fixed order (generators iterate this, never a set).
@@ -63,5 +64,6 @@ __all__ = [
     "UtilityEvent",
     "UtilityState",
     "UtilityTimeoutError",
+    "to_transitions",
     "validate_trace",
 ]
