@@ -7,7 +7,7 @@ sharing one warm engine per kind across examples (``ClientPool``), and writes a 
 table and a JSON file under ``results_dir`` with examples, steps, steps/s per client, faults
 injected per kind, spec states and transitions covered (and which were never reached, with
 the reason when it is known), and every failure with its reproducer printed as a Python
-program.
+program; beside the JSON, an HTML page of the same report (``coverage_html.py``).
 
 Profiles: ``ci`` is small and deterministic (derandomized, no example database: every run
 replays the same examples); ``campaign`` is randomized and keeps a persistent example database
@@ -52,6 +52,7 @@ from ..spec import (
     CLIENT_REQUEST,
     ENGINE,
     ENGINE_REQUEST,
+    MEMBERSHIP,
     UTILITY,
     ClientEvent,
     ClientRequestEvent,
@@ -64,6 +65,7 @@ from ..spec import (
     Machine,
     UtilityEvent,
 )
+from .coverage_html import write_coverage_html, write_reproducers
 from .reproducer import _reproducer
 
 __all__ = [
@@ -172,10 +174,16 @@ _NOT_KILLED = ("not driven by this run: the standalone machine hands one engine 
                " to front end and never kills it (--client sync, async or all crash engines)")
 
 
+_ONE_ENGINE = ("not driven by this run: membership is the data-parallel client's (one engine"
+               " core per client here; --engines N drives it)")
+
+
 def _why_unreached(item: str, *, engine_observed: bool = True,
-                   engine_killed: bool = True) -> str:
+                   engine_killed: bool = True, data_parallel: bool = False) -> str:
     m = re.fullmatch(r"(\S+) (\S+) -(\S+)-> (\S+)", item)
     why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
+    if why is None and m is not None and not data_parallel and m.group(1) == MEMBERSHIP.name:
+        return _ONE_ENGINE
     if why is None and m is not None and not engine_observed and m.group(1) in _ENGINE_MACHINES:
         return _NOT_OBSERVED
     if (why is None and m is not None and not engine_killed
@@ -724,9 +732,13 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     observed = any(r.client == "inproc" for r in results)
     killed = any(r.client != "standalone" for r in results)
     never = [{"transition": t,
-              "why": _why_unreached(t, engine_observed=observed, engine_killed=killed)}
+              "why": _why_unreached(t, engine_observed=observed, engine_killed=killed,
+                                    data_parallel=dp is not None)}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
+    # Hits per transition reached (the HTML page colours each by its count).
+    cov["transition_counts"] = {"{} {} -{}-> {}".format(*k): n
+                                for k, n in sorted(coverage.seen.items())}
     _print_report(results, cov, sys.stdout, verbose=verbose)
     report = {
         "clients": [dict(r.__dict__, steps_per_s=round(r.steps_per_s, 2),
@@ -742,7 +754,15 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     }
     prefix = "campaign" if _mutants.ACTIVE is None else f"mutant-{_mutants.ACTIVE}"
     path = _new_report_path(out_dir, prefix)
+    # Beside the JSON, which names them: the coverage page and each failure's reproducer file.
+    write_reproducers(report, out_dir, path.stem)
+    html_path = path.with_suffix(".html")
+    report["html"] = html_path.name
     path.write_text(json.dumps(report, indent=2, default=str))
+    try:
+        write_coverage_html(report, html_path)
+    except Exception as e:  # the page is a view of the JSON: never the run's verdict
+        print(f"coverage page not written: {e!r}", file=sys.stderr)
     report_to = os.environ.get("_ENGINEWIRE_CAMPAIGN_REPORT")
     if report_to:
         Path(report_to).write_text(json.dumps(report, default=str))
@@ -750,7 +770,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     print(f"verdict: {'FAILED on ' + ', '.join(failed) if failed else 'OK'}"
           f" ({len(results)} client{'s' if len(results) != 1 else ''},"
           f" {sum(r.steps for r in results)} steps, {report['seconds']:.0f} s)")
-    print(f"report: {path}")
+    print(f"report: {path} (coverage diagrams:"
+          f" {html_path if html_path.exists() else 'not written'})")
     if engine_log is not None and engine_log.exists() and engine_log.stat().st_size:
         lines = len(engine_log.read_bytes().splitlines())
         print(f"engine logs: {engine_log} ({lines} lines; the engines' warnings about the"
