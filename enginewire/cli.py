@@ -417,11 +417,27 @@ def _faults_matrix(args: argparse.Namespace) -> int:
     from .runtime.config import EngineConfig
 
     _writable_dir("--results-dir", args.results_dir)
-    _check_model(args.model)  # before any cell: every one would read startup_error
+    factory = None
+    if args.factory is not None:
+        from .testing.campaign import load_factory
+
+        if args.engines > 1:
+            raise UsageError(f"--factory with --engines {args.engines}: the data-parallel cells"
+                             " run the built-in clients only")
+        if args.model is not None:
+            # Silently running the factory's model instead would be worse than refusing.
+            raise UsageError("--factory with --model: the factory builds its clients with its"
+                             " own config; drop --model")
+        try:
+            factory = load_factory(args.factory)  # before any cell: a bad reference costs nothing
+        except ValueError as exc:
+            raise UsageError(f"--factory: {exc}") from None
+    model = args.model if args.model is not None else "tiny"
+    _check_model(model)  # before any cell: every one would read startup_error
     if args.engines > 1 and args.client and "inproc" in args.client:
         raise UsageError(f"--engines {args.engines}: the data-parallel cells need --client sync"
                          " or async (an in-process client has one engine)")
-    config = EngineConfig(model=args.model, max_num_seqs=4)
+    config = EngineConfig(model=model, max_num_seqs=4)
     if args.engines > 1:
         from .faults import run_dp_fault_matrix
 
@@ -429,7 +445,7 @@ def _faults_matrix(args: argparse.Namespace) -> int:
                                        results_dir=args.results_dir, engines=args.engines,
                                        config=config))
     rc: int = run_fault_matrix(args.client or None, quick=args.quick,
-                               results_dir=args.results_dir, config=config)
+                               results_dir=args.results_dir, config=config, factory=factory)
     return rc
 
 
@@ -617,10 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     matrix.add_argument(
         "--model",
-        default="tiny",
         metavar="NAME",
         help="the engine's model: tiny, null, a .gguf path, or a weight source of your own "
-        "registered by name in ENGINEWIRE_WEIGHT_SOURCES (docs/faults.md)",
+        "registered by name in ENGINEWIRE_WEIGHT_SOURCES (docs/faults.md) (default: tiny; "
+        "not with --factory, whose config names its model)",
     )
     matrix.add_argument(
         "--results-dir",
@@ -631,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines", type=_int_in(1, 16), default=1, metavar="N",
         help="data parallel: the cells where one engine of N is killed, stopped, crashes or "
         "gets corrupted frames while the others serve (instead of the one-engine matrix)")
+    matrix.add_argument(
+        "--factory", metavar="MODULE:FUNCTION",
+        help="run the cells on the clients your own factory builds (the conformance suite's "
+        "ClientFactory contract, with its own config; docs/faults.md): the kind it builds is "
+        "the default --client, and a cell whose options it refuses is n/a, not a failure",
+    )
     matrix.set_defaults(handler=_faults_matrix)
 
     bench = sub.add_parser(

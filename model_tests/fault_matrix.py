@@ -25,6 +25,13 @@ Expectations, in one place (the spec's failure rules, restated per fault):
 * frames the interposer drops, reorders, truncates or corrupts -> a detected outcome
   (``DEAD`` with a ``ProtocolError`` cause, an ERROR finish, a failed utility), never
   ``HANG`` and never ``SILENT_CORRUPTION`` (tokens that differ from a clean run's).
+
+Your own client (``factory=``, ``enginewire faults matrix --factory MODULE:FUNCTION``): a
+``ClientFactory`` (conformance.py) builds every cell's client, with the options a built-in one
+gets. One client it builds as configured comes first (``_probe_factory``): its kind says which
+cells apply, and its clean run of the matrix's request gives the reference tokens. A cell whose
+options the factory refuses (``NotApplicable``) is ``NOT_APPLICABLE``: in the table and the
+JSON, neither passed nor failed.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ import signal
 import tempfile
 import threading
 import time
+import unittest
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -54,6 +62,9 @@ from ..spec.errors import (
     UtilityError,
     UtilityTimeoutError,
 )
+
+if TYPE_CHECKING:
+    from .conformance import ClientFactory
 
 __all__ = [
     "CELL_BOUND_S",
@@ -108,6 +119,8 @@ class Outcome(enum.StrEnum):
     # Data parallel (fault_matrix_dp.py): the faulty engine's work ended with ERROR, the
     # other engines served on, the client lives.
     ONE_DOWN = "one_down"
+    # A user's factory refused the cell's options (NotApplicable): skipped, not failed.
+    NOT_APPLICABLE = "not_applicable"
 
 
 class Scenario(enum.StrEnum):
@@ -356,6 +369,8 @@ def _fired_at(record: Path) -> float | None:
 def _classify(exc: BaseException) -> _Observed:
     if isinstance(exc, _Observed):
         return exc
+    if isinstance(exc, unittest.SkipTest):  # NotApplicable: a factory refused an option
+        return _Observed(Outcome.NOT_APPLICABLE, str(exc)[:200])
     if isinstance(exc, EngineStartupError):
         return _Observed(Outcome.STARTUP_ERROR, str(exc)[:200])
     if isinstance(exc, EngineDeadError):
@@ -371,7 +386,8 @@ def _classify(exc: BaseException) -> _Observed:
     return _Observed(Outcome.HARNESS_ERROR, f"{type(exc).__name__}: {exc}"[:300])
 
 
-def _generate(cut: Any, deadline: float, reference: list[int]) -> Outcome:
+def _tokens(cut: Any, deadline: float) -> list[int]:
+    """The matrix's one request, run to its end: the tokens it got."""
     cut.add_request(_request("cell"))
     tokens: list[int] = []
     while time.monotonic() < deadline:
@@ -380,11 +396,15 @@ def _generate(cut: Any, deadline: float, reference: list[int]) -> Outcome:
             if out.finish_reason is FinishReason.ERROR:
                 raise _Observed(Outcome.ERROR_OUTPUT, out.error or "")
             if out.finished:
-                if tokens != reference:
-                    raise _Observed(Outcome.SILENT_CORRUPTION,
-                                    f"got {tokens}, a clean run gives {reference}")
-                return Outcome.OK
+                return tokens
     raise _Observed(Outcome.HANG, f"no finish within the cell bound ({len(tokens)} tokens)")
+
+
+def _generate(cut: Any, deadline: float, reference: list[int]) -> Outcome:
+    tokens = _tokens(cut, deadline)
+    if tokens != reference:
+        raise _Observed(Outcome.SILENT_CORRUPTION, f"got {tokens}, a clean run gives {reference}")
+    return Outcome.OK
 
 
 def _await_death(cut: Any, deadline: float) -> None:
@@ -423,25 +443,60 @@ def _sleep_wake(cut: Any, deadline: float) -> Outcome:
     return Outcome.OK
 
 
-def _open(cell: Cell, config: Any, plan: FaultPlan, **options: Any) -> Any:
-    from .conformance import open_client
+def _build_with(factory: ClientFactory, **options: Any) -> Any:
+    """``factory(**options)``, a TypeError said for what it is: the ClientFactory contract has
+    a factory honour each option or refuse it with NotApplicable, never choke on it."""
+    try:
+        return factory(**options)
+    except TypeError as e:
+        raise _Observed(Outcome.HARNESS_ERROR,
+                        f"the factory raised TypeError: {e} (a ClientFactory honours each"
+                        " option or raises NotApplicable naming it)"[:300]) from e
+
+
+def _clean_refusal(outcome: Outcome, detail: str, leaks: dict[str, Any]) -> tuple[Outcome, str]:
+    """A refusal that left something behind is the factory's failure, not a skip (as a failed
+    construction must leak nothing: ``check_construction_failure_leaks_nothing``)."""
+    if outcome is Outcome.NOT_APPLICABLE and leaks:
+        return Outcome.HARNESS_ERROR, f"refused ({detail}) but left {sorted(leaks)} behind"
+    return outcome, detail
+
+
+def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
+          factory: ClientFactory | None = None) -> Any:
+    from .conformance import NotApplicable, open_client
 
     if cell.client == "inproc":
-        cut = open_client("inproc", config)
-        cut.client.engine.fault_hook = FaultInjector(plan, device=str(cut.client.engine.device))
+        # No engine process to send a plan to: it goes into the engine's own fault hook.
+        cut = _build_with(factory) if factory is not None else open_client("inproc", config)
+        engine = getattr(cut.client, "engine", None)
+        if engine is None or not hasattr(engine, "fault_hook"):
+            cut.shutdown()
+            raise NotApplicable(f"{type(cut.client).__name__} has no engine.fault_hook to plant"
+                                " the fault in")
+        engine.fault_hook = FaultInjector(plan, device=str(getattr(engine, "device", "cpu")))
         return cut
-    return open_client(cell.client, config, engine_fault=plan,
-                       engine_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                       engine_heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
-                       shutdown_timeout_s=SHUTDOWN_TIMEOUT_S, **options)
+    options: dict[str, Any] = dict(engine_fault=plan,
+                                   engine_heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                                   engine_heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+                                   shutdown_timeout_s=SHUTDOWN_TIMEOUT_S,
+                                   ready_timeout_s=ready_timeout_s)
+    if factory is not None:
+        return _build_with(factory, **options)
+    return open_client(cell.client, config, **options)
 
 
-def run_cell(cell: Cell, config: Any, workdir: str) -> CellResult:
-    """Run one cell in a bounded time; never raises for an engine-side outcome."""
+def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | None = None,
+             reference: list[int] | None = None) -> CellResult:
+    """Run one cell in a bounded time; never raises for an engine-side outcome.
+
+    With ``factory`` the cell's client is ``factory(**options)`` (the options a built-in one
+    gets); a refusal is ``NOT_APPLICABLE``. ``reference``: a clean run's tokens (default: an
+    in-process run of ``config``)."""
     expected = expected_outcome(cell)
     record = Path(tempfile.mkstemp(prefix="fault-", suffix=".log", dir=workdir)[1])
     plan = FaultPlan(faults=[cell.fault], record_path=str(record))
-    reference = reference_tokens(config)
+    reference = reference if reference is not None else reference_tokens(config)
     before = _snapshot()
     start = time.monotonic()
     deadline = start + CELL_BOUND_S - 10.0
@@ -451,8 +506,7 @@ def run_cell(cell: Cell, config: Any, workdir: str) -> CellResult:
                and cell.fault.action is FaultAction.SIGSTOP else 60.0)
     try:
         try:
-            cut = _open(cell, config, plan, ready_timeout_s=ready_s) if cell.client != (
-                "inproc") else _open(cell, config, plan)
+            cut = _open(cell, config, plan, ready_s, factory)
             if cell.scenario in (Scenario.GENERATE, Scenario.STARTUP):
                 outcome = _generate(cut, deadline, reference)
             elif cell.scenario is Scenario.UTILITY:
@@ -493,6 +547,7 @@ def run_cell(cell: Cell, config: Any, workdir: str) -> CellResult:
     with contextlib.suppress(OSError):
         record.unlink()
     leaks = _leaks(before)
+    outcome, detail = _clean_refusal(outcome, detail, leaks)
     passed = outcome is expected and not leaks and wall <= CELL_BOUND_S
     if passed and latency is not None and latency > latency_bound(cell) * 1000.0:
         passed = False
@@ -537,11 +592,16 @@ def _engine_threads(n: str = "1") -> Iterator[None]:
                 os.environ.pop(k, None)
 
 
+def _skipped(r: CellResult) -> bool:
+    return r.outcome == Outcome.NOT_APPLICABLE.value
+
+
 def format_table(results: list[CellResult]) -> str:
     head = ("cell", "expected", "outcome", "latency ms", "leaks", "pass")
     rows = [head] + [
         (r.cell, r.expected, r.outcome, "-" if r.latency_ms is None else f"{r.latency_ms:.0f}",
-         ",".join(sorted(r.leaks)) or "-", "yes" if r.passed else "NO")
+         ",".join(sorted(r.leaks)) or "-",
+         "n/a" if _skipped(r) else "yes" if r.passed else "NO")
         for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -559,57 +619,90 @@ def run_fault_matrix(
     cells: list[Cell] | None = None,
     extra_cells: list[Callable[[str], CellResult]] | None = None,
     echo: Callable[[str], None] | None = print,
+    factory: ClientFactory | None = None,
 ) -> int:
     """Run the matrix; print the table; write ``<results_dir>/fault_matrix.json``.
 
-    Returns the exit status: 0 when every cell matched the spec, 1 otherwise. ``extra_cells``
-    are callables ``(workdir) -> CellResult`` (the interposer's cells register here).
-    The data-parallel cells run through here too (fault_matrix_dp.py).
+    Returns the exit status: 0 when every cell matched the spec (or was not applicable), 1
+    otherwise. ``extra_cells`` are callables ``(workdir) -> CellResult`` (the interposer's
+    cells register here). The data-parallel cells run through here too (fault_matrix_dp.py).
+    ``factory``: a ``ClientFactory`` that builds every cell's client instead of the built-in
+    ones, with its own config (``config`` then only seeds the default cell list); the kind
+    of client it builds is the default for ``clients``, and a cell of another kind is not
+    applicable (module docstring).
     """
-    clients = list(dict.fromkeys(clients or CLIENT_KINDS))  # --client sync --client sync: once
-    bad = [c for c in clients if c not in CLIENT_KINDS]
+    asked = list(dict.fromkeys(clients or ()))  # --client sync --client sync: once
+    bad = [c for c in asked if c not in CLIENT_KINDS]
     if bad:
         raise ValueError(f"unknown client kinds {bad}; choose from {CLIENT_KINDS}")
+    if factory is not None and not callable(factory):
+        raise TypeError(f"factory must be a ClientFactory (a callable), got {factory!r}")
     # Before any cell runs: a path that cannot be written must not cost the whole matrix.
     out_dir = Path(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise PermissionError(f"results_dir {results_dir!r} is not writable")
     config = config if config is not None else _default_config()
-    todo = cells if cells is not None else matrix_cells(clients, quick)
-    if extra_cells is None:
-        from .interposer import interposer_cells
-
-        extra_cells = interposer_cells(clients, quick, config)
-    # Without cells of its own, the clean warm-up run (see _warm_up) is for the kinds of the
-    # extra cells (the data-parallel ones name theirs).
-    warm = todo or [Cell(k, Scenario.GENERATE, Fault(point=FaultPoint.STEP,
-                                                     action=FaultAction.DELAY, arg=0.0))
-                    for k in sorted({getattr(x, "client", "inproc") for x in extra_cells})
-                    if k in CLIENT_KINDS and k != "inproc"]
     results: list[CellResult] = []
+
+    def report_cell(r: CellResult) -> None:
+        results.append(r)
+        if echo is not None:
+            verdict = "n/a " if _skipped(r) else "pass" if r.passed else "FAIL"
+            echo(f"{verdict} {r.cell}: {r.outcome} ({r.wall_s:.1f} s) {r.detail}")
+
     t0 = time.monotonic()
+    probe: _Probe | None = None
     with _engine_threads(), tempfile.TemporaryDirectory(prefix="enginewire-faults-") as work:
-        _warm_up(config, warm, work)
+        if factory is not None:
+            probe, failure = _probe_factory(factory)
+            if failure is not None:
+                report_cell(failure)
+        kinds = asked or ([probe.kind] if probe is not None else [] if factory is not None
+                          else list(CLIENT_KINDS))
+        todo = cells if cells is not None else matrix_cells(kinds, quick)
+        if extra_cells is None:
+            from .interposer import interposer_cells
+
+            extra_cells = interposer_cells(kinds, quick, config, factory=factory,
+                                           reference=None if probe is None else probe.reference)
+        if factory is not None and probe is None:
+            todo, extra_cells = [], []  # the failure row says why: every cell would repeat it
+        # Without cells of its own, the clean warm-up run (see _warm_up) is for the kinds of
+        # the extra cells (the data-parallel ones name theirs).
+        warm = todo or [Cell(k, Scenario.GENERATE, Fault(point=FaultPoint.STEP,
+                                                         action=FaultAction.DELAY, arg=0.0))
+                        for k in sorted({getattr(x, "client", "inproc") for x in extra_cells})
+                        if k in CLIENT_KINDS and k != "inproc"]
+        if probe is not None:
+            warm = [c for c in warm if c.client == probe.kind]
+        if todo or extra_cells:
+            _warm_up(config, warm, work, factory, probe)
         for cell in todo:
-            results.append(_bounded(functools.partial(run_cell, cell, config, work),
-                                    cell.name))
-            if echo is not None:
-                r = results[-1]
-                echo(f"{'pass' if r.passed else 'FAIL'} {r.cell}: {r.outcome}"
-                     f" ({r.wall_s:.1f} s) {r.detail}")
+            if probe is not None and cell.client != probe.kind:
+                report_cell(_not_applicable(cell.name, cell.client, cell.scenario.value,
+                                            cell.fault.point.value, cell.fault.action.value,
+                                            expected_outcome(cell).value, probe.other_kind_reason))
+                continue
+            report_cell(_bounded(functools.partial(
+                run_cell, cell, config, work, factory=factory,
+                reference=None if probe is None else probe.reference), cell.name))
         for extra in extra_cells:
-            results.append(_bounded(functools.partial(extra, work),
-                                    getattr(extra, "name", "extra")))
-            if echo is not None:
-                r = results[-1]
-                echo(f"{'pass' if r.passed else 'FAIL'} {r.cell}: {r.outcome}"
-                     f" ({r.wall_s:.1f} s) {r.detail}")
-    failed = [r for r in results if not r.passed]
+            name = getattr(extra, "name", "extra")
+            kind = getattr(extra, "client", None)
+            if probe is not None and kind in CLIENT_KINDS and kind != probe.kind:
+                report_cell(_not_applicable(name, str(kind), "?", "?", "?", "?",
+                                            probe.other_kind_reason))
+                continue
+            report_cell(_bounded(functools.partial(extra, work), name))
+    failed = [r for r in results if not r.passed and not _skipped(r)]
+    skipped = [r for r in results if _skipped(r)]
     if echo is not None:
         echo(format_table(results))  # first: the table survives a failed write below
     report = {
-        "quick": quick, "clients": clients, "cells": len(results), "failed": len(failed),
+        "quick": quick, "clients": kinds, "cells": len(results), "failed": len(failed),
+        "not_applicable": len(skipped),
+        "factory": None if factory is None else _factory_name(factory),
         "wall_s": round(time.monotonic() - t0, 1),
         "bounds": {"death_s": DEATH_BOUND_S, "hang_s": HANG_BOUND_S, "cell_s": CELL_BOUND_S,
                    "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
@@ -623,24 +716,96 @@ def run_fault_matrix(
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, out)
     if echo is not None:
-        echo(f"{len(results) - len(failed)}/{len(results)} cells as the spec requires;"
-             f" JSON: {out}")
+        ran = len(results) - len(skipped)
+        echo(f"{ran - len(failed)}/{ran} cells as the spec requires"
+             + (f" ({len(skipped)} not applicable)" if skipped else "") + f"; JSON: {out}")
     return 1 if failed else 0
 
 
-def _warm_up(config: Any, cells: list[Cell], work: str) -> None:
+def _not_applicable(name: str, client: str, scenario: str, point: str, action: str,
+                    expected: str, why: str) -> CellResult:
+    return CellResult(cell=name, client=client, scenario=scenario, point=point, action=action,
+                      expected=expected, outcome=Outcome.NOT_APPLICABLE.value, passed=False,
+                      detail=why)
+
+
+# --- a factory of the user's ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Probe:
+    kind: str  # the factory's ClientUnderTest.kind
+    reference: list[int]  # its clean run's tokens
+
+    @property
+    def other_kind_reason(self) -> str:
+        return f"the factory builds {self.kind} clients"
+
+
+def _factory_name(factory: Any) -> str:
+    module, name = getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
+    return f"{module}:{name}" if module and name else repr(factory)
+
+
+def _probe_factory(factory: ClientFactory) -> tuple[_Probe | None, CellResult | None]:
+    """One client the factory builds as configured (no options, which the contract says it
+    must build): its kind decides which cells apply, and its clean run of the matrix's request
+    is every cell's reference (the factory's engine and config, not the built-in in-process
+    one, say what a clean run gives). A failure here is the one row the matrix reports."""
+    from .conformance import ClientUnderTest
+
+    found: list[_Probe] = []
+    name = f"factory {_factory_name(factory)}"
+
+    def probe() -> CellResult:
+        start = time.monotonic()
+        outcome, detail, kind, cut = Outcome.OK, "", "?", None
+        try:
+            cut = _build_with(factory)
+            if not isinstance(cut, ClientUnderTest):
+                raise _Observed(Outcome.HARNESS_ERROR, f"the factory returned a"
+                                f" {type(cut).__name__}, not a ClientUnderTest")
+            kind = cut.kind
+            found.append(_Probe(kind, _tokens(cut, start + CELL_BOUND_S - 10.0)))
+        except BaseException as e:
+            obs = _classify(e)
+            outcome = obs.outcome
+            if outcome is Outcome.NOT_APPLICABLE:  # with no options there is nothing to refuse
+                outcome = Outcome.HARNESS_ERROR
+            detail = f"cannot build and run a clean client, so no cell ran: {obs.detail}"
+        finally:
+            if cut is not None and hasattr(cut, "shutdown"):
+                with contextlib.suppress(Exception):
+                    cut.shutdown()
+        return CellResult(cell=name, client=kind, scenario="construct", point="-", action="-",
+                          expected=Outcome.OK.value, outcome=outcome.value,
+                          passed=outcome is Outcome.OK,
+                          wall_s=round(time.monotonic() - start, 2), detail=detail[:300])
+
+    result = _bounded(probe, name)
+    if result.passed and found:
+        return found[0], None
+    return None, result
+
+
+def _warm_up(config: Any, cells: list[Cell], work: str, factory: ClientFactory | None = None,
+             probe: _Probe | None = None) -> None:
     """Create the process-wide things first use creates (multiprocessing's resource tracker
     and its pipe, torch's per-thread state), so no cell counts them as its leak; and run one
     clean generation per multi-process kind, so the first cell is not charged this process's
     first-use costs (under load they once stalled the reader past the heartbeat deadline and
-    a live engine was declared dead)."""
+    a live engine was declared dead). A factory's probe was that clean generation."""
     from multiprocessing import resource_tracker
 
     reference_tokens(config)
     resource_tracker.ensure_running()
+    reference = None if probe is None else probe.reference
     inproc = [c for c in cells if c.client == "inproc"]
     if inproc:
-        _bounded(lambda: run_cell(inproc[0], config, work), "warm-up")
+        _bounded(lambda: run_cell(inproc[0], config, work, factory=factory,
+                                  reference=reference), "warm-up")
+    if factory is not None:
+        return
     for kind in sorted({c.client for c in cells} - {"inproc"}):
         clean = Cell(kind, Scenario.GENERATE,
                      Fault(point=FaultPoint.STEP, action=FaultAction.DELAY, arg=0.0))

@@ -423,8 +423,13 @@ class Interposer:
 # --- matrix cells -----------------------------------------------------------------------------
 
 
-def interposer_cells(clients: list[str], quick: bool, config: Any) -> list[Any]:
-    """Cells for ``run_fault_matrix``: one frame fault per (direction, kind, action)."""
+def interposer_cells(clients: list[str], quick: bool, config: Any, *, factory: Any = None,
+                     reference: list[int] | None = None) -> list[Any]:
+    """Cells for ``run_fault_matrix``: one frame fault per (direction, kind, action).
+
+    ``factory`` (a conformance ``ClientFactory``) builds each cell's client, given the proxy's
+    addresses as options (it may refuse them: not applicable); ``reference`` is then its
+    clean run's tokens."""
     from .fault_matrix import Outcome
 
     kinds = [c for c in clients if c in ("sync", "async")]
@@ -472,7 +477,8 @@ def interposer_cells(clients: list[str], quick: bool, config: Any) -> list[Any]:
     cells = []
     for kind in kinds if not quick else kinds[:1]:
         for rule, ok in specs:
-            cells.append(_InterposerCell(kind, rule, frozenset(ok), config))
+            cells.append(_InterposerCell(kind, rule, frozenset(ok), config, factory=factory,
+                                         reference=reference))
     # A lost ATTACH (to the engine) or attach marker (back): every message is then dropped
     # as "before the marker", so only the marker's deadline can end it. Dead, and by that
     # deadline: not by the heartbeat (a live engine keeps beating) nor the loss deadline (no
@@ -490,7 +496,8 @@ def interposer_cells(clients: list[str], quick: bool, config: Any) -> list[Any]:
                                          msgspec.structs.replace(config, model="null"),
                                          ready_timeout_s=ATTACH_READY_S,
                                          heartbeat=direction is Direction.TO_CLIENT,
-                                         cause="no attach marker"))
+                                         cause="no attach marker", factory=factory,
+                                         reference=reference))
     return cells
 
 
@@ -506,6 +513,10 @@ class _InterposerCell:
     # What a DEAD outcome's cause must say: a cell written for one detection path fails when
     # another one (a heartbeat, the loss deadline) ends it instead.
     cause: str | None = None
+    # A user's ClientFactory builds the client (with its own config), and the tokens a clean
+    # run of it gives; None: the built-in client of ``client`` on ``config``.
+    factory: Any = None
+    reference: list[int] | None = None
 
     @property
     def latency_bound_s(self) -> float:
@@ -545,12 +556,14 @@ class _InterposerCell:
             if self.heartbeat:
                 beat = dict(engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
                             engine_heartbeat_interval_s=fm.HEARTBEAT_INTERVAL_S)
+            options: dict[str, Any] = dict(
+                input_address=inp, output_address=out, engine_connect=proxy.engine_addresses,
+                frame_integrity=True, **beat, shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S,
+                ready_timeout_s=self.ready_timeout_s)
             try:
-                cut = open_client(self.client, self.config, input_address=inp,
-                                  output_address=out, engine_connect=proxy.engine_addresses,
-                                  frame_integrity=True, **beat,
-                                  shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S,
-                                  ready_timeout_s=self.ready_timeout_s)
+                # A factory that cannot take the proxy's addresses refuses them: not applicable.
+                cut = (fm._build_with(self.factory, **options) if self.factory is not None
+                       else open_client(self.client, self.config, **options))
                 deadline = start + fm.CELL_BOUND_S - 15.0
                 # Long enough to see a detection within its bound, then a hang is a hang.
                 window = max(5.0, self.latency_bound_s + 2.0)
@@ -558,7 +571,8 @@ class _InterposerCell:
                     outcome = fm._utility(cut, deadline)
                 else:
                     outcome = fm._generate(cut, min(deadline, time.monotonic() + window),
-                                           fm.reference_tokens(self.config))
+                                           self.reference if self.reference is not None
+                                           else fm.reference_tokens(self.config))
             except BaseException as e:
                 seen_at = time.monotonic()
                 obs = fm._classify(e)
@@ -569,6 +583,7 @@ class _InterposerCell:
                     cut.shutdown()
             proxy.close()
         leaks = fm._leaks(before)
+        outcome, detail = fm._clean_refusal(outcome, detail, leaks)
         wall = time.monotonic() - start
         passed = outcome in self.allowed and not leaks
         if outcome is fm.Outcome.DEAD and self.cause is not None and self.cause not in detail:
