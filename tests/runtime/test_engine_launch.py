@@ -165,7 +165,8 @@ def test_the_boot_pipe_refuses_what_is_not_a_boot_message() -> None:
 
 
 def test_a_start_up_failure_names_its_reason() -> None:
-    with pytest.raises(EngineStartupError, match=r"initialization failed: ValueError: .*unknown model.*exit code 1"):
+    with pytest.raises(EngineStartupError,
+                       match=r"initialization failed: ValueError: .*unknown model.*exit code 1"):
         make_client(EngineConfig(model="no-such-model"), multiprocess=True, asyncio=False)
 
 
