@@ -23,7 +23,7 @@ from string import Template
 from typing import Any
 
 from . import MACHINES
-from . import compose as m
+from . import _compose_world as m
 from .machine import Machine
 from .properties import PROPERTIES, Property
 

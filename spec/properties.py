@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import compose as m
+from . import _compose_world as m
 from . import compose_dp as dp
-from .compose import World
+from .compose import BUGS, World
 
 __all__ = [
     "DP_LIVENESS",
@@ -396,7 +396,7 @@ def _targets(bugs: tuple[str, ...], props: tuple[Property, ...]) -> dict[str, tu
 
 def control_targets() -> dict[str, tuple[str, ...]]:
     """``negative control -> properties it must break``, in ``compose.BUGS`` order."""
-    return _targets(m.BUGS, PROPERTIES)
+    return _targets(BUGS, PROPERTIES)
 
 
 def dp_control_targets() -> dict[str, tuple[str, ...]]:

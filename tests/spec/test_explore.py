@@ -7,8 +7,8 @@ from enum import Enum
 
 import pytest
 
-from enginewire.spec import MACHINES, Machine, Transition
-from enginewire.spec import compose as c
+from enginewire.spec import MACHINES, Machine, Transition, compose
+from enginewire.spec import _compose_world as c
 from enginewire.spec.compose import BUGS, Composition, World
 from enginewire.spec.explore import ExploreResult, explore, explore_machine, uncovered_rows
 from enginewire.spec.properties import PROPERTIES, control_targets
@@ -169,10 +169,10 @@ def test_the_startup_deadline_is_not_a_fault_so_a_hung_start_still_ends() -> Non
 
 def test_declared_unexercised_rows_are_exactly_the_rows_the_model_misses(
         composed: ExploreResult) -> None:
-    missing = {(mach, row) for mach, rows in uncovered_rows(composed, c.COVERS).items()
+    missing = {(mach, row) for mach, rows in uncovered_rows(composed, compose.COVERS).items()
                for row in rows}
-    assert missing == set(c.UNEXERCISED)
-    assert all(reason.strip() for reason in c.UNEXERCISED.values())
+    assert missing == set(compose.UNEXERCISED)
+    assert all(reason.strip() for reason in compose.UNEXERCISED.values())
 
 
 # ---- attaching: a standalone engine's previous front end leaves nothing behind ----------------
