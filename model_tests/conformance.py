@@ -49,23 +49,12 @@ wait is bounded; death must be seen within ``DEATH_BOUND_S``.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import threading
 import time
-import unittest
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import psutil
 
 from ..protocol.messages import (
     EngineCoreOutput,
@@ -76,22 +65,46 @@ from ..protocol.messages import (
     SamplingParams,
 )
 from ..spec import (
-    CLIENT,
-    CLIENT_REQUEST,
-    UTILITY,
     ClientState,
-    EngineDeadError,
-    EngineStartupError,
-    Machine,
     SpecViolation,
-    TraceEntry,
     UtilityError,
-    validate_trace,
+)
+
+# The driver, the helpers and the engine-breaking scenarios: one import for every user.
+from ._conformance_driver import (
+    _PROMPT,
+    CLIENT_KINDS,
+    DEATH_BOUND_S,
+    ORPHAN_BOUND_S,
+    WAIT_S,
+    ClientFactory,
+    ClientUnderTest,
+    Finished,
+    NotApplicable,
+    _fit,
+    check_trace,
+    collect,
+    max_new_tokens,
+    open_client,
+    request,
+    stop_process,
+)
+from ._conformance_driver import _process_gone as _process_gone  # the campaign's orphan check
+from .conformance_breaking import _ORPHAN_SCRIPT as _ORPHAN_SCRIPT
+from .conformance_breaking import (
+    check_client_kill_engine_exits,
+    check_construction_failure_leaks_nothing,
+    check_engine_fatal_error,
+    check_exits_with_parent,
+    check_kill_during_get_output,
+    check_kill_during_handshake,
+    check_kill_during_utility,
 )
 
 __all__ = [
     "CLIENT_KINDS",
     "DEATH_BOUND_S",
+    "ORPHAN_BOUND_S",
     "ClientFactory",
     "ClientUnderTest",
     "Finished",
@@ -118,312 +131,8 @@ __all__ = [
     "collect",
     "open_client",
     "request",
+    "stop_process",
 ]
-
-CLIENT_KINDS = ("inproc", "sync", "async")
-# The brief's bound: engine death is seen on every path within this many seconds.
-DEATH_BOUND_S = 1.0
-# A parent's death makes the engine exit within this many seconds.
-ORPHAN_BOUND_S = 5.0
-# Upper bound for ordinary waits (generation, utilities) on a loaded CI machine.
-WAIT_S = 60.0
-# Options of the ClientFactory contract that need an engine process.
-_ENGINE_PROCESS_OPTIONS = ("engine_fault", "engine_startup_delay_s")
-
-
-class NotApplicable(unittest.SkipTest):
-    """The scenario cannot run on this client or config; the message says why.
-
-    A ``unittest.SkipTest``, so pytest and unittest report it as a skip rather than a pass."""
-
-
-# --- driver ----------------------------------------------------------------------------------
-
-
-class _LoopThread:
-    """An event loop on a daemon thread, so async clients get a blocking facade."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="conformance-loop",
-                                        daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = WAIT_S) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        async def drain() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        with contextlib.suppress(Exception):
-            self.run(drain(), timeout=5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-@dataclass
-class ClientUnderTest:
-    """One blocking call surface over any client; ``kind`` is inproc, sync or async.
-
-    Wrap your own client (a subclass of a built-in one, or any class with the same methods)
-    as ``ClientUnderTest(client, kind, trace)``, ``trace`` being the list the client records
-    into (``None``: ``check_trace`` cannot run). An ``async`` client gets an event loop on a
-    thread of its own, which ``shutdown()`` closes; build the client before wrapping it.
-    """
-
-    client: Any
-    kind: str
-    trace: list[TraceEntry] | None = None
-    loop: _LoopThread | None = None
-    closed: bool = field(default=False)
-
-    def __post_init__(self) -> None:
-        if self.kind not in CLIENT_KINDS:
-            raise ValueError(f"ClientUnderTest.kind must be one of {CLIENT_KINDS},"
-                             f" got {self.kind!r}")
-        if self.kind == "async" and self.loop is None:
-            # Its calls are coroutines: without a loop the driver would call the sync names,
-            # which an async client does not have (an AttributeError in the first scenario).
-            self.loop = _LoopThread()
-
-    @property
-    def multiprocess(self) -> bool:
-        return bool(getattr(self.client, "multiprocess", False))
-
-    @property
-    def engine_pid(self) -> int | None:
-        return getattr(self.client, "engine_pid", None)
-
-    def _call(self, name: str, *args: Any, _wait: float | None = WAIT_S, **kw: Any) -> Any:
-        if self.loop is not None:
-            return self.loop.run(getattr(self.client, f"{name}_async")(*args, **kw), _wait)
-        return getattr(self.client, name)(*args, **kw)
-
-    def submit(self, name: str, *args: Any, **kw: Any) -> concurrent.futures.Future[Any]:
-        """Start a call without waiting for it (a thread, or a task on the loop)."""
-        if self.loop is not None:
-            return self.loop.submit(getattr(self.client, f"{name}_async")(*args, **kw))
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="conformance")
-        fut = pool.submit(getattr(self.client, name), *args, **kw)
-        pool.shutdown(wait=False)
-        return fut
-
-    def add_request(self, req: EngineCoreRequest) -> None:
-        self._call("add_request", req)
-
-    def abort_requests(self, ids: list[str]) -> None:
-        self._call("abort_requests", ids)
-
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        bound = None if timeout is None else timeout + WAIT_S
-        out: EngineCoreOutputs = self._call("get_output", _wait=bound, timeout=timeout)
-        return out
-
-    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        return self._call("call_utility", method, *args, timeout=timeout)
-
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        self._call("sleep", level, mode)
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        return bool(self._call("wake_up", tags))
-
-    def is_sleeping(self) -> bool:
-        return bool(self._call("is_sleeping"))
-
-    def shutdown(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.client.shutdown()
-        finally:
-            if self.loop is not None:
-                self.loop.close()
-
-    def __enter__(self) -> ClientUnderTest:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-ClientFactory = Callable[..., ClientUnderTest]
-"""``factory(**options) -> ClientUnderTest``: a fresh client; it honours ``config=``,
-``engine_startup_delay_s=`` and ``engine_fault=`` or raises ``NotApplicable`` (module
-docstring)."""
-
-
-def open_client(
-    kind: str, config: Any, *, construct_in_loop: bool = False, **options: Any
-) -> ClientUnderTest:
-    """Build a built-in client of ``kind`` (inproc, sync, async) with ``trace`` recording."""
-    from ..runtime.factory import make_client
-
-    if kind not in CLIENT_KINDS:
-        raise ValueError(f"kind must be one of {CLIENT_KINDS}, got {kind!r}")
-    if kind == "inproc":
-        unsupported = sorted(k for k in _ENGINE_PROCESS_OPTIONS if k in options)
-        if unsupported:
-            raise NotApplicable(f"the in-process client has no engine process: {unsupported}"
-                                " cannot apply")
-    trace: list[TraceEntry] = options.pop("trace", None)
-    if trace is None:
-        trace = []
-    if kind == "async":
-        loop = _LoopThread()
-        try:
-            if construct_in_loop:
-                async def build() -> Any:
-                    return make_client(config, multiprocess=True, asyncio=True, trace=trace,
-                                       **options)
-
-                client = loop.run(build(), timeout=None)
-            else:
-                client = make_client(config, multiprocess=True, asyncio=True, trace=trace,
-                                     **options)
-        except BaseException:
-            loop.close()
-            raise
-        return ClientUnderTest(client, kind, trace, loop)
-    client = make_client(config, multiprocess=kind == "sync", asyncio=False, trace=trace,
-                         **options)
-    return ClientUnderTest(client, kind, trace)
-
-
-# --- helpers ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Finished:
-    tokens: list[int]
-    reason: FinishReason
-    error: str | None = None
-    num_cached_tokens: int = 0  # the most any of its outputs reported
-
-
-_PROMPT = [1, 2, 3, 4]
-
-
-def max_new_tokens(cut: ClientUnderTest, prompt_len: int = len(_PROMPT)) -> int | None:
-    """How many tokens a request with a ``prompt_len``-token prompt can run before
-    ``max_model_len`` ends it (None when the client does not say its config)."""
-    mml = getattr(getattr(cut.client, "config", None), "max_model_len", None)
-    return None if mml is None else int(mml) - prompt_len
-
-
-def _fit(cut: ClientUnderTest, want: int, what: str, minimum: int = 1) -> int:
-    """``want`` tokens, or fewer when ``max_model_len`` allows fewer (at least ``minimum``)."""
-    room = max_new_tokens(cut)
-    if room is None or room >= want:
-        return want
-    if room < minimum:
-        raise NotApplicable(f"{what} needs {minimum} tokens after a {len(_PROMPT)}-token prompt;"
-                            f" max_model_len={room + len(_PROMPT)} leaves {room}")
-    return room
-
-
-def request(rid: str, max_tokens: int = 20, prompt: list[int] | None = None) -> EngineCoreRequest:
-    """A request that runs exactly ``max_tokens`` tokens (EOS ignored)."""
-    return EngineCoreRequest(
-        rid, prompt or list(_PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    )
-
-
-def collect(cut: ClientUnderTest, ids: list[str], timeout: float = WAIT_S) -> dict[str, Finished]:
-    """Read outputs until every id in ``ids`` finished; tokens per id, in order."""
-    want = set(ids)
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    cached: dict[str, int] = {}
-    done: dict[str, Finished] = {}
-    deadline = time.monotonic() + timeout
-    while not want.issubset(done):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(
-                f"timed out after {timeout} s; unfinished: {sorted(want - set(done))}")
-        batch = cut.get_output(timeout=min(remaining, 5.0))
-        for out in batch.outputs:
-            if out.request_id in done and out.request_id in want:
-                raise AssertionError(f"output for {out.request_id!r} after it finished")
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
-            if out.finish_reason is not None:
-                done[out.request_id] = Finished(
-                    tokens[out.request_id], FinishReason(out.finish_reason), out.error,
-                    cached[out.request_id])
-    return done
-
-
-def check_trace(cut: ClientUnderTest) -> None:
-    """Every recorded step of the client, request and utility machines is in the spec."""
-    assert cut.trace is not None, "open the client with a trace list"
-    machines: tuple[Machine[Any, Any], ...] = (CLIENT, CLIENT_REQUEST, UTILITY)
-    for machine in machines:
-        validate_trace(machine, cut.trace)
-
-
-def _wait_for(predicate: Callable[[], bool], bound: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > bound:
-            raise AssertionError(f"{what} not seen within {bound} s")
-        time.sleep(0.005)
-    return time.monotonic() - start
-
-
-def stop_process(pid: int, bound: float = WAIT_S) -> None:
-    """SIGSTOP ``pid`` and wait until every one of its threads is stopped.
-
-    ``kill`` only queues a process-directed stop: until the thread the kernel picked to take
-    it runs, the others run on, so a call sent right after could still be answered (seen
-    under load). Once this returns, nothing is answered until SIGCONT or SIGKILL.
-    """
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + bound
-    while True:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    # The state follows the parenthesised command name, which may hold spaces.
-                    states.append(f.read().rpartition(")")[2].split()[0])
-        if states and all(st in ("T", "t", "Z", "X") for st in states):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} not stopped {bound} s after SIGSTOP"
-                                 f" (thread states {states})")
-        time.sleep(0.001)
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: str) -> None:
-    try:
-        fut.result(timeout=DEATH_BOUND_S + 5)
-    except EngineDeadError as e:
-        seen = time.monotonic() - killed_at
-        assert seen <= DEATH_BOUND_S, f"{what}: death seen after {seen:.2f} s"
-        assert e.__cause__ is not None, "EngineDeadError must carry its cause"
-        return
-    except concurrent.futures.TimeoutError:
-        raise AssertionError(f"{what}: still blocked after the engine was killed") from None
-    raise AssertionError(f"{what}: returned instead of raising EngineDeadError")
-
 
 # --- scenarios on a live client (safe on a shared, warm engine) ------------------------------
 
@@ -837,220 +546,3 @@ def check_shutdown_semantics(cut: ClientUnderTest) -> None:
             raise AssertionError("calls after shutdown must raise ClientClosedError")
     check_trace(cut)
     cut.shutdown()
-
-
-# --- scenarios that break the engine (fresh client each) --------------------------------------
-
-
-def check_kill_during_get_output(factory: ClientFactory) -> None:
-    """SIGKILL while get_output blocks: it wakes with EngineDeadError within the bound."""
-    with factory() as cut:
-        if not cut.multiprocess:
-            raise NotApplicable("an in-process client has no engine process to kill")
-        cut.call_utility("echo", 0)  # the reader is running
-        fut = cut.submit("get_output")
-        pid = cut.engine_pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        _expect_dead(fut, time.monotonic(), "blocked get_output")
-        try:
-            cut.add_request(request("after-death"))
-        except EngineDeadError:
-            pass
-        else:
-            raise AssertionError("add_request on a dead engine must raise EngineDeadError")
-        cut.abort_requests(["x"])  # silent no-op on a dead engine
-        assert cut.client.state is ClientState.DEAD
-        check_trace(cut)
-
-
-def check_kill_during_utility(factory: ClientFactory) -> None:
-    """SIGKILL while utility calls are pending: every one fails with EngineDeadError."""
-    with factory() as cut:
-        if not cut.multiprocess:
-            raise NotApplicable("an in-process client has no engine process to kill")
-        pid = cut.engine_pid
-        assert pid is not None
-        cut.call_utility("echo", 0)
-        stop_process(pid)  # frozen: the calls below stay pending
-        try:
-            futs = [cut.submit("call_utility", "echo", i) for i in range(3)]
-            try:
-                _wait_for(lambda: cut.client.pending_utility_calls() == 3, WAIT_S,
-                          "3 pending calls")
-            except AssertionError as e:
-                # Say what became of the calls: a flaky run must explain itself.
-                states = [repr(f.exception(0)) if f.done() else "running" for f in futs]
-                raise AssertionError(
-                    f"{e}: {cut.client.pending_utility_calls()} pending, calls: {states},"
-                    f" client {cut.client.state.name}") from None
-        finally:
-            os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        for f in futs:
-            _expect_dead(f, killed, "pending utility")
-        assert cut.client.pending_utility_calls() == 0
-        check_trace(cut)
-
-
-def check_kill_during_handshake(factory: ClientFactory) -> None:
-    """SIGKILL before the engine is ready: construction fails at once, nothing leaks."""
-    me = psutil.Process()
-    before = {p.pid for p in me.children()}
-
-    def new_engines() -> set[int]:
-        # Any new child but multiprocessing's resource tracker (started on first use).
-        found = set()
-        for p in me.children():
-            with contextlib.suppress(psutil.Error):
-                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
-                    found.add(p.pid)
-        return found
-
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    fut = pool.submit(factory, engine_startup_delay_s=60.0)
-    pool.shutdown(wait=False)
-    # The factory may refuse the option (NotApplicable) or fail at once: say so, not wait.
-    _wait_for(lambda: bool(new_engines()) or fut.done(), WAIT_S, "the engine process")
-    if not new_engines():
-        cut = fut.result(0)  # the factory's own error, NotApplicable included, raises here
-        multiprocess = cut.multiprocess
-        cut.shutdown()
-        if not multiprocess:
-            raise NotApplicable("an in-process client has no engine process to kill")
-        raise AssertionError("the factory returned a client before its engine was seen: does"
-                             " it honour engine_startup_delay_s?")
-    (pid,) = new_engines()
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    try:
-        cut = fut.result(timeout=DEATH_BOUND_S + 5)
-    except EngineStartupError as e:
-        seen = time.monotonic() - killed
-        assert seen <= DEATH_BOUND_S, f"handshake death seen after {seen:.2f} s"
-        assert "initialization failed" in str(e) and "SIGKILL" in str(e), e
-    else:
-        cut.shutdown()
-        raise AssertionError("construction must fail when the engine dies during start-up")
-    _wait_for(lambda: not new_engines(), WAIT_S, "reaped engine")
-
-
-def check_engine_fatal_error(factory: ClientFactory) -> None:
-    """A fatal engine error: sentinel, in-flight requests wake with EngineDeadError."""
-    with factory(engine_fault="forward:3") as cut:
-        if not cut.multiprocess:
-            raise NotApplicable("an in-process client has no engine process to die")
-        pid = cut.engine_pid
-        cut.add_request(request("doomed", 50))
-        start = time.monotonic()
-        try:
-            # Short reads, and the engine's exit watched: a client that swallows the death
-            # (get_output returning empty batches) fails within the bound, by name, rather
-            # than as a request still unfinished after WAIT_S.
-            gone_at: float | None = None
-            while True:
-                batch = cut.get_output(timeout=0.1)
-                if any(o.request_id == "doomed" and o.finish_reason is not None
-                       for o in batch.outputs):
-                    raise AssertionError("'doomed' finished, but the engine was to hit a fatal"
-                                         " error in its 3rd forward")
-                now = time.monotonic()
-                if gone_at is None and pid is not None and _process_gone(pid):
-                    gone_at = now
-                if gone_at is not None and now - gone_at > DEATH_BOUND_S:
-                    raise AssertionError(
-                        f"the engine hit a fatal error and its process exited {now - gone_at:.1f}"
-                        " s ago, but get_output still returns instead of raising"
-                        " EngineDeadError: the client swallowed the engine's death")
-                if now - start > WAIT_S:
-                    raise AssertionError(f"no EngineDeadError {WAIT_S} s after the request"
-                                         " (the engine was to hit a fatal error in its 3rd"
-                                         " forward)")
-        except EngineDeadError as e:
-            # The sentinel (or, if the monitor wins the race, the exit code) is the cause.
-            cause = str(e.__cause__)
-            assert "sentinel" in cause or "exit code" in cause, cause
-        assert cut.client.state is ClientState.DEAD
-        check_trace(cut)
-
-
-_ORPHAN_SCRIPT = textwrap.dedent("""
-    import sys
-    from enginewire.runtime import make_client
-    from enginewire.runtime.config import EngineConfig
-
-    config = EngineConfig(**{config!r})
-    client = make_client(config, multiprocess=True, asyncio={is_async!r})
-    print(client.engine_pid, flush=True)
-    sys.stdin.read()  # hold until killed
-""")
-
-
-def check_client_kill_engine_exits(config_kwargs: dict[str, Any], *, is_async: bool = False
-                                   ) -> None:
-    """SIGKILL of the client process: its engine exits by itself within ORPHAN_BOUND_S."""
-    check_exits_with_parent(_ORPHAN_SCRIPT.format(config=config_kwargs, is_async=is_async),
-                            "orphaned engine")
-
-
-def check_exits_with_parent(script: str, what: str, *, bound: float = ORPHAN_BOUND_S,
-                            env: dict[str, str] | None = None) -> None:
-    """Run ``script`` in its own interpreter: it starts a process, prints that process's pid
-    and holds (reading stdin). SIGKILL the interpreter, which runs no cleanup: the process it
-    started must exit by itself within ``bound`` s (it is killed afterwards either way)."""
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
-    child: int | None = None
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip().isdigit(), f"the parent script failed: {line!r}"
-        child = int(line)
-        proc.kill()
-        proc.wait(WAIT_S)
-        killed = time.monotonic()
-        _wait_for(lambda: _process_gone(child), bound + 2, f"{what} exit")
-        assert time.monotonic() - killed <= bound, f"{what} outlived its parent by > {bound} s"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(WAIT_S)
-        if proc.stdin:
-            proc.stdin.close()
-        if proc.stdout:
-            proc.stdout.close()
-        if child is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def _resource_snapshot() -> Iterator[dict[str, Any]]:
-    me = psutil.Process()
-    snap = {"children": {p.pid for p in me.children(recursive=True)},
-            "threads": me.num_threads(), "fds": me.num_fds()}
-    yield snap
-
-
-def check_construction_failure_leaks_nothing(factory: ClientFactory, bad_config: Any) -> None:
-    """A client whose engine fails to build raises EngineStartupError and leaks no process,
-    thread or fd (psutil before/after)."""
-    me = psutil.Process()
-
-    def attempt() -> None:
-        try:
-            cut = factory(config=bad_config)
-        except EngineStartupError as e:
-            assert "initialization failed" in str(e), e
-        else:
-            cut.shutdown()
-            raise AssertionError("a failing engine build must raise EngineStartupError")
-
-    attempt()  # warm-up: first use creates process-wide things (imports, pools)
-    children = {p.pid for p in me.children(recursive=True)}
-    threads, fds = me.num_threads(), me.num_fds()
-    attempt()
-    _wait_for(lambda: {p.pid for p in me.children(recursive=True)} <= children, WAIT_S,
-              "no leftover process")
-    _wait_for(lambda: me.num_threads() <= threads, 5.0, f"threads back to {threads}")
-    _wait_for(lambda: me.num_fds() <= fds, 5.0, f"fds back to {fds}")

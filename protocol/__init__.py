@@ -5,7 +5,6 @@ from __future__ import annotations
 from ..spec.errors import ProtocolError
 from .codec import (
     DEFAULT_LIMITS,
-    BufferPool,
     Decoder,
     Encoder,
     Limits,
@@ -19,7 +18,6 @@ from .codec import (
     is_dead_sentinel,
     peek_request_id,
     register_result_type,
-    send_frames,
     utility_output,
 )
 from .messages import (
@@ -45,7 +43,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SESSION_BYTES",
     "AttachRequest",
-    "BufferPool",
     "Decoder",
     "Encoder",
     "EngineCoreOutput",
@@ -70,6 +67,5 @@ __all__ = [
     "is_dead_sentinel",
     "peek_request_id",
     "register_result_type",
-    "send_frames",
     "utility_output",
 ]

@@ -12,10 +12,6 @@ from typing import Any, cast
 
 import zmq
 
-from ..protocol.codec import (
-    ZMQ_NOBLOCK,
-    ZMQ_POLLIN,
-)
 from ..protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -29,6 +25,7 @@ from ._registry import _drain, _retrieve, _set_future
 from ._utilities import AsyncUtilityMethods
 from .args import check_timeout
 from .mp_client import _CLOSED, _DEAD, MPClient
+from .zmq_io import ZMQ_NOBLOCK, ZMQ_POLLIN
 
 __all__ = ["AsyncMPClient", "call_on_loop"]
 

@@ -25,55 +25,42 @@ thread to flush it, and the process exits non-zero. SIGTERM/SIGINT shut down cle
 while the engine is still being built. The process exits by itself within 5 s of its parent's
 death: ``PR_SET_PDEATHSIG`` where Linux offers it, and a watchdog on the parent's
 multiprocessing sentinel (or pid) everywhere.
+
+The two IO halves live in modules of their own: ``_InputSide`` (runtime/_engine_input.py)
+and ``_OutputSide`` (runtime/_engine_output.py), mixins of ``EngineCoreProc`` over the state
+it sets (runtime/_engine_shared.py); link mending is runtime/_engine_link.py, signals and the
+parent watch runtime/_engine_lifeline.py. This module holds the busy loop and the process
+entry.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
-import enum
-import functools
 import gc
-import itertools
 import logging
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn
 
 import msgspec
 import zmq
 
 from ..protocol.codec import (
-    _PLAIN_RESULTS,
     DEFAULT_LIMITS,
-    ZMQ_NOBLOCK,
-    ZMQ_RCVMORE,
-    BufferPool,
     Decoder,
     Encoder,
     Limits,
-    backend_send,
-    decode_input,
-    peek_call_id,
-    peek_request_id,
-    recv_rest,
-    send_frames,
-    split_input,
     utility_output,
 )
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
     PROTOCOL_VERSION,
-    AttachRequest,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
@@ -82,71 +69,27 @@ from ..protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.engine import EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import TraceEntry
 from . import _mutants
+from ._engine_input import _InputSide
+from ._engine_lifeline import EngineShutdownRequested, _ShutdownSignals, _watch_parent
+from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests read it here
+from ._engine_link import _Link
+from ._engine_output import _STOP, OUTPUT_FLUSH_S, _is_marker, _OutputSide
+from ._engine_shared import IDLE_WAKE_S, _Control
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
 from .integrity import LinkIntegrity
 from .security import CurveConfig, TransportGuard, check_transport
+from .zmq_io import BufferPool, backend_send
 
 __all__ = ["EngineCoreProc", "EngineShutdownRequested", "run_engine_core"]
 
-T = TypeVar("T")
-
 logger = logging.getLogger(__name__)
 
-# Seconds the whole process may take to go once its parent is gone (brief: within 5 s).
-PARENT_DEATH_EXIT_S = 3.0
-# Bound on waiting for the output thread to flush the dead sentinel or the last outputs.
-OUTPUT_FLUSH_S = 4.0
-# Longest an idle busy loop waits before it looks at pending signals (see _wait_input).
-IDLE_WAKE_S = 0.5
 # Bound on the input thread connecting and sending the ready handshake.
 HANDSHAKE_SEND_S = 30.0
-# How long the input thread blocks in a plain receive before it also watches for a new front
-# end (a poll over its DEALER and a wake pipe): a front end's next message comes well within
-# this, so the per-message path stays one blocking ``recv()``. It bounds how late the ready
-# goes out after a handshake that completes while messages are still coming in.
-BUSY_RECV_S = 0.01
-# A dropped link is mended by hand only when libzmq has not said within this long that it
-# reconnects by itself (it says so at once: a retry event right after the drop).
-DROP_GRACE_S = 0.25
-# libzmq's reconnect interval for the engine's two connecting sockets, first and longest (ms):
-# its default, 100 ms plus up to 100 ms of jitter, was most of a handover once the ready went
-# out at the handshake. Retries back off to the longest, as often as the default's.
-RECONNECT_IVL_MS = 10
-RECONNECT_IVL_MAX_MS = 100
-# Batches up to this size are sent by the thread that built them when nothing is queued
-# ahead (no hand-off); larger ones are encoded by the output thread while the next step runs,
-# if the step leaves it time: a model whose forward never releases the GIL (the null model
-# without a delay) has the busy loop send every batch itself, as the output thread could
-# only take the GIL from it (measured: 0.47 -> 0.70 of the floor's tokens/s at K=1024).
-DIRECT_SEND_MAX_OUTPUTS = 64
-
-
-class EngineShutdownRequested(SystemExit):
-    """A signal asked the engine to stop before its busy loop ran; exits with status 0."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
-
-
-class _Control(enum.Enum):
-    # Items of the input queue that do not come from the wire.
-    SHUTDOWN = "shutdown"
-    OUTPUTS = "outputs"  # an output built by the input thread (a rejection)
-    REJECT_ADD = "reject_add"  # (request id, error): a malformed ADD, answered in order
-    WAKE = "wake"  # the input thread served a call that left the loop work to do
-    END_SESSION = "end_session"  # the front end's link failed the integrity check
-
-
-_STOP = object()  # output-queue item: flush and exit
-
-
-_UTILITY_BYTE = RequestType.UTILITY.value
-_ATTACH_BYTE = RequestType.ATTACH.value
 
 
 class _SessionEnded(EngineCoreOutputs, frozen=True):
@@ -159,247 +102,7 @@ class _SessionEnded(EngineCoreOutputs, frozen=True):
     fields of its own, so it encodes exactly as its base."""
 
 
-def _is_marker(item: Any) -> bool:
-    """The attach marker, or a session's end: a session's control message, which fault
-    points on the output path leave alone (runtime/integrity.py)."""
-    return isinstance(item, EngineCoreOutputs) and item.session is not None
-
-
-def _seal_mode(item: Any) -> bool | None:
-    """None: send unsealed (a refusal marker: its front end may not seal); True: seal as
-    the first message of a session (the marker); False: seal as usual (a ``_SessionEnded``
-    too: not of this exact type)."""
-    if type(item) is not EngineCoreOutputs or item.session is None:
-        return False
-    return None if item.refusal is not None else True
-
-
-class _Encoded:
-    """Output-queue item: a message already encoded (and fault-checked) by a direct sender."""
-
-    __slots__ = ("frames",)
-
-    def __init__(self, frames: list[Any]) -> None:
-        self.frames = frames
-
-
-class _Wakeup:
-    """A self-pipe another thread can wake a ``zmq.Poller`` with; any thread may ``set()``,
-    even after ``close()`` (then it does nothing: the fd number may belong to a new file)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._r, False)
-        os.set_blocking(self._w, False)
-        self._closed = False
-
-    def fileno(self) -> int:
-        return self._r
-
-    def set(self) -> None:
-        with self._lock:
-            if not self._closed:
-                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending
-                    os.write(self._w, b"\0")
-
-    def clear(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._r, 4096):
-                pass
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                os.close(self._r)
-                os.close(self._w)
-
-
-_SHUTDOWN_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP")
-                          if hasattr(signal, name))
-
-
-class _ShutdownSignals:
-    """SIGTERM/SIGINT/SIGHUP handling that is safe both during construction and in the loop.
-
-    Before the loop is armed a signal raises ``EngineShutdownRequested`` in the main thread, so
-    a long construction is interrupted at once. Once armed, the handler only sets an event: a
-    helper thread puts the shutdown item on the input queue (a handler must not take the
-    queue's lock, which the interrupted main thread may hold).
-    """
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self._armed: queue.Queue[Any] | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        # SIGHUP too: a hang-up (the operator's terminal or ssh session closing) otherwise
-        # kills the engine without the last outputs or the word to its front end.
-        for sig in _SHUTDOWN_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, prev in self._previous.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, prev)
-        self._previous.clear()
-
-    def arm(self, input_queue: queue.Queue[Any]) -> None:
-        self._armed = input_queue
-        threading.Thread(target=self._waker, name="EngineSignalWaker", daemon=True).start()
-        if self.requested.is_set():
-            raise EngineShutdownRequested()
-
-    def _waker(self) -> None:
-        self.requested.wait()
-        if self._armed is not None:
-            self._armed.put((_Control.SHUTDOWN, None))
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        first = not self.requested.is_set()
-        self.requested.set()
-        if first:
-            logger.info("engine core received %s; shutting down", signal.Signals(signum).name)
-        if self._armed is None:
-            raise EngineShutdownRequested()
-
-
-def _watch_parent(parent_pid: int, lifeline: int | None = None) -> None:
-    """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed.
-    ``lifeline``: an fd whose write end only the parent holds (EOF: it is gone)."""
-    if _mutants.active("engine_ignores_parent_death"):
-        return
-    if sys.platform.startswith("linux"):
-        # Delivered when the parent *thread* that spawned us exits, which may happen while the
-        # parent process lives on: the handler checks the real parent before acting.
-        def on_pdeathsig(_signum: int, _frame: object) -> None:
-            if os.getppid() != parent_pid:
-                _parent_gone("PR_SET_PDEATHSIG")
-
-        with contextlib.suppress(Exception):
-            signal.signal(signal.SIGUSR1, on_pdeathsig)
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, int(signal.SIGUSR1), 0, 0, 0)
-
-    def watchdog() -> None:
-        parent = multiprocessing.parent_process()
-        sentinel = lifeline if lifeline is not None else (
-            getattr(parent, "sentinel", None) if parent is not None else None)
-        while True:
-            if sentinel is not None:
-                # The spawn parent holds the write end of this pipe: EOF means it is gone.
-                if multiprocessing.connection.wait([sentinel], timeout=0.5):
-                    break
-            elif not _pid_alive(parent_pid):
-                break
-            else:
-                time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                break
-        _parent_gone("watchdog")
-
-    threading.Thread(target=watchdog, name="EngineParentWatchdog", daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        _parent_gone("startup check")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_parent_gone_once = threading.Lock()
-
-
-def _parent_gone(how: str) -> None:
-    if not _parent_gone_once.acquire(blocking=False):
-        return
-    logger.warning("engine core: parent process is gone (%s); exiting", how)
-
-    def hard_exit() -> None:
-        time.sleep(PARENT_DEATH_EXIT_S)
-        os._exit(1)
-
-    threading.Thread(target=hard_exit, name="EngineHardExit", daemon=True).start()
-    # Route through the SIGTERM handler so a clean shutdown is tried first.
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-class _Link:
-    """Whether a connecting socket's link needs mending by hand (the monitor thread reports,
-    the socket's owner asks).
-
-    After a peer left libzmq reconnects by itself (a retry event, later a handshake); after
-    a protocol error (a refused handshake, a frame over MAXMSGSIZE) it gives up, and the
-    owner must connect again. Not while libzmq retries: its ``disconnect`` leaves the
-    pending retry alive (libzmq 4.3.5), so the next peer gets two connections, over which
-    messages are split and reordered (a front end with frame integrity saw them as lost).
-    """
-
-    __slots__ = ("_dropped_at",)
-
-    def __init__(self) -> None:
-        self._dropped_at: float | None = None
-
-    def drop(self) -> None:
-        if self._dropped_at is None:
-            self._dropped_at = time.monotonic()
-
-    def mend(self) -> None:
-        self._dropped_at = None
-
-    def due_in(self) -> float | None:
-        """Seconds until ``take_due`` turns true; None while the link is not down."""
-        at = self._dropped_at
-        return None if at is None else max(0.0, at + DROP_GRACE_S - time.monotonic())
-
-    def take_due(self) -> bool:
-        """True (once) when the link dropped DROP_GRACE_S ago and libzmq is not on it."""
-        at = self._dropped_at
-        if at is None or time.monotonic() - at < DROP_GRACE_S:
-            return False
-        self._dropped_at = None
-        return True
-
-
-def _reconnect(sock: zmq.Socket[Any], address: str) -> None:
-    with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
-        sock.disconnect(address)
-    sock.connect(address)
-
-
-class _SendAbandoned(Exception):
-    """A send still blocked past the engine's stop deadline: its peer is gone or stalled."""
-
-
-def _send_reconnecting(
-    sock: zmq.Socket[Any], address: str, link: _Link, send: Callable[[], T],
-    give_up: Callable[[], bool] | None = None,
-) -> T:
-    """``send()`` under the socket's SNDTIMEO, connecting again whenever the link dropped
-    for good (a peer with no pipe would otherwise block the send for good). ``give_up``
-    (asked at each SNDTIMEO) ends the retries with ``_SendAbandoned``: a stopping engine
-    must not wait on a peer that no longer reads."""
-    while True:
-        if link.take_due():
-            _reconnect(sock, address)
-        try:
-            return send()
-        except zmq.Again:
-            if give_up is not None and give_up():
-                raise _SendAbandoned from None
-            continue
-
-
-class EngineCoreProc:
+class EngineCoreProc(_InputSide, _OutputSide):
     """The engine core plus its IO threads; ``run_busy_loop()`` runs on the calling thread."""
 
     def __init__(
@@ -540,481 +243,6 @@ class EngineCoreProc:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
         self._threads.append(t)
-
-    def _input_thread(self, address: str, ready: ReadyResponse) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        # libzmq drops the connection on a larger frame before allocating it, and after such
-        # a protocol error (or a refused handshake) it does not reconnect: the monitor
-        # reports the drop and wakes this thread's poll, which connects again once the
-        # drop's grace (DROP_GRACE_S) ended.
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        sock.setsockopt(zmq.RCVTIMEO, int(BUSY_RECV_S * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        # Queue only on a connection whose handshake completed, and drop what is queued when
-        # it goes: a ready must reach the front end on the connection it announces. Without
-        # this a ready sent while the link was down waited in the pipe and arrived on the
-        # next connection ahead of that one's own ready; a front end that took the extra one
-        # as the next re-ready sent into a link about to drop (#27: 1 ATTACH in 8 lost).
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        link = _Link()
-        # Every connection that completes its handshake may be a new front end, which learns
-        # of this engine only from a ready (a duplicate to the same front end is ignored).
-        # The monitor thread counts handshakes and wakes this thread's poll, so the ready
-        # goes out at once (it used to wait for a receive timeout: 0.5 s per attach).
-        connects = itertools.count(1)
-        connected = [0]  # handshakes so far (counted by the monitor thread)
-        readied = [0]  # the handshake count when the ready was last sent (this thread)
-        wakeup = _Wakeup()
-
-        def on_connect() -> None:
-            link.mend()
-            self._peer_seen.set()
-            connected[0] = next(connects)
-            wakeup.set()
-
-        def on_drop() -> None:
-            link.drop()
-            wakeup.set()  # the poll then waits only until the link is due for mending
-
-        def send_ready() -> None:
-            """One ready per completed handshake, on that connection or not at all: if it
-            dropped since (no pipe: not writable), the next handshake brings its own. The
-            EVENTS read (unlike a send) processes libzmq's pending commands, the new pipe's
-            attachment among them, so it cannot miss a connection that is there."""
-            readied[0] = connected[0]
-            if int(sock.get(zmq.EVENTS)) & zmq.POLLOUT:
-                with contextlib.suppress(zmq.Again):
-                    sock.send_multipart(ready_frames, zmq.NOBLOCK, copy=False)
-                    self._input_ready.set()
-
-        try:
-            self._guard.connect_as_client(sock, "input", on_drop=on_drop,
-                                          on_connect=on_connect, on_retry=link.mend)
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            wake_fd = wakeup.fileno()  # a poll reports an fd by its number
-            poller.register(wake_fd, zmq.POLLIN)
-            idle_ms = int(IDLE_WAKE_S * 1000)
-            ready_frames = Encoder().encode(ready)
-            sock.connect(address)
-            if self._guard.curve is None:
-                # A plain engine waits for its front end without a deadline; the first ready
-                # goes out at the first handshake, as every later one does (a CURVE engine's
-                # start-up waits for it: security.md).
-                self._input_ready.set()
-            recv = sock.recv
-            while True:
-                if connected[0] != readied[0]:
-                    # A handshake while messages keep coming: announce it now, not at the
-                    # next idle moment, when that connection may have gone.
-                    send_ready()
-                # A message's first frame (type byte + payload) is received as plain bytes:
-                # 0.4 µs against 2 for a Frame and its more flag. Further parts are read only
-                # when the payload refers to them or a trailer follows (``_accept``).
-                try:
-                    first = recv()
-                except zmq.ContextTerminated:
-                    return
-                except zmq.Again:
-                    # Idle for BUSY_RECV_S: wait for a message, a handshake (the ready goes
-                    # out at once), IDLE_WAKE_S, or a dropped link's grace to end (it is then
-                    # mended).
-                    while True:
-                        if link.take_due():
-                            _reconnect(sock, address)
-                        if connected[0] != readied[0]:
-                            send_ready()
-                        due = link.due_in()
-                        wait_ms = idle_ms if due is None else min(idle_ms, int(due * 1000) + 1)
-                        events = dict(poller.poll(wait_ms))
-                        if wake_fd in events:
-                            wakeup.clear()
-                        if sock in events:
-                            break
-                    continue
-                try:
-                    if not (self._fast_calls and self._serve_plain(first)):
-                        self._accept(first, sock)
-                except zmq.ContextTerminated:
-                    return
-                except Exception:
-                    if _mutants.active("input_thread_dies_on_malformed_frame"):
-                        raise
-                    # The input thread must outlive any frame: log and keep serving.
-                    logger.exception("engine input thread: dropped a frame it could not handle")
-        except zmq.ContextTerminated:
-            return
-        except BaseException as e:
-            self._input_error = e
-            logger.exception("engine input thread failed")
-            # Without input the engine is useless: make it visible as a fatal error.
-            self.input_queue.put((_Control.SHUTDOWN, e))
-        finally:
-            sock.close(linger=0)
-            wakeup.close()  # the monitor may outlive the socket: its set() is then a no-op
-
-    def _serve_plain(self, first: bytes) -> bool:
-        """Serve a utility call while the loop idles, in as few steps as the protocol
-        allows (the round trip's latency is mostly how much code runs cold after a wake-up);
-        False when the message takes the general path (``_accept``), which decodes again
-        and reports any error. A call served here is one frame: its payload decoded without
-        aux frames (a part its sender added after it is read as a message of its own)."""
-        if first[:1] != _UTILITY_BYTE or self._refused:
-            return False
-        if len(first) > self._max_call_frame:
-            return False  # the general path refuses it, naming the bound
-        try:
-            # libzmq refused any frame over max_frame_bytes, the line above one over
-            # max_call_bytes, and a utility call has no post-check.
-            call = self._decode_call(memoryview(first)[1:])
-        except Exception:
-            return False  # e.g. it refers to aux frames that follow
-        return self._serve_idle_call(call, plain=True)
-
-    def _accept(self, first: bytes, sock: zmq.Socket[Any]) -> None:
-        """Decode and dispatch one message whose first frame was received; read its further
-        parts (aux frames, the integrity trailer) when it has them: parts of one message
-        arrive together, so that never waits."""
-        frames: list[Any] = [first]
-        try:
-            if (self._refused or first[:1] == _ATTACH_BYTE or self._integrity is not None
-                    ) and sock.get(ZMQ_RCVMORE):
-                # The whole message (an ATTACH or a refused peer's, whatever it is), or the
-                # integrity trailer and the aux frames before it.
-                recv_rest(sock, frames, self._max_parts)
-        except ProtocolError as e:  # more parts than any message has: read, dropped
-            self._reject(first, e)
-            return
-        if self._refused or first[:1] == _ATTACH_BYTE:
-            if first[:1] == _ATTACH_BYTE:
-                self._accept_attach(frames)  # unsealed: it starts the counts afresh
-            return
-        if self._integrity is not None:
-            try:
-                frames = self._integrity.open(frames)
-            except ProtocolError as e:
-                # This front end's link is broken (lost, reordered or corrupted input): its
-                # session ends, not the engine, which serves the next front end. Nothing
-                # more of it is read (its counts no longer line up) until it attaches anew;
-                # the busy loop drops its work and tells it, in order behind its input.
-                self._refused = True
-                self.input_queue.put((_Control.END_SESSION, e))
-                return
-        try:
-            try:
-                kind, payload = decode_input(frames, self.limits)
-            except ProtocolError:
-                # Only now is the more flag read: a payload that refers to aux frames
-                # fails alone; with them it may decode. A message without more fails as is.
-                if self._integrity is not None or not sock.get(ZMQ_RCVMORE):
-                    raise
-                frames = recv_rest(sock, frames, self._max_parts)
-                kind, payload = decode_input(frames, self.limits)
-        except ProtocolError as e:
-            if _mutants.active("input_thread_dies_on_malformed_frame"):
-                raise
-            self._reject(frames[0], e)
-            return
-        if self.faults is not None:
-            try:
-                self._fault(FaultPoint.INPUT_DECODED)
-            except Exception as e:
-                # An injected raise or OOM is this thread failing, not one bad frame.
-                self.input_queue.put((_Control.SHUTDOWN, e))
-                return
-        if kind is RequestType.ABORT and _mutants.active("abort_applied_before_add"):
-            with self.input_queue.mutex:  # jumps ahead of queued ADDs
-                self.input_queue.queue.appendleft((kind, payload))
-                self.input_queue.unfinished_tasks += 1
-                self.input_queue.not_empty.notify()
-            return
-        if kind is RequestType.ABORT:
-            # Seen by a step already running; the queued copy keeps the order behind ADDs.
-            self.engine.mid_step_aborts.extend(payload)
-        elif kind is RequestType.UTILITY and self._serve_idle_call(
-                cast(UtilityRequest, payload)):
-            return
-        self.input_queue.put((kind, payload))
-
-    def _accept_attach(self, frames: list[Any]) -> None:
-        """An ATTACH: accepted, or refused when the front end's frame integrity differs from
-        this engine's (its messages would fail here, or its outputs there). With integrity,
-        the new session's first sealed message is ``seq`` 1: the count restarts here, before
-        the next message is opened."""
-        try:
-            kind, payload = decode_input(frames, self.limits)
-        except ProtocolError as e:
-            self._reject(frames[0], e)
-            return
-        attach = cast(AttachRequest, payload)
-        ours = self._integrity is not None
-        if attach.integrity != ours:
-            self._refused = True
-            reason = (f"frame integrity is {'on' if attach.integrity else 'off'} at this front"
-                      f" end and {'on' if ours else 'off'} at the engine; set the same on both"
-                      " (client option frame_integrity, enginewire engine --integrity)")
-            logger.error("refused a front end: %s", reason)
-            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(
-                engine_index=self.engine_index, session=attach.session, refusal=reason,
-                timestamp=EngineCoreOutputs.now())))
-            return
-        self._refused = False
-        if self._integrity is not None:
-            self._integrity.restart_receiving()
-        self.input_queue.put((kind, payload))
-
-    def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
-        """Run a utility call on the input thread when the busy loop is parked idle with an
-        empty queue (so nothing is reordered); False when the loop must take it. ``plain``:
-        the short path (``_answer_plain``).
-
-        The bookkeeping comes after the reply: code that runs between receiving a call and
-        sending its reply is the round trip's own time (it runs cold, after a wake-up), while
-        code after the send overlaps the reply's way to the client. The busy loop, if woken
-        here, waits for the engine lock, so nothing it sends can overtake the reply."""
-        if call.method in LOOP_THREAD_METHODS:
-            return False  # e.g. the profiler: one thread for start, stop and export
-        lock = self._engine_lock
-        if not lock.acquire(blocking=False):
-            return False
-        try:
-            if self.input_queue.queue:  # something is queued ahead of it: keep the order
-                return False
-            if plain:
-                self._answer_plain(call)
-            else:
-                self._call_utility(call)
-            if self._replies:
-                self._flush_replies()
-            if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
-                self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
-            return True
-        finally:
-            lock.release()
-
-    def _answer_plain(self, call: UtilityRequest) -> None:
-        """Run ``call`` and reply. A result msgpack carries as itself is encoded plainly and
-        sent at once if the pipe takes it (else queued behind what is already there); any
-        other outcome takes the general reply builder."""
-        try:
-            result = self.engine.call_utility(call.method, call.args)
-        except Exception as e:
-            self._emit_utility(utility_output(call.call_id, call.method, error=e))
-            return
-        if type(result) in _PLAIN_RESULTS:
-            try:
-                payload = self._reply_encoder.encode(EngineCoreOutputs(
-                    self.engine_index, [], time.monotonic(), None, None,
-                    UtilityOutput(call.call_id, None, result)))
-            except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError):
-                pass  # e.g. an int beyond 64 bits: the general builder reports it
-            else:
-                self._send_encoded(payload)
-                return
-        reply = self._reply_to(call, result)
-        if reply is not None:
-            self._emit_utility(reply)
-
-    def _send_encoded(self, payload: bytes) -> None:
-        """Send a one-frame message now if the pipe takes it, else queue it behind what is
-        already there (``_put_output``'s order, for a payload encoded by the caller)."""
-        with self._out_lock:
-            out = self._out
-            if out is not None and self._out_pending == 0:
-                try:
-                    self._out_send(out[0], payload, ZMQ_NOBLOCK)
-                    self._last_send = time.monotonic()
-                    return
-                except zmq.Again:
-                    pass
-                except zmq.ContextTerminated:
-                    return
-                except BaseException as e:
-                    self._send_failed(e)
-                    return
-            self._out_pending += 1
-            self.output_queue.put(_Encoded([payload]))
-
-    def _reject(self, first: Any, error: ProtocolError) -> None:
-        try:
-            type_byte, body = split_input(first)
-        except ProtocolError:
-            logger.warning("rejected malformed input (an empty first frame): %s", error)
-            return
-        rest = [body]
-        request_id = peek_request_id(rest) if type_byte == RequestType.ADD.value else None
-        if type_byte == RequestType.ADD.value and request_id is not None:
-            # Answered whatever its length; only the log line is shortened.
-            logger.warning("rejected malformed ADD for %.80r: %.500s", request_id, error)
-            # The loop answers it, in order behind the input before it: only there is it
-            # known whether the id names a live request (then nothing is sent for it).
-            self.input_queue.put((_Control.REJECT_ADD, (request_id, f"malformed request: {error}")))
-            return
-        call_id = peek_call_id(rest) if type_byte == RequestType.UTILITY.value else None
-        if type_byte == RequestType.UTILITY.value and call_id is not None:
-            logger.warning("rejected malformed utility call %r: %s", call_id, error)
-            reply = UtilityOutput(call_id=call_id, failure_message=f"malformed call: {error}")
-            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(utility_output=reply)))
-            return
-        logger.warning("rejected malformed input (type byte %r): %s", type_byte, error)
-
-    def _output_thread(self, address: str) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
-        link = _Link()  # reconnect after a protocol error only (see _Link)
-        peer = threading.Event()  # a front end's connection is up (the monitor says)
-
-        def dropped() -> None:
-            peer.clear()
-            link.drop()
-
-        def connected() -> None:
-            peer.set()
-            link.mend()
-
-        self._guard.connect_as_client(sock, "output", on_drop=dropped,
-                                      on_connect=connected, on_retry=link.mend)
-        hb = self.heartbeat_interval_s
-        try:
-            sock.connect(address)
-            with self._out_lock:
-                self._out = (sock, address, link)
-                self._out_send = backend_send(type(sock))
-            while True:
-                wait = None if hb is None else max(0.0, hb - (time.monotonic() - self._last_send))
-                try:
-                    item = self.output_queue.get(timeout=wait)
-                except queue.Empty:
-                    # Idle heartbeat: lets an attached client tell "idle" from "gone". Direct
-                    # sends count as traffic, so a busy link carries no extra heartbeats.
-                    # Only to a connected peer whose pipe has room: a beat queued for nobody
-                    # is stale when it arrives, and a standalone engine alone for long filled
-                    # its pipe with them until a send blocked for good (SIGTERM then wedged).
-                    with self._out_lock:
-                        if self._out_pending == 0 and (
-                            hb is None or time.monotonic() - self._last_send >= hb
-                        ):
-                            if peer.is_set() and sock.poll(0, zmq.POLLOUT):
-                                self._send_locked(EngineCoreOutputs(
-                                    engine_index=self.engine_index,
-                                    timestamp=EngineCoreOutputs.now()))
-                            else:
-                                self._last_send = time.monotonic()  # next beat: an interval on
-                    continue
-                if item is _STOP:
-                    return
-                with self._out_lock:
-                    self._out_pending -= 1
-                    self._send_locked(item)
-                if isinstance(item, bytes):  # the engine-dead sentinel: nothing follows it
-                    return
-        except zmq.ContextTerminated:
-            return
-        except _SendAbandoned:
-            logger.warning("engine stopping: its front end stopped reading; outputs still"
-                           " queued for it are dropped")
-            return
-        except BaseException:
-            logger.exception("engine output thread failed")
-            # Nothing can reach the client any more; make the engine stop.
-            self.input_queue.put((_Control.SHUTDOWN, RuntimeError("output thread failed")))
-        finally:
-            with self._out_lock:
-                self._out = None
-            # Linger to flush the last outputs only if a front end ever connected: with none,
-            # nothing can be delivered and the linger would only delay the exit.
-            sock.close(linger=None if self._peer_seen.is_set() else 0)
-
-    def _send_locked(self, item: Any) -> None:
-        """Encode and send one item on the PUSH socket; the caller holds ``_out_lock``."""
-        out = self._out
-        if out is None:
-            return
-        sock, address, link = out
-        give_up = self._past_stop
-        if isinstance(item, bytes):  # the engine-dead sentinel
-            _send_reconnecting(sock, address, link, functools.partial(sock.send, item), give_up)
-            return
-        if type(item) is _Encoded:  # a direct send that found the pipe full
-            _send_reconnecting(sock, address, link, functools.partial(
-                send_frames, sock, item.frames), give_up)
-            self._last_send = time.monotonic()
-            return
-        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
-            self.faults(FaultPoint.OUTPUT_SEND)
-        pool = self._out_pool
-        buf = pool.acquire()
-        frames = self._out_encoder.encode_into(item, buf)
-        if self._integrity is not None and (mode := _seal_mode(item)) is not None:
-            frames = [*frames, self._integrity.seal(frames, restart=mode)]
-        # The payload's own tracker decides when ``buf`` may be reused.
-        tracker = _send_reconnecting(sock, address, link, functools.partial(
-            send_frames, sock, frames, track=True), give_up)
-        if self._reuse_early:
-            sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
-        pool.release(buf, tracker)
-        self._last_send = time.monotonic()
-
-    def _put_output(self, item: Any, *, direct: bool) -> None:
-        """Hand ``item`` to the client, in order with everything handed over before it.
-
-        ``direct`` sends on the calling thread when nothing is queued ahead of it: a reply
-        that does not wait for the output thread saves a thread wake-up per round trip. Big
-        batches during a busy step go through the queue, so encoding overlaps the next step.
-        """
-        with self._out_lock:
-            out = self._out
-            if direct and self._out_pending == 0 and out is not None:
-                try:
-                    item = self._send_direct(out[0], item)
-                except zmq.ContextTerminated:
-                    return
-                except BaseException as e:
-                    self._send_failed(e)
-                    return
-                if item is None:
-                    return
-            self._out_pending += 1
-            self.output_queue.put(item)
-
-    def _past_stop(self) -> bool:
-        stop_by = self._stop_by
-        return stop_by is not None and time.monotonic() > stop_by
-
-    def _send_failed(self, error: BaseException) -> None:
-        """A direct send raised: nothing more can reach the client, so the engine stops."""
-        logger.exception("engine: sending outputs failed")
-        self.input_queue.put((_Control.SHUTDOWN, RuntimeError(f"output send failed: {error!r}")))
-
-    def _send_direct(self, sock: zmq.Socket[Any], item: Any) -> _Encoded | None:
-        """Send ``item`` now if the socket takes it without blocking (None), else return it
-        encoded for the output thread. A direct sender must never block: a gone or slow
-        client fills the pipe, and then only the output thread waits on it while the busy
-        loop still sees a shutdown. Caller holds ``_out_lock``."""
-        if self._reuse_early:  # the mutant reuses pooled buffers on every path
-            self._send_locked(item)
-            return None
-        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
-            self.faults(FaultPoint.OUTPUT_SEND)
-        # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps
-        # a reference to it until libzmq is done (above), and nothing else writes to it.
-        frames = self._out_encoder.encode(item)
-        if self._integrity is not None and (mode := _seal_mode(item)) is not None:
-            frames = [*frames, self._integrity.seal(frames, restart=mode)]
-        try:
-            # NOBLOCK on the first frame decides for the whole message: once libzmq has
-            # taken the first part of a multipart message, it takes the rest.
-            send_frames(sock, frames, flags=ZMQ_NOBLOCK)
-        except zmq.Again:
-            return _Encoded(frames)
-        self._last_send = time.monotonic()
-        return None
 
     # -- main loop ----------------------------------------------------------------------------
 
@@ -1203,25 +431,6 @@ class EngineCoreProc:
             result.add_done_callback(done)
             return None
         return utility_output(call.call_id, call.method, result=result)
-
-    def _emit_utility(self, out: UtilityOutput) -> None:
-        self._put_output(
-            EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
-                              timestamp=EngineCoreOutputs.now()),
-            direct=True,
-        )
-
-    def _emit(self, outputs: EngineCoreOutputs | None) -> bool:
-        if outputs is None:
-            return False
-        if not (outputs.outputs or outputs.stream_ids or outputs.finished_requests
-                or outputs.utility_output):
-            return False
-        if outputs.engine_index != self.engine_index:
-            outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
-        size = len(outputs.outputs) + len(outputs.stream_ids)
-        self._put_output(outputs, direct=size <= DIRECT_SEND_MAX_OUTPUTS or not self._overlap)
-        return True
 
     # -- teardown -----------------------------------------------------------------------------
 

@@ -56,19 +56,15 @@ import zmq
 
 from ..protocol.codec import (
     DEFAULT_LIMITS,
-    ZMQ_RCVMORE,
-    ZMQ_SNDMORE,
     Decoder,
     Encoder,
     Limits,
-    backend_send,
     check_no_dataclass,
     check_sendable,
     decode_outputs,
     decode_ready,
     encode_input,
     is_dead_sentinel,
-    recv_rest,
 )
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
@@ -119,6 +115,7 @@ from .security import (
     local_engine_pair,
     restrict_ipc_socket,
 )
+from .zmq_io import ZMQ_RCVMORE, ZMQ_SNDMORE, backend_send, recv_rest
 
 __all__ = [
     "DEFAULT_READY_TIMEOUT_S",

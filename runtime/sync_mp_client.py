@@ -16,7 +16,6 @@ from typing import Any
 
 import zmq
 
-from ..protocol.codec import ZMQ_NOBLOCK
 from ..protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -34,6 +33,7 @@ from .args import (
 )
 from .client import SyncClientMixin
 from .mp_client import _CLOSED, _DEAD, MPClient
+from .zmq_io import ZMQ_NOBLOCK
 
 __all__ = ["SyncMPClient"]
 

@@ -1,25 +1,98 @@
-"""The layering, checked on every import statement (top level, in functions, not under
-TYPE_CHECKING): spec <- protocol <- runtime <- testing, the engine core free of sockets and
-threads, and no import cycle but the two docs/maintainers.md names as intentional."""
+"""The layering, checked on every import statement (top level, inside functions, and under
+``TYPE_CHECKING``) of every module of every package we install.
+
+Theory of operation
+-------------------
+``_scan`` reads a module's imports from its AST, resolving relative imports and ``from
+package import module`` to the module they name. ``RULES`` says, per layer, which of our
+modules it may import and which modules (ours or not) it never imports; one test reads each
+rule. A type-only import counts for the rules (a ``protocol`` that names ``zmq`` in a hint
+knows about sockets) but not for cycles, which are about import order. docs/maintainers.md
+("The layers") is the prose of the same table: change both together.
+"""
 
 from __future__ import annotations
 
 import ast
+import tomllib
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# folder -> import name under enginewire
+# folder -> import name under enginewire (pyproject.toml's package-dir, checked below)
 LAYERS = {"spec": "spec", "protocol": "protocol", "runtime": "runtime",
           "model_tests": "testing", "benchmarks": "benchmarks", "enginewire": ""}
 ENGINE_CORE = ("engine", "scheduler", "kv_cache", "model", "executor", "sampling",
                "fault_points")
+# Modules that do I/O or run concurrently: sockets, event loops, threads, processes, files.
+IO_MODULES = ("zmq", "socket", "select", "selectors", "ssl", "asyncio", "threading", "_thread",
+              "multiprocessing", "concurrent", "subprocess", "signal", "os", "io", "pathlib",
+              "shutil", "tempfile")
 # docs/maintainers.md, "Intentional exceptions".
 KNOWN_CYCLES = {
     frozenset({"enginewire.cli", "enginewire.benchmarks.run"}),
     frozenset({"enginewire.testing.fault_matrix", "enginewire.testing.interposer"}),
 }
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the module imported; ``from pkg import mod`` of ours names ``pkg.mod``
+    name: str | None  # what ``from target import name`` takes; None for ``import target``
+    line: int
+    typing_only: bool  # under ``if TYPE_CHECKING:``
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the modules in ``who`` (modules, or packages with everything under them) may
+    import: of ours, only ``may_import`` (None: any); of anything, never ``never``, except
+    the ``module.name`` imports in ``allowed``."""
+
+    id: str
+    who: tuple[str, ...]
+    may_import: tuple[str, ...] | None
+    never: tuple[str, ...]
+    why: str
+    allowed: frozenset[str] = frozenset()
+
+
+RULES = (
+    Rule("spec", ("enginewire.spec",), ("enginewire.spec",), IO_MODULES,
+         "spec/ is the lifecycles as data: it imports nothing of ours outside spec/ and no"
+         " I/O module (tests/spec/test_purity.py also checks what importing it loads)"),
+    Rule("protocol", ("enginewire.protocol",), ("enginewire.spec", "enginewire.protocol"),
+         IO_MODULES,
+         "protocol/ is encode and decode over bytes: it imports spec/ and itself, and no"
+         " socket, thread, event-loop, process or file module (socket I/O is"
+         " runtime/zmq_io.py's)",
+         # Per-thread decoder caches: thread-local storage, no thread started or waited on.
+         allowed=frozenset({"threading.local"})),
+    Rule("runtime", ("enginewire.runtime",),
+         ("enginewire.spec", "enginewire.protocol", "enginewire.runtime"), (),
+         "runtime/ imports spec/ and protocol/, never the test harness (model_tests/, installed"
+         " as enginewire.testing), the benchmarks, the CLI or the facade"),
+    Rule("engine-core", tuple(f"enginewire.runtime.{m}" for m in ENGINE_CORE), None,
+         ("zmq", "socket", "select", "selectors", "asyncio", "threading", "_thread",
+          "multiprocessing", "subprocess"),
+         "the engine core is driven by calls: no sockets, no threads, no event loop (the"
+         " process wrapper, engine_proc.py and its _engine_* modules, owns those)"),
+    Rule("testing", ("enginewire.testing",),
+         ("enginewire.spec", "enginewire.protocol", "enginewire.runtime",
+          "enginewire.testing"), (),
+         "model_tests/ (enginewire.testing) imports the layers it tests, not the benchmarks,"
+         " the CLI or the facade"),
+    Rule("benchmarks", ("enginewire.benchmarks",), None, ("enginewire.testing",),
+         "benchmarks/ may import everything but model_tests/ (enginewire.testing)"),
+)
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _modules() -> dict[str, Path]:
@@ -36,70 +109,87 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out: set[str] = set()
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The ids of the nodes in the body of an ``if TYPE_CHECKING:`` (its ``else`` runs)."""
+    nodes: set[int] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return nodes
+
+
+def _scan(name: str, source: str, is_package: bool = False,
+          known: Collection[str] | None = None) -> list[Import]:
+    """``name``'s imports; ``known`` (default: every module of ours) resolves ``from
+    package import name`` to the module ``package.name`` where there is one."""
+    known = MODULES if known is None else known
+    tree = ast.parse(source)
+    typing_only = _type_checking_nodes(tree)
+    package = name if is_package else name.rpartition(".")[0]
+    out: list[Import] = []
+    for node in ast.walk(tree):
+        hint = id(node) in typing_only
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
+            out += [Import(name, a.name, None, node.lineno, hint) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")
             if node.level:
+                base = package.split(".")
                 base = base[:len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
             for a in node.names:
                 sub = f"{target}.{a.name}"
-                out.add(sub if sub in MODULES else target)
+                if sub in known:
+                    out.append(Import(name, sub, None, node.lineno, hint))
+                else:
+                    out.append(Import(name, target, a.name, node.lineno, hint))
     return out
 
 
-EDGES = {name: _imports(name, path) for name, path in MODULES.items()}
+IMPORTS = {name: _scan(name, path.read_text(encoding="utf-8"), path.name == "__init__.py")
+           for name, path in MODULES.items()}
 
 
-def _layer(name: str) -> str:
-    parts = name.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS.values() else ""
+def _broken(rule: Rule, imports: dict[str, list[Import]]) -> list[str]:
+    bad = []
+    for source in sorted(imports):
+        if not _under(source, rule.who):
+            continue
+        for imp in imports[source]:
+            outside = (rule.may_import is not None and _under(imp.target, ("enginewire",))
+                       and not _under(imp.target, rule.may_import))
+            banned = (_under(imp.target, rule.never)
+                      and f"{imp.target}.{imp.name}" not in rule.allowed)
+            if not (outside or banned):
+                continue
+            where = MODULES.get(source)
+            at = f"{where.relative_to(ROOT)}:{imp.line}" if where else f"{source}:{imp.line}"
+            what = imp.target + (f" ({imp.name})" if imp.name else "")
+            bad.append(f"  {at}: {source} imports {what}"
+                       + (" under TYPE_CHECKING" if imp.typing_only else ""))
+    return bad
 
 
-@pytest.mark.parametrize("layer, forbidden", [
-    ("spec", ("enginewire.protocol", "enginewire.runtime", "enginewire.testing", "zmq")),
-    ("protocol", ("enginewire.runtime", "enginewire.testing")),
-    ("runtime", ("enginewire.testing", "enginewire.benchmarks", "enginewire.cli")),
-])
-def test_no_import_points_up_the_layers(layer: str, forbidden: tuple[str, ...]) -> None:
-    bad = sorted(f"{m} imports {t}" for m, targets in EDGES.items() if _layer(m) == layer
-                 for t in targets if t.startswith(forbidden))
-    assert not bad, bad
+@pytest.mark.parametrize("rule", RULES, ids=[r.id for r in RULES])
+def test_no_import_crosses_the_layers(rule: Rule) -> None:
+    bad = _broken(rule, IMPORTS)
+    assert not bad, f"{rule.why}; docs/maintainers.md, The layers:\n" + "\n".join(bad)
 
 
-def test_the_engine_core_has_no_sockets_and_no_threads() -> None:
-    for mod in ENGINE_CORE:
-        name = f"enginewire.runtime.{mod}"
-        bad = sorted(t for t in EDGES[name] if t.split(".")[0] in ("zmq", "threading",
-                                                                   "socket", "asyncio"))
-        assert not bad, f"{name} imports {bad}"
-
-
-def test_no_import_cycle_but_the_documented_ones() -> None:
-    graph = {m: {t for t in ts if t in MODULES and t != m} for m, ts in EDGES.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on: set[str] = set()
     cycles: list[frozenset[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -119,10 +209,73 @@ def test_no_import_cycle_but_the_documented_ones() -> None:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    unexpected = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
-    assert not unexpected, unexpected
+    return cycles
+
+
+def _import_graph(imports: dict[str, list[Import]]) -> dict[str, set[str]]:
+    return {m: {i.target for i in imps if i.target in imports and i.target != m
+                and not i.typing_only} for m, imps in imports.items()}
+
+
+CYCLES = _cycles(_import_graph(IMPORTS))
+
+
+def test_no_import_cycle_but_the_documented_ones() -> None:
+    unexpected = [sorted(c) for c in CYCLES if c not in KNOWN_CYCLES]
+    assert not unexpected, (
+        "import cycles among our modules (break them, or name them with their reason in"
+        " docs/maintainers.md's Intentional exceptions and in KNOWN_CYCLES):\n"
+        + "\n".join(f"  {' <-> '.join(c)}" for c in unexpected))
+
+
+def test_every_documented_cycle_still_exists() -> None:
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in CYCLES]
+    assert not gone, f"cycles no longer there: drop them from KNOWN_CYCLES and the docs: {gone}"
+
+
+def test_the_scan_covers_every_installed_package() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    package_dir = pyproject["tool"]["setuptools"]["package-dir"]
+    assert {f"enginewire.{n}" if n else "enginewire" for n in LAYERS.values()} == set(
+        package_dir), "LAYERS must name every package pyproject.toml installs"
+    assert all(package_dir[f"enginewire.{n}" if n else "enginewire"] == folder
+               for folder, n in LAYERS.items())
+    for folder in LAYERS:
+        assert any(p.parent == ROOT / folder for p in MODULES.values()), folder
 
 
 def test_the_scan_sees_relative_and_lazy_imports() -> None:
-    assert "enginewire.runtime.sync_mp_client" in EDGES["enginewire.runtime.factory"]
-    assert "enginewire.runtime.gguf_loader" not in EDGES["enginewire.runtime.model"]
+    edges = _import_graph(IMPORTS)
+    assert "enginewire.runtime.sync_mp_client" in edges["enginewire.runtime.factory"]
+    assert "enginewire.runtime.gguf_loader" not in edges["enginewire.runtime.model"]
+
+
+@pytest.mark.parametrize("module, source, broken", [
+    ("enginewire.protocol.x", "import zmq\n", "protocol"),
+    ("enginewire.protocol.x", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    import zmq\n", "protocol"),
+    ("enginewire.protocol.x", "def f():\n    from threading import Thread\n", "protocol"),
+    ("enginewire.protocol.x", "from threading import local\n", None),
+    ("enginewire.protocol.x", "from ..runtime import zmq_io\n", "protocol"),
+    ("enginewire.protocol.x", "from enginewire.cli import main\n", "protocol"),
+    ("enginewire.protocol.x", "from ..spec.errors import ProtocolError\n", None),
+    ("enginewire.spec.x", "from ..protocol import codec\n", "spec"),
+    ("enginewire.spec.x", "import socket\n", "spec"),
+    ("enginewire.runtime.x", "from ..testing import oracle\n", "runtime"),
+    ("enginewire.runtime.engine", "import threading\n", "engine-core"),
+    ("enginewire.runtime.engine_proc", "import threading\n", None),
+    ("enginewire.benchmarks.x", "import enginewire.testing.campaign\n", "benchmarks"),
+])
+def test_each_rule_catches_what_it_forbids(module: str, source: str, broken: str | None
+                                           ) -> None:
+    imports = {module: _scan(module, source)}
+    got = [r.id for r in RULES if _broken(r, imports)]
+    assert got == ([broken] if broken else []), got
+
+
+def test_the_cycle_check_finds_a_cycle_but_not_through_type_hints() -> None:
+    a, b, c = "enginewire.runtime.a", "enginewire.runtime.b", "enginewire.runtime.c"
+    sources = {a: "from . import b\n", b: "from .a import x\nfrom . import c\n",
+               c: "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"}
+    imports = {m: _scan(m, s, known=sources) for m, s in sources.items()}
+    assert _cycles(_import_graph(imports)) == [frozenset({a, b})]

@@ -418,9 +418,9 @@ def test_the_ready_goes_out_at_a_new_front_ends_handshake(
     import zmq
 
     from enginewire.protocol.codec import decode_ready
-    from enginewire.runtime import engine_proc
+    from enginewire.runtime import _engine_input, engine_proc
 
-    monkeypatch.setattr(engine_proc, "IDLE_WAKE_S", 3600.0)
+    monkeypatch.setattr(_engine_input, "IDLE_WAKE_S", 3600.0)  # the input thread's idle poll
     inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
     fds, threads = _own_fds(), set(threading.enumerate())
 

@@ -1,0 +1,345 @@
+"""The conformance suite's driver: one blocking call surface over every client, and helpers.
+
+``ClientUnderTest`` gives the sync, async and in-process clients one blocking surface (an
+async client runs on a private loop thread), ``open_client`` builds a built-in one, and the
+helpers (``request``, ``collect``, ``check_trace``, bounded waits, process checks) are what
+every scenario uses. The scenarios are in ``conformance.py`` (on a live client) and
+``conformance_breaking.py`` (those that break the engine); ``conformance`` re-exports all of
+this, and its docstring states the ``ClientFactory`` contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+import time
+import unittest
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from ..protocol.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+)
+from ..spec import (
+    CLIENT,
+    CLIENT_REQUEST,
+    UTILITY,
+    EngineDeadError,
+    Machine,
+    TraceEntry,
+    validate_trace,
+)
+
+CLIENT_KINDS = ("inproc", "sync", "async")
+# The brief's bound: engine death is seen on every path within this many seconds.
+DEATH_BOUND_S = 1.0
+# A parent's death makes the engine exit within this many seconds.
+ORPHAN_BOUND_S = 5.0
+# Upper bound for ordinary waits (generation, utilities) on a loaded CI machine.
+WAIT_S = 60.0
+# Options of the ClientFactory contract that need an engine process.
+_ENGINE_PROCESS_OPTIONS = ("engine_fault", "engine_startup_delay_s")
+
+
+class NotApplicable(unittest.SkipTest):
+    """The scenario cannot run on this client or config; the message says why.
+
+    A ``unittest.SkipTest``, so pytest and unittest report it as a skip rather than a pass."""
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, so async clients get a blocking facade."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="conformance-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = WAIT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        async def drain() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self.run(drain(), timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@dataclass
+class ClientUnderTest:
+    """One blocking call surface over any client; ``kind`` is inproc, sync or async.
+
+    Wrap your own client (a subclass of a built-in one, or any class with the same methods)
+    as ``ClientUnderTest(client, kind, trace)``, ``trace`` being the list the client records
+    into (``None``: ``check_trace`` cannot run). An ``async`` client gets an event loop on a
+    thread of its own, which ``shutdown()`` closes; build the client before wrapping it.
+    """
+
+    client: Any
+    kind: str
+    trace: list[TraceEntry] | None = None
+    loop: _LoopThread | None = None
+    closed: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CLIENT_KINDS:
+            raise ValueError(f"ClientUnderTest.kind must be one of {CLIENT_KINDS},"
+                             f" got {self.kind!r}")
+        if self.kind == "async" and self.loop is None:
+            # Its calls are coroutines: without a loop the driver would call the sync names,
+            # which an async client does not have (an AttributeError in the first scenario).
+            self.loop = _LoopThread()
+
+    @property
+    def multiprocess(self) -> bool:
+        return bool(getattr(self.client, "multiprocess", False))
+
+    @property
+    def engine_pid(self) -> int | None:
+        return getattr(self.client, "engine_pid", None)
+
+    def _call(self, name: str, *args: Any, _wait: float | None = WAIT_S, **kw: Any) -> Any:
+        if self.loop is not None:
+            return self.loop.run(getattr(self.client, f"{name}_async")(*args, **kw), _wait)
+        return getattr(self.client, name)(*args, **kw)
+
+    def submit(self, name: str, *args: Any, **kw: Any) -> concurrent.futures.Future[Any]:
+        """Start a call without waiting for it (a thread, or a task on the loop)."""
+        if self.loop is not None:
+            return self.loop.submit(getattr(self.client, f"{name}_async")(*args, **kw))
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="conformance")
+        fut = pool.submit(getattr(self.client, name), *args, **kw)
+        pool.shutdown(wait=False)
+        return fut
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._call("add_request", req)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        self._call("abort_requests", ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        bound = None if timeout is None else timeout + WAIT_S
+        out: EngineCoreOutputs = self._call("get_output", _wait=bound, timeout=timeout)
+        return out
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return self._call("call_utility", method, *args, timeout=timeout)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self._call("sleep", level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        return bool(self._call("wake_up", tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("is_sleeping"))
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.client.shutdown()
+        finally:
+            if self.loop is not None:
+                self.loop.close()
+
+    def __enter__(self) -> ClientUnderTest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+ClientFactory = Callable[..., ClientUnderTest]
+"""``factory(**options) -> ClientUnderTest``: a fresh client; it honours ``config=``,
+``engine_startup_delay_s=`` and ``engine_fault=`` or raises ``NotApplicable`` (module
+docstring)."""
+
+
+def open_client(
+    kind: str, config: Any, *, construct_in_loop: bool = False, **options: Any
+) -> ClientUnderTest:
+    """Build a built-in client of ``kind`` (inproc, sync, async) with ``trace`` recording."""
+    from ..runtime.factory import make_client
+
+    if kind not in CLIENT_KINDS:
+        raise ValueError(f"kind must be one of {CLIENT_KINDS}, got {kind!r}")
+    if kind == "inproc":
+        unsupported = sorted(k for k in _ENGINE_PROCESS_OPTIONS if k in options)
+        if unsupported:
+            raise NotApplicable(f"the in-process client has no engine process: {unsupported}"
+                                " cannot apply")
+    trace: list[TraceEntry] = options.pop("trace", None)
+    if trace is None:
+        trace = []
+    if kind == "async":
+        loop = _LoopThread()
+        try:
+            if construct_in_loop:
+                async def build() -> Any:
+                    return make_client(config, multiprocess=True, asyncio=True, trace=trace,
+                                       **options)
+
+                client = loop.run(build(), timeout=None)
+            else:
+                client = make_client(config, multiprocess=True, asyncio=True, trace=trace,
+                                     **options)
+        except BaseException:
+            loop.close()
+            raise
+        return ClientUnderTest(client, kind, trace, loop)
+    client = make_client(config, multiprocess=kind == "sync", asyncio=False, trace=trace,
+                         **options)
+    return ClientUnderTest(client, kind, trace)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Finished:
+    tokens: list[int]
+    reason: FinishReason
+    error: str | None = None
+    num_cached_tokens: int = 0  # the most any of its outputs reported
+
+
+_PROMPT = [1, 2, 3, 4]
+
+
+def max_new_tokens(cut: ClientUnderTest, prompt_len: int = len(_PROMPT)) -> int | None:
+    """How many tokens a request with a ``prompt_len``-token prompt can run before
+    ``max_model_len`` ends it (None when the client does not say its config)."""
+    mml = getattr(getattr(cut.client, "config", None), "max_model_len", None)
+    return None if mml is None else int(mml) - prompt_len
+
+
+def _fit(cut: ClientUnderTest, want: int, what: str, minimum: int = 1) -> int:
+    """``want`` tokens, or fewer when ``max_model_len`` allows fewer (at least ``minimum``)."""
+    room = max_new_tokens(cut)
+    if room is None or room >= want:
+        return want
+    if room < minimum:
+        raise NotApplicable(f"{what} needs {minimum} tokens after a {len(_PROMPT)}-token prompt;"
+                            f" max_model_len={room + len(_PROMPT)} leaves {room}")
+    return room
+
+
+def request(rid: str, max_tokens: int = 20, prompt: list[int] | None = None) -> EngineCoreRequest:
+    """A request that runs exactly ``max_tokens`` tokens (EOS ignored)."""
+    return EngineCoreRequest(
+        rid, prompt or list(_PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
+
+
+def collect(cut: ClientUnderTest, ids: list[str], timeout: float = WAIT_S) -> dict[str, Finished]:
+    """Read outputs until every id in ``ids`` finished; tokens per id, in order."""
+    want = set(ids)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    cached: dict[str, int] = {}
+    done: dict[str, Finished] = {}
+    deadline = time.monotonic() + timeout
+    while not want.issubset(done):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(
+                f"timed out after {timeout} s; unfinished: {sorted(want - set(done))}")
+        batch = cut.get_output(timeout=min(remaining, 5.0))
+        for out in batch.outputs:
+            if out.request_id in done and out.request_id in want:
+                raise AssertionError(f"output for {out.request_id!r} after it finished")
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
+            if out.finish_reason is not None:
+                done[out.request_id] = Finished(
+                    tokens[out.request_id], FinishReason(out.finish_reason), out.error,
+                    cached[out.request_id])
+    return done
+
+
+def check_trace(cut: ClientUnderTest) -> None:
+    """Every recorded step of the client, request and utility machines is in the spec."""
+    assert cut.trace is not None, "open the client with a trace list"
+    machines: tuple[Machine[Any, Any], ...] = (CLIENT, CLIENT_REQUEST, UTILITY)
+    for machine in machines:
+        validate_trace(machine, cut.trace)
+
+
+def _wait_for(predicate: Callable[[], bool], bound: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > bound:
+            raise AssertionError(f"{what} not seen within {bound} s")
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def stop_process(pid: int, bound: float = WAIT_S) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped.
+
+    ``kill`` only queues a process-directed stop: until the thread the kernel picked to take
+    it runs, the others run on, so a call sent right after could still be answered (seen
+    under load). Once this returns, nothing is answered until SIGCONT or SIGKILL.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + bound
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    # The state follows the parenthesised command name, which may hold spaces.
+                    states.append(f.read().rpartition(")")[2].split()[0])
+        if states and all(st in ("T", "t", "Z", "X") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped {bound} s after SIGSTOP"
+                                 f" (thread states {states})")
+        time.sleep(0.001)
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: str) -> None:
+    try:
+        fut.result(timeout=DEATH_BOUND_S + 5)
+    except EngineDeadError as e:
+        seen = time.monotonic() - killed_at
+        assert seen <= DEATH_BOUND_S, f"{what}: death seen after {seen:.2f} s"
+        assert e.__cause__ is not None, "EngineDeadError must carry its cause"
+        return
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(f"{what}: still blocked after the engine was killed") from None
+    raise AssertionError(f"{what}: returned instead of raising EngineDeadError")

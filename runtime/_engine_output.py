@@ -1,0 +1,268 @@
+"""The engine's output half: the output thread, which owns the PUSH socket, its heartbeat,
+and every send of an output to the front end (direct from the calling thread, or queued).
+
+``_OutputSide`` is a mixin of ``EngineCoreProc`` (runtime/engine_proc.py), which sets its
+state (``_EngineProcState``); separate because the output path has its own rules (one lock,
+order with what is queued, buffers reused only once sent) that nothing else needs to read.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from ..protocol.messages import EngineCoreOutputs, UtilityOutput
+from ._engine_link import (
+    RECONNECT_IVL_MAX_MS,
+    RECONNECT_IVL_MS,
+    _Link,
+    _send_reconnecting,
+    _SendAbandoned,
+)
+from ._engine_shared import IDLE_WAKE_S, _Control, _EngineProcState
+from .faults import FaultPoint
+from .zmq_io import ZMQ_NOBLOCK, backend_send, send_frames
+
+# One logger for the engine process, whichever of its modules logs.
+logger = logging.getLogger("enginewire.runtime.engine_proc")
+
+# Bound on waiting for the output thread to flush the dead sentinel or the last outputs.
+OUTPUT_FLUSH_S = 4.0
+# Batches up to this size are sent by the thread that built them when nothing is queued
+# ahead (no hand-off); larger ones are encoded by the output thread while the next step runs,
+# if the step leaves it time: a model whose forward never releases the GIL (the null model
+# without a delay) has the busy loop send every batch itself, as the output thread could
+# only take the GIL from it (measured: 0.47 -> 0.70 of the floor's tokens/s at K=1024).
+DIRECT_SEND_MAX_OUTPUTS = 64
+
+
+_STOP = object()  # output-queue item: flush and exit
+
+
+def _is_marker(item: Any) -> bool:
+    """The attach marker, or a session's end: a session's control message, which fault
+    points on the output path leave alone (runtime/integrity.py)."""
+    return isinstance(item, EngineCoreOutputs) and item.session is not None
+
+
+def _seal_mode(item: Any) -> bool | None:
+    """None: send unsealed (a refusal marker: its front end may not seal); True: seal as
+    the first message of a session (the marker); False: seal as usual (a ``_SessionEnded``
+    too: not of this exact type)."""
+    if type(item) is not EngineCoreOutputs or item.session is None:
+        return False
+    return None if item.refusal is not None else True
+
+
+class _Encoded:
+    """Output-queue item: a message already encoded (and fault-checked) by a direct sender."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+
+
+class _OutputSide(_EngineProcState):
+    """The output half of ``EngineCoreProc``: its output thread and the sends to the client."""
+
+    def _output_thread(self, address: str) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, int(OUTPUT_FLUSH_S * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
+        link = _Link()  # reconnect after a protocol error only (see _Link)
+        peer = threading.Event()  # a front end's connection is up (the monitor says)
+
+        def dropped() -> None:
+            peer.clear()
+            link.drop()
+
+        def connected() -> None:
+            peer.set()
+            link.mend()
+
+        self._guard.connect_as_client(sock, "output", on_drop=dropped,
+                                      on_connect=connected, on_retry=link.mend)
+        hb = self.heartbeat_interval_s
+        try:
+            sock.connect(address)
+            with self._out_lock:
+                self._out = (sock, address, link)
+                self._out_send = backend_send(type(sock))
+            while True:
+                wait = None if hb is None else max(0.0, hb - (time.monotonic() - self._last_send))
+                try:
+                    item = self.output_queue.get(timeout=wait)
+                except queue.Empty:
+                    # Idle heartbeat: lets an attached client tell "idle" from "gone". Direct
+                    # sends count as traffic, so a busy link carries no extra heartbeats.
+                    # Only to a connected peer whose pipe has room: a beat queued for nobody
+                    # is stale when it arrives, and a standalone engine alone for long filled
+                    # its pipe with them until a send blocked for good (SIGTERM then wedged).
+                    with self._out_lock:
+                        if self._out_pending == 0 and (
+                            hb is None or time.monotonic() - self._last_send >= hb
+                        ):
+                            if peer.is_set() and sock.poll(0, zmq.POLLOUT):
+                                self._send_locked(EngineCoreOutputs(
+                                    engine_index=self.engine_index,
+                                    timestamp=EngineCoreOutputs.now()))
+                            else:
+                                self._last_send = time.monotonic()  # next beat: an interval on
+                    continue
+                if item is _STOP:
+                    return
+                with self._out_lock:
+                    self._out_pending -= 1
+                    self._send_locked(item)
+                if isinstance(item, bytes):  # the engine-dead sentinel: nothing follows it
+                    return
+        except zmq.ContextTerminated:
+            return
+        except _SendAbandoned:
+            logger.warning("engine stopping: its front end stopped reading; outputs still"
+                           " queued for it are dropped")
+            return
+        except BaseException:
+            logger.exception("engine output thread failed")
+            # Nothing can reach the client any more; make the engine stop.
+            self.input_queue.put((_Control.SHUTDOWN, RuntimeError("output thread failed")))
+        finally:
+            with self._out_lock:
+                self._out = None
+            # Linger to flush the last outputs only if a front end ever connected: with none,
+            # nothing can be delivered and the linger would only delay the exit.
+            sock.close(linger=None if self._peer_seen.is_set() else 0)
+
+    def _send_locked(self, item: Any) -> None:
+        """Encode and send one item on the PUSH socket; the caller holds ``_out_lock``."""
+        out = self._out
+        if out is None:
+            return
+        sock, address, link = out
+        give_up = self._past_stop
+        if isinstance(item, bytes):  # the engine-dead sentinel
+            _send_reconnecting(sock, address, link, functools.partial(sock.send, item), give_up)
+            return
+        if type(item) is _Encoded:  # a direct send that found the pipe full
+            _send_reconnecting(sock, address, link, functools.partial(
+                send_frames, sock, item.frames), give_up)
+            self._last_send = time.monotonic()
+            return
+        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
+            self.faults(FaultPoint.OUTPUT_SEND)
+        pool = self._out_pool
+        buf = pool.acquire()
+        frames = self._out_encoder.encode_into(item, buf)
+        if self._integrity is not None and (mode := _seal_mode(item)) is not None:
+            frames = [*frames, self._integrity.seal(frames, restart=mode)]
+        # The payload's own tracker decides when ``buf`` may be reused.
+        tracker = _send_reconnecting(sock, address, link, functools.partial(
+            send_frames, sock, frames, track=True), give_up)
+        if self._reuse_early:
+            sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
+        pool.release(buf, tracker)
+        self._last_send = time.monotonic()
+
+    def _put_output(self, item: Any, *, direct: bool) -> None:
+        """Hand ``item`` to the client, in order with everything handed over before it.
+
+        ``direct`` sends on the calling thread when nothing is queued ahead of it: a reply
+        that does not wait for the output thread saves a thread wake-up per round trip. Big
+        batches during a busy step go through the queue, so encoding overlaps the next step.
+        """
+        with self._out_lock:
+            out = self._out
+            if direct and self._out_pending == 0 and out is not None:
+                try:
+                    item = self._send_direct(out[0], item)
+                except zmq.ContextTerminated:
+                    return
+                except BaseException as e:
+                    self._send_failed(e)
+                    return
+                if item is None:
+                    return
+            self._out_pending += 1
+            self.output_queue.put(item)
+
+    def _past_stop(self) -> bool:
+        stop_by = self._stop_by
+        return stop_by is not None and time.monotonic() > stop_by
+
+    def _send_failed(self, error: BaseException) -> None:
+        """A direct send raised: nothing more can reach the client, so the engine stops."""
+        logger.exception("engine: sending outputs failed")
+        self.input_queue.put((_Control.SHUTDOWN, RuntimeError(f"output send failed: {error!r}")))
+
+    def _send_direct(self, sock: zmq.Socket[Any], item: Any) -> _Encoded | None:
+        """Send ``item`` now if the socket takes it without blocking (None), else return it
+        encoded for the output thread. A direct sender must never block: a gone or slow
+        client fills the pipe, and then only the output thread waits on it while the busy
+        loop still sees a shutdown. Caller holds ``_out_lock``."""
+        if self._reuse_early:  # the mutant reuses pooled buffers on every path
+            self._send_locked(item)
+            return None
+        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
+            self.faults(FaultPoint.OUTPUT_SEND)
+        # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps
+        # a reference to it until libzmq is done (above), and nothing else writes to it.
+        frames = self._out_encoder.encode(item)
+        if self._integrity is not None and (mode := _seal_mode(item)) is not None:
+            frames = [*frames, self._integrity.seal(frames, restart=mode)]
+        try:
+            # NOBLOCK on the first frame decides for the whole message: once libzmq has
+            # taken the first part of a multipart message, it takes the rest.
+            send_frames(sock, frames, flags=ZMQ_NOBLOCK)
+        except zmq.Again:
+            return _Encoded(frames)
+        self._last_send = time.monotonic()
+        return None
+
+    def _send_encoded(self, payload: bytes) -> None:
+        """Send a one-frame message now if the pipe takes it, else queue it behind what is
+        already there (``_put_output``'s order, for a payload encoded by the caller)."""
+        with self._out_lock:
+            out = self._out
+            if out is not None and self._out_pending == 0:
+                try:
+                    self._out_send(out[0], payload, ZMQ_NOBLOCK)
+                    self._last_send = time.monotonic()
+                    return
+                except zmq.Again:
+                    pass
+                except zmq.ContextTerminated:
+                    return
+                except BaseException as e:
+                    self._send_failed(e)
+                    return
+            self._out_pending += 1
+            self.output_queue.put(_Encoded([payload]))
+
+    def _emit_utility(self, out: UtilityOutput) -> None:
+        self._put_output(
+            EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
+                              timestamp=EngineCoreOutputs.now()),
+            direct=True,
+        )
+
+    def _emit(self, outputs: EngineCoreOutputs | None) -> bool:
+        if outputs is None:
+            return False
+        if not (outputs.outputs or outputs.stream_ids or outputs.finished_requests
+                or outputs.utility_output):
+            return False
+        if outputs.engine_index != self.engine_index:
+            outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
+        size = len(outputs.outputs) + len(outputs.stream_ids)
+        self._put_output(outputs, direct=size <= DIRECT_SEND_MAX_OUTPUTS or not self._overlap)
+        return True
