@@ -211,3 +211,11 @@ def test_the_engine_exits_once_its_front_end_is_killed(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 10
     finally:
         front.kill()
+
+
+def test_a_front_end_whose_working_directory_was_removed_still_starts_an_engine(
+        tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = f"import os\nos.chdir({str(gone)!r})\nos.rmdir({str(gone)!r})\n" + SCRIPT
+    assert _python(["-c", code], tmp_path).split() == ["OK", "4", "hi"]
