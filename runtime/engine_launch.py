@@ -282,12 +282,12 @@ class EngineSubprocess:
 def _import_path() -> list[str]:
     """This process's ``sys.path`` with relative entries (``''`` is the working directory)
     made absolute: the child starts elsewhere in the tree but must import the same code."""
+    entries = [p for p in sys.path if isinstance(p, str)]
     try:
-        cwd: str | None = os.getcwd()
+        cwd = os.getcwd()
     except OSError:  # the working directory was removed: its relative entries find nothing
-        cwd = None
-    return [p if os.path.isabs(p) else os.path.join(cwd, p)
-            for p in sys.path if isinstance(p, str) and (cwd is not None or os.path.isabs(p))]
+        return [p for p in entries if os.path.isabs(p)]
+    return [p if os.path.isabs(p) else os.path.join(cwd, p) for p in entries]
 
 
 def launch_engine_process(config_type: type, config: bytes, kwargs: dict[str, Any],
