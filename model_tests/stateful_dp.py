@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Rule 1: as in ``stateful.py``, preconditions and strategies read only the model
+Rule 1: as in ``stateful_client.py``, preconditions and strategies read only the model
 (``DPOracle``): which engines the test killed, whether it paused them, how long the client
 has lived. Where the system may legitimately differ (a request's last batch queued before its
 engine died, a routed request nobody has heard from yet) the oracle keeps what is allowed.
@@ -32,6 +32,10 @@ engine process it ever had (replacements too) was reaped and no thread or fd lea
 Engines are expensive, so ``DPClientPool`` keeps one healthy client from example to example;
 a client that lost an engine, was shut down, or restarts engines where the next example
 wants it not to (or the other way round), is closed and checked.
+
+The plumbing, the rules it runs as the one-engine machine does (aborts, reads, echo and the
+broadcast sleep, pause, wake-up and resume, each with this machine's checks added through a
+hook) and the teardown are ``stateful_base.CampaignMachine``'s.
 """
 
 from __future__ import annotations
@@ -41,40 +45,22 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from ..protocol.messages import EngineCoreRequest
 from ..spec.client import ClientState
-from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation, UtilityError
+from ..spec.errors import EngineDeadError, UtilityError
 from ..spec.membership import MembershipState
 from . import conformance as cf
-from .oracle import (
-    DPOracle,
-    OracleViolation,
-    Phase,
-    ResourceSnapshot,
-    check_reaped,
-    check_released,
-    check_traces,
-    null_tokens,
-)
-from .stateful import (
-    _JSONISH,
-    _WAKE_TAG_SETS,
-    DEATH_BOUND_S,
-    MAX_LIVE,
-    SHUTDOWN_BOUND_S,
-    WAIT_MODE_TOKENS,
-    WAIT_S,
-    CampaignStats,
-    RuleLimits,
-    _note,
-)
+from .bounds import DEATH_BOUND_S, MAX_LIVE, WAIT_S, RuleLimits, check_shutdown_took
+from .oracle import DPOracle, OracleViolation, Phase, ResourceSnapshot, check_reaped, check_released
+from .pools import ensure_resource_tracker
+from .stateful_base import _ADD_DRAWS, CampaignMachine, CampaignStats
 
 __all__ = ["DPClientPool", "DataParallelStateMachine", "dp_factory"]
 
@@ -128,9 +114,8 @@ def close_dp_and_check(live: _DPLive, *, check: bool = True) -> float:
         live.note_pids()
     live.cut.shutdown()
     took = time.monotonic() - start
-    if check and took > SHUTDOWN_BOUND_S:
-        raise OracleViolation(f"shutdown took {took:.1f} s (bound {SHUTDOWN_BOUND_S} s)")
     if check:
+        check_shutdown_took(took)
         check_reaped(live.pids, live.before)
         # Ray's driver keeps connections and threads of its own per actor it talked to
         # (outside enginewire's control): with Ray engines only the processes are judged.
@@ -162,10 +147,7 @@ class DPClientPool:
             return live
         if live is not None:
             close_dp_and_check(live)
-        with contextlib.suppress(Exception):
-            from multiprocessing import resource_tracker
-
-            resource_tracker.ensure_running()  # process-wide, once: not a leak
+        ensure_resource_tracker()
         before = ResourceSnapshot.take()
         start = time.monotonic()
         cut = self.factory(restart_dead_engines=restarts,
@@ -192,120 +174,43 @@ class DPClientPool:
             close_dp_and_check(live)
 
 
-class DataParallelStateMachine(RuleBasedStateMachine):
+class DataParallelStateMachine(CampaignMachine):
     """Random add/abort/broadcast/kill/restart/shutdown programs on a data-parallel client."""
+
+    live: _DPLive | None
+    oracle: DPOracle
 
     def __init__(self, pool: DPClientPool, *, kind: str = "sync", faults: bool = True,
                  exact_tokens: bool = True, vocab_size: int = 512,
                  stats: CampaignStats | None = None, min_life: int = 3) -> None:
-        super().__init__()
-        if kind not in DP_KINDS:
-            raise ValueError(f"kind must be one of {DP_KINDS}, got {kind!r}")
-        self.kind = kind
-        self.faults = faults
+        super().__init__(kind=kind, kinds=DP_KINDS, faults=faults, vocab_size=vocab_size,
+                         stats=stats if stats is not None else pool.stats, min_life=min_life)
         self.exact_tokens = exact_tokens
-        self.vocab_size = vocab_size
         self.pool = pool
-        self.stats = stats if stats is not None else pool.stats
-        self.min_life = min_life
-        self._program = [f"state = {type(self).__name__}()"]
-        self.live: _DPLive | None = None
+        self.live = None
         self.oracle = DPOracle(exact_tokens=exact_tokens, engines=2)
         self.limits = RuleLimits()
         self.restarts = False
-        self._ids = 0
-        self._busy: str | None = None
-        self._life = 0
         self.stats.examples += 1
 
     # -- plumbing ---------------------------------------------------------------------------
 
     @property
-    def cut(self) -> cf.ClientUnderTest:
-        assert self.live is not None
-        return self.live.cut
-
-    @property
     def engines(self) -> int:
         return self.oracle.engines
 
-    @property
-    def alive(self) -> bool:
-        return self.live is not None and self.oracle.phase is Phase.ALIVE
+    def _drain_context(self, left: list[str]) -> str:
+        where = {r: self.oracle.placed.get(r) for r in left}
+        return (f"on engines {where}; engines killed: {sorted(self.oracle.dead)}, paused="
+                f"{self.oracle.paused}, client {self.cut.client.state.name},"
+                f" engines {self._states()}")
 
-    @contextlib.contextmanager
-    def _rule(self, name: str, args: dict[str, Any]) -> Iterator[None]:
-        """As ``EngineClientStateMachine._rule``: counted, timed, written to the program."""
-        self._busy = name
-        self._life += 1
-        self.stats.step(name)
-        shown = ", ".join(f"{k}={v!r}" for k, v in args.items() if k != "self")
-        self._program.append(f"state.{name}({shown})")
-        start = time.monotonic()
-        try:
-            yield
-        except BaseException as e:
-            self.stats.record_failure(name, e, self._program)
-            raise
-        self.stats.seconds[name] += time.monotonic() - start
-        self._busy = None
-
-    def _fresh_id(self) -> str:
-        self._ids += 1
-        return f"r{self._ids}"
-
-    def _token(self, t: int) -> int:
-        return t if t < self.vocab_size else 3 + (t - 3) % (self.vocab_size - 3)
-
-    def _refusal(self) -> type[BaseException]:
-        return EngineDeadError if self.oracle.phase is Phase.DEAD else ClientClosedError
-
-    def _expect_raises(self, kinds: type[BaseException] | tuple[type[BaseException], ...],
-                       fn: Callable[[], Any], what: str) -> BaseException:
-        try:
-            fn()
-        except kinds as e:
-            return e
-        except BaseException as e:
-            raise OracleViolation(
-                f"{what}: raised {type(e).__name__}: {e}; expected {kinds}") from e
-        raise OracleViolation(f"{what}: returned; expected {kinds}")
-
-    def _poll(self, timeout: float) -> EngineCoreOutputs:
-        batch = self.cut.get_output(timeout=timeout)
-        if batch.outputs:
-            self.oracle.observe(batch)
-        return batch
-
-    def _drain(self, ids: list[str] | None = None, bound: float = WAIT_S) -> None:
-        deadline = time.monotonic() + bound
-        if ids is None:
-            ids = self.oracle.must_finish_ids()
-        while True:
-            left = [r for r in ids if not self.oracle.requests[r].finished]
-            if not left:
-                return
-            if time.monotonic() > deadline:
-                where = {r: self.oracle.placed.get(r) for r in left}
-                raise OracleViolation(
-                    f"drain: {left} did not finish within {bound} s (on engines {where};"
-                    f" engines killed: {sorted(self.oracle.dead)}, paused="
-                    f"{self.oracle.paused}, client {self.cut.client.state.name},"
-                    f" engines {self._states()})")
-            try:
-                self._poll(0.2)
-            except EngineDeadError:
-                if self.oracle.phase is Phase.ALIVE:
-                    raise OracleViolation(
-                        f"get_output raised EngineDeadError with engines"
-                        f" {self.oracle.serving()} alive (engines {self._states()})") from None
-                return
+    def _unexpected_death(self) -> str:
+        return (f"get_output raised EngineDeadError with engines {self.oracle.serving()}"
+                f" alive (engines {self._states()})")
 
     def _states(self) -> dict[int, str]:
         return {i: s.name for i, s in self.cut.client.engines.items()}
-
-    def _pending_calls(self) -> int:
-        return int(self.cut.client.pending_utility_calls())
 
     def _wait_pending(self, n: int, call: concurrent.futures.Future[Any]) -> None:
         deadline = time.monotonic() + WAIT_S
@@ -315,24 +220,10 @@ class DataParallelStateMachine(RuleBasedStateMachine):
                                       f" (the call done: {call.done()})")
             time.sleep(0.001)
 
-    def _request(self, rid: str, prompt: list[int], max_tokens: int, seed: int,
-                 stop_at: int | None, rank: int | None = None,
-                 ignore_eos: bool = False) -> tuple[EngineCoreRequest, list[int] | None,
-                                                   int | None]:
-        expected, stop_ids, stop_index = None, [], None
-        max_tokens = self.limits.cap(len(prompt), max_tokens)
-        if self.exact_tokens:
-            expected = null_tokens(seed, len(prompt), max_tokens, self.vocab_size)
-            if stop_at is not None and stop_at < max_tokens:
-                stop_ids = [expected[stop_at]]
-                stop_index = expected.index(expected[stop_at])
-        sp = SamplingParams(max_tokens=max_tokens, seed=seed, stop_token_ids=stop_ids,
-                            ignore_eos=ignore_eos)
-        return (EngineCoreRequest(rid, prompt, sp, data_parallel_rank=rank), expected,
-                stop_index)
-
     def _send(self, req: EngineCoreRequest, expected: list[int] | None,
               stop_index: int | None, *, avoid: set[int] | None = None) -> None:
+        """Add ``req`` and tell the model, with where it is pinned (and, with ``avoid``, the
+        engines it must not run on)."""
         self.cut.add_request(req)
         self.oracle.add(req.request_id, req.sampling_params.max_tokens, expected, stop_index,
                         rank=req.data_parallel_rank, avoid=avoid)
@@ -361,21 +252,17 @@ class DataParallelStateMachine(RuleBasedStateMachine):
     # -- requests ---------------------------------------------------------------------------
 
     @precondition(lambda self: self.alive)
-    @rule(prompt=st.lists(st.integers(3, 511), min_size=1, max_size=8),
-          max_tokens=st.integers(1, 24), seed=st.integers(0, 2**31 - 1),
-          stop_at=st.none() | st.integers(0, 23), pin=_PINS, reuse=st.integers(0, 7))
+    @rule(**_ADD_DRAWS, pin=_PINS)
     def add(self, prompt: list[int], max_tokens: int, seed: int, stop_at: int | None,
             pin: int | None, reuse: int) -> None:
         with self._rule("add", locals()):
-            if len(self.oracle.live_ids()) >= MAX_LIVE:
-                _note(f"add: {MAX_LIVE} requests live already; skipped")
+            if self._full("add"):
                 return
-            tokens = [self._token(t) for t in prompt][:self.limits.max_model_len - 1]
-            done = self.oracle.finished_ids
-            rid = done[-1 - reuse % len(done)] if reuse < 2 and done else self._fresh_id()
+            tokens = self._prompt(*prompt)[:self.limits.max_model_len - 1]
+            rid = self._pick_id(reuse)
             rank = None if pin is None else pin % self.engines
             req, expected, stop_index = self._request(rid, tokens, max_tokens, seed, stop_at,
-                                                      rank)
+                                                      rank=rank)
             if rank is not None and rank in self.oracle.dead:
                 err = self._expect_raises(EngineDeadError, lambda: self.cut.add_request(req),
                                           f"an ADD pinned to dead engine {rank}")
@@ -387,78 +274,12 @@ class DataParallelStateMachine(RuleBasedStateMachine):
                 return
             self._send(req, expected, stop_index)
 
-    @precondition(lambda self: self.alive)
-    @rule(pick=st.integers(0, MAX_LIVE - 1))
-    def add_duplicate(self, pick: int) -> None:
-        with self._rule("add_duplicate", locals()):
-            live = self.oracle.live_ids()
-            if not live:
-                _note("add_duplicate: no request is live")
-                return
-            rid = live[pick % len(live)]
-            req = EngineCoreRequest(rid, [5, 6], SamplingParams(max_tokens=2))
-            self._expect_raises(SpecViolation, lambda: self.cut.add_request(req),
-                                f"re-adding live id {rid!r}")
-
-    @precondition(lambda self: self.live is not None and self.oracle.phase is not Phase.CLOSED)
-    @rule(which=st.sampled_from(["live", "finished", "unknown", "mixed"]),
-          pick=st.integers(0, MAX_LIVE - 1))
-    def abort(self, which: str, pick: int) -> None:
-        with self._rule("abort", locals()):
-            live, done = self.oracle.live_ids(), self.oracle.finished_ids
-            ids: list[str] = []
-            if which in ("live", "mixed") and live:
-                ids.append(live[pick % len(live)])
-            if which in ("finished", "mixed") and done:
-                ids.append(done[pick % len(done)])
-            if which in ("unknown", "mixed") or not ids:
-                ids.append(f"never-sent-{pick}")
-            self.cut.abort_requests(ids)  # to each owner; silent for a dead one
-            self.oracle.abort(ids)
-
-    @precondition(lambda self: self.live is not None)
-    @rule()
-    def drain(self) -> None:
-        with self._rule("drain", locals()):
-            if self.oracle.phase is Phase.CLOSED:
-                self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
-                                    "get_output after shutdown")
-                return
-            self._drain()
-            if self.oracle.phase is Phase.DEAD:
-                self._expect_raises(EngineDeadError, lambda: self.cut.get_output(timeout=0.01),
-                                    "get_output with no engine left")
-
-    @precondition(lambda self: self.live is not None)
-    @rule()
-    def poll(self) -> None:
-        with self._rule("poll", locals()):
-            if self.oracle.phase is Phase.CLOSED:
-                self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
-                                    "get_output after shutdown")
-                return
-            try:
-                self._poll(0.005)
-            except EngineDeadError:
-                if self.alive:
-                    raise OracleViolation(
-                        f"get_output raised EngineDeadError with engines"
-                        f" {self.oracle.serving()} alive") from None
+    def _check_drained(self) -> None:
+        if self.oracle.phase is Phase.DEAD:
+            self._expect_raises(EngineDeadError, lambda: self.cut.get_output(timeout=0.01),
+                                "get_output with no engine left")
 
     # -- utilities --------------------------------------------------------------------------
-
-    @precondition(lambda self: self.live is not None)
-    @rule(value=_JSONISH)
-    def echo(self, value: Any) -> None:
-        """A one-engine utility: it goes to a serving engine, whichever died."""
-        with self._rule("echo", locals()):
-            if not self.alive:
-                self._expect_raises(self._refusal(), lambda: self.cut.call_utility("echo", value),
-                                    "echo on a dead/closed client")
-                return
-            got = self.cut.call_utility("echo", value)
-            if got != value:
-                raise OracleViolation(f"echo({value!r}) returned {got!r}")
 
     @precondition(lambda self: self.live is not None)
     @rule(value=st.integers(-5, 5))
@@ -488,82 +309,24 @@ class DataParallelStateMachine(RuleBasedStateMachine):
 
     # -- broadcast: sleep, wake, pause, resume ----------------------------------------------
 
-    def _work_in_flight(self, mode: str) -> None:
-        """A wait-mode pause drains something: one long routed request."""
-        if mode != "wait" or self.oracle.paused or len(self.oracle.live_ids()) >= MAX_LIVE:
-            return
-        req, expected, _ = self._request(self._fresh_id(), [5, 6, 7], WAIT_MODE_TOKENS, 11,
-                                         None, ignore_eos=True)
-        self._send(req, expected, None)
-
-    def _after_pause(self, mode: str, level: int | None) -> None:
-        drained = self.oracle.pause(mode, level)
-        if mode != "wait" or not drained:
-            return
+    def _read_queued(self) -> None:
         # Every engine replied once idle, after the outputs it drained: those are queued in
         # the members now, and nothing more comes while they are paused. Read them all.
         deadline = time.monotonic() + WAIT_S
         with contextlib.suppress(EngineDeadError):
             while self.cut.client.queued_outputs() and time.monotonic() < deadline:
                 self._poll(0.05)
-        early = [r for r in drained if not self.oracle.requests[r].finished]
-        if early:
-            raise OracleViolation(f"sleep/pause(wait) replied before {early} finished")
 
-    @precondition(lambda self: self.live is not None)
-    @rule(level=st.sampled_from([0, 1, 2]), mode=st.sampled_from(["abort", "wait", "keep"]))
-    def sleep(self, level: int, mode: str) -> None:
-        with self._rule("sleep", locals()):
-            if not self.alive:
-                self._expect_raises(self._refusal(), lambda: self.cut.sleep(level, mode),
-                                    "sleep on a dead/closed client")
-                return
-            self._work_in_flight(mode)
-            self.cut.sleep(level, mode)
-            self._after_pause(mode, level)
-            members = [self.cut.client.engine_client(i) for i in self.oracle.serving()]
-            awake = [i for i, m in zip(self.oracle.serving(), members, strict=True)
-                     if m is None or m.state is not ClientState.SLEEPING]
-            if awake:
-                raise OracleViolation(f"sleep() returned yet engines {awake} are not asleep")
-            if not self.cut.is_sleeping():
-                raise OracleViolation("is_sleeping() is False right after sleep()")
+    def _check_asleep(self) -> None:
+        members = [self.cut.client.engine_client(i) for i in self.oracle.serving()]
+        awake = [i for i, m in zip(self.oracle.serving(), members, strict=True)
+                 if m is None or m.state is not ClientState.SLEEPING]
+        if awake:
+            raise OracleViolation(f"sleep() returned yet engines {awake} are not asleep")
 
-    @precondition(lambda self: self.alive)
-    @rule(mode=st.sampled_from(["abort", "wait", "keep"]))
-    def pause(self, mode: str) -> None:
-        with self._rule("pause", locals()):
-            self._work_in_flight(mode)
-            self.cut._call("pause_scheduler", mode)
-            self._after_pause(mode, None)
-
-    @precondition(lambda self: self.live is not None)
-    @rule(tags=_WAKE_TAG_SETS)
-    def wake_up(self, tags: list[str] | None) -> None:
-        with self._rule("wake_up", locals()):
-            if not self.alive:
-                self._expect_raises(self._refusal(), lambda: self.cut.wake_up(tags),
-                                    "wake_up on a dead/closed client")
-                return
-            want = self.oracle.expect_wake(tags)
-            got = self.cut.wake_up(tags)
-            if got is not want:
-                raise OracleViolation(f"wake_up({tags}) returned {got}; the model says {want}"
-                                      f" (asleep: {sorted(self.oracle.asleep_tags)})")
-            self.oracle.wake(tags)
-            if want and self.cut.is_sleeping():
-                raise OracleViolation("is_sleeping() is True after a full wake_up")
-
-    @precondition(lambda self: self.alive)
-    @rule()
-    def resume(self) -> None:
-        with self._rule("resume", locals()):
-            if self.oracle.resume_allowed():
-                self.cut._call("resume_scheduler")
-                self.oracle.resume()
-            else:
-                self._expect_raises(UtilityError, lambda: self.cut._call("resume_scheduler"),
-                                    "resume_scheduler while asleep")
+    def _check_woken(self, full: bool) -> None:
+        if full and self.cut.is_sleeping():
+            raise OracleViolation("is_sleeping() is True after a full wake_up")
 
     # -- losing an engine -------------------------------------------------------------------
 
@@ -688,30 +451,15 @@ class DataParallelStateMachine(RuleBasedStateMachine):
             assert self.live is not None
             pending: list[concurrent.futures.Future[Any]] = []
             if with_pending and self.alive:
-                live = self.oracle.live_ids()
-                if live:
-                    self.cut.abort_requests(live)
-                    self.oracle.abort(live)
-                    self._drain(live)
+                self._quiesce()
                 pending.append(self.cut.submit("get_output"))
                 self.cut.call_utility("echo", 0)  # the read is waiting by now
             self.live.note_pids()
             start = time.monotonic()
             self.cut.client.shutdown()
             took = time.monotonic() - start
-            for fut in pending:
-                try:
-                    fut.result(timeout=DEATH_BOUND_S + 3)
-                except ClientClosedError:
-                    continue
-                except concurrent.futures.TimeoutError:
-                    raise OracleViolation("a read blocked at shutdown was never woken") from None
-                except BaseException as e:
-                    raise OracleViolation(f"a read blocked at shutdown raised"
-                                          f" {type(e).__name__}: {e}") from None
-                raise OracleViolation("a read blocked at shutdown returned a value")
-            if took > SHUTDOWN_BOUND_S:
-                raise OracleViolation(f"shutdown took {took:.1f} s (bound {SHUTDOWN_BOUND_S} s)")
+            self._expect_closed(pending, "a read blocked at shutdown")
+            check_shutdown_took(took)
             self.oracle.closed()
             states = set(self.cut.client.engines.values())
             if states != {MembershipState.SHUT_DOWN}:
@@ -732,32 +480,15 @@ class DataParallelStateMachine(RuleBasedStateMachine):
         if self._busy is not None or self.live is None:
             return
         client = self.cut.client
-        problem = None
-        state = client.state
-        allowed = self.oracle.expected_client_states()
-        if state not in allowed:
-            problem = (f"client is {state.name}; the model allows"
-                       f" {sorted(s.name for s in allowed)}")
-        elif self.oracle.phase is Phase.ALIVE:
+        problem = self._client_state_problem()
+        if problem is None and self.oracle.phase is Phase.ALIVE:
             want = {i: (MembershipState.DEAD if i in self.oracle.dead
                         else MembershipState.SERVING) for i in range(self.engines)}
             if client.engines != want:
                 problem = (f"engines are {self._states()}; the model says"
                            f" {({i: s.name for i, s in want.items()})}")
         if problem is not None:
-            err = OracleViolation(problem)
-            self.stats.record_failure("invariant client_matches_model", err, self._program)
-            raise err
-
-    def _record_trace(self) -> None:
-        trace = self.cut.trace
-        if trace is None:
-            return
-        self.stats.coverage.add(trace)
-        try:
-            check_traces(trace)
-        finally:
-            del trace[:]
+            self._invariant_failed("client_matches_model", problem)
 
     def _finish_client(self, *, check: bool) -> None:
         live = self.live
@@ -770,47 +501,7 @@ class DataParallelStateMachine(RuleBasedStateMachine):
             self._record_trace()
             self.live = None
 
-    def teardown(self) -> None:
-        self._program.append("state.teardown()")
-        try:
-            self._teardown()
-        except BaseException as e:
-            self.stats.record_failure("teardown", e, self._program)
-            raise
-
-    def _teardown(self) -> None:
-        live = self.live
-        if live is None:
-            return
-        try:
-            if self._busy is not None:
-                _note(f"rule {self._busy} did not finish; discarding its client")
-                self._finish_client(check=False)
-                return
-            if self.oracle.phase is not Phase.ALIVE:
-                self._finish_client(check=True)
-                return
-            self._drain()
-            if self._pending_calls():
-                raise OracleViolation(f"{self._pending_calls()} utility call(s) still pending")
-            left = self.oracle.live_ids()
-            if left:
-                self.cut.abort_requests(left)
-                self.oracle.abort(left)
-            if self.oracle.paused:
-                if self.cut.wake_up(None) is not True:
-                    raise OracleViolation("wake_up(None) at teardown was not full")
-                self.oracle.wake(None)
-            self._drain(self.oracle.live_ids())
-            if self.oracle.phase is not Phase.ALIVE:
-                raise OracleViolation("an engine died during teardown")
-            unfinished = [r for r, m in self.oracle.requests.items() if not m.finished]
-            if unfinished:
-                raise OracleViolation(f"requests never ended: {unfinished}")
-            self._record_trace()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self._finish_client(check=False)
-            raise
-        self.live = None
+    def _hand_back(self) -> None:
+        live, self.live = self.live, None
+        assert live is not None
         self.pool.release(live)

@@ -1,0 +1,561 @@
+"""What every campaign machine shares: ``CampaignStats``, the counters of a campaign, and
+``CampaignMachine``, the base of ``EngineClientStateMachine`` (one engine) and
+``DataParallelStateMachine`` (N engines).
+
+``CampaignMachine`` holds the plumbing (a rule counted, timed and written to the example's
+program; ids, prompts and requests; reads judged by the oracle; drains), the rules both
+machines run with the same strategies (``add_duplicate``, ``abort``, ``drain``, ``poll``,
+``echo``, ``sleep``, ``pause``, ``wake_up``, ``resume``), and the teardown's liveness
+obligations. Where the two differ, a rule calls a hook its machine overrides (``_check_*``,
+``_read_queued``, ``_drain_context``, ``_unexpected_death``). Hypothesis orders rules by name,
+wherever they are defined, so a rule here draws as it did in its machine's own file. The
+theory of operation is ``stateful_client.py``'s; the data-parallel differences are
+``stateful_dp.py``'s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypedDict
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from ..runtime.engine import WAKE_TAGS
+from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation, UtilityError
+from . import conformance as cf
+from .bounds import DEATH_BOUND_S, MAX_LIVE, WAIT_MODE_TOKENS, WAIT_S, RuleLimits
+from .oracle import Coverage, Oracle, OracleViolation, Phase, check_traces, null_tokens
+
+
+def _note(text: str) -> None:
+    """``hypothesis.note`` inside a test; nothing when a reproducer runs as a plain program
+    (where ``note`` raises)."""
+    with contextlib.suppress(InvalidArgument):
+        note(text)
+
+
+@dataclass
+class CampaignStats:
+    """Counters shared by every machine of a campaign (one process, one thread)."""
+
+    steps: int = 0
+    examples: int = 0
+    engines_started: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    rules: Counter[str] = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # rule -> s
+    coverage: Coverage = field(default_factory=Coverage)
+    max_in_flight: int = 0
+    on_step: Callable[[], None] | None = None
+    started: float = field(default_factory=time.monotonic)
+    # (examples run, seconds since start) when the first failure was seen.
+    first_failure: tuple[int, float] | None = None
+    # The last few errors a rule or teardown raised, as "rule: Type: message". Hypothesis may
+    # report a flaky replay (FlakyStrategyDefinition) instead of the error that ended it; the
+    # campaign report shows these so the real failure is not lost.
+    errors: list[str] = field(default_factory=list)
+    # The program of the last example that failed, one ``state.rule(...)`` line per step: the
+    # reproducer when Hypothesis reports a flaky replay instead of printing a shrunk one.
+    failed_program: list[str] = field(default_factory=list)
+    # How the engine config narrowed the rules (RuleLimits.notes), once per distinct note.
+    limits_notes: list[str] = field(default_factory=list)
+
+    def record_failure(self, where: str = "", error: BaseException | None = None,
+                       program: list[str] | None = None) -> None:
+        if self.first_failure is None:
+            self.first_failure = (self.examples, time.monotonic() - self.started)
+        if error is not None:
+            self.errors = [*self.errors[-4:], f"{where}: {type(error).__name__}: {error}"]
+        if program is not None:
+            self.failed_program = list(program)
+
+    def step(self, name: str) -> None:
+        self.steps += 1
+        self.rules[name] += 1
+        if self.on_step is not None:
+            self.on_step()
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=6,
+)
+_WAKE_TAG_SETS = st.one_of(st.none(), st.lists(st.sampled_from(WAKE_TAGS), unique=True,
+                                                max_size=len(WAKE_TAGS)))
+
+
+class _AddDraws(TypedDict):
+    prompt: st.SearchStrategy[list[int]]
+    max_tokens: st.SearchStrategy[int]
+    seed: st.SearchStrategy[int]
+    stop_at: st.SearchStrategy[int | None]
+    reuse: st.SearchStrategy[int]
+
+
+# What every machine's ``add`` draws (each adds its own): a prompt (folded into the
+# vocabulary), max_tokens, a seed, where a stop token falls, and ``reuse`` (``_pick_id``).
+_ADD_DRAWS = _AddDraws(prompt=st.lists(st.integers(3, 511), min_size=1, max_size=8),
+                       max_tokens=st.integers(1, 24), seed=st.integers(0, 2**31 - 1),
+                       stop_at=st.none() | st.integers(0, 23), reuse=st.integers(0, 7))
+
+
+class CampaignMachine(RuleBasedStateMachine):
+    """The plumbing, shared rules and teardown of the campaign machines (see the module
+    docstring); not a machine of its own. ``live`` is the client incarnation (``None``
+    between two data-parallel clients), ``cut`` its ``ClientUnderTest``."""
+
+    live: Any
+    oracle: Oracle
+    pool: Any
+    limits: RuleLimits
+    exact_tokens: bool
+
+    def __init__(self, *, kind: str, kinds: tuple[str, ...], faults: bool, vocab_size: int,
+                 stats: CampaignStats, min_life: int) -> None:
+        super().__init__()
+        if kind not in kinds:
+            raise ValueError(f"kind must be one of {kinds}, got {kind!r}")
+        self.kind = kind
+        self.faults = faults
+        self.vocab_size = vocab_size
+        self.stats = stats
+        self.multiprocess = kind != "inproc"
+        # This example as a program (Hypothesis' own printout of it is lost when it reports
+        # the replay as flaky, as a timing-dependent failure can make it).
+        self._program = [f"state = {type(self).__name__}()"]
+        self._ids = 0
+        self._busy: str | None = None
+        # Steps this client incarnation has lived: crash and shutdown wait for ``min_life``
+        # so that most steps run on a live engine (an engine start costs seconds).
+        self._life = 0
+        self.min_life = min_life
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def cut(self) -> cf.ClientUnderTest:
+        assert self.live is not None
+        cut: cf.ClientUnderTest = self.live.cut
+        return cut
+
+    @property
+    def alive(self) -> bool:
+        return self.live is not None and self.oracle.phase is Phase.ALIVE
+
+    @contextlib.contextmanager
+    def _rule(self, name: str, args: dict[str, Any]) -> Iterator[None]:
+        """Run rule ``name`` called with ``args`` (its ``locals()`` on entry): counted, timed,
+        and written to this example's program, which a failure keeps as its reproducer."""
+        self._busy = name
+        self._life += 1
+        self.stats.step(name)
+        shown = ", ".join(f"{k}={v!r}" for k, v in args.items() if k != "self")
+        self._program.append(f"state.{name}({shown})")
+        start = time.monotonic()
+        try:
+            yield
+        except BaseException as e:
+            self.stats.record_failure(name, e, self._program)
+            raise
+        self.stats.seconds[name] += time.monotonic() - start
+        self._busy = None
+
+    def _fresh_id(self) -> str:
+        self._ids += 1
+        return f"r{self._ids}"
+
+    def _pick_id(self, reuse: int) -> str:
+        """``add``'s id: now and then (``reuse`` < 2) a finished one, which may be reused once
+        its request finished; else a fresh one."""
+        done = self.oracle.finished_ids
+        return done[-1 - reuse % len(done)] if reuse < 2 and done else self._fresh_id()
+
+    def _token(self, t: int) -> int:
+        """A drawn token id folded into the vocabulary (ids below 3 are reserved)."""
+        if self.vocab_size <= 3:
+            return t % self.vocab_size
+        return t if t < self.vocab_size else 3 + (t - 3) % (self.vocab_size - 3)
+
+    def _prompt(self, *tokens: int) -> list[int]:
+        return [self._token(t) for t in tokens]
+
+    def _full(self, rule: str, n: int = 1) -> bool:
+        """Whether ``n`` more requests would pass MAX_LIVE. Checked in the rule, not in a
+        precondition: how many are live depends on how far the engine got, and a rule choice
+        that depends on timing cannot be replayed (Hypothesis reports it as flaky)."""
+        if len(self.oracle.live_ids()) + n <= MAX_LIVE:
+            return False
+        _note(f"{rule}: {MAX_LIVE} requests live already; skipped")
+        return True
+
+    def _refusal(self) -> type[BaseException]:
+        """What every call owes the caller once the engine died or the client was shut."""
+        return EngineDeadError if self.oracle.phase is Phase.DEAD else ClientClosedError
+
+    def _expect_raises(self, kinds: type[BaseException] | tuple[type[BaseException], ...],
+                       fn: Callable[[], Any], what: str) -> BaseException:
+        try:
+            fn()
+        except kinds as e:
+            return e
+        except BaseException as e:
+            raise OracleViolation(
+                f"{what}: raised {type(e).__name__}: {e}; expected {kinds}") from e
+        raise OracleViolation(f"{what}: returned; expected {kinds}")
+
+    def _expect_closed(self, futs: list[concurrent.futures.Future[Any]], what: str, *,
+                       returned_ok: bool = False) -> None:
+        """Each of ``futs``, ``what`` (calls blocked as the client went), ends with
+        ClientClosedError within the bound; with ``returned_ok`` a value that beat the
+        shutdown is allowed too (and judged, when it is a batch of outputs)."""
+        for fut in futs:
+            try:
+                got = fut.result(timeout=DEATH_BOUND_S + 3)
+            except ClientClosedError:
+                continue
+            except concurrent.futures.TimeoutError:
+                raise OracleViolation(f"{what} was never woken") from None
+            except BaseException as e:
+                raise OracleViolation(f"{what} raised {type(e).__name__}: {e}, not"
+                                      " ClientClosedError") from e
+            if not returned_ok:
+                raise OracleViolation(f"{what} returned a value")
+            if isinstance(got, EngineCoreOutputs):
+                self._observe(got)
+
+    def _observe(self, batch: EngineCoreOutputs) -> None:
+        if batch.outputs:
+            self.oracle.observe(batch)
+
+    def _poll(self, timeout: float) -> EngineCoreOutputs:
+        batch = self.cut.get_output(timeout=timeout)
+        self._observe(batch)
+        return batch
+
+    def _drain(self, ids: list[str] | None = None, bound: float = WAIT_S) -> None:
+        """Read outputs until every request that must finish did (or the death is seen)."""
+        deadline = time.monotonic() + bound
+        if ids is None:
+            ids = self.oracle.must_finish_ids()
+        while True:
+            left = [r for r in ids if not self.oracle.requests[r].finished]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise OracleViolation(f"drain: {left} did not finish within {bound} s"
+                                      f" ({self._drain_context(left)})")
+            try:
+                self._poll(0.2)
+            except EngineDeadError:
+                if self.oracle.phase is Phase.ALIVE:
+                    raise OracleViolation(self._unexpected_death()) from None
+                self.oracle.died()
+                return
+
+    def _drain_context(self, left: list[str]) -> str:
+        """What a drain that timed out says of the system, beside the ids ``left``."""
+        return f"engine paused={self.oracle.paused}, client {self.cut.client.state.name}"
+
+    def _unexpected_death(self) -> str:
+        """What a read that raised EngineDeadError on a live model says."""
+        return "the engine died without a fault being injected"
+
+    def _quiesce(self) -> None:
+        """End every live request (abort, drain): no output can then reach a blocked read."""
+        live = self.oracle.live_ids()
+        if live:
+            self.cut.abort_requests(live)
+            self.oracle.abort(live)
+            self._drain(live)
+
+    def _pending_calls(self) -> int:
+        fn = getattr(self.cut.client, "pending_utility_calls", None)
+        return 0 if fn is None else int(fn())
+
+    def _request(self, rid: str, prompt: list[int], max_tokens: int, seed: int,
+                 stop_at: int | None, ignore_eos: bool = False, temperature: float = 0.0,
+                 top_p: float = 1.0, *, rank: int | None = None,
+                 ) -> tuple[EngineCoreRequest, list[int] | None, int | None]:
+        """The ADD for ``rid`` (``rank``: pinned to that engine), sized to fit max_model_len,
+        with the null model's tokens and the index of its first stop token when exact."""
+        expected = None
+        stop_ids: list[int] = []
+        stop_index = None
+        max_tokens = self.limits.cap(len(prompt), max_tokens)
+        if self.exact_tokens:
+            expected = null_tokens(seed, len(prompt), max_tokens, self.vocab_size)
+            if stop_at is not None and stop_at < max_tokens:
+                stop_ids = [expected[stop_at]]
+                stop_index = expected.index(expected[stop_at])  # the first hit stops it
+        sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+        return (EngineCoreRequest(rid, prompt, sp, data_parallel_rank=rank), expected,
+                stop_index)
+
+    def _send(self, req: EngineCoreRequest, expected: list[int] | None,
+              stop_index: int | None) -> None:
+        """Add ``req`` and tell the model."""
+        self.cut.add_request(req)
+        self.oracle.add(req.request_id, req.sampling_params.max_tokens, expected, stop_index)
+
+    def _work_in_flight(self, mode: str) -> None:
+        """A wait-mode pause is only interesting with requests to drain: add a long one (it
+        cannot finish before the pause arrives, so the pause must really wait for it)."""
+        if mode != "wait" or self.oracle.paused or len(self.oracle.live_ids()) >= MAX_LIVE:
+            return
+        rid = self._fresh_id()
+        req, expected, _ = self._request(rid, self._prompt(5, 6, 7), WAIT_MODE_TOKENS, 11, None,
+                                         True)
+        self._send(req, expected, None)
+
+    def _after_pause(self, mode: str, level: int | None) -> None:
+        drained = self.oracle.pause(mode, level)
+        if mode != "wait" or not drained:
+            return
+        self._read_queued()
+        early = [r for r in drained if not self.oracle.requests[r].finished]
+        if early:
+            raise OracleViolation(f"sleep/pause(wait) replied before {early} finished")
+
+    def _read_queued(self) -> None:
+        """After a wait-mode pause's reply: read the outputs it waited for, which arrived
+        before it and are queued, and no more (reading on would let a late drain catch up)."""
+        raise NotImplementedError
+
+    def _record_trace(self) -> None:
+        trace = self.cut.trace
+        if trace is None:
+            return
+        self.stats.coverage.add(trace)
+        try:
+            check_traces(trace)
+        finally:
+            del trace[:]
+
+    def _client_state_problem(self) -> str | None:
+        """What is wrong with the client's state, as the model sees it (None: nothing)."""
+        state = self.cut.client.state
+        allowed = self.oracle.expected_client_states()
+        if state in allowed:
+            return None
+        return f"client is {state.name}; the model allows {sorted(s.name for s in allowed)}"
+
+    def _invariant_failed(self, name: str, problem: str) -> NoReturn:
+        err = OracleViolation(problem)
+        # Recorded like a rule's failure: Hypothesis may replace it by a Flaky report.
+        self.stats.record_failure(f"invariant {name}", err, self._program)
+        raise err
+
+    # -- requests ---------------------------------------------------------------------------
+
+    @precondition(lambda self: self.alive)
+    @rule(pick=st.integers(0, MAX_LIVE - 1))
+    def add_duplicate(self, pick: int) -> None:
+        with self._rule("add_duplicate", locals()):
+            # Live as the client sees it: not yet observed finished.
+            live = self.oracle.live_ids()
+            if not live:  # all finished already (timing): nothing live to duplicate
+                _note("add_duplicate: no request is live")
+                return
+            rid = live[pick % len(live)]
+            req = EngineCoreRequest(rid, [5, 6], SamplingParams(max_tokens=2))
+            self._expect_raises(SpecViolation, lambda: self.cut.add_request(req),
+                                f"re-adding live id {rid!r}")
+
+    @precondition(lambda self: self.live is not None and self.oracle.phase is not Phase.CLOSED)
+    @rule(which=st.sampled_from(["live", "finished", "unknown", "mixed"]),
+          pick=st.integers(0, MAX_LIVE - 1))
+    def abort(self, which: str, pick: int) -> None:
+        with self._rule("abort", locals()):
+            live, done = self.oracle.live_ids(), self.oracle.finished_ids
+            ids: list[str] = []
+            if which in ("live", "mixed") and live:
+                ids.append(live[pick % len(live)])
+            if which in ("finished", "mixed") and done:
+                ids.append(done[pick % len(done)])
+            if which in ("unknown", "mixed") or not ids:
+                ids.append(f"never-sent-{pick}")
+            self.cut.abort_requests(ids)  # to each owner; silent on a dead engine
+            self.oracle.abort(ids)
+
+    def _closed_read_refused(self) -> bool:
+        """On a shut-down client a read raises ClientClosedError: True when that was judged."""
+        if self.oracle.phase is not Phase.CLOSED:
+            return False
+        self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
+                            "get_output after shutdown")
+        return True
+
+    @precondition(lambda self: self.live is not None)
+    @rule()
+    def drain(self) -> None:
+        with self._rule("drain", locals()):
+            if self._closed_read_refused():
+                return
+            self._drain()
+            self._check_drained()
+
+    def _check_drained(self) -> None:
+        """What the ``drain`` rule judges once its drain is done (nothing more here)."""
+
+    @precondition(lambda self: self.live is not None)
+    @rule()
+    def poll(self) -> None:
+        """Always enabled: one short read, judged (or the refusal a dead/closed client owes)."""
+        with self._rule("poll", locals()):
+            if self._closed_read_refused():
+                return
+            try:
+                self._poll(0.005)
+            except EngineDeadError:
+                if self.alive:
+                    raise OracleViolation(self._unexpected_death()) from None
+
+    # -- utilities --------------------------------------------------------------------------
+
+    @precondition(lambda self: self.live is not None)
+    @rule(value=_JSONISH)
+    def echo(self, value: Any) -> None:
+        """A round trip (on a data-parallel client, to one serving engine, whichever died)."""
+        with self._rule("echo", locals()):
+            if not self.alive:
+                self._expect_raises(self._refusal(), lambda: self.cut.call_utility("echo", value),
+                                    "echo on a dead/closed client")
+                return
+            got = self.cut.call_utility("echo", value)
+            if got != value:
+                raise OracleViolation(f"echo({value!r}) returned {got!r}")
+
+    # -- sleep, wake, pause -----------------------------------------------------------------
+
+    @precondition(lambda self: self.live is not None)
+    @rule(level=st.sampled_from([0, 1, 2]), mode=st.sampled_from(["abort", "wait", "keep"]))
+    def sleep(self, level: int, mode: str) -> None:
+        with self._rule("sleep", locals()):
+            if mode == "wait" and not self.multiprocess:
+                self._expect_raises(ValueError, lambda: self.cut.sleep(level, mode),
+                                    "in-process sleep(wait)")
+                return
+            if not self.alive:
+                self._expect_raises(self._refusal(), lambda: self.cut.sleep(level, mode),
+                                    "sleep on a dead/closed client")
+                return
+            self._work_in_flight(mode)
+            self.cut.sleep(level, mode)
+            self._after_pause(mode, level)
+            self._check_asleep()
+            if not self.cut.is_sleeping():
+                raise OracleViolation("is_sleeping() is False right after sleep()")
+
+    def _check_asleep(self) -> None:
+        """What ``sleep`` judges once it returned, beside ``is_sleeping()`` (nothing here)."""
+
+    @precondition(lambda self: self.alive)
+    @rule(mode=st.sampled_from(["abort", "wait", "keep"]))
+    def pause(self, mode: str) -> None:
+        with self._rule("pause", locals()):
+            if mode == "wait" and not self.multiprocess:
+                self._expect_raises(ValueError, lambda: self.cut.client.pause_scheduler(mode),
+                                    "in-process pause(wait)")
+                return
+            self._work_in_flight(mode)
+            self.cut._call("pause_scheduler", mode)
+            self._after_pause(mode, None)
+
+    @precondition(lambda self: self.live is not None)
+    @rule(tags=_WAKE_TAG_SETS)
+    def wake_up(self, tags: list[str] | None) -> None:
+        with self._rule("wake_up", locals()):
+            if not self.alive:
+                self._expect_raises(self._refusal(), lambda: self.cut.wake_up(tags),
+                                    "wake_up on a dead/closed client")
+                return
+            want = self.oracle.expect_wake(tags)
+            got = self.cut.wake_up(tags)
+            if got is not want:
+                raise OracleViolation(f"wake_up({tags}) returned {got}; the model says {want}"
+                                      f" (asleep: {sorted(self.oracle.asleep_tags)})")
+            self.oracle.wake(tags)
+            self._check_woken(want)
+
+    def _check_woken(self, full: bool) -> None:
+        """What ``wake_up`` judges once the model woke (``full``: all of it; nothing here)."""
+
+    @precondition(lambda self: self.alive)
+    @rule()
+    def resume(self) -> None:
+        with self._rule("resume", locals()):
+            if self.oracle.resume_allowed():
+                self.cut._call("resume_scheduler")
+                self.oracle.resume()
+            else:
+                # Scheduling cannot resume while memory is released: the engine says so.
+                self._expect_raises(UtilityError, lambda: self.cut._call("resume_scheduler"),
+                                    "resume_scheduler while asleep")
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def _finish_client(self, *, check: bool) -> None:
+        """Shut this client down (its release checked when ``check``) and judge its trace."""
+        raise NotImplementedError
+
+    def _hand_back(self) -> None:
+        """A healthy client at the end of an example: back to its pool."""
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        self._program.append("state.teardown()")
+        try:
+            self._teardown()
+        except BaseException as e:
+            self.stats.record_failure("teardown", e, self._program)
+            raise
+
+    def _teardown(self) -> None:
+        if self.live is None:
+            return
+        try:
+            if self._busy is not None:
+                _note(f"rule {self._busy} did not finish; discarding its client")
+                self._finish_client(check=False)
+                return
+            if self.oracle.phase is not Phase.ALIVE:
+                self._finish_client(check=True)
+                return
+            # Hot obligations: every request that can end does; no call is left pending.
+            self._drain()
+            if self._pending_calls():
+                raise OracleViolation(f"{self._pending_calls()} utility call(s) still pending")
+            # Reset for the next example: end what is left, wake, drain.
+            left = self.oracle.live_ids()
+            if left:
+                self.cut.abort_requests(left)
+                self.oracle.abort(left)
+            if self.oracle.paused:
+                if self.cut.wake_up(None) is not True:
+                    raise OracleViolation("wake_up(None) at teardown was not full")
+                self.oracle.wake(None)
+            self._drain(self.oracle.live_ids())
+            if self.oracle.phase is not Phase.ALIVE:
+                raise OracleViolation("an engine died during teardown")
+            unfinished = [r for r, m in self.oracle.requests.items() if not m.finished]
+            if unfinished:
+                raise OracleViolation(f"requests never ended: {unfinished}")
+            self._record_trace()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._finish_client(check=False)
+            raise
+        self._hand_back()

@@ -1,0 +1,338 @@
+"""The standalone-engine world: ``StandaloneEngine``, an engine started on its own (what
+``enginewire engine`` runs); ``AttachPool``, whose clients attach to it; and
+``StandaloneEngineStateMachine``, which runs ``EngineClientStateMachine``'s rules on those
+front ends and adds the handover: the front end goes, cleanly or without a word, and a new one
+attaches and carries on under a fresh oracle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import time
+from typing import Any, TypedDict
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from ..protocol.messages import EngineCoreOutputs, FinishReason
+from ..runtime.ipc import OWNER_FILE, owned_tempdir
+from ..spec.engine import EngineState
+from ..spec.errors import ClientClosedError
+from . import conformance as cf
+from .bounds import LONG_MAX_TOKENS, MAX_LIVE, SHUTDOWN_BOUND_S, WAIT_S
+from .oracle import Oracle, OracleViolation, ResourceSnapshot, check_released
+from .pools import ClientPool, _Live, close_and_check, ensure_resource_tracker
+from .stateful_base import CampaignStats
+from .stateful_client import EngineClientStateMachine
+
+__all__ = ["AttachPool", "StandaloneEngine", "StandaloneEngineStateMachine"]
+
+# --- an engine started on its own, front end after front end --------------------------------
+
+# The attached clients' heartbeat deadline, and the engine's beat (as tests/runtime/
+# test_reattach.py): only the heartbeat reports the death of an engine the client did not start.
+ATTACHED_HEARTBEAT_TIMEOUT_S = 5.0
+STANDALONE_HEARTBEAT_S = 0.1
+# handover's left-behind requests and its probes after the attach: seeds that differ, so an
+# old output taken for a probe that reuses its id shows as a wrong token (null model).
+LEFT_SEED = 21
+PROBE_SEED = 22
+PROBE_TOKENS = 8
+ATTACH_KINDS = ("sync", "async")
+STANDALONE_DIR_PREFIX = "enginewire-standalone-"
+
+
+class _HandoverDraws(TypedDict):
+    left: st.SearchStrategy[int]
+    then: st.SearchStrategy[str]
+    next_kind: st.SearchStrategy[str]
+
+
+# What both handover rules draw (``_handover``'s arguments).
+_HANDOVER_DRAWS = _HandoverDraws(
+    left=st.integers(0, 3), then=st.sampled_from(["running", "asleep", "paused", "pending"]),
+    next_kind=st.sampled_from(ATTACH_KINDS))
+
+
+def _no_abort() -> None:
+    """Stands in for a client's ``_abort_left_behind``: the front end goes without a word."""
+
+
+class StandaloneEngine:
+    """An engine process started on its own (what ``enginewire engine`` runs): front ends
+    attach to it one after another at the same ipc addresses, and it outlives each of them.
+
+    ``close`` stops it (SIGTERM) and checks that it exited cleanly and that nothing it or its
+    front ends held is left: its process, the socket files, this process's threads and fds."""
+
+    def __init__(self, config: Any, *, faults: bool = True) -> None:
+        import multiprocessing
+
+        import msgspec
+
+        from ..runtime.engine_proc import _process_main
+        from ..runtime.faults import FaultPlan
+
+        ensure_resource_tracker()
+        self.config = config
+        self.before = ResourceSnapshot.take()
+        # Owned by this process: a campaign killed outright leaves it, and the next standalone
+        # engine to start removes it.
+        self.dir = str(owned_tempdir(STANDALONE_DIR_PREFIX))
+        self.input_address = f"ipc://{self.dir}/in"
+        self.output_address = f"ipc://{self.dir}/out"
+        # parent_pid: this engine waits for front ends without a deadline, so a campaign killed
+        # before close() (a CI timeout's SIGTERM) would leave it running for good.
+        kwargs: dict[str, Any] = {"input_address": self.input_address,
+                                  "output_address": self.output_address,
+                                  "heartbeat_interval_s": STANDALONE_HEARTBEAT_S,
+                                  "parent_pid": os.getpid()}
+        if faults:  # the fault rules arm what they inject through a utility call
+            kwargs["fault"] = FaultPlan(allow_arm=True)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=_process_main, name="StandaloneEngine", daemon=True,
+                               args=(type(config), msgspec.msgpack.encode(config), kwargs))
+        self.proc.start()
+        assert self.proc.pid is not None  # started
+        self.pid: int = self.proc.pid
+        self._closed = False
+
+    def attach(self, kind: str) -> cf.ClientUnderTest:
+        """A new front end of ``kind`` (sync or async), attached to this engine."""
+        if kind not in ATTACH_KINDS:
+            raise ValueError(f"a front end attaching to a standalone engine is one of"
+                             f" {ATTACH_KINDS}, not {kind!r}")
+        return cf.open_client(kind, self.config, launch_engine=False,
+                              input_address=self.input_address,
+                              output_address=self.output_address,
+                              engine_heartbeat_timeout_s=ATTACHED_HEARTBEAT_TIMEOUT_S,
+                              ready_timeout_s=WAIT_S)
+
+    def close(self, *, check: bool = True) -> None:
+        """Stop the engine; with ``check``, OracleViolation if anything was left behind."""
+        import shutil
+
+        if self._closed:
+            return
+        self._closed = True
+        problems = []
+        proc = self.proc
+        if not proc.is_alive():
+            problems.append(f"the standalone engine did not outlive its front ends (exit"
+                            f" code {proc.exitcode})")
+        else:
+            os.kill(self.pid, signal.SIGTERM)
+            proc.join(SHUTDOWN_BOUND_S)
+            if proc.is_alive():
+                problems.append(f"the standalone engine ignored SIGTERM for {SHUTDOWN_BOUND_S} s")
+                proc.kill()
+                proc.join(WAIT_S)
+            elif proc.exitcode != 0:
+                problems.append(f"the standalone engine exited with {proc.exitcode} on SIGTERM")
+        with contextlib.suppress(ValueError):  # still running after a SIGKILL: keep its fd
+            proc.close()  # its sentinel fd
+        # Every front end removes the socket files it bound (the engine binds none).
+        left = sorted(set(os.listdir(self.dir)) - {OWNER_FILE})
+        if left:
+            problems.append(f"socket files left behind by the front ends: {left}")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if check and problems:
+            raise OracleViolation("; ".join(problems))
+        if check:
+            check_released(self.before, engine_pid=self.pid, ipc_path=self.dir)
+
+
+class AttachPool(ClientPool):
+    """A ``ClientPool`` over a ``StandaloneEngine``: a new client attaches to it rather than
+    starting an engine. Every example starts on a client of ``kind``: its rules depend on
+    the kind, so an idle client of another kind (left by a handover) is shut down first."""
+
+    def __init__(self, engine: StandaloneEngine, stats: CampaignStats, kind: str = "sync"
+                 ) -> None:
+        super().__init__(lambda: engine.attach(kind), stats)
+        self.engine = engine
+        self.kind = kind
+
+    def acquire(self) -> _Live:
+        idle = self._idle
+        if idle is not None and idle.cut.kind != self.kind:
+            self._idle = None
+            close_and_check(idle)
+        if self._idle is not None:
+            return super().acquire()
+        return self.attach(self.kind)
+
+    def attach(self, kind: str) -> _Live:
+        before = ResourceSnapshot.take()
+        start = time.monotonic()
+        cut = self.engine.attach(kind)
+        self.stats.seconds["(attach)"] += time.monotonic() - start
+        return _Live(cut, before, None, None)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.engine.close()
+
+
+class StandaloneEngineStateMachine(EngineClientStateMachine):
+    """``EngineClientStateMachine`` on front ends attached to one ``StandaloneEngine``, with
+    ``handover``: the front end goes (cleanly, or without a word like a SIGKILLed process)
+    and a new one, sync or async, attaches and carries on, under a fresh oracle.
+
+    What a user relies on, judged at each handover: the old client's calls and reads end
+    (``ClientClosedError``, or a value that beat the shutdown) and it forgets its requests;
+    the old client releases its threads and fds; the new client finds the engine awake and
+    idle (no live request, every KV block free); no output of an old request reaches it, even
+    for an id it reuses at once (its probes reuse the old live ids, with another seed, so an
+    old output shows as a wrong token). ``crash``, ``shutdown`` and ``restart`` are not rules
+    here: the engine is shared by every example, and only its heartbeat would report it dead."""
+
+    def __init__(self, pool: AttachPool, **kwargs: Any) -> None:
+        super().__init__(pool.factory, kind=pool.kind, pool=pool, orphan_config=None,
+                         **kwargs)
+        self.attach_pool = pool
+        # Every id a previous front end of this example used: none may reach the current one.
+        self._foreign: set[str] = set()
+
+    # Not rules on a shared standalone engine (see the class docstring); same signatures.
+    def crash(self, how: str, observers: bool) -> None:
+        raise NotImplementedError("crash kills the standalone engine every example shares")
+
+    def shutdown(self, with_pending: bool) -> None:
+        raise NotImplementedError("a front end that goes is handover's case here")
+
+    def restart(self) -> None:
+        raise NotImplementedError("a front end that goes is handover's case here")
+
+    def _observe(self, batch: EngineCoreOutputs) -> None:
+        for out in batch.outputs:
+            if out.request_id in self._foreign and out.request_id not in self.oracle.requests:
+                raise OracleViolation(
+                    f"the new front end received an output for {out.request_id!r}, a request"
+                    " of the front end it replaced")
+        super()._observe(batch)
+
+    # Two rules, one per way to go, so that a program hands over about twice as often.
+    @precondition(lambda self: self.alive)
+    @rule(**_HANDOVER_DRAWS)
+    def handover_after_shutdown(self, left: int, then: str, next_kind: str) -> None:
+        """The front end shuts down (it aborts what it leaves); see ``_handover``."""
+        with self._rule("handover_after_shutdown", locals()):
+            self._handover("shutdown", left, then, next_kind)
+
+    @precondition(lambda self: self.alive)
+    @rule(**_HANDOVER_DRAWS)
+    def handover_after_vanish(self, left: int, then: str, next_kind: str) -> None:
+        """The front end goes without a word, like a SIGKILLed process; see ``_handover``."""
+        with self._rule("handover_after_vanish", locals()):
+            self._handover("vanish", left, then, next_kind)
+
+    def _handover(self, how: str, left: int, then: str, next_kind: str) -> None:
+        """The front end goes, ``how``: shut down (it aborts what it leaves) or vanished (no
+        abort). It leaves ``left`` long requests behind, with the engine ``then`` running
+        them, asleep (level 1, keep), paused (keep), or with a read blocked and a sleep(wait)
+        deferred. A ``next_kind`` client attaches and the program goes on with it."""
+        left_ids = self._leave_behind(left)
+        waiters: list[concurrent.futures.Future[Any]] = []
+        if then == "asleep":
+            self.cut.sleep(1, "keep")
+            self.oracle.pause("keep", 1)
+        elif then == "paused":
+            self.cut._call("pause_scheduler", "keep")
+            self.oracle.pause("keep")
+        elif then == "pending":
+            waiters.append(self.cut.submit("get_output"))
+            if not self.oracle.paused:  # paused, the engine replies at once
+                waiters.append(self.cut.submit("sleep", 1, "wait"))
+        self._go(how, waiters)
+        self._foreign |= set(self.oracle.requests)
+        old_live = self.oracle.live_ids()
+        self.oracle.closed()
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self.oracle.max_in_flight)
+
+        self.live = self.attach_pool.attach(next_kind)
+        self.kind = next_kind
+        self.oracle = Oracle(exact_tokens=self.exact_tokens)
+        self._cached.clear()
+        self._prompt_lens.clear()
+        self._check_fresh_engine()
+        self._probe(sorted(set(left_ids) | set(old_live))[:MAX_LIVE])
+
+    def _leave_behind(self, n: int) -> list[str]:
+        """``n`` requests long enough to be running when their front end goes."""
+        ids: list[str] = []
+        for _ in range(n):
+            if self._full("handover: left behind"):
+                break
+            rid = self._fresh_id()
+            req, expected, _ = self._request(rid, self._prompt(7, 8, 9), LONG_MAX_TOKENS,
+                                             LEFT_SEED, None, True, 0.0, 1.0)
+            self._send(req, expected, None)
+            ids.append(rid)
+        return ids
+
+    def _go(self, how: str, waiters: list[concurrent.futures.Future[Any]]) -> None:
+        """The current front end goes; its waiters end and it releases what it held."""
+        live, client = self.live, self.cut.client
+        if waiters:
+            # The read is waiting once a round trip issued after it has completed; the
+            # deferred call once it is registered (or it already ended: nothing to drain).
+            self.cut.call_utility("echo", 0)
+            deadline = time.monotonic() + WAIT_S
+            while len(waiters) > 1 and not waiters[1].done() and not self._pending_calls():
+                if time.monotonic() > deadline:
+                    raise OracleViolation("sleep(wait) was neither pending nor done")
+                time.sleep(0.001)
+        if how == "shutdown":  # it aborts what it leaves: a read may see those ABORTs
+            self.oracle.abort(self.oracle.live_ids())
+        else:
+            # What a SIGKILLed front end leaves (tests/runtime/test_reattach.py kills a child
+            # process; this costs no interpreter): its requests running, no ABORT sent.
+            client._abort_left_behind = _no_abort
+        start = time.monotonic()
+        client.shutdown()  # the async loop stays up until its waiters are judged
+        took = time.monotonic() - start
+        if took > SHUTDOWN_BOUND_S:
+            raise OracleViolation(f"{how}: the front end took {took:.1f} s to go (bound"
+                                  f" {SHUTDOWN_BOUND_S} s)")
+        # Outputs that beat the shutdown are its own: judged.
+        self._expect_closed(waiters, f"{how}: a call blocked as the front end went",
+                            returned_ok=True)
+        live.cut.shutdown()  # the async driver's loop
+        if client.live_requests():
+            raise OracleViolation(f"{how}: the old front end still counts"
+                                  f" {client.live_requests()} as live")
+        self._expect_raises(ClientClosedError, client.ensure_alive, "a front end that went")
+        self._record_trace()
+        check_released(live.before, engine_pid=None, ipc_path=None)
+
+    def _check_fresh_engine(self) -> None:
+        """The engine as after start-up: awake, no request, every KV block free."""
+        if self.cut.is_sleeping():
+            raise OracleViolation("is_sleeping() is True right after a new front end attached")
+        stats = self.cut.call_utility("get_stats")
+        if (stats["state"], stats["num_live"]) != (EngineState.IDLE.name, 0) or (
+                stats["num_free_blocks"] != stats["num_gpu_blocks"]):
+            raise OracleViolation(
+                f"the engine is not as after start-up once a new front end attached: state"
+                f" {stats['state']}, {stats['num_live']} live request(s),"
+                f" {stats['num_free_blocks']}/{stats['num_gpu_blocks']} KV blocks free")
+
+    def _probe(self, reused: list[str]) -> None:
+        """New requests complete; they reuse the old live ids (or one fresh id)."""
+        ids = reused or [self._fresh_id()]
+        for rid in ids:
+            req, expected, _ = self._request(rid, self._prompt(5, 6), PROBE_TOKENS, PROBE_SEED,
+                                             None, True, 0.0, 1.0)
+            self._send(req, expected, None)
+        self._drain(ids)
+        for rid in ids:
+            m = self.oracle.requests[rid]
+            if m.finish is not FinishReason.LENGTH:
+                raise OracleViolation(f"the new front end's request {rid!r} ended"
+                                      f" {m.finish}, not LENGTH")
