@@ -8,13 +8,15 @@ from .client import EngineCoreClient, InprocClient
 from .engine_proc import EngineCoreProc, run_engine_core
 from .factory import make_client, make_client_async
 from .ipc import IpcDir, cleanup_stale_dirs
-from .mp_client import READY_TIMEOUT_ENV, MPClient
+from .mp_client import MPClient
+from .options import READY_TIMEOUT_ENV, ClientOptions
 from .sync_mp_client import SyncMPClient
 
 __all__ = [
     "READY_TIMEOUT_ENV",
     "AsyncMPClient",
     "BackgroundResources",
+    "ClientOptions",
     "EngineCoreClient",
     "EngineCoreProc",
     "InprocClient",

@@ -77,6 +77,7 @@ from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeo
 from .async_mp_client import call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
+from .options import ClientOptions
 
 __all__ = ["AsyncDPClient", "SyncDPClient"]
 
@@ -107,6 +108,8 @@ def _combine(how: str, results: list[Any]) -> Any:
         return all(results)
     if how == "none":
         return None
+    if how == "each":
+        return list(results)
     return results[0]  # "first"
 
 
@@ -148,19 +151,25 @@ class _DPClient(EngineCoreClient):
     _member_type: type[SyncMember] | type[AsyncMember]
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
-                 restart_dead_engines: bool = False, **options: Any) -> None:
+                 restart_dead_engines: bool = False, options: ClientOptions | None = None,
+                 **kwargs: Any) -> None:
+        # Each engine's client checks its own options; a ClientOptions object given whole is
+        # spread into the keywords (which override it) so per-engine ones can be split off.
+        if options is not None and not isinstance(options, ClientOptions):
+            raise TypeError(f"options={options!r}: expected a ClientOptions")
+        kw: dict[str, Any] = {**(options.given() if options is not None else {}), **kwargs}
         if not isinstance(restart_dead_engines, bool):
             raise ValueError(f"restart_dead_engines={restart_dead_engines!r}: must be True or"
                              " False")
         for name in _ASSIGNED:
-            if name in options:
+            if name in kw:
                 raise ValueError(
                     f"{name}: a data-parallel client assigns each engine its own (engine i"
                     " gets engine_index i, and is started by the client's backend)")
         n = getattr(config, "data_parallel_size", 1)
         self._per_engine: dict[str, list[Any]] = {}
         for name in _PER_ENGINE:
-            value = options.pop(name, None)
+            value = kw.pop(name, None)
             if value is None:
                 continue
             if not isinstance(value, list | tuple) or len(value) != n or (
@@ -172,7 +181,7 @@ class _DPClient(EngineCoreClient):
         super().__init__(config, trace=trace)
         self.data_parallel_size: int = config.data_parallel_size
         self._restart = restart_dead_engines
-        faults = options.pop("engine_fault", None)
+        faults = kw.pop("engine_fault", None)
         if isinstance(faults, dict):
             bad = [k for k in faults if not isinstance(k, int) or isinstance(k, bool)
                    or not 0 <= k < self.data_parallel_size]
@@ -182,7 +191,7 @@ class _DPClient(EngineCoreClient):
             self._faults: dict[int, Any] = dict(faults)
         else:
             self._faults = dict.fromkeys(range(self.data_parallel_size), faults)
-        self._options = options
+        self._options = kw
         self._abandon = threading.Event()
         self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
         self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to
@@ -215,8 +224,8 @@ class _DPClient(EngineCoreClient):
 
                 self._placement = RayEngines(
                     self.data_parallel_size,
-                    strategy=options.pop("ray_placement_strategy", "SPREAD"),
-                    address=options.pop("ray_address", None))
+                    strategy=kw.pop("ray_placement_strategy", "SPREAD"),
+                    address=kw.pop("ray_address", None))
             self._start_all()
         except BaseException:
             self._mark_closed()

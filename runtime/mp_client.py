@@ -58,7 +58,6 @@ from ..protocol.codec import (
     DEFAULT_LIMITS,
     Decoder,
     Encoder,
-    Limits,
     check_no_dataclass,
     check_sendable,
     decode_outputs,
@@ -99,15 +98,14 @@ from ._background import (
 from ._registry import _set_future, _UtilityRegistry
 from .args import (
     check_method,
-    check_option_seconds,
     check_request_ids,
     check_timeout,
 )
 from .client import EngineCoreClient
 from .engine_launch import EngineSubprocess, StartupReport, launch_engine_process
-from .faults import as_plan
 from .integrity import DEFAULT_LOSS_DEADLINE_S, LinkIntegrity
 from .ipc import IpcDir
+from .options import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, ClientOptions
 from .security import (
     CurveConfig,
     TransportGuard,
@@ -130,8 +128,6 @@ logger = logging.getLogger(__name__)
 # the rest of a longer one is read and released part by part, and the message refused.
 _MAX_PARTS = DEFAULT_LIMITS.max_frames + 1
 
-READY_TIMEOUT_ENV = "ENGINEWIRE_ENGINE_READY_TIMEOUT_S"
-DEFAULT_READY_TIMEOUT_S = 120.0
 _UTILITY_BYTE = RequestType.UTILITY.value
 # Longest a shutdown waits for libzmq to hand an attached engine the ABORT of what it runs.
 _ABORT_LINGER_MS = 1000
@@ -146,48 +142,6 @@ _CLOSED = object()  # output-queue marker: the client was shut down
 
 # The ready handshake is a few hundred bytes; anything near this is not one.
 _MAX_HANDSHAKE_BYTES = 1 << 20
-
-
-def _check_option_types(**options: Any) -> None:
-    """A client option of the wrong type is a ValueError naming it (runtime.md), before
-    anything starts: a str for a bool used to read as True, and the others failed as an
-    AttributeError here or an EngineStartupError from a spawned engine."""
-    for name in ("launch_engine", "frame_integrity", "allow_insecure_tcp"):
-        if not isinstance(options[name], bool):
-            raise ValueError(f"{name}={options[name]!r}: must be True or False")
-    for name in ("input_address", "output_address"):
-        if options[name] is not None and not isinstance(options[name], str):
-            raise ValueError(f"{name}={options[name]!r}: must be an address str or None")
-    connect = options["engine_connect"]
-    if connect is not None and not (
-            isinstance(connect, tuple | list) and len(connect) == 2
-            and all(isinstance(a, str) for a in connect)):
-        raise ValueError(f"engine_connect={connect!r}: must be an (input, output) pair of"
-                         " address strs or None")
-    for name in ("curve", "engine_curve"):
-        if options[name] is not None and not isinstance(options[name], CurveConfig):
-            raise ValueError(f"{name}={options[name]!r}: must be a CurveConfig or None")
-    limits = options["engine_limits"]
-    if limits is not None and not isinstance(limits, Limits):
-        raise ValueError(f"engine_limits={limits!r}: must be a protocol.codec.Limits or None")
-
-
-def _ready_timeout(option: float | None) -> float:
-    if option is not None:
-        seconds = check_option_seconds(option, "ready_timeout_s")
-        assert seconds is not None
-        return seconds
-    raw = os.environ.get(READY_TIMEOUT_ENV)
-    if raw:
-        try:
-            seconds = float(raw)
-        except ValueError:
-            raise ValueError(f"{READY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise ValueError(f"{READY_TIMEOUT_ENV}={raw!r}: must be a finite number of "
-                             "seconds > 0")
-        return seconds
-    return DEFAULT_READY_TIMEOUT_S
 
 
 def _bind(sock: zmq.Socket[Any], address: str, option: str) -> None:
@@ -255,66 +209,28 @@ class MPClient(EngineCoreClient):
         config: Any,
         *,
         trace: list[TraceEntry] | None = None,
-        ready_timeout_s: float | None = None,
-        engine_index: int = 0,
-        client_index: int = 0,
-        input_address: str | None = None,
-        output_address: str | None = None,
-        launch_engine: bool = True,
-        engine_heartbeat_timeout_s: float | None = None,
-        engine_heartbeat_interval_s: float | None = None,
-        engine_startup_delay_s: float = 0.0,
-        engine_fault: Any = None,  # str | Fault | FaultPlan (runtime/faults.py)
-        # (input, output) the launched engine connects to instead of the client's own
-        # addresses: a proxy in between (model_tests/interposer.py) binds these.
-        engine_connect: tuple[str, str] | None = None,
-        # seq/ack/CRC trailer on every message; a launched engine is told (runtime/integrity.py)
-        frame_integrity: bool = False,
-        shutdown_timeout_s: float | None = None,
-        transport: str = "ipc",
-        curve: CurveConfig | None = None,
-        engine_curve: CurveConfig | None = None,
-        allow_insecure_tcp: bool = False,
-        engine_limits: Any = None,  # protocol.codec.Limits for the launched engine's input
-        # Starts the engine instead of a local spawn: (config type, encoded config, the
-        # engine's keyword arguments, process name) -> a started process-like handle (see
-        # ``EngineLauncher``). The Ray backend places engines with one (ray_backend.py).
-        engine_launcher: EngineLauncher | None = None,
+        options: ClientOptions | None = None,
+        **kwargs: Any,
     ) -> None:
-        # Refused before anything is created: a deadline the waits cannot hold (inf, nan, a
-        # negative one) would otherwise surface later as a dead monitor or a hang.
-        engine_heartbeat_timeout_s = check_option_seconds(
-            engine_heartbeat_timeout_s, "engine_heartbeat_timeout_s")
-        engine_heartbeat_interval_s = check_option_seconds(
-            engine_heartbeat_interval_s, "engine_heartbeat_interval_s")
-        shutdown_timeout_s = check_option_seconds(
-            shutdown_timeout_s, "shutdown_timeout_s", allow_zero=True)
-        engine_startup_delay_s = check_option_seconds(
-            engine_startup_delay_s, "engine_startup_delay_s", allow_zero=True) or 0.0
-        ready_timeout = _ready_timeout(ready_timeout_s)
+        """``options`` (runtime/options.py), each of its fields also a keyword (keywords
+        override it); all checked before anything is created."""
+        opts = ClientOptions.of(options, kwargs)
+        self.options = opts
+        ready_timeout = opts.ready_timeout
         self._ready_timeout = ready_timeout
-        # A fault spec is parsed here, not first in the spawned engine: a typo is a ValueError
-        # from the constructor instead of an engine that dies while starting.
-        engine_fault = as_plan(engine_fault)
-        _check_option_types(
-            launch_engine=launch_engine, frame_integrity=frame_integrity,
-            allow_insecure_tcp=allow_insecure_tcp, input_address=input_address,
-            output_address=output_address, engine_connect=engine_connect, curve=curve,
-            engine_curve=engine_curve, engine_limits=engine_limits)
-        for name, index in (("engine_index", engine_index), ("client_index", client_index)):
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < 1 << 16:
-                raise ValueError(f"{name}={index!r}: must be an integer in [0, 65535]")
-        if engine_launcher is not None and not callable(engine_launcher):
-            raise ValueError(f"engine_launcher={engine_launcher!r}: must be callable")
-        self._launcher = engine_launcher
+        engine_index, client_index = opts.engine_index, opts.client_index
+        engine_heartbeat_timeout_s = opts.engine_heartbeat_timeout_s
+        engine_limits = opts.engine_limits
+        self._launcher = opts.engine_launcher
         super().__init__(config, trace=trace)
         # Read by _start (security.py): transport, keys, and the engine's input bounds.
-        self._security = (transport, curve, engine_curve, allow_insecure_tcp, engine_limits)
+        self._security = (opts.transport, opts.curve, opts.engine_curve,
+                          opts.allow_insecure_tcp, engine_limits)
         # The largest utility call the plain path sends (the type byte and its payload); a
         # larger one takes the general path, which refuses it naming the bound.
         limits = engine_limits or DEFAULT_LIMITS
         self._call_limit: int = min(limits.max_frame_bytes, 1 + limits.max_call_bytes)
-        self.resources = BackgroundResources(shutdown_timeout=shutdown_timeout_s)
+        self.resources = BackgroundResources(shutdown_timeout=opts.shutdown_timeout_s)
         # First thing: whatever fails below, the finalizer reclaims what was created.
         self._finalizer = weakref.finalize(self, self.resources)
         self._forked_off = False
@@ -342,18 +258,19 @@ class MPClient(EngineCoreClient):
         self.ready_response: Any = None
         self._startup_report: StartupReport | None = None  # while starting
         self._integrity = (
-            LinkIntegrity(loss_deadline_s=DEFAULT_LOSS_DEADLINE_S) if frame_integrity else None)
+            LinkIntegrity(loss_deadline_s=DEFAULT_LOSS_DEADLINE_S) if opts.frame_integrity
+            else None)
         try:
             self._start(
                 ready_timeout=ready_timeout,
-                input_address=input_address,
-                output_address=output_address,
-                launch_engine=launch_engine,
+                input_address=opts.input_address,
+                output_address=opts.output_address,
+                launch_engine=opts.launch_engine,
                 heartbeat_timeout_s=engine_heartbeat_timeout_s,
-                heartbeat_interval_s=engine_heartbeat_interval_s,
-                startup_delay_s=engine_startup_delay_s,
-                fault=engine_fault,
-                connect=engine_connect,
+                heartbeat_interval_s=opts.engine_heartbeat_interval_s,
+                startup_delay_s=opts.engine_startup_delay_s,
+                fault=opts.engine_fault,
+                connect=opts.engine_connect,
             )
         except BaseException:
             self._close_startup_report()
@@ -484,8 +401,6 @@ class MPClient(EngineCoreClient):
         fresh key pair (the client admits only it) unless insecure tcp was asked for.
         """
         transport, curve, engine_curve, allow_insecure_tcp, limits = self._security
-        if transport not in ("ipc", "tcp"):
-            raise ValueError(f"transport={transport!r}: must be 'ipc' or 'tcp'")
         if transport == "tcp":
             input_address = input_address or "tcp://127.0.0.1:*"
             output_address = output_address or "tcp://127.0.0.1:*"
