@@ -46,6 +46,7 @@ __all__ = [
     "Phase",
     "RequestModel",
     "ResourceSnapshot",
+    "audit_violations",
     "check_reaped",
     "check_released",
     "check_traces",
@@ -197,6 +198,17 @@ class Oracle:
 
     # -- what was observed -------------------------------------------------------------------
 
+    def check_audit(self, audit: dict[str, Any], *, engine: str = "the engine",
+                    memory: bool = True) -> None:
+        """``EngineCore.audit_resources()`` against this model: the books always balance,
+        and once no request is live (the quiet points the campaign audits at) nothing is
+        held. A leak changes no output; only this sees it."""
+        problems = audit_violations(audit, quiet=not self.live_ids(),
+                                    asleep_tags=self.asleep_tags if memory else None)
+        if problems:
+            raise OracleViolation(f"{engine}'s resource accounting is off: "
+                                  + "; ".join(problems) + f" (audit: {audit})")
+
     def expected_client_states(self) -> frozenset[ClientState]:
         if self.phase is Phase.DEAD:
             return frozenset({ClientState.DEAD})
@@ -269,6 +281,45 @@ class Oracle:
 
 
 # --- spec as oracle --------------------------------------------------------------------------
+
+
+# Counts that are zero in every audit (a double free, a block both free and held, one neither,
+# a cache entry naming a block that holds something else, a finished or foreign request left
+# in the running list) and those that must be zero once no request is live.
+_ALWAYS_ZERO = (("kv", "negative_refs"), ("kv", "free_and_referenced"), ("kv", "unaccounted"),
+                ("kv", "cache_mismatch"), ("scheduler", "running_finished"),
+                ("scheduler", "running_unknown"))
+_QUIET_ZERO = (("kv", "referenced"), ("scheduler", "live"), ("scheduler", "running"),
+               ("scheduler", "waiting"), ("scheduler", "waiting_in_queue"),
+               ("scheduler", "draining"), ("scheduler", "draining_waiting"),
+               ("", "pending_outputs"), ("", "deferred_replies"), ("", "mid_step_aborts"))
+
+
+def audit_violations(audit: dict[str, Any], *, quiet: bool,
+                     asleep_tags: frozenset[str] | None = None) -> list[str]:
+    """What is wrong with one engine's ``audit_resources()`` reply (an empty list: nothing).
+    ``quiet``: no request is live, as the client sees it; ``asleep_tags``: the memory the
+    model says is released (None: not known)."""
+    def get(part: str, key: str) -> Any:
+        return audit.get(key) if not part else audit.get(part, {}).get(key)
+
+    out = [f"{part + '.' if part else ''}{key} = {get(part, key)}"
+           for part, key in _ALWAYS_ZERO + (_QUIET_ZERO if quiet else ())
+           if get(part, key) != 0]
+    kv, sched = audit.get("kv", {}), audit.get("scheduler", {})
+    if kv.get("total_refs") != sched.get("request_block_refs"):
+        out.append(f"kv.total_refs = {kv.get('total_refs')} but the live requests hold"
+                   f" {sched.get('request_block_refs')} block references")
+    if kv.get("num_free_blocks", 0) + kv.get("referenced", 0) != kv.get("num_blocks"):
+        out.append(f"{kv.get('num_free_blocks')} free + {kv.get('referenced')} held blocks"
+                   f" != {kv.get('num_blocks')}")
+    if quiet and kv.get("num_free_blocks") != kv.get("num_blocks"):
+        out.append(f"only {kv.get('num_free_blocks')} of {kv.get('num_blocks')} KV blocks free"
+                   " with no request live (a leak)")
+    if asleep_tags is not None and set(audit.get("asleep_tags", ())) != set(asleep_tags):
+        out.append(f"memory asleep {sorted(audit.get('asleep_tags', ()))}, the model says"
+                   f" {sorted(asleep_tags)}")
+    return out
 
 
 def check_traces(trace: Iterable[TraceEntry]) -> None:

@@ -389,6 +389,44 @@ class CampaignMachine(RuleBasedStateMachine):
                 ids.append(f"never-sent-{pick}")
             self.cut.abort_requests(ids)  # to each owner; silent on a dead engine
             self.oracle.abort(ids)
+            if self.alive and ids[0] in live:
+                # Read after the abort (one input queue): the aborted requests are gone from
+                # the engine, so blocks they still hold show as held by no live request.
+                self._audit()
+
+    @precondition(lambda self: self.alive and not self.oracle.paused)
+    @rule(k=st.integers(1, 3), mix=st.sampled_from(["live", "mixed", "repeated"]))
+    def abort_mid_generation(self, k: int, mix: str) -> None:
+        """Requests aborted once they generate (so they hold KV blocks), in one list that may
+        mix in a finished, an unknown and repeated ids: each live one ends once, with ABORT
+        or a finish that raced it, nothing else changes, and the books balance after."""
+        with self._rule("abort_mid_generation", locals()):
+            if self._full("abort_mid_generation", k):
+                return
+            ids = []
+            for i in range(k):
+                rid = self._fresh_id()
+                req, expected, _ = self._request(rid, self._prompt(4, 5, 6),
+                                                 self.limits.long_tokens, 7 + i, None, True)
+                self._send(req, expected, None)
+                ids.append(rid)
+            deadline = time.monotonic() + WAIT_S
+            while any(not (m := self.oracle.requests[r]).tokens and not m.finished
+                      for r in ids):  # a step scheduled each: its blocks are allocated
+                if time.monotonic() > deadline:
+                    raise OracleViolation(f"abort_mid_generation: {ids} produced no token"
+                                          f" within {WAIT_S} s")
+                self._poll(0.2)
+            batch = list(ids)
+            if mix == "mixed":
+                batch += [*self.oracle.finished_ids[:1], f"never-sent-{k}"]
+            elif mix == "repeated":
+                batch += ids[::-1]
+            self.cut.abort_requests(batch)
+            self.oracle.abort(batch)
+            self._audit()
+            self._drain(ids)
+            self._audit()
 
     def _closed_read_refused(self) -> bool:
         """On a shut-down client a read raises ClientClosedError: True when that was judged."""
@@ -407,8 +445,22 @@ class CampaignMachine(RuleBasedStateMachine):
             self._drain()
             self._check_drained()
 
+    # Whether the oracle knows what memory each audited engine has asleep (a data-parallel
+    # engine restarted while the others slept wakes up alone: its machine says so).
+    _audit_memory = True
+
     def _check_drained(self) -> None:
-        """What the ``drain`` rule judges once its drain is done (nothing more here)."""
+        """What the ``drain`` rule judges once its drain is done: the engine's books, which
+        no output shows (a leaked KV block, a request left queued, a reply never sent)."""
+        if self.alive:
+            self._audit()
+
+    def _audit(self) -> None:
+        """``audit_resources`` on every engine, judged by the oracle (``check_audit``)."""
+        audits = self.cut.call_utility("audit_resources")
+        for i, audit in enumerate(audits if isinstance(audits, list) else [audits]):
+            self.oracle.check_audit(audit, engine=f"engine {i}" if isinstance(audits, list)
+                                    else "the engine", memory=self._audit_memory)
 
     @precondition(lambda self: self.live is not None)
     @rule()
@@ -456,6 +508,8 @@ class CampaignMachine(RuleBasedStateMachine):
             self.cut.sleep(level, mode)
             self._after_pause(mode, level)
             self._check_asleep()
+            if self.alive:
+                self._audit()
             if not self.cut.is_sleeping():
                 raise OracleViolation("is_sleeping() is False right after sleep()")
 
@@ -473,6 +527,8 @@ class CampaignMachine(RuleBasedStateMachine):
             self._work_in_flight(mode)
             self.cut._call("pause_scheduler", mode)
             self._after_pause(mode, None)
+            if self.alive:
+                self._audit()  # what a pause ended or parked must hold its books
 
     @precondition(lambda self: self.live is not None)
     @rule(tags=_WAKE_TAG_SETS)

@@ -274,7 +274,10 @@ class DataParallelStateMachine(CampaignMachine):
                 return
             self._send(req, expected, stop_index)
 
+    _audit_memory = False
+
     def _check_drained(self) -> None:
+        super()._check_drained()
         if self.oracle.phase is Phase.DEAD:
             self._expect_raises(EngineDeadError, lambda: self.cut.get_output(timeout=0.01),
                                 "get_output with no engine left")

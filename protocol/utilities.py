@@ -75,13 +75,14 @@ class Utility:
     timeout_positional: bool = False  # echo(value, timeout): kept as it always was
     # On a data-parallel client (runtime/dp_client.py): None goes to one serving engine; a
     # name sends it to every serving engine and combines the replies (in index order) as
-    # ``COMBINERS`` says: "all" their truth, "none" nothing, "first" the first one.
+    # ``COMBINERS`` says: "all" their truth, "none" nothing, "first" the first one, "each"
+    # the list of them.
     every_engine: str | None = None
     example: tuple[object, ...] | None = ()  # arguments safe on any engine; None: none are
 
 
 # How a reply per engine becomes one (see ``Utility.every_engine``).
-COMBINERS: frozenset[str] = frozenset({"all", "none", "first"})
+COMBINERS: frozenset[str] = frozenset({"all", "none", "first", "each"})
 
 UTILITIES: tuple[Utility, ...] = (
     Utility("echo", (Param("value", "Any"),), "Any",
@@ -106,6 +107,10 @@ UTILITIES: tuple[Utility, ...] = (
             "Write the weights under ``path`` (on the engine's host); return the files.",
             wire="path", convert="list(result)", example=None),
     Utility("get_stats", (), "Any", "The scheduler's counters and the KV cache's usage."),
+    Utility("audit_resources", (), "Any",
+            "Read-only: the engine's resource accounting recounted (KV blocks, queues, pending"
+            " outputs and replies, memory asleep), for a campaign's quiescence check.",
+            every_engine="each"),
     Utility("pause_scheduler", (Param("mode", "str", '"abort"'),), "None",
             "Stop scheduling; ``mode`` says what happens to requests in flight.",
             wire="mode", convert="None", power=SLEPT, example=("abort",),

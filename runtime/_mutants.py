@@ -58,6 +58,9 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "a timed-out utility call stays in the registry (a leak per timeout)", _MP),
     Mutant("abort_not_acknowledged",
            "aborting a live request ends it silently, without an ABORT output", ("inproc", *_MP)),
+    Mutant("abort_leaks_kv_blocks",
+           "an aborted request's KV blocks are never freed (no output changes: only the"
+           " quiescence audit of the engine's accounting sees it)", ("inproc", *_MP)),
     # The attach/handover path: only a standalone engine outlives a front end, so only the
     # standalone campaign (front ends taking turns on one engine) can show these.
     Mutant("attach_marker_session_not_checked",

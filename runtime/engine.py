@@ -536,6 +536,20 @@ class EngineCore:
             **mem,
         }
 
+    def audit_resources(self) -> dict[str, Any]:
+        """Read-only: the resource accounting a quiet engine must balance (KV blocks, queues,
+        pending outputs and replies, memory asleep), recounted for model_tests/oracle.py."""
+        executor = self.executor
+        return {
+            "state": self.lifecycle.state.name,
+            "kv": self.kv.audit(),
+            "scheduler": self.scheduler.audit(),
+            "pending_outputs": len(self._pending),
+            "deferred_replies": len(self._deferred),
+            "mid_step_aborts": len(self.mid_step_aborts),
+            "asleep_tags": sorted(executor.sleeping) if executor is not None else [],
+        }
+
     def pause_scheduler(self, mode: str = "abort") -> Future[Any] | None:
         """Stop scheduling; see the module docstring. A ``Future`` when ``wait`` must drain."""
         return self._pause(mode, None)

@@ -170,6 +170,23 @@ class KVCacheManager:
     def blocks_in_use(self) -> Sequence[int]:
         return [b for b in range(self.num_blocks) if self._ref[b] > 0]
 
+    def audit(self) -> dict[str, int]:
+        """The accounting recounted from the block table, not from running counters, so a
+        leak or a double free shows (the campaign's quiescence check, model_tests/oracle.py).
+        A free block may still hold a cached prefix: caching evicts lazily, on reuse."""
+        ref, free = self._ref, self._free
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": len(free),
+            "referenced": sum(1 for r in ref if r > 0),
+            "total_refs": sum(r for r in ref if r > 0),
+            "negative_refs": sum(1 for r in ref if r < 0),
+            "free_and_referenced": sum(1 for b in free if ref[b] != 0),
+            "unaccounted": sum(1 for b, r in enumerate(ref) if r == 0 and b not in free),
+            "cached": len(self._cached),
+            "cache_mismatch": sum(1 for h, b in self._cached.items() if self._hash_of[b] != h),
+        }
+
 
 def blocks_from_budget(budget_bytes: int | float, bytes_per_block: int) -> int:
     return max(0, math.floor(budget_bytes / bytes_per_block))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent, EngineRequestState
+from . import _mutants
 from .kv_cache import KVCacheManager
 
 if TYPE_CHECKING:  # annotations only: a null-model engine never loads torch
@@ -378,6 +379,22 @@ class Scheduler:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
+    def audit(self) -> dict[str, int]:
+        """Queue contents recounted from the queues themselves (see ``KVCacheManager.audit``)."""
+        live = self.requests
+        return {
+            "live": len(live),
+            "running": len(self.running),
+            "running_finished": sum(1 for r in self.running if r.finished),
+            "running_unknown": sum(1 for r in self.running if live.get(r.request_id) is not r),
+            "waiting": self.num_waiting,
+            "waiting_in_queue": sum(1 for _, r in self._waiting if r.in_waiting
+                                    and not r.finished),
+            "draining": self._num_draining,
+            "draining_waiting": self._num_draining_waiting,
+            "request_block_refs": sum(len(r.block_ids) for r in live.values()),
+        }
+
     def _push_waiting(self, req: Request) -> None:
         req.in_waiting = True
         self.num_waiting += 1
@@ -435,7 +452,8 @@ class Scheduler:
                 self._num_draining_waiting -= 1
             if len(self._waiting) > 2 * self.num_waiting + _WAITING_SLACK:
                 self._compact_waiting()
-        self.kv.free(req)
+        if not (event is RE.ABORT and _mutants.active("abort_leaks_kv_blocks")):
+            self.kv.free(req)
         del self.requests[req.request_id]
         return EngineCoreOutput(req.request_id, new_token_ids or [], reason, stop_reason,
                                 req.num_cached_tokens, error)

@@ -78,7 +78,7 @@ def test_docs_snippet_on_the_default_null_config(kind: str) -> None:
 
 
 def test_small_config_with_prefix_caching() -> None:
-    stats = _campaign("inproc", SMALL, examples=30)  # in-process: milliseconds each
+    stats = _campaign("inproc", SMALL, examples=40)  # in-process: milliseconds each
     assert stats.rules["prefix_cache_hit"] > 0, dict(stats.rules)
 
 
@@ -88,8 +88,8 @@ def test_tiny_model_checks_tokens_only_where_predictable() -> None:
 
     torch.set_num_threads(1)
     tiny = EngineConfig(model="tiny", max_model_len=64)
-    stats = _campaign("inproc", tiny)
-    assert stats.rules["add"] > 0
+    stats = _campaign("inproc", tiny, examples=8)
+    assert stats.rules["add"] + stats.rules["abort_mid_generation"] > 0  # tokens were judged
     factory = builtin_factory("inproc", tiny)
     with pytest.raises(ValueError, match="exact_tokens=True predicts the null model"):
         EngineClientStateMachine(factory, kind="inproc", exact_tokens=True)
