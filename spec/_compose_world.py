@@ -159,12 +159,16 @@ class Action:
     run: Callable[[World], Iterator[tuple[str, World]]]
 
 
-class _Step:
-    """A mutable copy of a world for one action; ``fire`` reads the machine tables."""
+class StepBase:
+    """A mutable copy of a world for one action; ``fire`` reads the machine tables. Shared
+    by both composed models: each names where its world keeps the first broken property
+    (``BAD_FIELD``) and what a row the tables lack breaks (``CONFORMANCE``)."""
 
     __slots__ = ("comp", "w")
+    BAD_FIELD: int
+    CONFORMANCE: str
 
-    def __init__(self, comp: _Model, world: World) -> None:
+    def __init__(self, comp: Any, world: World) -> None:
         self.comp = comp
         self.w = list(world)
 
@@ -172,14 +176,25 @@ class _Step:
         key = (self.w[field], event._ix, guard)  # type: ignore[attr-defined]
         new = table.rows.get(key)
         if new is None:
-            self.flag("spec_conformance")
+            self.flag(self.CONFORMANCE)
             return
         self.comp.covered.add((table.machine.name, *key))
         self.w[field] = new
 
     def flag(self, prop: str) -> None:
-        if not self.w[BAD]:
-            self.w[BAD] = prop
+        if not self.w[self.BAD_FIELD]:
+            self.w[self.BAD_FIELD] = prop
+
+    def freeze(self) -> World:
+        return tuple(self.w)
+
+
+class _Step(StepBase):
+    """A step of the one-engine model, with its two channels."""
+
+    __slots__ = ()
+    BAD_FIELD = BAD
+    CONFORMANCE = "spec_conformance"
 
     def push_out(self, msg: int, front: bool = False) -> None:
         q = self.w[OUTQ]
@@ -187,9 +202,6 @@ class _Step:
 
     def push_in(self, msg: int) -> None:
         self.w[INQ] = (*self.w[INQ], msg)
-
-    def freeze(self) -> World:
-        return tuple(self.w)
 
 
 class _Model:

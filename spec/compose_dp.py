@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
+from ._compose_world import StepBase
 from .client import CLIENT, CLIENT_LIVE, ClientEvent, ClientState
 from .compose import Action, _ix, _Table
 from .engine import ENGINE, EngineEvent, EngineState
@@ -154,30 +155,12 @@ Q_ERROR = _ix(QS.FINISHED_ERROR)
 U_PENDING = _ix(US.PENDING)
 
 
-class _Step:
-    """A mutable copy of a world for one action; ``fire`` reads the machine tables."""
+class _Step(StepBase):
+    """A step of the two-engine model (``StepBase``: the one-engine model's, shared)."""
 
-    __slots__ = ("comp", "w")
-
-    def __init__(self, comp: DPComposition, world: World) -> None:
-        self.comp = comp
-        self.w = list(world)
-
-    def fire(self, field: int, table: _Table, event: Enum, guard: str | None = None) -> None:
-        key = (self.w[field], event._ix, guard)  # type: ignore[attr-defined]
-        new = table.rows.get(key)
-        if new is None:
-            self.flag("dp_spec_conformance")
-            return
-        self.comp.covered.add((table.machine.name, *key))
-        self.w[field] = new
-
-    def flag(self, prop: str) -> None:
-        if not self.w[BAD]:
-            self.w[BAD] = prop
-
-    def freeze(self) -> World:
-        return tuple(self.w)
+    __slots__ = ()
+    BAD_FIELD = BAD
+    CONFORMANCE = "dp_spec_conformance"
 
 
 def owns(w: World | list[Any], r: int, i: int) -> bool:
