@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypedDict
 
+import msgspec
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -164,8 +165,13 @@ class CampaignMachine(RuleBasedStateMachine):
         shown = ", ".join(f"{k}={v!r}" for k, v in args.items() if k != "self")
         self._program.append(f"state.{name}({shown})")
         start = time.monotonic()
+        was_alive = self.alive
         try:
             yield
+            if was_alive and self.live is not None and not self.alive:
+                # The engine died, or the client was shut, in this rule: at once, every call
+                # must now refuse (a silently accepted one is found where it happens).
+                self._check_calls_refused()
         except BaseException as e:
             self.stats.record_failure(name, e, self._program)
             raise
@@ -394,6 +400,48 @@ class CampaignMachine(RuleBasedStateMachine):
                 # the engine, so blocks they still hold show as held by no live request.
                 self._audit()
 
+    @precondition(lambda self: self.alive)
+    @rule(limit=st.sampled_from(["model_len", "block", "stop_last"]),
+          delta=st.sampled_from([-1, 0, 1]), seed=st.integers(0, 2**31 - 1))
+    def add_at_limit(self, limit: str, delta: int, seed: int) -> None:
+        """A request at a limit, where off-by-one bugs live: a prompt that leaves 1, 0 or -1
+        tokens under ``max_model_len`` with more ``max_tokens`` than fit (the engine must end
+        it LENGTH at the model length, exactly, or refuse an over-long prompt), a prompt one
+        token short of, on, or past a whole number of KV blocks, a stop token on the last
+        allowed position (STOP, not LENGTH). The oracle knows the exact count and reason."""
+        with self._rule("add_at_limit", locals()):
+            if self._full("add_at_limit"):
+                return
+            lim, rid = self.limits, self._fresh_id()
+            if limit == "model_len":
+                if getattr(self.cut.client, "config", None) is None:
+                    _note("add_at_limit: the client has no config; max_model_len unknown")
+                    return
+                n = lim.max_model_len - 1 + delta  # leaves 1, 0 tokens, or one too many
+                if n > lim.max_model_len:
+                    prompt = self._prompt(*range(3, 3 + n))
+                    self.cut.add_request(EngineCoreRequest(rid, prompt,
+                                                           SamplingParams(max_tokens=4)))
+                    self.oracle.add(rid, 4, None, None, invalid=True)
+                    return
+                asked, stop_at = 8, None
+            elif limit == "block":
+                n = max(1, 2 * lim.block_size + delta)
+                asked, stop_at = 6, None
+            else:
+                n, asked = 4, 6
+                stop_at = asked - 1 + min(delta, 0)  # the last position, or the one before
+            prompt = self._prompt(*range(3, 3 + n))
+            req, expected, stop_index = self._request(rid, prompt, asked, seed, stop_at, True)
+            if req.sampling_params.max_tokens != asked:
+                # Ask for more than fits: the engine, not this harness, must clamp it.
+                req = msgspec.structs.replace(req, sampling_params=msgspec.structs.replace(
+                    req.sampling_params, max_tokens=asked))
+                self.cut.add_request(req)
+                self.oracle.add(rid, self.limits.cap(n, asked), expected, stop_index)
+            else:
+                self._send(req, expected, stop_index)
+
     @precondition(lambda self: self.alive and not self.oracle.paused)
     @rule(k=st.integers(1, 3), mix=st.sampled_from(["live", "mixed", "repeated"]))
     def abort_mid_generation(self, k: int, mix: str) -> None:
@@ -560,6 +608,50 @@ class CampaignMachine(RuleBasedStateMachine):
                 # Scheduling cannot resume while memory is released: the engine says so.
                 self._expect_raises(UtilityError, lambda: self.cut._call("resume_scheduler"),
                                     "resume_scheduler while asleep")
+
+    @precondition(lambda self: self.live is not None and not self.alive)
+    @rule()
+    def call_after_end(self) -> None:
+        """Every call once the engine died or the client was shut down owes the error the spec
+        says (EngineDeadError, ClientClosedError); a silently accepted one is a failure. The
+        one exception, as documented: an abort on a dead engine is a no-op (it must not
+        raise twice on error paths), and a read first returns what was queued before."""
+        with self._rule("call_after_end", locals()):
+            self._check_calls_refused()
+
+    def _check_calls_refused(self) -> None:
+        """``call_after_end``'s checks (also run by every rule that ended the client)."""
+        closed = self.oracle.phase is Phase.CLOSED
+        refusal = self._refusal()
+        end = "closed" if closed else "dead"
+        calls: dict[str, Callable[[], Any]] = {
+            "add": lambda: self.cut.add_request(EngineCoreRequest(
+                self._fresh_id(), [3, 4], SamplingParams(max_tokens=2))),
+            "pause": lambda: self.cut._call("pause_scheduler", "abort"),
+            "resume": lambda: self.cut._call("resume_scheduler"),
+            "is_sleeping": lambda: self.cut.is_sleeping(),
+            "call_utility_all": lambda: self.cut._call("call_utility_all", "echo", 1),
+        }
+        for name, call in calls.items():
+            self._expect_raises(refusal, call, f"{name} on a {end} client")
+        if closed:
+            self._expect_raises(refusal, lambda: self.cut.abort_requests(["x"]),
+                                "abort on a closed client")
+        else:
+            self.cut.abort_requests([*self.oracle.live_ids(), "x"])  # silent
+        for _ in range(1000):  # the batches queued before the death, then the error
+            try:
+                self._poll(0.05)
+            except refusal:
+                return
+            except BaseException as e:
+                raise OracleViolation(f"get_output on a {end} client: raised"
+                                      f" {type(e).__name__}: {e}; expected"
+                                      f" {refusal.__name__}") from e
+            if closed:
+                raise OracleViolation("get_output on a closed client: returned a batch")
+        raise OracleViolation(f"get_output on a {end} client: still returning batches"
+                              " after 1000 reads")
 
     # -- teardown ---------------------------------------------------------------------------
 

@@ -61,6 +61,12 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("abort_leaks_kv_blocks",
            "an aborted request's KV blocks are never freed (no output changes: only the"
            " quiescence audit of the engine's accounting sees it)", ("inproc", *_MP)),
+    Mutant("length_limit_off_by_one",
+           "a request ends one token past max_model_len (its LENGTH limit is off by one)",
+           ("inproc", *_MP)),
+    Mutant("add_after_death_dropped",
+           "an ADD on a client whose engine died is dropped silently instead of raising"
+           " EngineDeadError (the caller waits for outputs that never come)", _MP),
     # The attach/handover path: only a standalone engine outlives a front end, so only the
     # standalone campaign (front ends taking turns on one engine) can show these.
     Mutant("attach_marker_session_not_checked",

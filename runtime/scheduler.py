@@ -87,7 +87,8 @@ class Request:
         self.num_cached_tokens = 0
         self.max_tokens = sp.max_tokens
         # Length at which it finishes with LENGTH: one comparison per token in update().
-        self.stop_len = min(self.num_prompt_tokens + sp.max_tokens, max_model_len)
+        self.stop_len = min(self.num_prompt_tokens + sp.max_tokens,
+                            max_model_len + _mutants.active("length_limit_off_by_one"))
         self.temperature = sp.temperature
         self.top_k = sp.top_k
         self.top_p = sp.top_p
