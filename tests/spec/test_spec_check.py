@@ -102,3 +102,24 @@ def test_quick_runs_the_spec_and_only_the_quick_controls(
     assert "properties held" in text  # the spec itself was explored in full
     n = len(DP_PROPERTIES)
     assert "two-engine model: " in text and f"properties held {n}/{n}" in text
+
+
+def test_the_quick_summary_fits_a_screen_and_lists_only_what_failed() -> None:
+    """``spec check --quick`` (the README's main job) counts what passed in one line each;
+    a failing SPIN run or control is listed in full even there."""
+    from enginewire.testing.spec_check import ControlResult, SpinResult
+
+    report = SpecReport()
+    report.spin = [SpinResult("request_finishes", None, 0, 10, 5, 0.1),
+                   SpinResult("death_fails_calls", None, 0, 10, 5, 0.1)]
+    report.controls = [ControlResult("no_monitor", ("death_propagates",),
+                                     ("death_propagates",), ("death_propagates",), "")]
+    brief = render_report(report, brief=True)
+    assert "SPIN: all 2 properties hold" in brief and "SPIN property" not in brief
+    assert "negative controls: 1 run, each rejected by the explorer and SPIN" in brief
+    assert "SPIN property" in render_report(report)  # the full check's tables
+    report.spin[0] = SpinResult("request_finishes", None, 1, 10, 5, 0.1, "SPIN trail for it")
+    report.controls[0] = ControlResult("no_monitor", ("death_propagates",), (), None, "")
+    failing = render_report(report, brief=True)
+    assert "SPIN property" in failing and "SPIN trail for it" in failing
+    assert "MISSES" in failing
