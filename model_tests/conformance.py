@@ -89,8 +89,6 @@ from ._conformance_driver import (
     request,
     stop_process,
 )
-from ._conformance_driver import _process_gone as _process_gone  # the campaign's orphan check
-from .conformance_breaking import _ORPHAN_SCRIPT as _ORPHAN_SCRIPT
 from .conformance_breaking import (
     check_client_kill_engine_exits,
     check_construction_failure_leaks_nothing,

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import conformance as cf
+from ._conformance_driver import _process_gone
 from .bounds import WAIT_S, check_shutdown_took
+from .conformance_breaking import _ORPHAN_SCRIPT
 from .oracle import OracleViolation, ResourceSnapshot, check_released
 from .stateful_base import CampaignStats
 
@@ -159,7 +161,7 @@ def _check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
     import subprocess
     import sys
 
-    script = cf._ORPHAN_SCRIPT.format(config=config_kwargs, is_async=False)
+    script = _ORPHAN_SCRIPT.format(config=config_kwargs, is_async=False)
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     engine_pid = None
@@ -172,7 +174,7 @@ def _check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
         proc.kill()
         proc.wait(WAIT_S)
         deadline = time.monotonic() + cf.ORPHAN_BOUND_S
-        while not cf._process_gone(engine_pid):
+        while not _process_gone(engine_pid):
             if time.monotonic() > deadline:
                 raise OracleViolation(
                     f"orphaned engine {engine_pid} still running {cf.ORPHAN_BOUND_S} s after"

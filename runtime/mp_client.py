@@ -770,7 +770,7 @@ class MPClient(EngineCoreClient):
             raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
-        if self.is_dead and _mutants.active("add_after_death_dropped"):
+        if _mutants.active("add_after_death_dropped") and self.is_dead:
             return
         self._track_add(request)
         with _SigintHold():  # raised after the except below: the ADD went out whole
