@@ -41,6 +41,9 @@ STANDALONE_HEARTBEAT_S = 0.1
 LEFT_SEED = 21
 PROBE_SEED = 22
 PROBE_TOKENS = 8
+# handover_mid_stream: how long the engine runs alone once its front end vanished, streaming
+# (hundreds of null-model steps: many messages then wait for the next front end).
+ALONE_S = 0.05
 ATTACH_KINDS = ("sync", "async")
 STANDALONE_DIR_PREFIX = "enginewire-standalone-"
 
@@ -232,11 +235,23 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         with self._rule("handover_after_vanish", locals()):
             self._handover("vanish", left, then, next_kind)
 
-    def _handover(self, how: str, left: int, then: str, next_kind: str) -> None:
+    @precondition(lambda self: self.alive)
+    @rule(left=st.integers(1, 3), next_kind=st.sampled_from(ATTACH_KINDS))
+    def handover_mid_stream(self, left: int, next_kind: str) -> None:
+        """The front end vanishes while its requests stream, and its successor attaches once
+        the engine has stepped alone for a while (a killed process's restart takes time):
+        the old session's outputs are then certainly queued ahead of the new marker, the
+        case the session check exists for; see ``_handover``."""
+        with self._rule("handover_mid_stream", locals()):
+            self._handover("vanish", left, "running", next_kind, alone=True)
+
+    def _handover(self, how: str, left: int, then: str, next_kind: str, *,
+                  alone: bool = False) -> None:
         """The front end goes, ``how``: shut down (it aborts what it leaves) or vanished (no
         abort). It leaves ``left`` long requests behind, with the engine ``then`` running
         them, asleep (level 1, keep), paused (keep), or with a read blocked and a sleep(wait)
-        deferred. A ``next_kind`` client attaches and the program goes on with it."""
+        deferred. With ``alone`` the engine runs without a front end for ``ALONE_S`` first. A
+        ``next_kind`` client attaches and the program goes on with it."""
         left_ids = self._leave_behind(left)
         waiters: list[concurrent.futures.Future[Any]] = []
         if then == "asleep":
@@ -250,6 +265,10 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
             if not self.oracle.paused:  # paused, the engine replies at once
                 waiters.append(self.cut.submit("sleep", 1, "wait"))
         self._go(how, waiters)
+        if alone:
+            # The engine steps alone meanwhile, and what it sends for the old session waits
+            # in its pipe for the next front end to connect, which must drop all of it.
+            time.sleep(ALONE_S)
         self._foreign |= set(self.oracle.requests)
         old_live = self.oracle.live_ids()
         self.oracle.closed()

@@ -210,10 +210,10 @@ def test_bounded_campaign(client: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(_mutants.BANK))
 def test_mutant_is_detected(name: str, tmp_path: Path) -> None:
     """The mutant table, one row per test: the campaign must find every seeded bug."""
-    # The attach-path mutants show only when a previous front end's messages are still in
-    # flight at a handover, which timing decides: they get more examples to meet one. So
-    # does an abort overtaking its ADD (an idle engine's input thread must win a race; 22 of
-    # 24 runs of 8 examples met one). The run stops at its first detection.
+    # The attach-path mutants run on one engine that front ends take turns on, some rules of
+    # which need a handover of a given kind first: they get more examples. So does an abort
+    # overtaking its ADD (an idle engine's input thread must win a race; 22 of 24 runs of 8
+    # examples met one). The run stops at its first detection.
     timing = _mutants.BANK[name].clients == ("standalone",) or name == "abort_applied_before_add"
     examples = 24 if timing else 8
     assert run_campaign(mutant=name, examples=examples, steps=25,
@@ -241,11 +241,12 @@ def test_bounded_campaign_on_a_standalone_engine(tmp_path: Path) -> None:
     assert res["client"] == "standalone" and res["failure"] is None
     assert res["engines_started"] == 1 and res["examples"] >= CI_EXAMPLES
     rules = res["rules"]
-    assert rules.get("handover_after_shutdown", 0) + rules.get("handover_after_vanish", 0) >= 2
+    assert sum(rules.get(f"handover_{how}", 0) for how in (
+        "after_shutdown", "after_vanish", "mid_stream")) >= 2
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["shutdown", "vanish"])
+@pytest.mark.parametrize("how", ["shutdown", "vanish", "mid_stream"])
 def test_handover_program(how: str) -> None:
     """Each way a front end can leave the engine (running, asleep, paused, a read and a
     deferred call pending), then a sync or an async front end carries on: a fixed program,
@@ -262,13 +263,18 @@ def test_handover_program(how: str) -> None:
     pool = AttachPool(StandaloneEngine(_config("null")), stats)
     try:
         state = StandaloneEngineStateMachine(pool, stats=stats, exact_tokens=True)
-        handover = getattr(state, f"handover_after_{how}")
+        cases = [("running", "async"), ("pending", "async"), ("asleep", "sync"),
+                 ("paused", "sync"), ("pending", "sync")]
+        if how == "mid_stream":  # always vanishing with requests running, then a gap
+            cases = [("running", "async"), ("running", "sync")]
         try:
-            for then, kind in [("running", "async"), ("pending", "async"), ("asleep", "sync"),
-                               ("paused", "sync"), ("pending", "sync")]:
+            for then, kind in cases:
                 state.add(prompt=[5, 6], max_tokens=4, seed=1, stop_at=None, ignore_eos=True,
                           temperature=0.0, top_p=1.0, reuse=7)
-                handover(left=3, then=then, next_kind=kind)
+                if how == "mid_stream":
+                    state.handover_mid_stream(left=3, next_kind=kind)
+                else:
+                    getattr(state, f"handover_after_{how}")(left=3, then=then, next_kind=kind)
                 state.client_state_matches_model()
                 state.drain()
         except BaseException:
