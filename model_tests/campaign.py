@@ -48,12 +48,16 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import (
+    ATTACH,
     CLIENT,
     CLIENT_REQUEST,
     ENGINE,
     ENGINE_REQUEST,
     MEMBERSHIP,
+    SESSION,
     UTILITY,
+    AttachEvent,
+    AttachState,
     ClientEvent,
     ClientRequestEvent,
     ClientRequestState,
@@ -107,6 +111,10 @@ _FORGOTTEN_ENGINE = ("unreachable by this runtime: the scheduler forgets a reque
                      " rejection or an abort of a finished or unknown id fires nothing")
 _IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and the ENGINE trace"
                       " of a subprocess engine stays in that process (no utility returns it)")
+_SESSION_IN_ENGINE = ("not observable: the session is the engine process's (its input thread's),"
+                      " and no in-process client attaches; tests/runtime/test_attach_phase.py"
+                      " walks it on an engine core in the test's process")
+_AS, _AE = AttachState, AttachEvent
 _CS, _CE = ClientState, ClientEvent
 _ES, _EE = EngineState, EngineEvent
 _CRS, _CRE = ClientRequestState, ClientRequestEvent
@@ -156,6 +164,20 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
        for e, t in ((_ERE.ADD, _ERS.WAITING), (_ERE.REJECT, _ERS.FINISHED_ERROR),
                     (_ERE.ABORT, f))},
     _key(ENGINE_REQUEST, _ERS.UNKNOWN, _ERE.ABORT, _ERS.UNKNOWN): _FORGOTTEN_ENGINE,
+    _key(ATTACH, _AS.AWAITING_MARKER, _AE.FOREIGN_MESSAGE, _AS.AWAITING_MARKER):
+        "only a standalone engine has a previous front end whose messages a new one drops"
+        " (--client standalone reaches it: handover_mid_stream, every time)",
+    _key(ATTACH, _AS.AWAITING_MARKER, _AE.REFUSAL, _AS.REFUSED):
+        "covered by tests, not by campaign rules (every front end has its engine's"
+        " frame-integrity setting): tests/runtime/test_attach_phase.py, test_reattach.py",
+    _key(ATTACH, _AS.AWAITING_MARKER, _AE.DEADLINE, _AS.OVERDUE):
+        "covered by tests, not by campaign rules (none loses an ATTACH or silences an engine"
+        " before its marker): tests/runtime/test_attach_phase.py, test_reattach.py",
+    _key(ATTACH, _AS.ATTACHED, _AE.SESSION_ENDED, _AS.ENDED):
+        "covered by tests, not by campaign rules (none breaks an --integrity link):"
+        " tests/runtime/test_attach_phase.py, test_reattach.py",
+    **{_key(SESSION, t.source, t.event, t.target): _SESSION_IN_ENGINE
+       for t in SESSION.transitions},
 }
 # (machine, event) names of the death notices only a run that kills its engine can fire.
 _DEATH_EVENTS = frozenset({

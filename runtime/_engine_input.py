@@ -38,6 +38,7 @@ from ..protocol.messages import (
 from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.engine import EngineState
 from ..spec.errors import ProtocolError
+from ..spec.session import SESSION_DROPS_INPUT, SessionEvent
 from . import _mutants
 from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, _Link, _reconnect, _Wakeup
 from ._engine_shared import IDLE_WAKE_S, _Control, _EngineProcState
@@ -219,7 +220,7 @@ class _InputSide(_EngineProcState):
                 # session ends, not the engine, which serves the next front end. Nothing
                 # more of it is read (its counts no longer line up) until it attaches anew;
                 # the busy loop drops its work and tells it, in order behind its input.
-                self._refused = True
+                self._session_step(SessionEvent.INTEGRITY_FAILED)
                 self.input_queue.put((_Control.END_SESSION, e))
                 return
         try:
@@ -271,7 +272,7 @@ class _InputSide(_EngineProcState):
         attach = cast(AttachRequest, payload)
         ours = self._integrity is not None
         if attach.integrity != ours:
-            self._refused = True
+            self._session_step(SessionEvent.ATTACH_REFUSED)
             reason = (f"frame integrity is {'on' if attach.integrity else 'off'} at this front"
                       f" end and {'on' if ours else 'off'} at the engine; set the same on both"
                       " (client option frame_integrity, enginewire engine --integrity)")
@@ -280,10 +281,14 @@ class _InputSide(_EngineProcState):
                 engine_index=self.engine_index, session=attach.session, refusal=reason,
                 timestamp=EngineCoreOutputs.now())))
             return
-        self._refused = False
+        self._session_step(SessionEvent.ATTACH_ACCEPTED)
         if self._integrity is not None:
             self._integrity.restart_receiving()
         self.input_queue.put((kind, payload))
+
+    def _session_step(self, event: SessionEvent) -> None:
+        self.session_phase.fire(event)
+        self._refused = self.session_phase.state in SESSION_DROPS_INPUT
 
     def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
         """Run a utility call on the input thread when the busy loop is parked idle with an

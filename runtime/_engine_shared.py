@@ -19,6 +19,8 @@ import zmq
 
 from ..protocol.codec import Encoder, Limits
 from ..protocol.messages import UtilityOutput, UtilityRequest
+from ..spec.machine import Lifecycle
+from ..spec.session import SessionEvent, SessionState
 from .faults import FaultInjector, FaultPoint
 from .integrity import LinkIntegrity
 from .security import TransportGuard
@@ -62,6 +64,7 @@ class _EngineProcState:
     _input_ready: threading.Event
     _peer_seen: threading.Event
     _input_error: BaseException | None
+    session_phase: Lifecycle[SessionState, SessionEvent]
     _refused: bool
     _overlap: bool
     _engine_lock: threading.Lock

@@ -71,7 +71,8 @@ from ..protocol.messages import (
 )
 from ..spec.engine import EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
-from ..spec.machine import TraceEntry
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.session import SESSION, SessionEvent, SessionState
 from . import _mutants
 from ._engine_input import _InputSide
 from ._engine_lifeline import EngineShutdownRequested, _ShutdownSignals, _watch_parent
@@ -168,9 +169,11 @@ class EngineCoreProc(_InputSide, _OutputSide):
         self._input_error: BaseException | None = None
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
-        # A front end was refused at its ATTACH, or its session ended on an integrity
-        # failure: its messages are dropped until another ATTACH is accepted (input thread
-        # only).
+        # Which front end this engine serves (spec/session.py): the input thread's alone, as
+        # it sees every ATTACH and integrity failure first. ``_refused`` caches whether the
+        # state drops input (SESSION_DROPS_INPUT), its per-message test.
+        self.session_phase: Lifecycle[SessionState, SessionEvent] = SESSION.lifecycle(
+            trace=trace)
         self._refused = False
         self.engine: Any = None
         self._overlap = True  # the output thread can encode while a step runs

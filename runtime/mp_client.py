@@ -74,6 +74,7 @@ from ..protocol.messages import (
     RequestType,
     UtilityRequest,
 )
+from ..spec.attach import ATTACH, ATTACH_DROPS_MESSAGES, AttachEvent, AttachState
 from ..spec.client import ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
@@ -82,7 +83,7 @@ from ..spec.errors import (
     EngineWireError,
     ProtocolError,
 )
-from ..spec.machine import TraceEntry
+from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UtilityEvent
 from . import _mutants
 from ._background import (
@@ -242,7 +243,11 @@ class MPClient(EngineCoreClient):
         self._utilities.power = weakref.WeakMethod(self._on_power_reply)
         # Only a heartbeat deadline reads when the engine was last heard from.
         self._stamp_seen = bool(engine_heartbeat_timeout_s)
-        # This front end's session until the engine's attach marker arrives, then None.
+        # The attach phase (spec/attach.py), advanced by the reader and, for the deadline,
+        # the monitor: both under the lock. ``_attaching`` is the session awaited while the
+        # phase drops messages (ATTACH_DROPS_MESSAGES), else None: the reader's one test.
+        self.attach_phase: Lifecycle[AttachState, AttachEvent] = ATTACH.lifecycle(trace=trace)
+        self._attach_lock = threading.Lock()
         self._attaching: bytes | None = None
         self._stale = 0  # messages dropped before the marker
         self._encoder = Encoder()
@@ -490,8 +495,8 @@ class MPClient(EngineCoreClient):
         res = self.resources
         assert res.input_socket is not None
         session = os.urandom(SESSION_BYTES)
-        self._attaching = session
         res.attach_deadline[0] = time.monotonic() + self._ready_timeout
+        self._attach_step(AttachEvent.SEND_ATTACH, session)
         # Unsealed even with frame integrity: it starts the engine's counts afresh.
         attach = AttachRequest(session, integrity=self._integrity is not None)
         res.input_socket.send_multipart(
@@ -508,21 +513,38 @@ class MPClient(EngineCoreClient):
                 " started on its own stopped by a signal); see the engine's log")
         session = self._attaching
         if session is not None and self._is_marker(frames, session):
-            self._attaching = None
+            if not self._attach_step(AttachEvent.MARKER):
+                return  # the monitor found it overdue first: this client is dead already
             self.resources.attach_deadline[0] = math.inf  # the monitor stops watching it
             if self._stale:
                 logger.info("dropped %d message(s) sent before this front end attached",
                             self._stale)
             return
         self._stale += 1
+        self._attach_step(AttachEvent.FOREIGN_MESSAGE)
         if time.monotonic() > self.resources.attach_deadline[0]:
             # Seen here at once when the engine speaks; the monitor sees it when it does not.
             raise self._marker_overdue()
+
+    def _attach_step(self, event: AttachEvent, session: bytes | None = None) -> bool:
+        """Fire ``event`` on the attach phase if the phase allows it now (False: the other
+        thread moved it first, e.g. the monitor's deadline against the reader's marker)."""
+        with self._attach_lock:
+            phase = self.attach_phase
+            if not phase.can(event):
+                return False
+            phase.fire(event)
+            if phase.state not in ATTACH_DROPS_MESSAGES:
+                self._attaching = None
+            elif session is not None:
+                self._attaching = session
+            return True
 
     def _marker_overdue(self) -> ProtocolError:
         """The cause of death when the marker has not come within ``ready_timeout_s``: the
         ATTACH was lost (a link that dropped just then) or the engine ignores it or hangs.
         Everything would be dropped (or awaited) for good."""
+        self._attach_step(AttachEvent.DEADLINE)
         said = (f"though the engine sent {self._stale} other message(s)" if self._stale
                 else "and the engine sent nothing else")
         return ProtocolError(
@@ -541,6 +563,7 @@ class MPClient(EngineCoreClient):
         if marker.session != session and not _mutants.active("attach_marker_session_not_checked"):
             return False
         if marker.refusal is not None:  # never sealed: read whatever this side's setting
+            self._attach_step(AttachEvent.REFUSAL)
             raise ProtocolError(f"the engine refused this front end: {marker.refusal}")
         if integrity is not None:
             integrity.open(frames)  # the session's first sealed message: seq 1
@@ -843,6 +866,7 @@ class MPClient(EngineCoreClient):
             # integrity check): the engine dropped this front end's work and ignores it, so
             # taking it for a heartbeat would leave every call waiting. Tested only on a
             # message with nothing else in it: no cost to batches and replies.
+            self._attach_step(AttachEvent.SESSION_ENDED)
             raise ProtocolError(f"the engine ended this session: {outputs.refusal}")
         return None  # heartbeat
 

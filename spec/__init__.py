@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .attach import ATTACH, AttachEvent, AttachState
 from .client import CLIENT, ClientEvent, ClientState
 from .engine import ENGINE, EngineEvent, EngineState
 from .errors import (
@@ -24,22 +25,27 @@ from .request import (
     EngineRequestEvent,
     EngineRequestState,
 )
+from .session import SESSION, SessionEvent, SessionState
 from .transitions_export import to_transitions
 from .utility import UTILITY, UtilityEvent, UtilityState
 
 # Every machine, in a fixed order (generators iterate this, never a set).
 MACHINES: tuple[Machine, ...] = (  # type: ignore[type-arg]
-    CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY, MEMBERSHIP,
+    CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY, MEMBERSHIP, ATTACH, SESSION,
 )
 
 __all__ = [
+    "ATTACH",
     "CLIENT",
     "CLIENT_REQUEST",
     "ENGINE",
     "ENGINE_REQUEST",
     "MACHINES",
     "MEMBERSHIP",
+    "SESSION",
     "UTILITY",
+    "AttachEvent",
+    "AttachState",
     "ClientClosedError",
     "ClientEvent",
     "ClientRequestEvent",
@@ -57,6 +63,8 @@ __all__ = [
     "MembershipEvent",
     "MembershipState",
     "ProtocolError",
+    "SessionEvent",
+    "SessionState",
     "SpecViolation",
     "TraceEntry",
     "Transition",

@@ -73,7 +73,9 @@ from ._compose_world import (
     R_QUEUED,
     R_RUNNING,
     RE,
-    REFUSED,
+    S_DROPS,
+    SE,
+    SESS,
     SLEEP_FLAG,
     STALE,
     STANDALONE,
@@ -203,6 +205,7 @@ class _EngineActions(_Model):
                 s.fire(EREQ, self.t_ereq, RE.SCHEDULE)
                 s.w[TOKS] = TOKENS
                 s.w[STALE] = 1
+                s.fire(SESS, self.t_session, SE.ATTACH_ACCEPTED)  # the previous front end's
                 if label == "parked":  # sleep(level=1, mode="keep")
                     s.fire(EREQ, self.t_ereq, RE.PREEMPT)
                     s.w[PREEMPTED] = 1
@@ -221,12 +224,11 @@ class _EngineActions(_Model):
         else:
             msg, s.w[INQ] = q[0], q[1:]
         kind = msg & 15
-        if s.w[REFUSED]:
-            if kind != I_ATTACH:  # the ended session's front end is not listened to
-                self._settle(s)
-                yield "engine_ignores_refused", s.freeze()
-                return
-            s.w[REFUSED] = 0
+        if s.w[SESS] in S_DROPS and kind != I_ATTACH:
+            # the ended session's front end is not listened to
+            self._settle(s)
+            yield "engine_ignores_refused", s.freeze()
+            return
         if kind == I_ADD:
             self._check_seq(s, msg)
             s.fire(EREQ, self.t_ereq, RE.ADD)
@@ -281,6 +283,7 @@ class _EngineActions(_Model):
             s.fire(E, self.t_engine, EE.SHUTDOWN)
             s.w[PROC_EXITED] = 1
         elif kind == I_ATTACH:
+            s.fire(SESS, self.t_session, SE.ATTACH_ACCEPTED)
             if self.bug != "attach_keeps_work":  # EngineCore.start_session()
                 if s.w[STALE]:
                     if s.w[EREQ] in R_LIVE:
@@ -307,7 +310,7 @@ class _EngineActions(_Model):
                 s.fire(E, self.t_engine, EE.WAKE_UP, "no_work")
                 s.w[SLEEP_FLAG] = 0
             self._settle(s)
-            s.w[REFUSED] = 1
+            s.fire(SESS, self.t_session, SE.INTEGRITY_FAILED)
             if self.bug != "session_end_unannounced":
                 s.push_out(O_SESSION_END)
         self._settle(s)

@@ -13,8 +13,10 @@ from ._compose_world import (
     _FIN_EVENT,
     _POWER_CALLS,
     _SLEEP_CALLS,
+    A_DROPS,
+    AE,
     ASKED_AWAKE,
-    ATTACHED,
+    ATT,
     BUDGET_LEFT,
     C_CONSTRUCTING,
     C_DEAD,
@@ -205,9 +207,10 @@ class _FrontEndActions(_Model):
         # when the marker is not on its way (ATTACH queued or marker queued, engine not
         # hung): firing while it is in flight is a slow engine, which ends like any death.
         on_way = not w[HUNG] and (I_ATTACH in w[INQ] or O_MARKER in w[OUTQ])
-        if (self.bug != "no_attach_deadline" and w[C] in C_LIVE and not w[ATTACHED]
+        if (self.bug != "no_attach_deadline" and w[C] in C_LIVE and w[ATT] in A_DROPS
                 and not on_way and not w[CLOSING] and not w[PARENT_DEAD]):
             s = _Step(self, w)
+            s.fire(ATT, self.t_attach, AE.DEADLINE)
             self._on_death(s)
             yield "attach_deadline", s.freeze()
 
@@ -225,12 +228,12 @@ class _FrontEndActions(_Model):
         if msg == O_HS:
             s.fire(C, self.t_client, CE.HANDSHAKE_OK)
             s.push_in(I_ATTACH)  # sent by the constructor, ahead of any owner call
-        elif (not s.w[ATTACHED] and msg != O_DEAD
+            s.fire(ATT, self.t_attach, AE.SEND_ATTACH)
+        elif (s.w[ATT] in A_DROPS and msg != O_DEAD
                 and (msg == O_MARKER or self.bug != "reader_keeps_stale")):
             # Before its marker only the marker and the dead sentinel count; the rest
             # (a previous front end's outputs, an undecodable frame) is dropped unread.
-            if msg == O_MARKER:
-                s.w[ATTACHED] = 1
+            s.fire(ATT, self.t_attach, AE.MARKER if msg == O_MARKER else AE.FOREIGN_MESSAGE)
         elif msg == O_STALE:
             s.flag("no_foreign_output")
         elif msg == O_MARKER:
@@ -266,6 +269,8 @@ class _FrontEndActions(_Model):
                 s.fire(C, self.t_client, CE.WAKE_ACKED, "partially_awake")
             # O_POWER_ERR: the call raises UtilityError; the client's state stays.
         elif msg in (O_DEAD, O_SESSION_END):  # the sentinel; the session's end: ProtocolError
+            if msg == O_SESSION_END:
+                s.fire(ATT, self.t_attach, AE.SESSION_ENDED)
             self._on_death(s)
         else:  # O_CORRUPT: undecodable frame -> ProtocolError, engine unusable: kill it
             self._on_death(s)

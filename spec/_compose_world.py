@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from .attach import ATTACH_DROPS_MESSAGES, AttachEvent, AttachState
 from .client import CLIENT_LIVE, ClientEvent, ClientState
 from .engine import (
     AWAKE,
@@ -32,6 +33,7 @@ from .request import (
     EngineRequestEvent,
     EngineRequestState,
 )
+from .session import SESSION_DROPS_INPUT, SessionEvent, SessionState
 from .utility import UtilityEvent, UtilityState
 
 # ---- bounds --------------------------------------------------------------------------------
@@ -67,21 +69,21 @@ FIELDS = (
     "client", "engine", "proc_exited", "hung", "parent_dead", "inq", "outq", "creq", "ereq",
     "toks", "preempted", "sent", "applied", "util", "util_ends", "weights_asleep",
     "kv_asleep", "sleep_flag", "drain_waiters", "closing", "budget", "faults", "monitor_seen",
-    "power_pending", "asked_awake", "standalone", "stale", "attached", "left_work",
-    "refused", "bad",
+    "power_pending", "asked_awake", "standalone", "stale", "attach", "left_work",
+    "session", "bad",
 )
 (C, E, PROC_EXITED, HUNG, PARENT_DEAD, INQ, OUTQ, CREQ, EREQ, TOKS, PREEMPTED, SENT, APPLIED,
  UTIL, UTIL_ENDS, WA, KVA, SLEEP_FLAG, DRAIN_WAITERS, CLOSING, BUDGET_LEFT, FAULTS_LEFT,
- MONITOR_SEEN, POWER_PENDING, ASKED_AWAKE, STANDALONE, STALE, ATTACHED, LEFT, REFUSED,
+ MONITOR_SEEN, POWER_PENDING, ASKED_AWAKE, STANDALONE, STALE, ATT, LEFT, SESS,
  BAD) = range(len(FIELDS))
 # drain_waiters: deferred sleep(wait) calls, each answered once; bounded by BUDGET.
 # power_pending: power calls sent whose reply the client has not read; bounded by BUDGET.
 # asked_awake: the owner's latest power call was a full wake-up.
 # standalone: the engine was started on its own (not this client's child).
 # stale: the engine's request is a previous front end's (until it ends or the attach drops it).
-# attached: the client has read its attach marker.
+# attach: the client's attach phase (spec/attach.py).
 # left_work: the client shut down owing a standalone engine the abort of a live request.
-# refused: the engine ended the session and ignores its front end until an ATTACH.
+# session: the engine's session (spec/session.py); ENDED ignores the front end until an ATTACH.
 NO_UTIL = -1  # ``util`` before the one call is made
 World = tuple[Any, ...]
 
@@ -95,6 +97,8 @@ ES, EE = EngineState, EngineEvent
 RS, RE = EngineRequestState, EngineRequestEvent
 QS, QE = ClientRequestState, ClientRequestEvent
 US, UE = UtilityState, UtilityEvent
+AS, AE = AttachState, AttachEvent
+SS, SE = SessionState, SessionEvent
 
 
 def _ix(member: Enum) -> int:
@@ -125,6 +129,9 @@ _TRIGGERED = {_ix(state): event for state, (_cond, event) in STATE_TRIGGERED.ite
 Q_ABORTABLE = frozenset(_ix(s) for s in QS)
 Q_FREE = frozenset(_ix(s) for s in QS) - Q_LIVE
 U_PENDING = _ix(US.PENDING)
+A_ATTACHED = _ix(AS.ATTACHED)
+A_DROPS = frozenset(_ix(s) for s in ATTACH_DROPS_MESSAGES)
+S_DROPS = frozenset(_ix(s) for s in SESSION_DROPS_INPUT)
 U_LATE_OK = frozenset({_ix(US.CANCELLED), _ix(US.TIMED_OUT)})
 
 _POWER_CALLS = frozenset(
@@ -214,3 +221,5 @@ class _Model:
     t_ereq: _Table
     t_creq: _Table
     t_util: _Table
+    t_attach: _Table
+    t_session: _Table

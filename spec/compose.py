@@ -60,6 +60,7 @@ from typing import Any
 from ._compose_engine import _EngineActions
 from ._compose_front import _FrontEndActions
 from ._compose_world import (
+    ATT,
     BAD,
     BUDGET,
     BUDGET_LEFT,
@@ -85,6 +86,7 @@ from ._compose_world import (
     OUTQ,
     QS,
     RS,
+    SESS,
     TOKENS,
     UE,
     UTIL,
@@ -95,10 +97,12 @@ from ._compose_world import (
     _ix,
     _Table,
 )
+from .attach import ATTACH, AttachState
 from .client import CLIENT, ClientState
 from .engine import ENGINE, EngineState
 from .machine import Machine
 from .request import CLIENT_REQUEST, ENGINE_REQUEST, ClientRequestState, EngineRequestState
+from .session import SESSION, SessionState
 from .utility import UTILITY, UtilityState
 
 __all__ = [
@@ -148,13 +152,16 @@ BUGS = (
 
 # The machines whose every row this model must exercise (membership is the two-engine
 # model's, compose_dp.py).
-COVERS: tuple[Machine[Any, Any], ...] = (CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY)
+COVERS: tuple[Machine[Any, Any], ...] = (
+    CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY, ATTACH, SESSION)
 
 # Table rows no run of this model fires, each with why (machine, row as explore prints it).
 # ``enginewire spec check`` fails when a row is neither exercised nor listed here, and when a
 # listed row becomes exercised, so this list stays true.
 
 _REJECT = "not modelled: the engine rejects an invalid add (tested in tests/runtime)"
+_ONE_SETTING = ("not modelled: both sides have the same frame-integrity setting here (a"
+                " mismatch refused at ATTACH is tested in tests/runtime/test_reattach.py)")
 UNEXERCISED: dict[tuple[str, str], str] = {
     ("client", "SHUTDOWN --SHUTDOWN--> SHUTDOWN"):
         "bounded: the owner calls shutdown() once (repeats are tested in tests/runtime)",
@@ -180,6 +187,14 @@ UNEXERCISED: dict[tuple[str, str], str] = {
         "not modelled: a step error hits a scheduled (RUNNING) request only",
     ("engine_request", "PREEMPTED --ERROR--> FINISHED_ERROR"):
         "not modelled: a step error hits a scheduled (RUNNING) request only",
+    **{(mach, row): _ONE_SETTING for mach, row in (
+        ("attach", "AWAITING_MARKER --REFUSAL--> REFUSED"),
+        ("session", "NO_FRONT_END --ATTACH_REFUSED--> REFUSED"),
+        ("session", "ATTACHED --ATTACH_REFUSED--> REFUSED"),
+        ("session", "ENDED --ATTACH_REFUSED--> REFUSED"),
+        ("session", "REFUSED --ATTACH_REFUSED--> REFUSED"),
+        ("session", "REFUSED --ATTACH_ACCEPTED--> ATTACHED"),
+    )},
     ("client_request", "STREAMING --OUTPUT--> STREAMING"): "bounded by TOKENS=1",
     ("client_request", "SENT --FINISH_LENGTH--> FINISHED_LENGTH"):
         "bounded by TOKENS=1: a length finish follows the one token",
@@ -231,13 +246,16 @@ class Composition(_FrontEndActions, _EngineActions):
         self.t_ereq = _Table(ENGINE_REQUEST)
         self.t_creq = _Table(CLIENT_REQUEST)
         self.t_util = _Table(UTILITY)
+        self.t_attach = _Table(ATTACH)
+        self.t_session = _Table(SESSION)
         self.actions: tuple[Action, ...] = tuple(
             Action(actor, name, functools.partial(getattr(self, method), **kwargs) if kwargs
                    else getattr(self, method))
             for actor, name, method, kwargs in _ACTIONS)
 
     def tables(self) -> tuple[_Table, ...]:
-        return (self.t_client, self.t_engine, self.t_ereq, self.t_creq, self.t_util)
+        return (self.t_client, self.t_engine, self.t_ereq, self.t_creq, self.t_util,
+                self.t_attach, self.t_session)
 
     # ---- the initial world -------------------------------------------------------------------
     def initial(self) -> World:
@@ -265,6 +283,7 @@ def describe_world(world: World) -> dict[str, object]:
     """A readable view of a world (enum names instead of ints) for counterexamples."""
     names: dict[int, type[Enum]] = {
         C: ClientState, E: EngineState, CREQ: ClientRequestState, EREQ: EngineRequestState,
+        ATT: AttachState, SESS: SessionState,
     }
     out: dict[str, object] = {}
     for i, field in enumerate(FIELDS):

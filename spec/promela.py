@@ -43,6 +43,8 @@ _VAR = {
     "engine_request": "ereq",
     "client_request": "creq",
     "utility": "util",
+    "attach": "attach",
+    "session": "session",
 }
 
 
@@ -148,6 +150,8 @@ def _constants() -> list[str]:
         _set_macro("ereq_queued", "ereq", m.R_QUEUED),
         _set_macro("engine_in_loop", "engine", m.E_LOOP),
         _set_macro("client_live", "client", m.C_LIVE),
+        _set_macro("attach_drops", "attach", m.A_DROPS),
+        _set_macro("session_drops", "session", m.S_DROPS),
         "#define attach_queued (" + " || ".join(
             f"inq[{i}] == I_ATTACH" for i in range(m.IN_CAP + 1)) + ")",
         "#define marker_queued (" + " || ".join(
@@ -167,8 +171,8 @@ byte toks; bit preempted; byte sent; byte applied;
 short util = NO_UTIL; byte util_ends;
 bit weights_asleep; bit kv_asleep; bit sleep_flag; byte drain_waiters; bit closing;
 byte budget = BUDGET; byte faults = FAULTS; bit monitor_seen;
-byte power_pending; bit asked_awake; bit standalone; bit stale; bit attached; bit left_work;
-bit refused;
+byte power_pending; bit asked_awake; bit standalone; bit stale; bit left_work;
+byte attach = ATTACH_S_DETACHED; byte session = SESSION_S_NO_FRONT_END;
 /* safety flags set by the model where a property is a statement about one step */
 bit v_spec_conformance; bit v_no_output_after_finish; bit v_sleep_reply_when_idle;
 bit v_frames_in_order; bit v_no_foreign_output; bit v_session_starts_fresh;
@@ -363,8 +367,8 @@ end: do
 #endif
 #ifndef BUG_NO_ATTACH_DEADLINE
   /* the attach marker is overdue: a timer, modelled as firing when it is not on its way */
-  :: atomic { client_live && !attached && (hung || !(attach_queued || marker_queued))
-              && !closing && !parent_dead -> on_death() }
+  :: atomic { client_live && attach_drops && (hung || !(attach_queued || marker_queued))
+              && !closing && !parent_dead -> fire_attach(ATTACH_E_DEADLINE, G_NONE); on_death() }
 #endif
   /* no front end connected to a standalone engine: its outputs are dropped */
   :: atomic { outq_len > 0 && !parent_dead && client == CLIENT_S_SHUTDOWN && standalone ->
@@ -373,10 +377,12 @@ end: do
               && client != CLIENT_S_SHUTDOWN ->
        pop_out(msg);
        if
-       :: msg == O_HS -> fire_client(CLIENT_E_HANDSHAKE_OK, G_NONE); push_in(I_ATTACH)
-       :: msg != O_HS && !attached && msg != O_DEAD && (msg == O_MARKER || DROPS_STALE) ->
+       :: msg == O_HS -> fire_client(CLIENT_E_HANDSHAKE_OK, G_NONE); push_in(I_ATTACH);
+          fire_attach(ATTACH_E_SEND_ATTACH, G_NONE)
+       :: msg != O_HS && attach_drops && msg != O_DEAD && (msg == O_MARKER || DROPS_STALE) ->
           /* before its marker only the marker and the dead sentinel count */
-          if :: msg == O_MARKER -> attached = 1 :: else -> skip fi
+          if :: msg == O_MARKER -> fire_attach(ATTACH_E_MARKER, G_NONE)
+             :: else -> fire_attach(ATTACH_E_FOREIGN_MESSAGE, G_NONE) fi
        :: else ->
        if
        :: msg == O_STALE -> v_no_foreign_output = 1
@@ -414,7 +420,8 @@ end: do
              :: msg == O_WOKE_PART -> fire_client(CLIENT_E_WAKE_ACKED, G_PARTIALLY_AWAKE)
              :: else -> skip /* O_POWER_ERR: the call raises; the client's state stays */
           fi
-       :: msg == O_DEAD || msg == O_SESSION_END -> on_death()
+       :: msg == O_DEAD -> on_death()
+       :: msg == O_SESSION_END -> fire_attach(ATTACH_E_SESSION_ENDED, G_NONE); on_death()
        :: msg == O_CORRUPT -> on_death();
           if :: !standalone -> proc_exited = 1 :: else -> skip fi
        fi
@@ -447,6 +454,7 @@ end: do
              /* started on its own, a previous front end's request of the same id running,
                 or parked by a sleep(level=1, mode="keep") */
              standalone = 1; stale = 1; toks = TOKENS;
+             fire_session(SESSION_E_ATTACH_ACCEPTED, G_NONE); /* the previous front end's */
              fire_ereq(ENGINE_REQUEST_E_ADD, G_NONE); fire_engine(ENGINE_E_WORK_ARRIVED, G_NONE);
              fire_ereq(ENGINE_REQUEST_E_SCHEDULE, G_NONE);
              if :: true -> skip
@@ -463,9 +471,8 @@ end: do
 #endif
        kind = msg & 15;
        if
-       :: refused && kind != I_ATTACH -> skip /* the ended session's front end is ignored */
+       :: session_drops && kind != I_ATTACH -> skip /* the ended session's front end is ignored */
        :: else ->
-       refused = 0;
        if
        :: kind == I_ADD ->
           check_seq(msg); fire_ereq(ENGINE_REQUEST_E_ADD, G_NONE); toks = TOKENS;
@@ -508,6 +515,7 @@ end: do
        :: kind == I_RESUME -> resume()
        :: kind == I_SHUTDOWN -> fire_engine(ENGINE_E_SHUTDOWN, G_NONE); proc_exited = 1
        :: kind == I_ATTACH ->
+          fire_session(SESSION_E_ATTACH_ACCEPTED, G_NONE);
 #ifndef BUG_ATTACH_KEEPS_WORK
           /* EngineCore.start_session() */
           if :: stale ->
@@ -536,7 +544,7 @@ end: do
                 weights_asleep = 0; kv_asleep = 0;
                 fire_engine(ENGINE_E_WAKE_UP, G_NO_WORK); sleep_flag = 0
              :: else -> skip fi;
-          settle(); refused = 1
+          settle(); fire_session(SESSION_E_INTEGRITY_FAILED, G_NONE)
 #ifndef BUG_SESSION_END_UNANNOUNCED
           ; push_out(O_SESSION_END)
 #endif

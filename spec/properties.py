@@ -242,9 +242,11 @@ LIVENESS: tuple[Property, ...] = (
         "lost), "
         "or was shut down (unless the owner died).",
         ("no_attach_deadline",),
-        ("client_live && !attached", lambda w: w[m.C] in m.C_LIVE and not w[m.ATTACHED]),
-        (f"attached || client == {_C_DEAD} || client == {_C_SHUTDOWN} || parent_dead",
-         lambda w: bool(w[m.ATTACHED]) or w[m.C] in (_C_DEAD, _C_SHUTDOWN)
+        ("client_live && attach != ATTACH_S_ATTACHED",
+         lambda w: w[m.C] in m.C_LIVE and w[m.ATT] != m.A_ATTACHED),
+        (f"attach == ATTACH_S_ATTACHED || client == {_C_DEAD} || client == {_C_SHUTDOWN}"
+         " || parent_dead",
+         lambda w: w[m.ATT] == m.A_ATTACHED or w[m.C] in (_C_DEAD, _C_SHUTDOWN)
          or bool(w[m.PARENT_DEAD])),
     ),
     _live(

@@ -179,9 +179,11 @@ def test_declared_unexercised_rows_are_exactly_the_rows_the_model_misses(
 
 def test_every_client_attaches_first_and_reads_nothing_before_its_marker() -> None:
     for w in _follow(_READY[:2]):
-        assert [m & 15 for m in w[c.INQ]] == [c.I_ATTACH] and not w[c.ATTACHED]
+        assert [m & 15 for m in w[c.INQ]] == [c.I_ATTACH] and w[c.ATT] in c.A_DROPS
+        assert w[c.SESS] == c._ix(c.SS.NO_FRONT_END)
     for w in _follow(_READY):
-        assert w[c.ATTACHED] and w[c.C] == c.C_READY and not w[c.OUTQ] and not w[c.INQ]
+        assert w[c.ATT] == c.A_ATTACHED and w[c.C] == c.C_READY and not w[c.OUTQ]
+        assert not w[c.INQ] and w[c.SESS] == c._ix(c.SS.ATTACHED)
 
 
 def test_a_previous_front_ends_request_is_dropped_unread_even_under_the_same_id() -> None:
@@ -190,7 +192,7 @@ def test_a_previous_front_ends_request_is_dropped_unread_even_under_the_same_id(
     for w in _follow(start):
         assert w[c.STANDALONE] and w[c.C] == c.C_READY and _outq(w) == ["STALE"]
     for w in _follow((*start, "receive_output")):
-        assert not w[c.OUTQ] and not w[c.ATTACHED] and not w[c.BAD]  # dropped unread
+        assert not w[c.OUTQ] and w[c.ATT] in c.A_DROPS and not w[c.BAD]  # dropped unread
     # The same id is added before the engine served the ATTACH, and the old request outputs
     # once more: dropped; the new request is the engine's after the marker.
     run = ("engine_standalone_busy", "receive_output", "add_request", "engine_stale_finish",
