@@ -8,6 +8,7 @@ Tests never assert any of these figures; they only check the shape of the result
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import operator
@@ -18,7 +19,10 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-__all__ = ["SECTIONS", "TARGETS", "collect", "main", "run_bench"]
+from .._command import MissingError, Parser, UsageError, require, run_handler, writable_file
+
+__all__ = ["SECTIONS", "TARGETS", "add_arguments", "bench_command", "collect", "main",
+           "run_bench"]
 
 SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model", "dp")
 
@@ -449,13 +453,61 @@ def run_bench(
     return 0 if ok else 1
 
 
+# --- the command: `enginewire bench` and `python -m enginewire.benchmarks.run` ---------------
+
+HELP = "measure IPC cost against a raw pyzmq floor measured in the same run"
+DESCRIPTION = ("Run every measurement next to its floor in one invocation and print medians,"
+               " spreads and ratios with the target bars; exits 1 if a bar is missed.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's options, on the CLI's ``bench`` subcommand and on ``main``'s parser
+    (one definition, so the two cannot drift apart)."""
+    parser.add_argument("--quick", action="store_true", help="small counts (under 2 minutes)")
+    parser.add_argument("--json", metavar="PATH", help="write every row as JSON to PATH")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot of the ratios to PATH")
+    parser.add_argument("--only", metavar="SECTIONS",
+                        help="comma-separated subset of: " + ", ".join(SECTIONS))
+    parser.add_argument(
+        "--engines", type=int, default=1, metavar="N",
+        help="data parallel: N engines' tokens/s over one engine's on compute-bound steps, and "
+        "the routing cost per request (alone, the dp section only; the full run uses 2)")
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """The command's handler: the arguments checked up front (a bad one is a ``UsageError``,
+    a missing package or the model's weights a ``MissingError``), then ``run_bench``."""
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    unknown = sorted(set(only or ()) - set(SECTIONS))
+    if unknown:
+        raise UsageError(f"--only: unknown section(s) {', '.join(unknown)}; choose from "
+                         + ", ".join(SECTIONS))
+    if args.json:
+        writable_file("--json", args.json)
+    if args.plot:
+        writable_file("--plot", args.plot)
+        require("matplotlib", "--plot")
+    if only and "model" in only and not args.quick:
+        missing = _model_missing()
+        if missing is not None:
+            raise MissingError(f"--only model: {missing}")
+    if args.engines < 1:
+        raise UsageError(f"--engines {args.engines}: must be at least 1")
+    if args.engines > 1 and not only:
+        only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
+    elif only and "dp" in only and args.engines == 1:
+        args.engines = 2
+    return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only,
+                         engines=args.engines))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m enginewire.benchmarks.run [ARGS]``: exactly ``enginewire bench [ARGS]``, through
-    the CLI's own parser and up-front checks (one parser, so the two cannot drift apart)."""
-    from enginewire.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
+    """``python -m enginewire.benchmarks.run [ARGS]``: exactly ``enginewire bench [ARGS]``, the
+    same options, up-front checks and exit codes (cli.py builds its subcommand from these)."""
+    parser = Parser(prog="enginewire bench", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run_handler(bench_command, args, parser.prog)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,81 +10,41 @@ Bad usage is one line on stderr that names the flag, and exit status 2: a value 
 an unknown name, a malformed address, and an output path (``--results-dir``, ``--json``,
 ``--plot``, ``--out``) that cannot be created or written. Output paths are checked before a
 long job starts, so a run is never lost to a typo at its end.
+
+That plumbing (the exit codes, ``UsageError``, ``MissingError``, the parser, the path checks,
+``run_handler``) is ``_command.py``'s, which the ``bench`` command (benchmarks/run.py: its
+options and handler, built into its subcommand here) also runs on as a module of its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from . import __version__
+from ._command import (
+    EXIT_ENV,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Handler,
+    MissingError,
+    UsageError,
+    run_handler,
+)
+from ._command import Parser as _Parser
+from ._command import require as _require
+from ._command import writable_dir as _writable_dir
+from ._command import writable_file as _writable_file  # noqa: F401 (tests/cli use it here)
+from .benchmarks import run as bench_run
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
-
-Handler = Callable[[argparse.Namespace], int]
 # EngineConfig's seed bound (seeds travel as msgpack uint64).
 _MAX_SEED = (1 << 64) - 1
-
-
-class UsageError(Exception):
-    """Bad usage found by a handler: ``main`` prints it as one line and exits 2."""
-
-
-class MissingError(Exception):
-    """Something the job needs is not installed: ``main`` prints it as one line and exits 3."""
-
-
-# Optional packages -> the extra that installs them (pyproject's optional-dependencies).
-_EXTRAS = {"hypothesis": "test", "transitions": "test", "matplotlib": "docs",
-           "gguf": "gguf", "tokenizers": "gguf", "ray": "ray"}
-
-
-def _require(package: str, purpose: str) -> None:
-    """Import ``package`` now, so a job that needs it fails before it starts, in one line."""
-    import importlib
-
-    try:
-        importlib.import_module(package)
-    except ImportError:
-        raise MissingError(_missing_line(package, purpose)) from None
-
-
-def _missing_line(package: str, purpose: str) -> str:
-    extra = _EXTRAS.get(package)
-    how = f"pip install 'enginewire[{extra}]'" if extra else f"pip install {package}"
-    return f"{purpose} needs the `{package}` package, which is not installed: {how}"
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless it already names its default;
-    flags (False) and options without one (None) get nothing (docs/index.md promises every
-    default in --help)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if (not action.option_strings or default is None or default is False
-                or default is argparse.SUPPRESS or "default" in text):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (argparse prints the usage block first), and every
-    option's help ends with its default (subcommand parsers are _Parsers too)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _DefaultsFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -116,41 +76,6 @@ def _float_over(lo: float, *, inclusive: bool) -> Callable[[str], float]:
 
     parse.__name__ = "number"
     return parse
-
-
-def _writable_dir(flag: str, path: str) -> Path:
-    """``path`` as a directory this process can write, created if missing; else UsageError."""
-    d = Path(path).expanduser()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UsageError(f"{flag} {path}: exists and is not a directory") from None
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: cannot create it ({exc.strerror})") from None
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: directory is not writable")
-    return d
-
-
-def _writable_file(flag: str, path: str) -> None:
-    """``path`` can be written as a file: its directory exists and is writable."""
-    f = Path(path).expanduser()
-    parent = f.parent
-    if f.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory, expected a file name")
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: directory {str(parent)!r} does not exist")
-    # Tried, not asked: os.access says yes to root for /proc, where the write fails only after
-    # the whole run. An existing file is opened for append (not truncated), a new one made
-    # and removed again.
-    existed = f.exists()
-    try:
-        with open(f, "ab" if existed else "xb"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"{flag} {path}: not writable ({exc.strerror})") from None
-    if not existed:
-        f.unlink(missing_ok=True)
 
 
 def _spec_check(args: argparse.Namespace) -> int:
@@ -450,35 +375,6 @@ def _faults_matrix(args: argparse.Namespace) -> int:
     return rc
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.run import SECTIONS, run_bench
-
-    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
-    unknown = sorted(set(only or ()) - set(SECTIONS))
-    if unknown:
-        raise UsageError(f"--only: unknown section(s) {', '.join(unknown)}; choose from "
-                         + ", ".join(SECTIONS))
-    if args.json:
-        _writable_file("--json", args.json)
-    if args.plot:
-        _writable_file("--plot", args.plot)
-        _require("matplotlib", "--plot")
-    if only and "model" in only and not args.quick:
-        from .benchmarks.run import _model_missing
-
-        missing = _model_missing()
-        if missing is not None:
-            raise MissingError(f"--only model: {missing}")
-    if args.engines < 1:
-        raise UsageError(f"--engines {args.engines}: must be at least 1")
-    if args.engines > 1 and not only:
-        only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
-    elif only and "dp" in only and args.engines == 1:
-        args.engines = 2
-    return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only,
-                         engines=args.engines))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="enginewire",
@@ -661,26 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     matrix.set_defaults(handler=_faults_matrix)
 
-    bench = sub.add_parser(
-        "bench",
-        help="measure IPC cost against a raw pyzmq floor measured in the same run",
-        description="Run every measurement next to its floor in one invocation and print "
-        "medians, spreads and ratios with the target bars; exits 1 if a bar is missed.",
-    )
-    bench.add_argument("--quick", action="store_true", help="small counts (under 2 minutes)")
-    bench.add_argument("--json", metavar="PATH", help="write every row as JSON to PATH")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot of the ratios to PATH")
-    bench.add_argument(
-        "--only",
-        metavar="SECTIONS",
-        help="comma-separated subset of: echo, delivery, compute, codec, spec, inproc, engine, "
-        "model, dp",
-    )
-    bench.add_argument(
-        "--engines", type=int, default=1, metavar="N",
-        help="data parallel: N engines' tokens/s over one engine's on compute-bound steps, and "
-        "the routing cost per request (alone, the dp section only; the full run uses 2)")
-    bench.set_defaults(handler=_bench)
+    bench = sub.add_parser("bench", help=bench_run.HELP, description=bench_run.DESCRIPTION)
+    bench_run.add_arguments(bench)
+    bench.set_defaults(handler=bench_run.bench_command)
 
     gen = sub.add_parser(
         "generate",
@@ -854,31 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(_attach_key_values(sys.argv[1:] if argv is None else argv,
                                                 parser))
     handler: Handler = args.handler
-    try:
-        return handler(args)
-    except UsageError as exc:
-        print(f"{_prog(parser, args)}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except MissingError as exc:
-        print(f"{_prog(parser, args)}: error: {exc}", file=sys.stderr)
-        return EXIT_ENV
-    except ModuleNotFoundError as exc:
-        # The safety net behind _require: an optional package a job reached for late.
-        if exc.name is None or exc.name.partition(".")[0] not in _EXTRAS:
-            raise
-        print(f"{_prog(parser, args)}: error: "
-              f"{_missing_line(exc.name.partition('.')[0], 'this command')}", file=sys.stderr)
-        return EXIT_ENV
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        # Whoever read stdout has gone (`enginewire ... | head`): stop quietly, as a Unix
-        # tool does; stdout goes to /dev/null so the exit's flush cannot raise it again.
-        with contextlib.suppress(OSError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended
-
+    return run_handler(handler, args, _prog(parser, args))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,9 +20,7 @@ import time
 import unittest
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
-
-import psutil
+from typing import Any, Protocol
 
 from ..protocol.messages import (
     EngineCoreOutputs,
@@ -39,10 +37,10 @@ from ..spec import (
     TraceEntry,
     validate_trace,
 )
+from ._harness import wait_until
+from .bounds import DEATH_BOUND_S
 
 CLIENT_KINDS = ("inproc", "sync", "async")
-# The brief's bound: engine death is seen on every path within this many seconds.
-DEATH_BOUND_S = 1.0
 # A parent's death makes the engine exit within this many seconds.
 ORPHAN_BOUND_S = 5.0
 # Upper bound for ordinary waits (generation, utilities) on a loaded CI machine.
@@ -98,6 +96,8 @@ class ClientUnderTest:
     as ``ClientUnderTest(client, kind, trace)``, ``trace`` being the list the client records
     into (``None``: ``check_trace`` cannot run). An ``async`` client gets an event loop on a
     thread of its own, which ``shutdown()`` closes; build the client before wrapping it.
+    ``inject``, optional, is how the scenarios that play a misbehaving engine reach your
+    client (``Injector``); without one they raise ``NotApplicable``.
     """
 
     client: Any
@@ -105,6 +105,7 @@ class ClientUnderTest:
     trace: list[TraceEntry] | None = None
     loop: _LoopThread | None = None
     closed: bool = field(default=False)
+    inject: Injector | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CLIENT_KINDS:
@@ -177,6 +178,72 @@ class ClientUnderTest:
         self.shutdown()
 
 
+class Injector(Protocol):
+    """An optional capability of a client factory (trio's conformance suite takes optional
+    makers the same way): a hand inside the client for the scenarios that play an engine
+    which breaks the spec or a front end which sent garbage, so the suite itself never
+    reaches into a client. A factory that builds clients with one sets it as
+    ``ClientUnderTest.inject``; ``open_client`` does for the built-in clients."""
+
+    def track_as_sent(self, request: EngineCoreRequest) -> None:
+        """Count ``request`` as sent, without sending it: the client now expects outputs
+        for it (``check_forbidden_output``), or the ERROR a malformed copy of it earns on
+        the wire (``check_malformed_frames``)."""
+
+    def deliver(self, batch: EngineCoreOutputs) -> None:
+        """Queue ``batch`` untracked, where the client puts what its engine sent: the next
+        ``get_output`` reads it, as an engine that breaks the spec would deliver it."""
+
+    def reject(self, request_id: str, error: str) -> bool:
+        """In-process, with no wire to send a malformed ADD on: have the engine reject one
+        for ``request_id`` (``EngineCore.reject_request``), under the client's engine lock."""
+
+
+def injector(cut: ClientUnderTest, what: str) -> Injector:
+    """``cut.inject``, or ``NotApplicable`` saying that ``what`` needs one."""
+    if cut.inject is None:
+        raise NotApplicable(f"{what} needs an injector (ClientUnderTest.inject), which the"
+                            f" factory of this {type(cut.client).__name__} does not offer")
+    return cut.inject
+
+
+@dataclass
+class _BuiltinInjector:
+    """The built-in clients' ``Injector``: the one place that knows where each keeps what
+    its engine sent (``open_client`` gives it to every client it builds)."""
+
+    client: Any
+    loop: _LoopThread | None = None
+
+    def track_as_sent(self, request: EngineCoreRequest) -> None:
+        self.client._track_add(request)
+
+    def deliver(self, batch: EngineCoreOutputs) -> None:
+        from ..runtime.async_mp_client import AsyncMPClient
+        from ..runtime.client import InprocClient
+        from ..runtime.sync_mp_client import SyncMPClient
+
+        client = self.client
+        if isinstance(client, InprocClient):
+            with client._engine_lock:  # stepped batches waiting for get_output
+                client._buffered.append(batch)
+        elif isinstance(client, SyncMPClient):
+            client._outputs.put(batch)
+        elif isinstance(client, AsyncMPClient) and self.loop is not None:
+            async def put() -> None:  # on the loop: an asyncio.Queue is not thread-safe
+                client._ensure_reader()
+                assert client._outputs is not None
+                client._outputs.put_nowait(batch)
+
+            self.loop.run(put())
+        else:
+            raise NotApplicable(f"cannot inject outputs into a {type(client).__name__}")
+
+    def reject(self, request_id: str, error: str) -> bool:
+        with self.client._engine_lock:
+            return bool(self.client.engine.reject_request(request_id, error))
+
+
 ClientFactory = Callable[..., ClientUnderTest]
 """``factory(**options) -> ClientUnderTest``: a fresh client; it honours ``config=``,
 ``engine_startup_delay_s=`` and ``engine_fault=`` or raises ``NotApplicable`` (module
@@ -214,10 +281,10 @@ def open_client(
         except BaseException:
             loop.close()
             raise
-        return ClientUnderTest(client, kind, trace, loop)
+        return ClientUnderTest(client, kind, trace, loop, inject=_BuiltinInjector(client, loop))
     client = make_client(config, multiprocess=kind == "sync", asyncio=False, trace=trace,
                          **options)
-    return ClientUnderTest(client, kind, trace)
+    return ClientUnderTest(client, kind, trace, inject=_BuiltinInjector(client))
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -292,15 +359,6 @@ def check_trace(cut: ClientUnderTest) -> None:
         validate_trace(machine, cut.trace)
 
 
-def _wait_for(predicate: Callable[[], bool], bound: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > bound:
-            raise AssertionError(f"{what} not seen within {bound} s")
-        time.sleep(0.005)
-    return time.monotonic() - start
-
-
 def stop_process(pid: int, bound: float = WAIT_S) -> None:
     """SIGSTOP ``pid`` and wait until every one of its threads is stopped.
 
@@ -309,27 +367,20 @@ def stop_process(pid: int, bound: float = WAIT_S) -> None:
     under load). Once this returns, nothing is answered until SIGCONT or SIGKILL.
     """
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + bound
-    while True:
-        states = []
+    states: list[str] = []
+
+    def stopped() -> bool:
+        states[:] = []
         for task in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 with open(f"/proc/{pid}/task/{task}/stat") as f:
                     # The state follows the parenthesised command name, which may hold spaces.
                     states.append(f.read().rpartition(")")[2].split()[0])
-        if states and all(st in ("T", "t", "Z", "X") for st in states):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} not stopped {bound} s after SIGSTOP"
-                                 f" (thread states {states})")
-        time.sleep(0.001)
+        return bool(states) and all(st in ("T", "t", "Z", "X") for st in states)
 
-
-def _process_gone(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
+    if not wait_until(stopped, bound, poll=0.001):
+        raise AssertionError(f"process {pid} not stopped {bound} s after SIGSTOP"
+                             f" (thread states {states})")
 
 
 def _expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: str) -> None:

@@ -39,6 +39,14 @@ configured. A scenario may pass these options, and a factory must honour each on
 client has no engine process, so ``open_client("inproc", ...)`` raises ``NotApplicable`` for
 the last two.
 
+Optionally, a factory hands each client it builds an ``Injector`` (``ClientUnderTest(...,
+inject=...)``): requests counted as sent without sending them, batches queued as if the
+engine had sent them, an in-process rejection. The scenarios that play a misbehaving engine
+or front end (``check_forbidden_output``, ``check_malformed_frames``, and in-process
+``check_rejected_add_spares_live_request``) use it and nothing else of the client's insides;
+without one they raise ``NotApplicable`` saying so. ``open_client`` gives the built-in
+clients theirs.
+
 Skips. A scenario that cannot run on the client under test (a kill or an injected frame on
 an in-process client, prefix caching on a config without it) raises ``NotApplicable``,
 never returns quietly. It subclasses ``unittest.SkipTest``, which pytest and unittest
@@ -74,21 +82,23 @@ from ..spec import (
 from ._conformance_driver import (
     _PROMPT,
     CLIENT_KINDS,
-    DEATH_BOUND_S,
     ORPHAN_BOUND_S,
     WAIT_S,
     ClientFactory,
     ClientUnderTest,
     Finished,
+    Injector,
     NotApplicable,
     _fit,
     check_trace,
     collect,
+    injector,
     max_new_tokens,
     open_client,
     request,
     stop_process,
 )
+from .bounds import DEATH_BOUND_S
 from .conformance_breaking import (
     check_client_kill_engine_exits,
     check_construction_failure_leaks_nothing,
@@ -106,6 +116,7 @@ __all__ = [
     "ClientFactory",
     "ClientUnderTest",
     "Finished",
+    "Injector",
     "NotApplicable",
     "check_abort_half",
     "check_bad_arguments",
@@ -369,7 +380,7 @@ def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     client = cut.client
     rid = f"{prefix}-0"
     # Pretend the client sent it, so the ERROR output it earns is expected.
-    client._track_add(request(rid))
+    injector(cut, "check_malformed_frames").track_as_sent(request(rid))
     frames: list[list[bytes]] = [
         [b"\x07\x90"],  # unknown request type
         [RequestType.ADD.value + b"\xc1"],  # not msgpack at all
@@ -402,6 +413,10 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
     go on the wire; in-process: the engine's rejection path is driven directly."""
     import msgspec
 
+    # In-process there is no wire: the engine's rejection path is driven through the factory's
+    # injector, asked for first so a client without one is left as it was found.
+    reject = (None if cut.multiprocess
+              else injector(cut, "check_rejected_add_spares_live_request in-process").reject)
     rid = f"{prefix}-0"
     # Long enough to be live still when the pause lands (on a data-parallel client the pause
     # goes to every engine, after the ADD went to one).
@@ -417,8 +432,8 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
                            [RequestType.ADD.value + bad_sp]):
                 cut.client.send_raw_frames(frames)
         else:
-            with cut.client._engine_lock:
-                assert not cut.client.engine.reject_request(rid, "malformed request: test")
+            assert reject is not None
+            assert not reject(rid, "malformed request: test")
         assert cut.call_utility("echo", "after") == "after"
     finally:
         cut._call("resume_scheduler")
@@ -428,48 +443,25 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
     check_trace(cut)
 
 
-def _inject(cut: ClientUnderTest, batch: EngineCoreOutputs) -> None:
-    """Queue ``batch`` where a built-in client puts what its engine sent, untracked: what an
-    engine that breaks the spec would deliver (NotApplicable for any other client)."""
-    from ..runtime.async_mp_client import AsyncMPClient
-    from ..runtime.client import InprocClient
-    from ..runtime.sync_mp_client import SyncMPClient
-
-    client = cut.client
-    if isinstance(client, InprocClient):
-        with client._engine_lock:  # stepped batches waiting for get_output
-            client._buffered.append(batch)
-    elif isinstance(client, SyncMPClient):
-        client._outputs.put(batch)
-    elif isinstance(client, AsyncMPClient) and cut.loop is not None:
-        async def put() -> None:  # on the loop: an asyncio.Queue is not thread-safe
-            client._ensure_reader()
-            assert client._outputs is not None
-            client._outputs.put_nowait(batch)
-
-        cut.loop.run(put())
-    else:
-        raise NotApplicable(f"cannot inject outputs into a {type(client).__name__}")
-
-
 def check_forbidden_output(cut: ClientUnderTest, prefix: str = "forbidden") -> None:
     """An engine output the spec forbids (here, one for an id never sent) costs its batch
     nothing else: ``get_output`` raises SpecViolation naming that id, once, and the next
     call returns the batch's legal outputs, each of which advanced its request once; the
     batches after it follow in order. Needs an idle client: the batches are injected."""
     client = cut.client
+    inject = injector(cut, "check_forbidden_output")
     if client.live_requests():
         raise NotApplicable("the injected batches need a client with no live request")
     r1, r2, ghost = f"{prefix}-1", f"{prefix}-2", f"{prefix}-never-sent"
     # Tracked as sent, never sent: the engine produces nothing for them.
-    client._track_add(request(r1))
-    client._track_add(request(r2))
-    _inject(cut, EngineCoreOutputs(outputs=[
+    inject.track_as_sent(request(r1))
+    inject.track_as_sent(request(r2))
+    inject.deliver(EngineCoreOutputs(outputs=[
         EngineCoreOutput(r1, [7], FinishReason.LENGTH),
         EngineCoreOutput(ghost, [8]),
         EngineCoreOutput(r2, [9]),
     ]))
-    _inject(cut, EngineCoreOutputs(outputs=[EngineCoreOutput(r2, [10], FinishReason.STOP)]))
+    inject.deliver(EngineCoreOutputs(outputs=[EngineCoreOutput(r2, [10], FinishReason.STOP)]))
 
     def read() -> list[tuple[str, list[int], Any]]:
         batch = cut.get_output(timeout=WAIT_S)

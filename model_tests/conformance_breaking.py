@@ -14,10 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from typing import Any
-
-import psutil
 
 from ..spec import (
     ClientState,
@@ -25,18 +22,24 @@ from ..spec import (
     EngineStartupError,
 )
 from ._conformance_driver import (
-    DEATH_BOUND_S,
     ORPHAN_BOUND_S,
     WAIT_S,
     ClientFactory,
     NotApplicable,
     _expect_dead,
-    _process_gone,
-    _wait_for,
     check_trace,
     request,
     stop_process,
 )
+from ._harness import (
+    ResourceSnapshot,
+    describe_leaks,
+    exited,
+    left_behind,
+    new_processes,
+    wait_until,
+)
+from .bounds import DEATH_BOUND_S
 
 # --- scenarios that break the engine (fresh client each) --------------------------------------
 
@@ -75,8 +78,8 @@ def check_kill_during_utility(factory: ClientFactory) -> None:
         try:
             futs = [cut.submit("call_utility", "echo", i) for i in range(3)]
             try:
-                _wait_for(lambda: cut.client.pending_utility_calls() == 3, WAIT_S,
-                          "3 pending calls")
+                wait_until(lambda: cut.client.pending_utility_calls() == 3, WAIT_S,
+                           "3 pending calls")
             except AssertionError as e:
                 # Say what became of the calls: a flaky run must explain itself.
                 states = [repr(f.exception(0)) if f.done() else "running" for f in futs]
@@ -94,23 +97,16 @@ def check_kill_during_utility(factory: ClientFactory) -> None:
 
 def check_kill_during_handshake(factory: ClientFactory) -> None:
     """SIGKILL before the engine is ready: construction fails at once, nothing leaks."""
-    me = psutil.Process()
-    before = {p.pid for p in me.children()}
+    before = ResourceSnapshot.take()
 
-    def new_engines() -> set[int]:
-        # Any new child but multiprocessing's resource tracker (started on first use).
-        found = set()
-        for p in me.children():
-            with contextlib.suppress(psutil.Error):
-                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
-                    found.add(p.pid)
-        return found
+    def new_engines() -> list[int]:  # any new child: what an engine start makes
+        return new_processes(before)
 
     pool = concurrent.futures.ThreadPoolExecutor(1)
     fut = pool.submit(factory, engine_startup_delay_s=60.0)
     pool.shutdown(wait=False)
     # The factory may refuse the option (NotApplicable) or fail at once: say so, not wait.
-    _wait_for(lambda: bool(new_engines()) or fut.done(), WAIT_S, "the engine process")
+    wait_until(lambda: bool(new_engines()) or fut.done(), WAIT_S, "the engine process")
     if not new_engines():
         cut = fut.result(0)  # the factory's own error, NotApplicable included, raises here
         multiprocess = cut.multiprocess
@@ -131,7 +127,7 @@ def check_kill_during_handshake(factory: ClientFactory) -> None:
     else:
         cut.shutdown()
         raise AssertionError("construction must fail when the engine dies during start-up")
-    _wait_for(lambda: not new_engines(), WAIT_S, "reaped engine")
+    wait_until(lambda: not new_engines(), WAIT_S, "reaped engine")
 
 
 def check_engine_fatal_error(factory: ClientFactory) -> None:
@@ -154,7 +150,7 @@ def check_engine_fatal_error(factory: ClientFactory) -> None:
                     raise AssertionError("'doomed' finished, but the engine was to hit a fatal"
                                          " error in its 3rd forward")
                 now = time.monotonic()
-                if gone_at is None and pid is not None and _process_gone(pid):
+                if gone_at is None and pid is not None and exited(pid):
                     gone_at = now
                 if gone_at is not None and now - gone_at > DEATH_BOUND_S:
                     raise AssertionError(
@@ -208,7 +204,7 @@ def check_exits_with_parent(script: str, what: str, *, bound: float = ORPHAN_BOU
         proc.kill()
         proc.wait(WAIT_S)
         killed = time.monotonic()
-        _wait_for(lambda: _process_gone(child), bound + 2, f"{what} exit")
+        wait_until(lambda: exited(child), bound + 2, f"{what} exit")
         assert time.monotonic() - killed <= bound, f"{what} outlived its parent by > {bound} s"
     finally:
         if proc.poll() is None:
@@ -223,18 +219,9 @@ def check_exits_with_parent(script: str, what: str, *, bound: float = ORPHAN_BOU
                 os.kill(child, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def _resource_snapshot() -> Iterator[dict[str, Any]]:
-    me = psutil.Process()
-    snap = {"children": {p.pid for p in me.children(recursive=True)},
-            "threads": me.num_threads(), "fds": me.num_fds()}
-    yield snap
-
-
 def check_construction_failure_leaks_nothing(factory: ClientFactory, bad_config: Any) -> None:
     """A client whose engine fails to build raises EngineStartupError and leaks no process,
-    thread or fd (psutil before/after)."""
-    me = psutil.Process()
+    thread or fd (_harness.py: what each one counts)."""
 
     def attempt() -> None:
         try:
@@ -246,10 +233,7 @@ def check_construction_failure_leaks_nothing(factory: ClientFactory, bad_config:
             raise AssertionError("a failing engine build must raise EngineStartupError")
 
     attempt()  # warm-up: first use creates process-wide things (imports, pools)
-    children = {p.pid for p in me.children(recursive=True)}
-    threads, fds = me.num_threads(), me.num_fds()
+    before = ResourceSnapshot.take()
     attempt()
-    _wait_for(lambda: {p.pid for p in me.children(recursive=True)} <= children, WAIT_S,
-              "no leftover process")
-    _wait_for(lambda: me.num_threads() <= threads, 5.0, f"threads back to {threads}")
-    _wait_for(lambda: me.num_fds() <= fds, 5.0, f"fds back to {fds}")
+    leaks = left_behind(before, bound=WAIT_S, kinds=("processes", "threads", "fds"))
+    assert not leaks, "after a failed construction: " + "; ".join(describe_leaks(leaks, before))

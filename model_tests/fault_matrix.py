@@ -8,7 +8,9 @@ through the ``Interposer``) and the fault fires there. The cell then observes, w
 every wait, what the front end saw and classifies it as one ``Outcome``; ``expected_outcome``
 says what the spec requires. A cell passes when the outcome is the expected one, a death was
 detected within its latency bound, and nothing leaked (child processes, threads, fds, ipc
-directories) once the client was shut down.
+directories, as _harness.py defines them) once the client was shut down. What every kind of
+cell is made of (outcomes, result rows, the classifier, the request and utility drivers) is
+_cells.py's, which the interposer's frame cells and the data-parallel cells use too.
 
 Expectations, in one place (the spec's failure rules, restated per fault):
 
@@ -45,23 +47,35 @@ import signal
 import tempfile
 import threading
 import time
-import unittest
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
-from ..protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 from ..runtime.faults import Fault, FaultAction, FaultInjector, FaultPlan, FaultPoint
-from ..spec.errors import (
-    EngineDeadError,
-    EngineStartupError,
-    ProtocolError,
-    UtilityError,
-    UtilityTimeoutError,
+from ..spec.errors import UtilityTimeoutError
+from . import interposer
+from ._cells import (
+    CELL_BOUND_S,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    SHUTDOWN_TIMEOUT_S,
+    UTILITY_TIMEOUT_S,
+    CellResult,
+    Observed,
+    Outcome,
+    await_death,
+    build_with,
+    classify,
+    clean_refusal,
+    fired_at,
+    generate,
+    reference_tokens,
+    run_tokens,
+    utility,
 )
+from ._harness import ResourceSnapshot, left_behind
+from .bounds import DEATH_BOUND_S
 
 if TYPE_CHECKING:
     from .conformance import ClientFactory
@@ -78,49 +92,12 @@ __all__ = [
     "run_fault_matrix",
 ]
 
-# Death must be seen within this bound (the issue's "detection latency <= 1 s"), a hung
-# (SIGSTOPped) engine included.
-DEATH_BOUND_S = 1.0
-# A SIGSTOPped engine is declared dead by the heartbeat deadline. The client's monitor wakes
-# at the deadline itself (last message + timeout), so a hang is seen within the timeout plus
-# scheduling slack after the fault fired (its last message came before the fault). The
-# deadline is a trade: shorter leaves more of the bound for slack, longer survives a starved
-# engine or reader. 0.7 s measured 700-772 ms to detection in the full matrix (2 cores, load
-# ~5); with seven beats per deadline only a stall of the whole deadline, not a late beat,
-# reads as death.
-HEARTBEAT_TIMEOUT_S = 0.7
-HEARTBEAT_INTERVAL_S = 0.1
-HANG_BOUND_S = DEATH_BOUND_S
-assert HEARTBEAT_TIMEOUT_S + 0.25 <= HANG_BOUND_S, "the heartbeat must leave slack in the bound"
-UTILITY_TIMEOUT_S = 0.5
-SHUTDOWN_TIMEOUT_S = 1.0
 # What a shutdown may take at worst: SIGTERM grace, then SIGKILL and reaping.
 SHUTDOWN_BOUND_S = SHUTDOWN_TIMEOUT_S + 4.0
 # Ready deadline for cells whose engine hangs before the handshake (must exceed a build).
 STARTUP_HANG_READY_S = 25.0
-# No cell may take longer than this, whatever happens (the "never a hang" guarantee).
-CELL_BOUND_S = 60.0
 DELAY_S = 0.3
-MAX_TOKENS = 12
-PROMPT = [1, 5, 9, 13, 17, 21]
 CLIENT_KINDS = ("inproc", "sync", "async")
-
-
-class Outcome(enum.StrEnum):
-    OK = "ok"  # served correctly (maybe later)
-    DEAD = "dead"  # EngineDeadError reached the caller
-    STARTUP_ERROR = "startup_error"
-    UTILITY_ERROR = "utility_error"  # the call failed, the engine serves on
-    ERROR_OUTPUT = "error_output"  # the request finished with ERROR
-    TIMEOUT = "timeout"  # the call timed out, the engine stayed up: the caller was told
-    HANG = "hang"  # the cell's bound passed with nothing detected
-    SILENT_CORRUPTION = "silent_corruption"  # wrong tokens delivered without an error
-    HARNESS_ERROR = "harness_error"  # the cell itself raised something unexpected
-    # Data parallel (fault_matrix_dp.py): the faulty engine's work ended with ERROR, the
-    # other engines served on, the client lives.
-    ONE_DOWN = "one_down"
-    # A user's factory refused the cell's options (NotApplicable): skipped, not failed.
-    NOT_APPLICABLE = "not_applicable"
 
 
 class Scenario(enum.StrEnum):
@@ -174,22 +151,6 @@ class Cell:
     @property
     def name(self) -> str:
         return f"{self.client}/{self.scenario.value}/{self.fault}"
-
-
-@dataclass
-class CellResult:
-    cell: str
-    client: str
-    scenario: str
-    point: str
-    action: str
-    expected: str
-    outcome: str
-    passed: bool
-    latency_ms: float | None = None
-    wall_s: float = 0.0
-    leaks: dict[str, Any] = field(default_factory=dict)
-    detail: str = ""
 
 
 def expected_outcome(cell: Cell) -> Outcome:
@@ -267,170 +228,13 @@ def matrix_cells(clients: list[str], quick: bool) -> list[Cell]:
     return cells
 
 
-# --- leaks ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Snapshot:
-    children: set[int]
-    threads: int
-    fds: int
-    ipc_dirs: set[str]
-
-
-def _ipc_dirs() -> set[str]:
-    from ..runtime.ipc import runtime_root
-
-    mine = f"enginewire-{os.getpid()}-"
-    with contextlib.suppress(OSError):
-        return {p.name for p in runtime_root().iterdir() if p.name.startswith(mine)}
-    return set()
-
-
-def _snapshot() -> _Snapshot:
-    me = psutil.Process()
-    kids = set()
-    for p in me.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            # multiprocessing's resource tracker is process-wide, not a cell's leak.
-            if "resource_tracker" not in " ".join(p.cmdline()):
-                kids.add(p.pid)
-    return _Snapshot(kids, me.num_threads(), me.num_fds(), _ipc_dirs())
-
-
-def _leaks(before: _Snapshot, bound_s: float = 5.0) -> dict[str, Any]:
-    """What is still there ``bound_s`` after a cell ended that was not there before it."""
-    deadline = time.monotonic() + bound_s
-    while True:
-        now = _snapshot()
-        leaks: dict[str, Any] = {}
-        if now.children - before.children:
-            leaks["processes"] = sorted(now.children - before.children)
-        if now.threads > before.threads:
-            leaks["threads"] = now.threads - before.threads
-        if now.fds > before.fds:
-            leaks["fds"] = now.fds - before.fds
-        if now.ipc_dirs - before.ipc_dirs:
-            leaks["ipc_dirs"] = sorted(now.ipc_dirs - before.ipc_dirs)
-        if not leaks or time.monotonic() > deadline:
-            return leaks
-        time.sleep(0.05)
-
-
 # --- running one cell -------------------------------------------------------------------------
-
-
-def _request(rid: str) -> EngineCoreRequest:
-    return EngineCoreRequest(rid, list(PROMPT), SamplingParams(max_tokens=MAX_TOKENS,
-                                                               ignore_eos=True))
-
-
-_references: dict[bytes, list[int]] = {}
-
-
-def reference_tokens(config: Any) -> list[int]:
-    """The clean run's tokens for the matrix's one request (greedy, so deterministic)."""
-    import msgspec
-
-    key = msgspec.msgpack.encode(config)
-    if key not in _references:
-        from ..runtime.client import InprocClient
-
-        client = InprocClient(config)
-        try:
-            client.add_request(_request("reference"))
-            tokens: list[int] = []
-            done = False
-            while not done:
-                for out in client.get_output().outputs:
-                    tokens += out.new_token_ids
-                    done = done or out.finished
-            _references[key] = tokens
-        finally:
-            client.shutdown()
-    return _references[key]
-
-
-class _Observed(Exception):
-    """Carries a classified outcome out of a scenario."""
-
-    def __init__(self, outcome: Outcome, detail: str = "") -> None:
-        super().__init__(detail)
-        self.outcome = outcome
-        self.detail = detail
-
-
-def _fired_at(record: Path) -> float | None:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return float(record.read_text().split()[0])
-    return None
-
-
-def _classify(exc: BaseException) -> _Observed:
-    if isinstance(exc, _Observed):
-        return exc
-    if isinstance(exc, unittest.SkipTest):  # NotApplicable: a factory refused an option
-        return _Observed(Outcome.NOT_APPLICABLE, str(exc)[:200])
-    if isinstance(exc, EngineStartupError):
-        return _Observed(Outcome.STARTUP_ERROR, str(exc)[:200])
-    if isinstance(exc, EngineDeadError):
-        cause = exc.__cause__
-        detail = f"{type(cause).__name__}: {cause}" if cause else "engine dead"
-        return _Observed(Outcome.DEAD, detail[:200])
-    if isinstance(exc, UtilityTimeoutError):
-        return _Observed(Outcome.HANG, "utility timed out and nothing declared the engine dead")
-    if isinstance(exc, UtilityError):
-        return _Observed(Outcome.UTILITY_ERROR, str(exc)[:200])
-    if isinstance(exc, ProtocolError):
-        return _Observed(Outcome.DEAD, f"ProtocolError: {exc}"[:200])
-    return _Observed(Outcome.HARNESS_ERROR, f"{type(exc).__name__}: {exc}"[:300])
-
-
-def _tokens(cut: Any, deadline: float) -> list[int]:
-    """The matrix's one request, run to its end: the tokens it got."""
-    cut.add_request(_request("cell"))
-    tokens: list[int] = []
-    while time.monotonic() < deadline:
-        for out in cut.get_output(timeout=0.1).outputs:
-            tokens += out.new_token_ids
-            if out.finish_reason is FinishReason.ERROR:
-                raise _Observed(Outcome.ERROR_OUTPUT, out.error or "")
-            if out.finished:
-                return tokens
-    raise _Observed(Outcome.HANG, f"no finish within the cell bound ({len(tokens)} tokens)")
-
-
-def _generate(cut: Any, deadline: float, reference: list[int]) -> Outcome:
-    tokens = _tokens(cut, deadline)
-    if tokens != reference:
-        raise _Observed(Outcome.SILENT_CORRUPTION, f"got {tokens}, a clean run gives {reference}")
-    return Outcome.OK
-
-
-def _await_death(cut: Any, deadline: float) -> None:
-    """After a timed-out call: a silent engine must be declared dead by the heartbeat
-    deadline; a live one that lost the call leaves a plain TIMEOUT."""
-    deadline = min(deadline, time.monotonic() + HANG_BOUND_S + 1.0)
-    while time.monotonic() < deadline:
-        cut.get_output(timeout=0.1)  # raises EngineDeadError once declared
-    raise _Observed(Outcome.TIMEOUT, "the call timed out; the engine still answers heartbeats")
-
-
-def _utility(cut: Any, deadline: float) -> Outcome:
-    try:
-        value = cut.call_utility("echo", 7, timeout=UTILITY_TIMEOUT_S * 4)
-    except UtilityTimeoutError:
-        _await_death(cut, deadline)
-        raise
-    if value != 7:
-        raise _Observed(Outcome.SILENT_CORRUPTION, f"echo(7) returned {value!r}")
-    return Outcome.OK
 
 
 def _after_utility_error(cut: Any) -> None:
     # The call failed, not the engine: it must still answer.
     if cut.call_utility("echo", 8, timeout=10.0) != 8:
-        raise _Observed(Outcome.SILENT_CORRUPTION, "echo after a failed utility is wrong")
+        raise Observed(Outcome.SILENT_CORRUPTION, "echo after a failed utility is wrong")
 
 
 def _sleep_wake(cut: Any, deadline: float) -> Outcome:
@@ -438,28 +242,9 @@ def _sleep_wake(cut: Any, deadline: float) -> Outcome:
         cut.call_utility("sleep", 1, "abort", timeout=UTILITY_TIMEOUT_S * 4)
         cut.call_utility("wake_up", None, timeout=UTILITY_TIMEOUT_S * 4)
     except UtilityTimeoutError:
-        _await_death(cut, deadline)
+        await_death(cut, deadline)
         raise
     return Outcome.OK
-
-
-def _build_with(factory: ClientFactory, **options: Any) -> Any:
-    """``factory(**options)``, a TypeError said for what it is: the ClientFactory contract has
-    a factory honour each option or refuse it with NotApplicable, never choke on it."""
-    try:
-        return factory(**options)
-    except TypeError as e:
-        raise _Observed(Outcome.HARNESS_ERROR,
-                        f"the factory raised TypeError: {e} (a ClientFactory honours each"
-                        " option or raises NotApplicable naming it)"[:300]) from e
-
-
-def _clean_refusal(outcome: Outcome, detail: str, leaks: dict[str, Any]) -> tuple[Outcome, str]:
-    """A refusal that left something behind is the factory's failure, not a skip (as a failed
-    construction must leak nothing: ``check_construction_failure_leaks_nothing``)."""
-    if outcome is Outcome.NOT_APPLICABLE and leaks:
-        return Outcome.HARNESS_ERROR, f"refused ({detail}) but left {sorted(leaks)} behind"
-    return outcome, detail
 
 
 def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
@@ -468,7 +253,7 @@ def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
 
     if cell.client == "inproc":
         # No engine process to send a plan to: it goes into the engine's own fault hook.
-        cut = _build_with(factory) if factory is not None else open_client("inproc", config)
+        cut = build_with(factory) if factory is not None else open_client("inproc", config)
         engine = getattr(cut.client, "engine", None)
         if engine is None or not hasattr(engine, "fault_hook"):
             cut.shutdown()
@@ -482,7 +267,7 @@ def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
                                    shutdown_timeout_s=SHUTDOWN_TIMEOUT_S,
                                    ready_timeout_s=ready_timeout_s)
     if factory is not None:
-        return _build_with(factory, **options)
+        return build_with(factory, **options)
     return open_client(cell.client, config, **options)
 
 
@@ -497,7 +282,7 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
     record = Path(tempfile.mkstemp(prefix="fault-", suffix=".log", dir=workdir)[1])
     plan = FaultPlan(faults=[cell.fault], record_path=str(record))
     reference = reference if reference is not None else reference_tokens(config)
-    before = _snapshot()
+    before = ResourceSnapshot.take()
     start = time.monotonic()
     deadline = start + CELL_BOUND_S - 10.0
     cut: Any = None
@@ -508,13 +293,13 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
         try:
             cut = _open(cell, config, plan, ready_s, factory)
             if cell.scenario in (Scenario.GENERATE, Scenario.STARTUP):
-                outcome = _generate(cut, deadline, reference)
+                outcome = generate(cut, deadline, reference)
             elif cell.scenario is Scenario.UTILITY:
-                outcome = _utility(cut, deadline)
+                outcome = utility(cut, deadline)
             elif cell.scenario is Scenario.SLEEP:
                 outcome = _sleep_wake(cut, deadline)
             elif cell.scenario is Scenario.SHUTDOWN:
-                outcome = _generate(cut, deadline, reference)
+                outcome = generate(cut, deadline, reference)
                 t0 = time.monotonic()
                 cut.shutdown()
                 took = time.monotonic() - t0
@@ -522,13 +307,13 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
                     outcome, detail = Outcome.HANG, f"shutdown took {took:.1f} s"
         except BaseException as e:
             seen_at = time.monotonic()
-            obs = _classify(e)
+            obs = classify(e)
             outcome, detail = obs.outcome, obs.detail
             if outcome is Outcome.UTILITY_ERROR and expected is Outcome.UTILITY_ERROR:
                 try:
                     _after_utility_error(cut)
                 except BaseException as e2:
-                    obs = _classify(e2)
+                    obs = classify(e2)
                     outcome, detail = obs.outcome, f"after the utility error: {obs.detail}"
     finally:
         if cut is not None:
@@ -539,15 +324,15 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
             with contextlib.suppress(Exception):
                 cut.shutdown()
     wall = time.monotonic() - start
-    fired = _fired_at(record)
+    fired = fired_at(record)
     latency = None
     if seen_at is not None and fired is not None and outcome in (
             Outcome.DEAD, Outcome.STARTUP_ERROR):
         latency = max(0.0, seen_at - fired) * 1000.0
     with contextlib.suppress(OSError):
         record.unlink()
-    leaks = _leaks(before)
-    outcome, detail = _clean_refusal(outcome, detail, leaks)
+    leaks = left_behind(before)
+    outcome, detail = clean_refusal(outcome, detail, leaks)
     passed = outcome is expected and not leaks and wall <= CELL_BOUND_S
     if passed and latency is not None and latency > latency_bound(cell) * 1000.0:
         passed = False
@@ -662,10 +447,9 @@ def run_fault_matrix(
                           else list(CLIENT_KINDS))
         todo = cells if cells is not None else matrix_cells(kinds, quick)
         if extra_cells is None:
-            from .interposer import interposer_cells
-
-            extra_cells = interposer_cells(kinds, quick, config, factory=factory,
-                                           reference=None if probe is None else probe.reference)
+            extra_cells = interposer.interposer_cells(
+                kinds, quick, config, factory=factory,
+                reference=None if probe is None else probe.reference)
         if factory is not None and probe is None:
             todo, extra_cells = [], []  # the failure row says why: every cell would repeat it
         # Without cells of its own, the clean warm-up run (see _warm_up) is for the kinds of
@@ -704,7 +488,7 @@ def run_fault_matrix(
         "not_applicable": len(skipped),
         "factory": None if factory is None else _factory_name(factory),
         "wall_s": round(time.monotonic() - t0, 1),
-        "bounds": {"death_s": DEATH_BOUND_S, "hang_s": HANG_BOUND_S, "cell_s": CELL_BOUND_S,
+        "bounds": {"death_s": DEATH_BOUND_S, "hang_s": DEATH_BOUND_S, "cell_s": CELL_BOUND_S,
                    "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
                    "heartbeat_interval_s": HEARTBEAT_INTERVAL_S},
         "results": [asdict(r) for r in results],
@@ -761,14 +545,14 @@ def _probe_factory(factory: ClientFactory) -> tuple[_Probe | None, CellResult | 
         start = time.monotonic()
         outcome, detail, kind, cut = Outcome.OK, "", "?", None
         try:
-            cut = _build_with(factory)
+            cut = build_with(factory)
             if not isinstance(cut, ClientUnderTest):
-                raise _Observed(Outcome.HARNESS_ERROR, f"the factory returned a"
+                raise Observed(Outcome.HARNESS_ERROR, f"the factory returned a"
                                 f" {type(cut).__name__}, not a ClientUnderTest")
             kind = cut.kind
-            found.append(_Probe(kind, _tokens(cut, start + CELL_BOUND_S - 10.0)))
+            found.append(_Probe(kind, run_tokens(cut, start + CELL_BOUND_S - 10.0)))
         except BaseException as e:
-            obs = _classify(e)
+            obs = classify(e)
             outcome = obs.outcome
             if outcome is Outcome.NOT_APPLICABLE:  # with no options there is nothing to refuse
                 outcome = Outcome.HARNESS_ERROR

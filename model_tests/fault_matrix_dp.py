@@ -36,7 +36,11 @@ import msgspec
 from ..protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 from ..runtime.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from ..spec.errors import EngineDeadError
+from . import _cells as cells
 from . import fault_matrix as fm
+from ._cells import Outcome
+from ._harness import ResourceSnapshot, left_behind
+from .bounds import DEATH_BOUND_S
 
 __all__ = ["DPCell", "dp_cells", "run_dp_fault_matrix"]
 
@@ -69,22 +73,22 @@ class DPCell:
                 if self.rule is not None else str(self.fault))
         return f"{self.client}/dp{self.engines}/engine {self.engines - 1}/{what}"
 
-    def __call__(self, workdir: str) -> fm.CellResult:
+    def __call__(self, workdir: str) -> cells.CellResult:
         from .conformance import open_client
         from .interposer import Interposer
 
         victim = self.engines - 1
         config = msgspec.structs.replace(self.config, data_parallel_size=self.engines)
         record = Path(tempfile.mkstemp(prefix="fault-dp-", suffix=".log", dir=workdir)[1])
-        before = fm._snapshot()
+        before = ResourceSnapshot.take()
         start = time.monotonic()
-        outcome, detail, latency = fm.Outcome.HANG, "", None
+        outcome, detail, latency = Outcome.HANG, "", None
         proxy = None
         cut = None
         options: dict[str, Any] = dict(
-            engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
-            engine_heartbeat_interval_s=fm.HEARTBEAT_INTERVAL_S,
-            shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60.0)
+            engine_heartbeat_timeout_s=cells.HEARTBEAT_TIMEOUT_S,
+            engine_heartbeat_interval_s=cells.HEARTBEAT_INTERVAL_S,
+            shutdown_timeout_s=cells.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60.0)
         if self.fault is not None:
             options["engine_fault"] = {victim: FaultPlan(faults=[self.fault],
                                                          record_path=str(record))}
@@ -102,7 +106,7 @@ class DPCell:
             cut = open_client(self.client, config, **options)
             outcome, detail, latency = self._run(cut, victim, record, proxy)
         except BaseException as e:  # the client failed as a whole: say how
-            obs = fm._classify(e)
+            obs = cells.classify(e)
             outcome, detail = obs.outcome, obs.detail
         finally:
             if cut is not None:
@@ -117,40 +121,40 @@ class DPCell:
                 proxy.close()
             with contextlib.suppress(OSError):
                 record.unlink()
-        leaks = fm._leaks(before)
+        leaks = left_behind(before)
         wall = time.monotonic() - start
-        passed = outcome is fm.Outcome.ONE_DOWN and not leaks and wall <= fm.CELL_BOUND_S
-        if passed and latency is not None and latency > fm.DEATH_BOUND_S * 1000.0:
+        passed = outcome is Outcome.ONE_DOWN and not leaks and wall <= cells.CELL_BOUND_S
+        if passed and latency is not None and latency > DEATH_BOUND_S * 1000.0:
             passed = False
-            detail = f"detected after {latency:.0f} ms (bound {fm.DEATH_BOUND_S * 1000:.0f})"
+            detail = f"detected after {latency:.0f} ms (bound {DEATH_BOUND_S * 1000:.0f})"
         if self.rule is not None:
             point, action = f"frames:{self.rule.kind}", str(self.rule.action)
         else:
             assert self.fault is not None
             point, action = str(self.fault.point), str(self.fault.action)
-        return fm.CellResult(
+        return cells.CellResult(
             cell=self.name, client=self.client, scenario=f"dp{self.engines}", point=point,
-            action=action, expected=fm.Outcome.ONE_DOWN.value, outcome=outcome.value,
+            action=action, expected=Outcome.ONE_DOWN.value, outcome=outcome.value,
             passed=passed, latency_ms=None if latency is None else round(latency, 1),
             wall_s=round(wall, 2), leaks=leaks, detail=detail[:300])
 
     def _run(self, cut: Any, victim: int, record: Path, proxy: Any
-             ) -> tuple[fm.Outcome, str, float | None]:
-        reference = fm.reference_tokens(self.config)
-        deadline = time.monotonic() + fm.CELL_BOUND_S - 15.0
-        params = SamplingParams(max_tokens=fm.MAX_TOKENS, ignore_eos=True)
+             ) -> tuple[Outcome, str, float | None]:
+        reference = cells.reference_tokens(self.config)
+        deadline = time.monotonic() + cells.CELL_BOUND_S - 15.0
+        params = SamplingParams(max_tokens=cells.MAX_TOKENS, ignore_eos=True)
         if self.fault is not None and self.fault.point is FaultPoint.UTILITY:
             return self._run_utility(cut, victim, record, reference, deadline)
         rids = {i: f"dp-{i}" for i in range(self.engines)}
         for i, rid in rids.items():
-            cut.add_request(EngineCoreRequest(rid, list(fm.PROMPT), params,
+            cut.add_request(EngineCoreRequest(rid, list(cells.PROMPT), params,
                                               data_parallel_rank=i))
         tokens: dict[str, list[int]] = {rid: [] for rid in rids.values()}
         ended: dict[str, tuple[FinishReason, float]] = {}
         while len(ended) < len(rids):
             if time.monotonic() > deadline:
                 left = sorted(set(rids.values()) - set(ended))
-                return fm.Outcome.HANG, f"unfinished: {left}", None
+                return Outcome.HANG, f"unfinished: {left}", None
             for o in cut.get_output(timeout=0.05).outputs:
                 tokens[o.request_id] += o.new_token_ids
                 if o.finish_reason is not None:
@@ -161,63 +165,63 @@ class DPCell:
                 continue
             reason, _ = ended[rid]
             if reason is FinishReason.ERROR:
-                return fm.Outcome.ERROR_OUTPUT, f"engine {i}'s request ended with ERROR", None
+                return Outcome.ERROR_OUTPUT, f"engine {i}'s request ended with ERROR", None
             if tokens[rid] != reference:
-                return (fm.Outcome.SILENT_CORRUPTION,
+                return (Outcome.SILENT_CORRUPTION,
                         f"engine {i} gave {tokens[rid]}, a clean run gives {reference}", None)
         if victim_reason is not FinishReason.ERROR:
             if tokens[rids[victim]] != reference:
-                return (fm.Outcome.SILENT_CORRUPTION,
+                return (Outcome.SILENT_CORRUPTION,
                         f"engine {victim} gave {tokens[rids[victim]]} without an error", None)
-            return fm.Outcome.OK, f"engine {victim}'s request finished: the fault went unseen", None
+            return Outcome.OK, f"engine {victim}'s request finished: the fault went unseen", None
         outcome, detail = self._survivors_serve(cut, victim, reference, deadline)
-        fired = fm._fired_at(record) if self.fault is not None else (
+        fired = cells.fired_at(record) if self.fault is not None else (
             proxy.applied_at[0] if proxy is not None and proxy.applied_at else None)
         latency = None if fired is None else max(0.0, victim_at - fired) * 1000.0
         return outcome, detail, latency
 
     def _run_utility(self, cut: Any, victim: int, record: Path, reference: list[int],
-                     deadline: float) -> tuple[fm.Outcome, str, float | None]:
+                     deadline: float) -> tuple[Outcome, str, float | None]:
         """A call on every engine, the faulty one dying under it: the call raises
         EngineDeadError naming that engine, and the others serve on."""
         try:
             got = cut._call("call_utility_all", "echo", 1)
-            return fm.Outcome.OK, f"the call on the dying engine returned {got!r}", None
+            return Outcome.OK, f"the call on the dying engine returned {got!r}", None
         except EngineDeadError as e:
             seen = time.monotonic()
             if f"engine {victim}" not in str(e):
-                return (fm.Outcome.DEAD,
+                return (Outcome.DEAD,
                         f"the call's error does not name engine {victim}: {e}", None)
         outcome, detail = self._survivors_serve(cut, victim, reference, deadline)
-        fired = fm._fired_at(record)
+        fired = cells.fired_at(record)
         return outcome, detail, None if fired is None else max(0.0, seen - fired) * 1000.0
 
     def _survivors_serve(self, cut: Any, victim: int, reference: list[int], deadline: float
-                         ) -> tuple[fm.Outcome, str]:
+                         ) -> tuple[Outcome, str]:
         """The faulty engine is the only one dead, and a new request is served by another."""
         dead = cut.client.dead_engines
         if dead != [victim]:
-            return fm.Outcome.DEAD, f"dead_engines is {dead}, expected [{victim}]"
-        params = SamplingParams(max_tokens=fm.MAX_TOKENS, ignore_eos=True)
-        cut.add_request(EngineCoreRequest("dp-after", list(fm.PROMPT), params))
+            return Outcome.DEAD, f"dead_engines is {dead}, expected [{victim}]"
+        params = SamplingParams(max_tokens=cells.MAX_TOKENS, ignore_eos=True)
+        cut.add_request(EngineCoreRequest("dp-after", list(cells.PROMPT), params))
         after: list[int] = []
         while True:
             if time.monotonic() > deadline:
-                return fm.Outcome.HANG, "the request after the death did not finish"
+                return Outcome.HANG, "the request after the death did not finish"
             batch = cut.get_output(timeout=0.05)
             done = False
             for o in batch.outputs:
                 after += o.new_token_ids
                 if o.finish_reason is not None:
                     if o.finish_reason is FinishReason.ERROR or batch.engine_index == victim:
-                        return fm.Outcome.DEAD, (f"after the death: {o.finish_reason} from"
-                                                 f" engine {batch.engine_index}")
+                        return Outcome.DEAD, (f"after the death: {o.finish_reason} from"
+                                              f" engine {batch.engine_index}")
                     done = True
             if done:
                 break
         if after != reference:
-            return fm.Outcome.SILENT_CORRUPTION, f"after the death: {after}"
-        return fm.Outcome.ONE_DOWN, ""
+            return Outcome.SILENT_CORRUPTION, f"after the death: {after}"
+        return Outcome.ONE_DOWN, ""
 
 
 def _pid(cut: Any, index: int) -> int | None:

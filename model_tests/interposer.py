@@ -45,6 +45,10 @@ from msgspec.structs import force_setattr
 from ..protocol.messages import ENGINE_DEAD_SENTINEL, RequestType
 from ..runtime.faults import as_member, check_count, check_real
 from ..runtime.integrity import DEFAULT_LOSS_DEADLINE_S
+from . import _cells as cells
+from ._cells import Outcome
+from ._harness import ResourceSnapshot, left_behind
+from .bounds import DEATH_BOUND_S
 
 __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
            "interposer_cells"]
@@ -430,8 +434,6 @@ def interposer_cells(clients: list[str], quick: bool, config: Any, *, factory: A
     ``factory`` (a conformance ``ClientFactory``) builds each cell's client, given the proxy's
     addresses as options (it may refuse them: not applicable); ``reference`` is then its
     clean run's tokens."""
-    from .fault_matrix import Outcome
-
     kinds = [c for c in clients if c in ("sync", "async")]
     if not kinds:
         return []
@@ -520,18 +522,16 @@ class _InterposerCell:
 
     @property
     def latency_bound_s(self) -> float:
-        from . import fault_matrix as fm
-
         if self.rule.kind is FrameKind.ATTACH and self.rule.action is FrameAction.DROP:
             # Seen at the marker's deadline: ready_timeout_s after the ATTACH, which went
             # out before the rule fired (its own drop, or the marker's).
-            return self.ready_timeout_s + fm.DEATH_BOUND_S
+            return self.ready_timeout_s + DEATH_BOUND_S
         if self.rule.direction is Direction.TO_ENGINE and self.rule.action in (
                 FrameAction.DROP, FrameAction.REORDER):
             # A lost input (or one held back behind a next input that never comes) shows only
             # as a missing ack: the integrity link's loss deadline.
-            return float(DEFAULT_LOSS_DEADLINE_S + fm.DEATH_BOUND_S)
-        return float(fm.DEATH_BOUND_S)
+            return float(DEFAULT_LOSS_DEADLINE_S + DEATH_BOUND_S)
+        return float(DEATH_BOUND_S)
 
     @property
     def name(self) -> str:
@@ -539,13 +539,12 @@ class _InterposerCell:
                 f"{self.rule.action}")
 
     def __call__(self, workdir: str) -> Any:
-        from . import fault_matrix as fm
         from .conformance import open_client
 
         expected = "|".join(sorted(o.value for o in self.allowed))
-        before = fm._snapshot()
+        before = ResourceSnapshot.take()
         start = time.monotonic()
-        outcome, detail, seen_at = fm.Outcome.HANG, "", None
+        outcome, detail, seen_at = Outcome.HANG, "", None
         proxy = Interposer([self.rule], seed=self.seed).start()
         cut = None
         try:
@@ -554,50 +553,50 @@ class _InterposerCell:
             proxy.attach(inp, out)
             beat: dict[str, Any] = {}
             if self.heartbeat:
-                beat = dict(engine_heartbeat_timeout_s=fm.HEARTBEAT_TIMEOUT_S,
-                            engine_heartbeat_interval_s=fm.HEARTBEAT_INTERVAL_S)
+                beat = dict(engine_heartbeat_timeout_s=cells.HEARTBEAT_TIMEOUT_S,
+                            engine_heartbeat_interval_s=cells.HEARTBEAT_INTERVAL_S)
             options: dict[str, Any] = dict(
                 input_address=inp, output_address=out, engine_connect=proxy.engine_addresses,
-                frame_integrity=True, **beat, shutdown_timeout_s=fm.SHUTDOWN_TIMEOUT_S,
+                frame_integrity=True, **beat, shutdown_timeout_s=cells.SHUTDOWN_TIMEOUT_S,
                 ready_timeout_s=self.ready_timeout_s)
             try:
                 # A factory that cannot take the proxy's addresses refuses them: not applicable.
-                cut = (fm._build_with(self.factory, **options) if self.factory is not None
+                cut = (cells.build_with(self.factory, **options) if self.factory is not None
                        else open_client(self.client, self.config, **options))
-                deadline = start + fm.CELL_BOUND_S - 15.0
+                deadline = start + cells.CELL_BOUND_S - 15.0
                 # Long enough to see a detection within its bound, then a hang is a hang.
                 window = max(5.0, self.latency_bound_s + 2.0)
                 if self.rule.kind is FrameKind.UTILITY:
-                    outcome = fm._utility(cut, deadline)
+                    outcome = cells.utility(cut, deadline)
                 else:
-                    outcome = fm._generate(cut, min(deadline, time.monotonic() + window),
+                    outcome = cells.generate(cut, min(deadline, time.monotonic() + window),
                                            self.reference if self.reference is not None
-                                           else fm.reference_tokens(self.config))
+                                           else cells.reference_tokens(self.config))
             except BaseException as e:
                 seen_at = time.monotonic()
-                obs = fm._classify(e)
+                obs = cells.classify(e)
                 outcome, detail = obs.outcome, obs.detail
         finally:
             if cut is not None:
                 with contextlib.suppress(Exception):
                     cut.shutdown()
             proxy.close()
-        leaks = fm._leaks(before)
-        outcome, detail = fm._clean_refusal(outcome, detail, leaks)
+        leaks = left_behind(before)
+        outcome, detail = cells.clean_refusal(outcome, detail, leaks)
         wall = time.monotonic() - start
         passed = outcome in self.allowed and not leaks
-        if outcome is fm.Outcome.DEAD and self.cause is not None and self.cause not in detail:
+        if outcome is Outcome.DEAD and self.cause is not None and self.cause not in detail:
             passed = False
             detail = f"dead, but not by {self.cause!r}: {detail}"
         latency = None
-        if seen_at is not None and proxy.applied_at and outcome is fm.Outcome.DEAD:
+        if seen_at is not None and proxy.applied_at and outcome is Outcome.DEAD:
             latency = max(0.0, seen_at - proxy.applied_at[0]) * 1000.0
             if latency > self.latency_bound_s * 1000.0:
                 passed = False
                 detail = (f"detected after {latency:.0f} ms"
                           f" (bound {self.latency_bound_s * 1000:.0f}); {detail}")
         detail = f"{detail} events={proxy.events[:3]}"
-        return fm.CellResult(cell=self.name, client=self.client, scenario="frames",
+        return cells.CellResult(cell=self.name, client=self.client, scenario="frames",
                              point=f"{self.rule.direction}:{self.rule.kind}",
                              action=str(self.rule.action), expected=expected,
                              outcome=outcome.value, passed=passed, wall_s=round(wall, 2),

@@ -1,5 +1,10 @@
 """``AsyncMPClient``: the asyncio multi-process client. A loop callback on the output
 socket's FD feeds an ``asyncio.Queue``; utility calls are asyncio futures.
+
+What this client keeps of ``get_output`` and ``call_utility`` is its waiting: the reader bound
+to the running loop, awaiting the queue or the call's future under ``asyncio.timeout`` (the
+future shielded, so a reply that races the deadline still lands), and a cancelled task's
+outcome retrieved. The steps around the wait are ``MPClient``'s (mp_client.py).
 """
 
 from __future__ import annotations
@@ -16,15 +21,11 @@ from ..protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
 )
-from ..spec.errors import (
-    ClientClosedError,
-    UtilityTimeoutError,
-)
-from ..spec.utility import UtilityEvent
+from ..spec.errors import ClientClosedError
 from ._registry import _drain, _retrieve, _set_future
 from ._utilities import AsyncUtilityMethods
 from .args import check_timeout
-from .mp_client import _CLOSED, _DEAD, MPClient
+from .mp_client import _CLOSED, _DEAD, MPClient, _only_markers
 from .zmq_io import ZMQ_NOBLOCK, ZMQ_POLLIN
 
 __all__ = ["AsyncMPClient", "call_on_loop"]
@@ -127,9 +128,8 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         # A call still registered belongs to a task that can never resume: given up, so its
         # reply is dropped here instead of being set on a future of the closed loop (which
         # raises, and the reader would take that for a broken engine).
-        utilities = self._utilities
-        for call_id in list(utilities._pending):
-            utilities.give_up(call_id, UtilityEvent.CANCEL)
+        for call_id in list(self._utilities._pending):
+            self._call_abandoned(call_id)
         self._loop = None
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -203,8 +203,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             return
 
         def drop() -> None:  # on the loop: an asyncio.Queue is not thread-safe
-            kept = [x for x in _drain(q) if x is _DEAD or x is _CLOSED]
-            for x in kept:
+            for x in _only_markers(_drain(q)):
                 q.put_nowait(x)
 
         loop = self._loop
@@ -257,16 +256,11 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
     def _output_nowait(self) -> EngineCoreOutputs | None:
         """What ``get_output_async`` returns without waiting: a batch already queued (or
         tracked for redelivery), the error of a closed or dead client, or None. On the loop."""
-        if self.is_closed:
-            raise ClientClosedError(self._closed_message)
-        if self._pending_sends:
-            with self.resources.send_lock:
-                self._reclaim_sends()
-        self._ensure_reader()
+        out = self._output_first()
+        if out is not None:
+            return out
         q = self._outputs
-        assert q is not None
-        if self._redeliver:  # tracked already (see _track_outputs), and before any death
-            return self._redeliver.popleft()
+        assert q is not None  # bound by _output_first's _ensure_reader
         if q.empty():
             if self.is_dead:
                 raise self._dead_error()
@@ -274,26 +268,21 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         return self._accept(q.get_nowait())
 
     def _accept(self, item: Any) -> EngineCoreOutputs:
-        """A dequeued item as ``get_output_async`` returns it: a batch tracked, or a marker's
-        error (the marker stays queued for the next waiter)."""
-        if item is _DEAD or item is _CLOSED:
-            assert self._outputs is not None
-            self._outputs.put_nowait(item)
-            if item is _CLOSED or self.is_closed:
-                raise ClientClosedError(self._closed_message)
-            raise self._dead_error()
-        self._track_outputs(item)
-        out: EngineCoreOutputs = item.expanded()
-        return out
+        """A dequeued item as ``get_output_async`` returns it: tracked where it was taken,
+        on the loop, so concurrent callers track batches in queue order."""
+        if item is not _DEAD and item is not _CLOSED:
+            self._track_outputs(item)
+        return self._output_of(item)
+
+    def _new_call(self) -> asyncio.Future[Any]:
+        self._ensure_reader()
+        assert self._loop is not None
+        return self._loop.create_future()
 
     async def call_utility_async(
         self, method: str, *args: Any, timeout: float | None = None
     ) -> Any:
-        timeout = check_timeout(timeout)
-        self._ensure_reader()
-        assert self._loop is not None
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        call_id = self._register_call(fut, method, args)
+        fut, call_id, timeout = self._start_call(method, args, timeout)
         try:
             if timeout is None:
                 return await fut
@@ -304,17 +293,14 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            if not self._utilities.give_up(call_id, UtilityEvent.CANCEL):
-                # Its outcome (a reply, a death, a shutdown) is already on its way to ``fut``,
-                # which nobody awaits now: retrieve it so asyncio does not log it as lost.
+            if not self._call_abandoned(call_id):
+                # Its outcome is already on its way to ``fut``, which nobody awaits now:
+                # retrieve it so asyncio does not log it as lost.
                 fut.add_done_callback(_retrieve)
             raise
         except TimeoutError:
-            if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
-                assert timeout is not None
-                raise UtilityTimeoutError(method, timeout) from None
-        # The outcome won the race: its entry is gone and its setter is about to set it.
-        return await fut
+            self._call_timed_out(call_id, method, timeout)
+        return await fut  # the outcome won the race (see MPClient._call_timed_out)
 
     async def call_utility_all_async(
         self, method: str, *args: Any, timeout: float | None = None

@@ -34,6 +34,12 @@ Engine death is seen on every path, within a second:
 Utility calls are futures in a registry keyed by ``call_id``, registered before the frame is
 sent. Each has exactly one outcome (spec ``UTILITY``); a reply that arrives after a timeout or
 a cancellation finds no entry and is dropped.
+
+The two clients differ only in how a caller waits: ``SyncMPClient`` (sync_mp_client.py) blocks
+its thread on the reader, ``AsyncMPClient`` (async_mp_client.py) awaits an asyncio queue or
+future. Every other step of ``get_output`` (the closed error, redelivery, a marker's error) and
+of ``call_utility`` (the checks, the registration, the timeout and its race with a reply, the
+cancel) is written once, here.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ from ..spec.errors import (
     EngineStartupError,
     EngineWireError,
     ProtocolError,
+    UtilityTimeoutError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UtilityEvent
@@ -141,6 +148,12 @@ _DEAD = object()  # output-queue marker: the engine died
 _CLOSED = object()  # output-queue marker: the client was shut down
 
 
+def _only_markers(items: Any) -> list[Any]:
+    """What a backlog keeps once nobody can read its batches (``_drop_backlog``): the
+    markers, which still wake readers."""
+    return [x for x in items if x is _DEAD or x is _CLOSED]
+
+
 # The ready handshake is a few hundred bytes; anything near this is not one.
 _MAX_HANDSHAKE_BYTES = 1 << 20
 
@@ -198,9 +211,14 @@ os.register_at_fork(after_in_child=_fork_child_hook)
 
 
 class MPClient(EngineCoreClient):
-    """Shared by the sync and async clients: launch, handshake, monitor, registry, teardown."""
+    """Shared by the sync and async clients: launch, handshake, monitor, registry, teardown,
+    and every step of ``get_output`` and ``call_utility`` but the wait (see "the two clients'
+    calls" below)."""
 
     multiprocess = True
+    # Batches and the two markers, as the reader routes them: a ``queue.Queue`` (sync) or an
+    # ``asyncio.Queue`` made on the loop the reader binds to (async; None until then).
+    _outputs: Any
     # Set by the owner of a client still being built (a data-parallel client shutting down
     # while it restarts an engine): the ready wait gives up within a poll slice.
     _abandon: threading.Event | None = None
@@ -820,7 +838,58 @@ class MPClient(EngineCoreClient):
         except EngineDeadError:
             pass
 
-    def _register_call(self, future: Any, method: str, args: tuple[Any, ...]) -> int:
+    # -- the two clients' calls, less their waiting ---------------------------------------------
+    #
+    # ``get_output`` and ``call_utility`` of both clients are these steps around a wait that
+    # each keeps for itself: the sync client's reader blocks its thread (``_SyncReader``), the
+    # async client awaits an ``asyncio`` queue or future.
+
+    def _ensure_reader(self) -> None:
+        """Make sure a reader delivers what a caller is about to wait for: nothing to do for
+        the sync client, whose reader starts with it; the async client's binds to the running
+        loop (async_mp_client.py)."""
+
+    def _output_first(self) -> EngineCoreOutputs | None:
+        """What ``get_output`` does before it looks at the queue: the closed error, the
+        multi-frame sends libzmq is done with let go of, the reader made sure of; then a batch
+        tracked already (``_redeliver``), which comes first, before a death's error. None when
+        the caller is to take from the queue."""
+        if self.is_closed:
+            raise ClientClosedError(self._closed_message)
+        if self._pending_sends:
+            with self.resources.send_lock:
+                self._reclaim_sends()
+        self._ensure_reader()
+        if self._redeliver:
+            with self._state_lock:  # two threads must not both take the last one
+                if self._redeliver:
+                    return self._redeliver.popleft()
+        return None
+
+    def _output_of(self, item: Any) -> EngineCoreOutputs:
+        """A dequeued item, tracked already if it is a batch, as ``get_output`` returns it:
+        the batch with its stream columns expanded, or a marker's error. The marker goes back
+        first, so it wakes the next waiter too; a shutdown is reported over a death (the
+        caller closed the client after its engine died)."""
+        if item is _DEAD or item is _CLOSED:
+            self._outputs.put_nowait(item)
+            if item is _CLOSED or self.is_closed:
+                raise ClientClosedError(self._closed_message)
+            raise self._dead_error()
+        out: EngineCoreOutputs = item.expanded()
+        return out
+
+    def _new_call(self) -> Any:
+        """The future a utility call's outcome is set on, made where its caller waits."""
+        raise NotImplementedError
+
+    def _start_call(self, method: str, args: tuple[Any, ...], timeout: float | None
+                    ) -> tuple[Any, int, float | None]:
+        """What ``call_utility`` does before it waits: the arguments checked, the outcome's
+        future made (``_new_call``), the call registered, then sent (a send that fails
+        withdraws it). Returns the future, the call's id and the checked timeout."""
+        timeout = check_timeout(timeout)
+        future = self._new_call()
         check_method(method)
         check_no_dataclass(args)
         self.ensure_alive()
@@ -834,7 +903,22 @@ class MPClient(EngineCoreClient):
             event = UtilityEvent.ENGINE_DIED if self.is_dead else UtilityEvent.CLIENT_SHUTDOWN
             self._utilities.withdraw(call_id, event)
             raise
-        return call_id
+        return future, call_id, timeout
+
+    def _call_timed_out(self, call_id: int, method: str, timeout: float | None) -> None:
+        """The wait for call ``call_id`` outlasted ``timeout``: TIMEOUT fires, its entry goes
+        and ``UtilityTimeoutError`` is raised, unless the outcome won the race (a reply that
+        landed as the timeout fired). Its entry is then gone and its setter is about to set
+        it: this returns, and the caller waits for that outcome without a deadline."""
+        if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
+            assert timeout is not None
+            raise UtilityTimeoutError(method, timeout) from None
+
+    def _call_abandoned(self, call_id: int) -> bool:
+        """Nobody waits for call ``call_id`` any more (Ctrl-C, a cancelled task): CANCEL fires
+        and its entry goes, so a late reply is dropped like any late reply. False when its
+        outcome (a reply, a death, a shutdown) is already on its way to the future."""
+        return self._utilities.give_up(call_id, UtilityEvent.CANCEL)
 
     # -- receiving (shared by the thread and the task) -----------------------------------------
 

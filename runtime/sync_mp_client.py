@@ -1,5 +1,10 @@
 """``SyncMPClient``: the blocking multi-process client. Whoever waits reads the output socket
 (``_SyncReader``); a background thread only when nobody has read for a while.
+
+What this client keeps of ``get_output`` and ``call_utility`` is its waiting: the reader's
+blocking wait, a ``queue.Queue`` taken from under the client's lock, a ``_SyncCall`` for each
+call's outcome, and the Ctrl-C hold around a batch being returned. The steps around the wait
+are ``MPClient``'s (mp_client.py).
 """
 
 from __future__ import annotations
@@ -20,11 +25,7 @@ from ..protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
 )
-from ..spec.errors import (
-    ClientClosedError,
-    UtilityTimeoutError,
-)
-from ..spec.utility import UtilityEvent
+from ..spec.errors import ClientClosedError
 from . import _mutants
 from ._background import _SigintHold
 from .args import (
@@ -32,7 +33,7 @@ from .args import (
     check_timeout,
 )
 from .client import SyncClientMixin
-from .mp_client import _CLOSED, _DEAD, MPClient
+from .mp_client import _CLOSED, _DEAD, MPClient, _only_markers
 from .zmq_io import ZMQ_NOBLOCK
 
 __all__ = ["SyncMPClient"]
@@ -418,7 +419,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
     def _drop_backlog(self) -> None:
         q = self._outputs
         with q.mutex:  # atomically: a reader never finds it empty in between
-            kept = [x for x in q.queue if x is _DEAD or x is _CLOSED]
+            kept = _only_markers(q.queue)
             q.queue.clear()
             q.queue.extend(kept)
 
@@ -432,16 +433,10 @@ class SyncMPClient(SyncClientMixin, MPClient):
         """Next batch; an empty batch if ``timeout`` passes first. Outputs queued before a
         death are still delivered, then ``EngineDeadError``."""
         timeout = check_timeout(timeout)
-        if self.is_closed:
-            raise ClientClosedError(self._closed_message)
-        if self._pending_sends:
-            with self.resources.send_lock:
-                self._reclaim_sends()
+        out = self._output_first()
+        if out is not None:
+            return out
         outputs = self._outputs
-        if self._redeliver:
-            with self._state_lock:
-                if self._redeliver:
-                    return self._redeliver.popleft()
         reader = self._reader
         if reader is not None and not self.is_dead and outputs.empty():
             reader.wait_for(lambda: not outputs.empty(), timeout)
@@ -463,12 +458,11 @@ class SyncMPClient(SyncClientMixin, MPClient):
         return out
 
     def _take_output(self) -> EngineCoreOutputs:
-        outputs = self._outputs
         # Dequeue and track as one step: concurrent callers then track batches in queue
         # order (tracking batch N+1 before batch N would break the request lifecycles).
         with self._state_lock:
             try:
-                item = outputs.get_nowait()
+                item = self._outputs.get_nowait()
             except queue.Empty:
                 item = None
             else:
@@ -478,37 +472,27 @@ class SyncMPClient(SyncClientMixin, MPClient):
             if self.is_dead:
                 raise self._dead_error()
             return EngineCoreOutputs()
-        if item is _DEAD or item is _CLOSED:
-            self._outputs.put(item)  # wake the next waiter too
-            if item is _CLOSED or self.is_closed:
-                raise ClientClosedError(self._closed_message)
-            raise self._dead_error()
-        out: EngineCoreOutputs = item.expanded()
-        return out
+        return self._output_of(item)
 
-    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        timeout = check_timeout(timeout)
-        reader = self._reader
-        if reader is None:  # construction has not reached the reader: nothing would answer
+    def _new_call(self) -> _SyncCall:
+        if self._reader is None:  # construction has not reached the reader: nothing would answer
             raise ClientClosedError("the client is not running (its construction did not"
                                     " complete)")
-        call = _SyncCall()
-        call_id = self._register_call(call, method, args)
+        return _SyncCall()
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        call, call_id, timeout = self._start_call(method, args, timeout)
+        reader = self._reader
+        assert reader is not None  # _new_call saw to it
         try:
             if timeout is None:
                 reader.wait_call(call)
             elif not reader.wait_for(call.done, timeout):
-                if self._utilities.give_up(call_id, UtilityEvent.TIMEOUT):
-                    assert timeout is not None
-                    raise UtilityTimeoutError(method, timeout) from None
-                # The outcome won the race: its entry is gone and its setter is about to set
-                # it (and then wakes the reader's waiters).
+                self._call_timed_out(call_id, method, timeout)
+                # The outcome won the race: its setter then wakes the reader's waiters.
                 reader.wait_for(call.done, None)
         except BaseException:
-            # Interrupted (Ctrl-C): nobody waits for this call any more; its entry goes, and a
-            # late reply is dropped like any late reply.
-            self._utilities.give_up(call_id, UtilityEvent.CANCEL)
+            # Interrupted (Ctrl-C): nobody waits for this call any more.
+            self._call_abandoned(call_id)
             raise
         return call.result()
-
-
