@@ -55,7 +55,6 @@ from ..spec import (
     ENGINE_REQUEST,
     MEMBERSHIP,
     SESSION,
-    UTILITY,
     AttachEvent,
     AttachState,
     ClientEvent,
@@ -67,7 +66,8 @@ from ..spec import (
     EngineRequestState,
     EngineState,
     Machine,
-    UtilityEvent,
+    SessionEvent,
+    SessionState,
 )
 from .coverage_html import write_coverage_html, write_reproducers
 from .reproducer import _reproducer
@@ -109,16 +109,18 @@ _FORGOTTEN_CLIENT = ("unreachable by this runtime: the client forgets a request 
 _FORGOTTEN_ENGINE = ("unreachable by this runtime: the scheduler forgets a request once it"
                      " finished (a reused id starts a new lifecycle in UNKNOWN), so an ADD, a"
                      " rejection or an abort of a finished or unknown id fires nothing")
-_IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and the ENGINE trace"
-                      " of a subprocess engine stays in that process (no utility returns it)")
-_SESSION_IN_ENGINE = ("not observable: the session is the engine process's (its input thread's),"
-                      " and no in-process client attaches; tests/runtime/test_attach_phase.py"
-                      " walks it on an engine core in the test's process")
+_IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and it ends the engine"
+                      " before the loop serves the next drain_trace (the trace of an engine"
+                      " process reaches its client only through that utility)")
+_SESSION_BY_TESTS = ("covered by tests, not by campaign rules (every front end has its engine's"
+                     " frame-integrity setting, and none breaks an --integrity link):"
+                     " tests/runtime/test_attach_phase.py, test_reattach.py")
 _AS, _AE = AttachState, AttachEvent
 _CS, _CE = ClientState, ClientEvent
 _ES, _EE = EngineState, EngineEvent
 _CRS, _CRE = ClientRequestState, ClientRequestEvent
 _ERS, _ERE = EngineRequestState, EngineRequestEvent
+_SS, _SE = SessionState, SessionEvent
 
 
 def _key(machine: Machine[Any, Any], source: Enum, event: Enum, target: Enum
@@ -144,11 +146,10 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
     **{_key(CLIENT_REQUEST, f, _CRE.SEND, _CRS.SENT): _FORGOTTEN_CLIENT for f in _C_FINISHED},
     _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ABORT_SENT, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
     _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ENGINE_DIED, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
-    _key(ENGINE, _ES.CONSTRUCTING, _EE.BUILT, _ES.CONSTRUCTING): _IN_ENGINE_PROCESS,
-    _key(ENGINE, _ES.CONSTRUCTING, _EE.HANDSHAKE_SENT, _ES.READY): _IN_ENGINE_PROCESS,
-    _key(ENGINE, _ES.READY, _EE.LOOP_STARTED, _ES.IDLE): _IN_ENGINE_PROCESS,
-    _key(ENGINE, _ES.READY, _EE.FATAL_ERROR, _ES.DEAD): _IN_ENGINE_PROCESS,
-    _key(ENGINE, _ES.READY, _EE.SHUTDOWN, _ES.SHUTDOWN): _IN_ENGINE_PROCESS,
+    _key(ENGINE, _ES.READY, _EE.FATAL_ERROR, _ES.DEAD):
+        _IN_ENGINE_PROCESS + " (a fault between the handshake and the loop's start)",
+    _key(ENGINE, _ES.READY, _EE.SHUTDOWN, _ES.SHUTDOWN):
+        _IN_ENGINE_PROCESS + " (a stop between the handshake and the loop's start)",
     _key(ENGINE, _ES.DEAD, _EE.FATAL_ERROR, _ES.DEAD):
         _IN_ENGINE_PROCESS + "; in-process, a dead engine refuses every call before a second"
         " fatal error could happen",
@@ -176,24 +177,24 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
     _key(ATTACH, _AS.ATTACHED, _AE.SESSION_ENDED, _AS.ENDED):
         "covered by tests, not by campaign rules (none breaks an --integrity link):"
         " tests/runtime/test_attach_phase.py, test_reattach.py",
-    **{_key(SESSION, t.source, t.event, t.target): _SESSION_IN_ENGINE
-       for t in SESSION.transitions},
+    _key(SESSION, _SS.ATTACHED, _SE.ATTACH_ACCEPTED, _SS.ATTACHED):
+        "only a standalone engine has a second front end attach (--client standalone reaches"
+        " it at every handover)",
+    **{_key(SESSION, t.source, t.event, t.target): _SESSION_BY_TESTS
+       for t in SESSION.transitions if t.event is not _SE.ATTACH_ACCEPTED
+       or t.source not in (_SS.NO_FRONT_END, _SS.ATTACHED)},
 }
-# (machine, event) names of the death notices only a run that kills its engine can fire.
-_DEATH_EVENTS = frozenset({
-    (CLIENT.name, _CE.ENGINE_DIED.name), (CLIENT_REQUEST.name, _CRE.ENGINE_DIED.name),
-    (UTILITY.name, UtilityEvent.ENGINE_DIED.name),
-})
 
 
-# Engine-side machines are recorded only where the engine runs in the campaign's process.
-_ENGINE_MACHINES = (ENGINE.name, ENGINE_REQUEST.name)
-_NOT_OBSERVED = ("not observed by this run: no in-process client ran, and an engine in its own"
-                 " process keeps its trace there (--client inproc or all records it)")
+# Engine-side machines reach the report only through a drained engine trace (an in-process
+# engine's records are in its client's trace as well).
+_ENGINE_MACHINES = (ENGINE.name, ENGINE_REQUEST.name, SESSION.name)
+_NOT_OBSERVED = ("not observed by this run: no client drained an engine trace that has this"
+                 " machine (an in-process engine records one with its client's trace, --client"
+                 " inproc; an engine process when ENGINEWIRE_ENGINE_TRACE is set, as campaigns"
+                 " set it, and only an engine process has a session; a factory's engine may"
+                 " keep none)")
 
-
-_NOT_KILLED = ("not driven by this run: the standalone machine hands one engine from front end"
-               " to front end and never kills it (--client sync, async or all crash engines)")
 
 
 _ONE_ENGINE = ("not driven by this run: membership is the data-parallel client's (one engine"
@@ -201,16 +202,18 @@ _ONE_ENGINE = ("not driven by this run: membership is the data-parallel client's
 
 
 def _why_unreached(item: str, *, engine_observed: bool = True,
-                   engine_killed: bool = True, data_parallel: bool = False) -> str:
+                   data_parallel: bool = False, observed: frozenset[str] | None = None) -> str:
+    """Why ``item`` was never reached: its declared reason, else what this run did not do.
+    ``observed``: the machines with any step in the run (None: every engine-side machine
+    when ``engine_observed``, none otherwise)."""
     m = re.fullmatch(r"(\S+) (\S+) -(\S+)-> (\S+)", item)
     why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
     if why is None and m is not None and not data_parallel and m.group(1) == MEMBERSHIP.name:
         return _ONE_ENGINE
-    if why is None and m is not None and not engine_observed and m.group(1) in _ENGINE_MACHINES:
+    unseen = (m is not None and m.group(1) in _ENGINE_MACHINES
+              and (not engine_observed if observed is None else m.group(1) not in observed))
+    if why is None and unseen:
         return _NOT_OBSERVED
-    if (why is None and m is not None and not engine_killed
-            and (m.group(1), m.group(3)) in _DEATH_EVENTS):
-        return _NOT_KILLED
     return why or "NOT REACHED in this run: no reason declared (a gap; run longer or add a rule)"
 
 
@@ -353,6 +356,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
 
+    from .reference import DifferentialOracle, reference_unavailable
     from .stateful import (
         ORPHAN_MIN_LIFE,
         AttachPool,
@@ -370,6 +374,11 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
 
         vocab_size = TINY_ARCH.vocab_size  # the machine's default; the factory's engine
     config = _config(model) if dp is None else _config(model, *dp)
+    # The differential oracle (reference.py) for a real model's tokens; built before any
+    # client, as it loads the model here and the leak checks snapshot this process.
+    reference = None
+    if factory is None and reference_unavailable(config) is None:
+        reference = DifferentialOracle.for_config(config)
     stats = CampaignStats()
     if progress is not None:
         stats.on_step = progress
@@ -398,24 +407,28 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     orphan_min_life = ORPHAN_MIN_LIFE if steps <= 25 else steps * 3 // 4
 
     def make() -> Any:
+        machine: Any
         if dp is not None:
             from .stateful_dp import DataParallelStateMachine
 
-            return DataParallelStateMachine(pool, kind=kind, faults=faults,
-                                            exact_tokens=model == "null",
-                                            vocab_size=vocab_size, stats=stats,
-                                            min_life=min_life)
-        if isinstance(pool, AttachPool):
-            return StandaloneEngineStateMachine(pool, faults=faults,
-                                                exact_tokens=model == "null",
-                                                vocab_size=vocab_size, stats=stats,
-                                                min_life=min_life)
-        return EngineClientStateMachine(pool.factory, kind=kind, faults=faults,
-                                        # a factory's config says its model (None: ask it)
-                                        exact_tokens=None if factory else model == "null",
-                                        vocab_size=vocab_size, pool=pool,
-                                        stats=stats, orphan_config=orphan, min_life=min_life,
-                                        orphan_min_life=orphan_min_life)
+            machine = DataParallelStateMachine(pool, kind=kind, faults=faults,
+                                               exact_tokens=model == "null",
+                                               vocab_size=vocab_size, stats=stats,
+                                               min_life=min_life)
+        elif isinstance(pool, AttachPool):
+            machine = StandaloneEngineStateMachine(pool, faults=faults,
+                                                   exact_tokens=model == "null",
+                                                   vocab_size=vocab_size, stats=stats,
+                                                   min_life=min_life)
+        else:
+            machine = EngineClientStateMachine(
+                pool.factory, kind=kind, faults=faults,
+                # a factory's config says its model (None: ask it)
+                exact_tokens=None if factory else model == "null", vocab_size=vocab_size,
+                pool=pool, stats=stats, orphan_config=orphan, min_life=min_life,
+                orphan_min_life=orphan_min_life)
+        machine.reference = reference
+        return machine
 
     result = ClientResult(kind)
     lines: list[str] = []
@@ -442,6 +455,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 notes = [str(n) for n in getattr(e, "__notes__", [])]
                 result.reproducer = _reproducer(lines + notes, kind, model, faults,
                                                 stats.failed_program, factory, dp)
+                if reference is not None:
+                    result.reproducer = _with_reference(result.reproducer, model, dp)
                 break
             finally:
                 hypothesis.core.global_force_seed = saved
@@ -468,6 +483,22 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     if result.failure is not None:
         result.errors = list(stats.errors)
     return result, stats.coverage
+
+
+def _with_reference(program: str, model: str, dp: tuple[int, str] | None) -> str:
+    """``program`` (a reproducer) with the differential oracle the campaign gave its machine:
+    built before the first client, as ``_run_client`` does, and set on ``state``."""
+    config = f"_config({model!r})" if dp is None else f"_config({model!r}, {dp[0]!r}, {dp[1]!r})"
+    out: list[str] = []
+    for ln in program.splitlines():
+        if ln.startswith("state = "):
+            out += [f"reference = DifferentialOracle.for_config({config})", ln,
+                    "state.reference = reference"]
+        else:
+            out.append(ln)
+            if ln == "from enginewire.testing.campaign import _config":
+                out.append("from enginewire.testing.reference import DifferentialOracle")
+    return "\n".join(out)
 
 
 # How _why_unreached words a transition nothing explains (a gap, not a declared reason).
@@ -682,12 +713,17 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
                faults: bool, duration: float | None, model: str, profile: str,
                out_dir: Path, verbose: bool = False, factory: str | None = None,
                dp: tuple[int, str] | None = None) -> int:
+    from ..runtime._engine_trace import ENGINE_TRACE_ENV
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
     # Engine processes log to a file in the results directory, not the terminal: most of what
     # they say in a campaign is about the faults it injects (named as such there).
     engine_log: Path | None = out_dir / f"engines-{os.getpid()}.log"
-    saved_env = {k: os.environ.get(k) for k in (ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV)}
+    saved_env = {k: os.environ.get(k)
+                 for k in (ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV, ENGINE_TRACE_ENV)}
+    # Every engine process records its trace, drained and cross-checked at the machines'
+    # sync points (stateful_base._check_engine_trace): its side of the spec is judged too.
+    os.environ[ENGINE_TRACE_ENV] = "on"
     if os.environ.get(ENGINE_LOG_FILE_ENV):
         engine_log = None  # the user's own choice wins
     else:
@@ -750,12 +786,14 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     finally:
         if prog is not None:
             prog.stop()
+        from .reference import release_references
+
+        release_references()
     cov = coverage.report()
-    observed = any(r.client == "inproc" for r in results)
-    killed = any(r.client != "standalone" for r in results)
+    # An engine-side machine is observed where a drained engine trace had any step of it.
+    observed = frozenset(k[0] for k in coverage.seen)
     never = [{"transition": t,
-              "why": _why_unreached(t, engine_observed=observed, engine_killed=killed,
-                                    data_parallel=dp is not None)}
+              "why": _why_unreached(t, observed=observed, data_parallel=dp is not None)}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
     # Hits per transition reached (the HTML page colours each by its count).
@@ -828,6 +866,8 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
         return {"mutant": name, "applicable": False, "detected": False, "examples": None,
                 "seconds": None,
                 "detail": f"no requested client can show it (needs {_mutants.BANK[name].clients})"}
+    if model == "null":  # a mutant the null model cannot show runs on the model it needs
+        model = _mutants.BANK[name].model
     report_path = results_dir / f".mutant-{name}-{os.getpid()}.json"
     report_path.unlink(missing_ok=True)
     env = dict(os.environ, **{_mutants.ENV_VAR: name,

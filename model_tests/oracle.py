@@ -10,7 +10,8 @@ Rule 2: where the protocol allows a race (an abort against a natural finish, out
 flight when a pause lands) the oracle keeps the *set* of allowed endings per request and only
 narrows it when an observation picks one.
 
-Per request it checks: tokens arrive in order and (null model) equal ``null_token(seed, i)``;
+Per request it checks: tokens arrive in order and (null model) equal ``null_token(seed, i)``
+(a real model's greedy tokens are the differential oracle's, ``reference.py``: a lone run's);
 a LENGTH finish has exactly ``max_tokens`` tokens, a STOP finish ends on the first stop token;
 ABORT only after an abort was sent (or a pause/sleep in abort mode), ERROR only for requests
 built to be invalid; nothing arrives after a finish; an id is reused only once it finished.
@@ -23,22 +24,40 @@ ipc files).
 from __future__ import annotations
 
 import enum
+import functools
 import os
-import re
-import threading
-import time
-from collections import Counter
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from ..protocol.messages import EngineCoreOutputs, FinishReason
 from ..runtime.executor import MEMORY_TAGS
-from ..spec import MACHINES, ClientState, TraceEntry, validate_trace
+from ..spec import (
+    ENGINE,
+    ENGINE_REQUEST,
+    MACHINES,
+    SESSION,
+    ClientState,
+    EngineRequestEvent,
+    EngineRequestState,
+    TraceEntry,
+    validate_trace,
+)
+from ..spec.client import CLIENT_LIVE
+from ..spec.engine import REPORTS_SLEEPING
+from ..spec.request import ENGINE_REQUEST_LIVE
+from ._harness import (
+    RELEASE_BOUND_S,
+    ResourceSnapshot,
+    describe_leaks,
+    left_behind,
+    reaped,
+    wait_until,
+)
 
 __all__ = [
+    "ENGINE_FINISHED",
     "Coverage",
     "DPOracle",
     "Oracle",
@@ -50,6 +69,7 @@ __all__ = [
     "check_reaped",
     "check_released",
     "check_traces",
+    "engine_trace_entries",
     "null_tokens",
 ]
 
@@ -88,10 +108,22 @@ class RequestModel:
     # Its id reached the engine again while live (in-process only, past the client's own
     # refusal): the engine ends it with ERROR at once, whatever tokens it already had.
     duplicated: bool = False
+    # What it went through, for the differential oracle's message (reference.py): the most
+    # requests live beside it, its prefix-cache hit, each pause or sleep that parked it.
+    peers: int = 0
+    cached_tokens: int = 0
+    history: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish is not None or self.ended_by_death
+
+    def describe_history(self) -> str:
+        """What it went through, as the model knows it ("": nothing of note)."""
+        parts = [f"ran beside up to {self.peers} other request(s)"] if self.peers else []
+        if self.cached_tokens:
+            parts.append(f"had {self.cached_tokens} prompt tokens from the prefix cache")
+        return "; ".join(parts + self.history)
 
     @property
     def must_finish(self) -> bool:
@@ -111,6 +143,13 @@ class Oracle:
         self.paused = False  # scheduling stopped (pause, or any sleep)
         self.asleep_tags: frozenset[str] = frozenset()  # memory tags released and not woken
         self.max_in_flight = 0
+        # The engine's side (``judge_engine_traces``): each client finish the engine's drained
+        # trace must confirm, as (request id, reason, engine label), in the order seen; the
+        # ids not judged (sent before the first drain of this model); each engine's replay.
+        self.engine_pending: list[tuple[str, FinishReason, int]] = []
+        self.engine_unjudged: set[str] = set()
+        self.engine_sides: dict[int, _EngineSide] = {}
+        self.trace_incomplete = 0  # records the engines dropped past their bound
 
     # -- what the test did -----------------------------------------------------------------
 
@@ -129,7 +168,11 @@ class Oracle:
                                           error_ok=invalid, parked=self.paused and not invalid)
         if rid in self.finished_ids:
             self.finished_ids.remove(rid)
-        self.max_in_flight = max(self.max_in_flight, len(self.live_ids()))
+        live = self.live_ids()
+        self.max_in_flight = max(self.max_in_flight, len(live))
+        for r in live:
+            m = self.requests[r]
+            m.peers = max(m.peers, len(live) - 1)
 
     def abort(self, ids: Iterable[str]) -> None:
         for rid in ids:
@@ -144,6 +187,7 @@ class Oracle:
     def pause(self, mode: str, level: int | None = None) -> list[str]:
         """A pause or sleep was acknowledged; returns the ids a ``wait`` must have finished."""
         drained: list[str] = []
+        what = f"pause({mode})" if level is None else f"sleep(level={level}, {mode})"
         for m in self.requests.values():
             if m.finished:
                 continue
@@ -154,6 +198,7 @@ class Oracle:
                 drained.append(m.rid)
             else:
                 m.parked = True
+                m.history.append(f"was parked by {what}")
         self.paused = True
         if level is not None and level >= 1:
             self.asleep_tags = frozenset(MEMORY_TAGS)
@@ -185,11 +230,13 @@ class Oracle:
 
     def died(self) -> None:
         self.phase = Phase.DEAD
+        self.engine_pending.clear()  # the engine's records went with it
         for m in self.requests.values():
             if not m.finished:
                 m.ended_by_death = True
 
     def closed(self) -> None:
+        self.engine_pending.clear()
         if self.phase is not Phase.CLOSED:
             self.phase = Phase.CLOSED
             for m in self.requests.values():
@@ -231,6 +278,8 @@ class Oracle:
                     f"output for {rid!r} after it finished with {m.finish.name}")
             if m.ended_by_death:
                 continue  # delivered after the death was seen: queued before it; not judged
+            if out.num_cached_tokens:
+                m.cached_tokens = max(m.cached_tokens, out.num_cached_tokens)
             self._tokens(m, list(out.new_token_ids))
             if out.finish_reason is not None:
                 self._finish(m, FinishReason(out.finish_reason), out.error)
@@ -278,6 +327,83 @@ class Oracle:
                     f"{m.rid!r} ended STOP after {n} tokens; stop token at {m.stop_index}")
         m.finish = reason
         self.finished_ids.append(m.rid)
+        if self._engine_judges(m):
+            self.engine_pending.append((m.rid, reason, self._finish_engine()))
+
+    def _finish_engine(self) -> int:
+        """The label of the engine whose output finished a request (one engine: 0)."""
+        return 0
+
+    def _engine_judges(self, m: RequestModel) -> bool:
+        """Whether the engine's trace can confirm ``m``'s ending (one engine: always)."""
+        return True
+
+    # -- the engine's side ---------------------------------------------------------------
+
+    def judge_engine_traces(self, drains: list[tuple[int, Any, ClientState | None]], *,
+                            baseline: bool = False) -> list[TraceEntry]:
+        """Judge what ``drain_trace`` returned at a sync point, one ``(label, reply, client
+        view)`` per engine (the client view: the state of the client that engine serves).
+        Each reply's records are replayed through the spec and in order per machine
+        instance (a step must start where the last one ended); the engine's state must be
+        the one its trace ends in, and must agree with the client's view of sleep
+        (SLEEPING exactly when the engine's state is in ``REPORTS_SLEEPING``). Unless this
+        is the ``baseline`` (the first drain of this model: what came before is nobody's
+        here), every request the client saw finish must have ended the same way in the
+        engine's lifecycle (``ENGINE_FINISHED``), and with no request live on the client,
+        none may be live in the engine. Returns every reply's records as trace entries."""
+        entries: list[TraceEntry] = []
+        for label, reply, view in drains:
+            got = engine_trace_entries(reply)
+            check_traces(got)
+            entries += got
+            side = self.engine_sides.get(label)
+            if side is None or side.source != reply["source"]:
+                side = self.engine_sides[label] = _EngineSide(str(reply["source"]))
+            side.replay(reply, label, baseline=baseline)
+            if reply["dropped"]:
+                self.trace_incomplete += int(reply["dropped"])
+            state = str(reply["state"])
+            if view in CLIENT_LIVE and (view is ClientState.SLEEPING) != (state in _SLEEPING):
+                raise OracleViolation(
+                    f"{_engine_name(label)} is {state} (is_sleeping() {state in _SLEEPING}),"
+                    f" but its client is {view.name}: the two sides disagree about sleep")
+        if not baseline:
+            self._confirm_finishes()
+            if not self.live_ids():
+                for label, side in sorted(self.engine_sides.items()):
+                    live = side.live_requests()
+                    if live and not side.incomplete:
+                        raise OracleViolation(
+                            f"no request is live on the client, yet {_engine_name(label)}'s"
+                            f" trace leaves {live} live (an engine request nobody will end)")
+        return entries
+
+    def _confirm_finishes(self) -> None:
+        keep: list[tuple[str, FinishReason, int]] = []
+        for rid, reason, label in self.engine_pending:
+            side = self.engine_sides.get(label)
+            if rid in self.engine_unjudged or (side is not None and side.incomplete):
+                continue
+            if side is None:  # not drained yet
+                keep.append((rid, reason, label))
+                continue
+            ended = side.finished.get(rid)
+            want = ENGINE_FINISHED[reason]
+            if not ended:
+                now = side.requests.get(rid)
+                raise OracleViolation(
+                    f"{rid!r} finished {reason.name} on the client, but"
+                    f" {_engine_name(label)}'s trace "
+                    + (f"leaves it {now}" if now else "never names it")
+                    + f" (it must end {want})")
+            got = ended.popleft()
+            if got != want:
+                raise OracleViolation(
+                    f"{rid!r} finished {reason.name} on the client, but"
+                    f" {_engine_name(label)}'s own lifecycle ended it {got} (want {want}):"
+                    " the engine's books disagree with what it sent")
+        self.engine_pending = keep
 
 
 # --- spec as oracle --------------------------------------------------------------------------
@@ -320,6 +446,96 @@ def audit_violations(audit: dict[str, Any], *, quiet: bool,
         out.append(f"memory asleep {sorted(audit.get('asleep_tags', ()))}, the model says"
                    f" {sorted(asleep_tags)}")
     return out
+
+
+# What each finish reason is in the engine's request machine: the event of the reason's name
+# from RUNNING (spec/request.py); a rejected request ends FINISHED_ERROR too.
+ENGINE_FINISHED: dict[FinishReason, str] = {
+    r: ENGINE_REQUEST.table()[(EngineRequestState.RUNNING, EngineRequestEvent[r.name], None)].name
+    for r in FinishReason}
+_SLEEPING = frozenset(s.name for s in REPORTS_SLEEPING)
+_E_LIVE = frozenset(s.name for s in ENGINE_REQUEST_LIVE)
+_E_NEW = EngineRequestState.UNKNOWN.name  # where a request id's next lifecycle starts
+_E_FINISHED = frozenset(ENGINE_FINISHED.values())
+_COLUMNS = ("machine", "before", "event", "after", "subject")
+
+
+def _engine_name(label: int) -> str:
+    return f"engine {label}"
+
+
+def engine_trace_entries(reply: Any) -> list[TraceEntry]:
+    """A ``drain_trace`` reply's records as trace entries; their place in the engine's order
+    stands in for the time (another process's clock is not comparable with ours)."""
+    try:
+        cols = [reply[k] for k in _COLUMNS]
+        ok = all(isinstance(c, list) and len(c) == len(cols[0]) for c in cols) and all(
+            isinstance(reply[k], int) for k in ("dropped", "bound")) and all(
+            isinstance(reply[k], str) for k in ("source", "state"))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise OracleViolation(f"drain_trace returned no trace: {reply!r:.300}")
+    return [(m, b, e, a, float(i)) for i, (m, b, e, a) in enumerate(zip(*cols[:4], strict=True))]
+
+
+@dataclass
+class _EngineSide:
+    """One engine core's replayed trace, as one model of the client saw it drained."""
+
+    source: str
+    state: str | None = None
+    session: str | None = None
+    requests: dict[str, str] = field(default_factory=dict)  # id -> its latest lifecycle's state
+    ours: set[str] = field(default_factory=set)  # ids whose latest lifecycle began after baseline
+    # id -> the finished states of its lifecycles begun after the baseline, in engine order
+    finished: dict[str, deque[str]] = field(default_factory=dict)
+    incomplete: bool = False  # records were dropped: requests are no longer judged
+
+    def live_requests(self) -> list[str]:
+        return sorted(r for r, s in self.requests.items() if s in _E_LIVE)
+
+    def replay(self, reply: dict[str, Any], label: int, *, baseline: bool) -> None:
+        """Each machine instance's steps in order: a step starts where its last one ended."""
+        def jump(what: str, was: str | None, step: str) -> OracleViolation:
+            return OracleViolation(f"{_engine_name(label)}'s trace jumps: {what} was {was},"
+                                   f" then recorded {step}")
+
+        for m, b, e, a, rid in zip(*(reply[k] for k in _COLUMNS), strict=True):
+            if m == ENGINE.name:
+                if self.state is not None and b != self.state:
+                    raise jump("the engine", self.state, f"{b} -{e}-> {a}")
+                self.state = a
+            elif m == SESSION.name:
+                if self.session is not None and b != self.session:
+                    raise jump("the session", self.session, f"{b} -{e}-> {a}")
+                self.session = a
+            elif m == ENGINE_REQUEST.name:
+                was = self.requests.get(rid)
+                if b == _E_NEW:
+                    if was in _E_LIVE:
+                        raise jump(f"request {rid!r}", was, f"a new lifecycle: {b} -{e}-> {a}")
+                    if baseline:
+                        self.ours.discard(rid)
+                    else:
+                        self.ours.add(rid)
+                elif was is not None and b != was:
+                    raise jump(f"request {rid!r}", was, f"{b} -{e}-> {a}")
+                self.requests[rid] = a
+                if a in _E_FINISHED and b not in _E_FINISHED and rid in self.ours:
+                    self.finished.setdefault(rid, deque()).append(a)
+        if reply["dropped"]:
+            # The kept records came first: what followed them is lost, so the instances'
+            # states are unknown from here and the requests are no longer judged.
+            self.incomplete = True
+            self.requests.clear()
+            self.session = None
+            self.state = None
+        if self.state is None:
+            self.state = str(reply["state"])
+        elif self.state != reply["state"]:
+            raise OracleViolation(f"{_engine_name(label)}'s trace ends in {self.state}, but"
+                                  f" the engine says it is {reply['state']}")
 
 
 def check_traces(trace: Iterable[TraceEntry]) -> None:
@@ -373,90 +589,21 @@ class Coverage:
 
 
 # --- liveness at teardown --------------------------------------------------------------------
-
-
-def fd_targets() -> Counter[str]:
-    """What this process's open fds point to (``/proc/self/fd``), counted by target; empty
-    where there is no ``/proc`` (the count check still runs, without the names)."""
-    targets: Counter[str] = Counter()
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return targets
-    for fd in fds:
-        try:
-            targets[os.readlink(f"/proc/self/fd/{fd}")] += 1
-        except OSError:  # the fd listdir itself held, closed since
-            continue
-    return targets
-
-
-def _describe_new_fds(before: Counter[str], limit: int = 8) -> str:
-    # Pipes and sockets carry an inode number; group them by kind so that 40 CUDA driver
-    # handles read as one line, not 40.
-    new = fd_targets() - before
-    kinds: Counter[str] = Counter()
-    for target, n in new.items():
-        kinds[re.sub(r":\[\d+\]$", "", target)] += n
-    if not kinds:
-        return ""
-    shown = ", ".join(f"{t} x{n}" for t, n in kinds.most_common(limit))
-    more = len(kinds) - limit
-    return f" (new: {shown}{f', and {more} more kinds' if more > 0 else ''})"
-
-
-@dataclass
-class ResourceSnapshot:
-    """This process's threads, fds and child processes before a client was built."""
-
-    threads: int
-    fds: int
-    children: frozenset[int]
-    # What the fds pointed to, for the leak message only (the check compares counts).
-    fd_targets: Counter[str] = field(default_factory=Counter)
-
-    @classmethod
-    def take(cls) -> ResourceSnapshot:
-        me = psutil.Process()
-        return cls(threading.active_count(), me.num_fds(),
-                   frozenset(p.pid for p in me.children(recursive=True)), fd_targets())
-
-
-def _wait(predicate: Any, bound: float) -> bool:
-    deadline = time.monotonic() + bound
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _reaped(pid: int) -> bool:
-    # A zombie is not reaped: only a pid that is gone counts.
-    try:
-        psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return True
-    return False
+# What counts as left behind is _harness.py's one definition; these say it as OracleViolation.
 
 
 def check_released(before: ResourceSnapshot, *, engine_pid: int | None,
-                   ipc_path: str | None, bound: float = 5.0, threads_fds: bool = True) -> None:
+                   ipc_path: str | None, bound: float = RELEASE_BOUND_S,
+                   threads_fds: bool = True) -> None:
     """After shutdown: the engine process is reaped, and no thread, fd or ipc file is left."""
     problems: list[str] = []
-    if engine_pid is not None and not _wait(lambda: _reaped(engine_pid), bound):
+    if engine_pid is not None and not wait_until(lambda: reaped(engine_pid), bound):
         problems.append(f"engine process {engine_pid} was not reaped")
-    if ipc_path is not None and not _wait(lambda: not os.path.exists(ipc_path), bound):
+    if ipc_path is not None and not wait_until(lambda: not os.path.exists(ipc_path), bound):
         problems.append(f"ipc directory {ipc_path} was left behind")
-    if not threads_fds:
-        pass
-    elif not _wait(lambda: threading.active_count() <= before.threads, bound):
-        names = sorted(t.name for t in threading.enumerate())
-        problems.append(f"threads leaked: {threading.active_count()} > {before.threads}: {names}")
-    me = psutil.Process()
-    if threads_fds and not _wait(lambda: me.num_fds() <= before.fds, bound):
-        problems.append(f"fds leaked: {me.num_fds()} > {before.fds}"
-                        f"{_describe_new_fds(before.fd_targets)}")
+    if threads_fds:
+        leaks = left_behind(before, bound=bound, kinds=("threads", "fds"))
+        problems += describe_leaks(leaks, before)
     if problems:
         raise OracleViolation("; ".join(problems))
 
@@ -504,6 +651,9 @@ class DPOracle(Oracle):
     def engine_died(self, index: int, *, restarted: bool = False) -> None:
         """Engine ``index`` was killed and its death seen (``restarted``: a replacement under
         the same index serves again). Ends the client when no engine is left."""
+        # Its records since the last drain went with it: what it finished is not judged.
+        self.engine_pending = [p for p in self.engine_pending if p[2] != index]
+        self.engine_sides.pop(index, None)
         for rid in self.live_ids():
             where = self.placed.get(rid)
             if where is None or where == index:
@@ -542,6 +692,15 @@ class DPOracle(Oracle):
         finally:
             self._batch_engine = None
 
+    def _finish_engine(self) -> int:
+        return 0 if self._batch_engine is None else self._batch_engine
+
+    def _engine_judges(self, m: RequestModel) -> bool:
+        # An engine that may have run it died while it was live: its ending may be a batch
+        # that incarnation queued, whose records went with it (read after the replacement,
+        # under the same index, was drained).
+        return not self.may_fail_on.get(m.rid)
+
     def _finish(self, m: RequestModel, reason: FinishReason, error: str | None) -> None:
         e = self._batch_engine
         if (reason is FinishReason.ERROR and not (m.error_ok or m.duplicated)):
@@ -560,27 +719,12 @@ class DPOracle(Oracle):
         super()._finish(m, reason, error)
 
 
-def check_reaped(pids: Iterable[int], before: ResourceSnapshot, bound: float = 5.0) -> None:
+def check_reaped(pids: Iterable[int], before: ResourceSnapshot,
+                 bound: float = RELEASE_BOUND_S) -> None:
     """After a shutdown: every engine process in ``pids`` is gone (reaped, not a zombie), and
-    this process has no child it did not have in ``before`` (multiprocessing's resource
-    tracker aside: started once per process and kept)."""
+    this process has no child it did not have in ``before`` (_harness.py: what a child is)."""
     problems = [f"engine process {pid} was not reaped" for pid in sorted(set(pids))
-                if not _wait(lambda pid=pid: _reaped(pid), bound)]
-
-    def new_children() -> list[int]:
-        out = []
-        for p in psutil.Process().children(recursive=True):
-            if p.pid in before.children:
-                continue
-            try:
-                if "resource_tracker" in " ".join(p.cmdline()) or p.status() == "zombie":
-                    continue
-            except psutil.Error:
-                continue
-            out.append(p.pid)
-        return out
-
-    if not _wait(lambda: not new_children(), bound):
-        problems.append(f"child processes left: {new_children()}")
+                if not wait_until(functools.partial(reaped, pid), bound)]
+    problems += describe_leaks(left_behind(before, bound=bound, kinds=("processes",)), before)
     if problems:
         raise OracleViolation("; ".join(problems))

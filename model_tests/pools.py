@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import conformance as cf
-from ._conformance_driver import _process_gone
+from ._harness import exited, wait_until
 from .bounds import WAIT_S, check_shutdown_took
 from .conformance_breaking import _ORPHAN_SCRIPT
 from .oracle import OracleViolation, ResourceSnapshot, check_released
@@ -173,13 +173,11 @@ def _check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
         engine_pid = int(line)
         proc.kill()
         proc.wait(WAIT_S)
-        deadline = time.monotonic() + cf.ORPHAN_BOUND_S
-        while not _process_gone(engine_pid):
-            if time.monotonic() > deadline:
-                raise OracleViolation(
-                    f"orphaned engine {engine_pid} still running {cf.ORPHAN_BOUND_S} s after"
-                    " its client process was killed")
-            time.sleep(0.02)
+        if not wait_until(functools.partial(exited, engine_pid), cf.ORPHAN_BOUND_S,
+                          poll=0.02):
+            raise OracleViolation(
+                f"orphaned engine {engine_pid} still running {cf.ORPHAN_BOUND_S} s after"
+                " its client process was killed")
         engine_pid = None
     finally:
         if engine_pid is not None:

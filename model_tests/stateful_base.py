@@ -21,7 +21,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypedDict
+from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
 import msgspec
 from hypothesis import note
@@ -29,12 +29,23 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, SamplingParams
+from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
 from ..runtime.engine import WAKE_TAGS
 from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation, UtilityError
 from . import conformance as cf
-from .bounds import DEATH_BOUND_S, MAX_LIVE, WAIT_MODE_TOKENS, WAIT_S, RuleLimits
-from .oracle import Coverage, Oracle, OracleViolation, Phase, check_traces, null_tokens
+from .bounds import MAX_LIVE, RULE_DEATH_BOUND_S, WAIT_MODE_TOKENS, WAIT_S, RuleLimits
+from .oracle import (
+    Coverage,
+    Oracle,
+    OracleViolation,
+    Phase,
+    RequestModel,
+    check_traces,
+    null_tokens,
+)
+
+if TYPE_CHECKING:
+    from .reference import DifferentialOracle
 
 
 def _note(text: str) -> None:
@@ -69,6 +80,16 @@ class CampaignStats:
     failed_program: list[str] = field(default_factory=list)
     # How the engine config narrowed the rules (RuleLimits.notes), once per distinct note.
     limits_notes: list[str] = field(default_factory=list)
+    # Finished greedy requests the differential oracle compared with their lone run, and of
+    # those, how many it judged only up to a near-tie (reference.py, Rule 2).
+    reference_compared: int = 0
+    reference_ties: int = 0
+    # The engines' own traces (drain_trace, judged by Oracle.judge_engine_traces): drains
+    # judged, records they dropped past their bound, and whether the engines refuse to
+    # drain (they record no trace: the cross-checks are off for this client kind).
+    engine_drains: int = 0
+    engine_records_dropped: int = 0
+    engine_untraced: bool = False
 
     def record_failure(self, where: str = "", error: BaseException | None = None,
                        program: list[str] | None = None) -> None:
@@ -122,6 +143,9 @@ class CampaignMachine(RuleBasedStateMachine):
     pool: Any
     limits: RuleLimits
     exact_tokens: bool
+    # Set by whoever builds the machine (the campaign, for a real model): every finished
+    # greedy request is compared with its lone run (reference.py). None: not compared.
+    reference: DifferentialOracle | None = None
 
     def __init__(self, *, kind: str, kinds: tuple[str, ...], faults: bool, vocab_size: int,
                  stats: CampaignStats, min_life: int) -> None:
@@ -142,6 +166,13 @@ class CampaignMachine(RuleBasedStateMachine):
         # so that most steps run on a live engine (an engine start costs seconds).
         self._life = 0
         self.min_life = min_life
+        # The last request built under each id (what the differential oracle replays alone),
+        # and the finished ones waiting for their comparison at the end of the rule.
+        self._sent: dict[str, EngineCoreRequest] = {}
+        self._to_compare: list[tuple[RequestModel, EngineCoreRequest]] = []
+        # The model whose engine trace was drained last (``_check_engine_trace``): a new one
+        # (a new example, client or front end) first drains what came before it, unjudged.
+        self._trace_oracle: Oracle | None = None
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -167,15 +198,18 @@ class CampaignMachine(RuleBasedStateMachine):
         start = time.monotonic()
         was_alive = self.alive
         try:
+            self._trace_baseline()
             yield
             if was_alive and self.live is not None and not self.alive:
                 # The engine died, or the client was shut, in this rule: at once, every call
                 # must now refuse (a silently accepted one is found where it happens).
                 self._check_calls_refused()
+            took = time.monotonic() - start
+            self._compare_finished()  # after the rule's bounded waits, outside its time
         except BaseException as e:
             self.stats.record_failure(name, e, self._program)
             raise
-        self.stats.seconds[name] += time.monotonic() - start
+        self.stats.seconds[name] += took
         self._busy = None
 
     def _fresh_id(self) -> str:
@@ -228,7 +262,7 @@ class CampaignMachine(RuleBasedStateMachine):
         shutdown is allowed too (and judged, when it is a batch of outputs)."""
         for fut in futs:
             try:
-                got = fut.result(timeout=DEATH_BOUND_S + 3)
+                got = fut.result(timeout=RULE_DEATH_BOUND_S + 3)
             except ClientClosedError:
                 continue
             except concurrent.futures.TimeoutError:
@@ -242,8 +276,39 @@ class CampaignMachine(RuleBasedStateMachine):
                 self._observe(got)
 
     def _observe(self, batch: EngineCoreOutputs) -> None:
-        if batch.outputs:
-            self.oracle.observe(batch)
+        if not batch.outputs:
+            return
+        done = self.oracle.observe(batch)
+        if done and self.reference is not None:
+            self._queue_comparisons(done)
+
+    def _queue_comparisons(self, done: list[str]) -> None:
+        """The requests of ``done`` the differential oracle judges: ended LENGTH or STOP,
+        greedy, built by this machine. Compared at the end of the rule (``_rule``), not
+        here: a read inside a bounded wait must not wait for a lone run."""
+        assert self.reference is not None
+        for rid in done:
+            m, req = self.oracle.requests[rid], self._sent.get(rid)
+            if (req is not None and m.finish in (FinishReason.LENGTH, FinishReason.STOP)
+                    and self.reference.applies(req)):
+                # The model object, not the id: a reused id gets a new one.
+                self._to_compare.append((m, req))
+
+    def _compare_finished(self) -> None:
+        """Judge the queued finished requests against their lone runs (OracleViolation)."""
+        if not self._to_compare:
+            return
+        assert self.reference is not None
+        start = time.monotonic()
+        try:
+            while self._to_compare:
+                m, req = self._to_compare.pop(0)
+                assert m.finish is not None
+                self.stats.reference_compared += 1
+                self.stats.reference_ties += self.reference.check(
+                    req, m.tokens, m.finish, rid=m.rid, history=m.describe_history())
+        finally:
+            self.stats.seconds["(differential oracle)"] += time.monotonic() - start
 
     def _poll(self, timeout: float) -> EngineCoreOutputs:
         batch = self.cut.get_output(timeout=timeout)
@@ -307,12 +372,17 @@ class CampaignMachine(RuleBasedStateMachine):
                 stop_index = expected.index(expected[stop_at])  # the first hit stops it
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
-        return (EngineCoreRequest(rid, prompt, sp, data_parallel_rank=rank), expected,
-                stop_index)
+        req = EngineCoreRequest(rid, prompt, sp, data_parallel_rank=rank)
+        # Every machine builds its requests here (a reused id only once its last one
+        # finished), so this is where the differential oracle learns what each id asked.
+        self._sent[rid] = req
+        return req, expected, stop_index
 
     def _send(self, req: EngineCoreRequest, expected: list[int] | None,
               stop_index: int | None) -> None:
         """Add ``req`` and tell the model."""
+        self._sent[req.request_id] = req
+        self._trace_baseline()
         self.cut.add_request(req)
         self.oracle.add(req.request_id, req.sampling_params.max_tokens, expected, stop_index)
 
@@ -437,6 +507,7 @@ class CampaignMachine(RuleBasedStateMachine):
                 # Ask for more than fits: the engine, not this harness, must clamp it.
                 req = msgspec.structs.replace(req, sampling_params=msgspec.structs.replace(
                     req.sampling_params, max_tokens=asked))
+                self._sent[rid] = req
                 self.cut.add_request(req)
                 self.oracle.add(rid, self.limits.cap(n, asked), expected, stop_index)
             else:
@@ -509,6 +580,56 @@ class CampaignMachine(RuleBasedStateMachine):
         for i, audit in enumerate(audits if isinstance(audits, list) else [audits]):
             self.oracle.check_audit(audit, engine=f"engine {i}" if isinstance(audits, list)
                                     else "the engine", memory=self._audit_memory)
+        self._check_engine_trace()
+
+    # -- the engine's side: its own trace, drained at the sync points ------------------------
+
+    def _trace_baseline(self) -> None:
+        """Before a new model's first step reaches the engine: drain what came before it
+        (judged against the spec, counted, never matched with this model's requests)."""
+        if self.live is not None and self.oracle is not self._trace_oracle:
+            self._check_engine_trace()
+
+    def _engine_views(self, n: int) -> list[tuple[int, Any]]:
+        """The label and client state of each engine whose drain came back (``n`` of them, in
+        the order the client answered): one engine here, its client's state."""
+        return [(0, self.cut.client.state)]
+
+    def _check_engine_trace(self) -> None:
+        """A sync point of the engine's side: ``drain_trace`` on every engine, judged by
+        ``Oracle.judge_engine_traces`` (the spec, each request's ending on both sides, the
+        sleep state on both sides, nothing live in the engine when nothing is on the client).
+        A subprocess engine's records count toward coverage here (an in-process engine's are
+        in the client's trace already). Off where the engines record no trace."""
+        baseline = self.oracle is not self._trace_oracle
+        self._trace_oracle = self.oracle
+        if self.stats.engine_untraced or not self.alive:
+            return
+        start = time.monotonic()
+        try:
+            replies = self.cut.call_utility("drain_trace")
+        except UtilityError as e:
+            if "records no trace" not in str(e) and "no such utility" not in str(e):
+                raise
+            self.stats.engine_untraced = True
+            _note(f"the engines keep no trace to drain ({e}): their side is not cross-checked")
+            return
+        replies = replies if isinstance(replies, list) else [replies]
+        views = self._engine_views(len(replies))
+        if len(views) != len(replies):
+            raise OracleViolation(f"drain_trace answered for {len(replies)} engines; the"
+                                  f" model has {len(views)} serving")
+        if baseline and self.oracle.requests:  # it reached the engine before this drain
+            self.oracle.engine_unjudged |= set(self.oracle.requests)
+        dropped = self.oracle.trace_incomplete
+        entries = self.oracle.judge_engine_traces(
+            [(label, reply, view) for (label, view), reply in zip(views, replies, strict=True)],
+            baseline=baseline)
+        self.stats.engine_drains += 1
+        self.stats.engine_records_dropped += self.oracle.trace_incomplete - dropped
+        if self.multiprocess:
+            self.stats.coverage.add(entries)
+        self.stats.seconds["(engine trace)"] += time.monotonic() - start
 
     @precondition(lambda self: self.live is not None)
     @rule()
@@ -593,6 +714,7 @@ class CampaignMachine(RuleBasedStateMachine):
                                       f" (asleep: {sorted(self.oracle.asleep_tags)})")
             self.oracle.wake(tags)
             self._check_woken(want)
+            self._check_engine_trace()  # the engine's state after the ack, as the client's
 
     def _check_woken(self, full: bool) -> None:
         """What ``wake_up`` judges once the model woke (``full``: all of it; nothing here)."""
@@ -604,6 +726,7 @@ class CampaignMachine(RuleBasedStateMachine):
             if self.oracle.resume_allowed():
                 self.cut._call("resume_scheduler")
                 self.oracle.resume()
+                self._check_engine_trace()
             else:
                 # Scheduling cannot resume while memory is released: the engine says so.
                 self._expect_raises(UtilityError, lambda: self.cut._call("resume_scheduler"),
@@ -667,6 +790,7 @@ class CampaignMachine(RuleBasedStateMachine):
         self._program.append("state.teardown()")
         try:
             self._teardown()
+            self._compare_finished()  # what the final drain finished
         except BaseException as e:
             self.stats.record_failure("teardown", e, self._program)
             raise
@@ -701,6 +825,7 @@ class CampaignMachine(RuleBasedStateMachine):
             unfinished = [r for r, m in self.oracle.requests.items() if not m.finished]
             if unfinished:
                 raise OracleViolation(f"requests never ended: {unfinished}")
+            self._check_engine_trace()  # quiescence: the engine must have nothing live either
             self._record_trace()
         except BaseException:
             with contextlib.suppress(Exception):

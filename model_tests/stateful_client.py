@@ -56,13 +56,14 @@ from ..spec.errors import (
     UtilityTimeoutError,
 )
 from . import conformance as cf
+from ._harness import wait_until
 from .bounds import (
     ABORT_GAP_S,
-    DEATH_BOUND_S,
     MAX_LIVE,
     MIN_JUDGED_LONG_TOKENS,
     MIN_MODEL_LEN,
     ORPHAN_MIN_LIFE,
+    RULE_DEATH_BOUND_S,
     TIMEOUT_CALL_S,
     TIMEOUT_REPLY_DELAY_S,
     WAIT_S,
@@ -97,6 +98,10 @@ class EngineClientStateMachine(CampaignMachine):
     """Random add/abort/utility/sleep/pause/crash/shutdown sequences, judged by the oracle."""
 
     live: _Live
+    # How long an engine's death may take to be seen. A launched engine's exit is seen at
+    # once (its process sentinel); StandaloneEngineStateMachine widens it by the heartbeat
+    # deadline, all that tells an attached client of a death.
+    death_bound_s = RULE_DEATH_BOUND_S
 
     def __init__(
         self,
@@ -192,12 +197,16 @@ class EngineClientStateMachine(CampaignMachine):
         else:
             self.cut.client.engine.fault_hook.arm(spec)
 
+    def _engine_pid(self) -> int | None:
+        """The pid of the engine process the fault rules kill or stop (None: in-process)."""
+        return self.cut.engine_pid
+
     def _await_death(self, futs: list[concurrent.futures.Future[Any]], start: float,
                      what: str) -> None:
         """Each of ``futs`` (blocked calls) must fail with EngineDeadError within the bound."""
         for fut in futs:
             try:
-                fut.result(timeout=DEATH_BOUND_S + 3)
+                fut.result(timeout=self.death_bound_s + 3)
             except EngineDeadError:
                 pass
             except concurrent.futures.TimeoutError:
@@ -205,26 +214,24 @@ class EngineClientStateMachine(CampaignMachine):
                     f"{what}: a blocked call was not woken by the engine's death") from None
             else:
                 raise OracleViolation(f"{what}: returned instead of raising EngineDeadError")
-        deadline = start + DEATH_BOUND_S
-        while not self.cut.client.is_dead:
-            if time.monotonic() > deadline:
-                raise OracleViolation(f"{what}: death not seen within {DEATH_BOUND_S} s")
-            time.sleep(0.002)
+        if not wait_until(lambda: self.cut.client.is_dead,
+                          start + self.death_bound_s - time.monotonic(), poll=0.002):
+            raise OracleViolation(f"{what}: death not seen within {self.death_bound_s} s")
         self.oracle.died()
 
     def _wait_pending(self, n: int, call: concurrent.futures.Future[Any] | None = None) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while self._pending_calls() != n:
-            if time.monotonic() > deadline or (n and call is not None and call.done()):
-                why = ""
-                if call is not None and call.done():  # it ended instead of staying pending
-                    err = call.exception()
-                    why = (f"; the call ended: {type(err).__name__}: {err}" if err is not None
-                           else f"; the call returned {call.result()!r}")
-                raise OracleViolation(
-                    f"{self._pending_calls()} utility calls pending, not {n} (client"
-                    f" {self.cut.client.state.name}){why}")
-            time.sleep(0.001)
+        if wait_until(lambda: self._pending_calls() == n
+                      or (n and call is not None and call.done()), WAIT_S, poll=0.001) and (
+                self._pending_calls() == n):
+            return
+        why = ""
+        if call is not None and call.done():  # it ended instead of staying pending
+            err = call.exception()
+            why = (f"; the call ended: {type(err).__name__}: {err}" if err is not None
+                   else f"; the call returned {call.result()!r}")
+        raise OracleViolation(
+            f"{self._pending_calls()} utility calls pending, not {n} (client"
+            f" {self.cut.client.state.name}){why}")
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -352,7 +359,11 @@ class EngineClientStateMachine(CampaignMachine):
     def _read_queued(self) -> None:
         # The reply means "idle": the outputs it waited for arrived before it, so they are
         # already queued. Read exactly those (reading on would let a late drain catch up).
-        qsize = getattr(getattr(self.cut.client, "_outputs", None), "qsize", None)
+        # In-process they are the batches stepped while the call drove the drain.
+        client = self.cut.client
+        qsize = getattr(getattr(client, "_outputs", None), "qsize", None)
+        if qsize is None:
+            qsize = getattr(client, "queued_outputs", None)
         queued = qsize() if qsize is not None else None
         with contextlib.suppress(EngineDeadError):
             if queued is None:  # a user's client: read what comes within a short window
@@ -361,21 +372,49 @@ class EngineClientStateMachine(CampaignMachine):
             for _ in range(queued or 0):
                 self._poll(WAIT_S)
 
-    @precondition(lambda self: self.alive and self.multiprocess and not self.oracle.paused)
+    @precondition(lambda self: self.alive and not self.oracle.paused)
     @rule(level=st.sampled_from([None, 0, 1, 2]))
     def wait_mode(self, level: int | None) -> None:
         """sleep(level, 'wait') (or pause(wait) when ``level`` is None) with requests running:
-        the reply means every one of them finished; then a full wake-up."""
+        the reply means every one of them finished, and each output arrives once; then a
+        full wake-up. In-process see ``_wait_in_process``."""
         with self._rule("wait_mode", locals()):
             self._work_in_flight("wait")
-            if level is None:
+            if not self.multiprocess:
+                self._wait_in_process(level)
+            elif level is None:
                 self.cut._call("pause_scheduler", "wait")
             else:
                 self.cut.sleep(level, "wait")
             self._after_pause("wait", level)
+            if not self.multiprocess:
+                # Every batch of the drain was read: a paused engine's next step has nothing.
+                extra = self._poll(0).outputs
+                if extra:
+                    raise OracleViolation(
+                        f"a step after the in-process {'pause' if level is None else 'sleep'}"
+                        f"(wait) returned {[o.request_id for o in extra]}: the drain's"
+                        " outputs did not all come with it")
+            if self.alive:
+                self._audit()  # the deferred reply is gone from the engine's books
             if self.cut.wake_up(None) is not True:
                 raise OracleViolation("wake_up(None) after a wait-mode sleep was not full")
             self.oracle.wake(None)
+
+    def _wait_in_process(self, level: int | None) -> None:
+        """``wait_mode`` on the in-process client, whose typed ``sleep`` and
+        ``pause_scheduler`` refuse wait mode (nothing would step the engine while they
+        wait). The raw utility is served: the engine's deferred reply (a Future) resolves in
+        the step that drains its last request, and the client steps the engine inside the
+        call until then, keeping each step's batch for later reads
+        (``InprocClient._drive_deferred``). Outputs are in flight around it: the requests
+        have streamed a step, read here, and the rest of the drain, the resolving step's
+        outputs included, waits to be read after the reply (``_read_queued``)."""
+        self._poll(0)
+        if level is None:
+            self.cut.call_utility("pause_scheduler", "wait")
+        else:
+            self.cut.call_utility("sleep", level, "wait")
 
     # -- the in-process EngineCore, past its client ---------------------------------------
     # The in-process client refuses what would block its only thread (wait mode) and what the
@@ -575,33 +614,47 @@ class EngineClientStateMachine(CampaignMachine):
         """The engine dies. With ``observers``, a get_output is blocked and (for SIGKILL) a
         utility call is pending when it does: both must fail with EngineDeadError at once."""
         with self._rule("crash", locals()):
-            if not self.multiprocess:
-                how = "step_raise"  # no process to kill in-process
-            elif how.startswith("step") and self.oracle.paused:
-                how = "sigkill"  # a paused subprocess engine does not step
-            self.stats.faults[how] += 1
-            blocked: list[concurrent.futures.Future[Any]] = []
-            observers = observers or how == "sigkill"  # a SIGKILL always has witnesses
-            if observers and self.multiprocess:
-                self._quiesce()  # no output may satisfy the blocked read
-                blocked.append(self.cut.submit("get_output"))
-                # The read is waiting once a round trip issued after it has completed.
-                self.cut.call_utility("echo", 0)
-            if how.startswith("step"):
-                self._crash_in_step(how, blocked)
-                return
-            pid = self.cut.engine_pid
-            assert pid is not None
-            if observers:
-                cf.stop_process(pid)  # the call below stays pending
-                try:
-                    blocked.append(self.cut.submit("call_utility", "echo", "pending"))
-                    self._wait_pending(1, blocked[-1])
-                except BaseException:
-                    os.kill(pid, signal.SIGKILL)
-                    raise
+            self._crash(how, observers)
+
+    def _crash(self, how: str, observers: bool) -> str:
+        """``crash``'s body (the standalone machine's too); returns how the engine died, a
+        step fault having become a SIGKILL on a paused engine. ``how`` may also be
+        ``sigstop``: the engine is stopped and left so, alive but silent, a hang that only a
+        heartbeat deadline reveals (whoever stopped it kills it afterwards)."""
+        if not self.multiprocess:
+            how = "step_raise"  # no process to kill in-process
+        elif how.startswith("step") and self.oracle.paused:
+            how = "sigkill"  # a paused subprocess engine does not step
+        self.stats.faults[how] += 1
+        blocked: list[concurrent.futures.Future[Any]] = []
+        # A SIGKILL and a SIGSTOP always have witnesses.
+        observers = observers or how in ("sigkill", "sigstop")
+        if observers and self.multiprocess:
+            self._quiesce()  # no output may satisfy the blocked read
+            blocked.append(self.cut.submit("get_output"))
+            # The read is waiting once a round trip issued after it has completed.
+            self.cut.call_utility("echo", 0)
+        if how.startswith("step"):
+            self._crash_in_step(how, blocked)
+            return how
+        pid = self._engine_pid()
+        assert pid is not None
+        start = time.monotonic()
+        if observers:
+            cf.stop_process(pid)  # the call below stays pending
+            # The engine's last message came before this: a heartbeat deadline runs from here.
+            start = time.monotonic()
+            try:
+                blocked.append(self.cut.submit("call_utility", "echo", "pending"))
+                self._wait_pending(1, blocked[-1])
+            except BaseException:
+                os.kill(pid, signal.SIGKILL)
+                raise
+        if how == "sigkill":
             os.kill(pid, signal.SIGKILL)
-            self._await_death(blocked, time.monotonic(), how)
+            start = time.monotonic()
+        self._await_death(blocked, start, how)
+        return how
 
     def _crash_in_step(self, how: str, blocked: list[concurrent.futures.Future[Any]]) -> None:
         action = "raise" if how == "step_raise" else "exit"
@@ -623,7 +676,7 @@ class EngineClientStateMachine(CampaignMachine):
             if not self.multiprocess:
                 raise
 
-        deadline = start + DEATH_BOUND_S + 3
+        deadline = start + self.death_bound_s + 3
         while True:
             try:
                 self._poll(0.2)
@@ -716,6 +769,10 @@ class EngineClientStateMachine(CampaignMachine):
             self._cached.clear()
             self._prompt_lens.clear()
             self._life = 0
+            self._check_restarted()
+
+    def _check_restarted(self) -> None:
+        """What ``restart`` judges of the new client (nothing here)."""
 
     # -- invariants and teardown ------------------------------------------------------------
 

@@ -57,7 +57,8 @@ from ..spec.client import ClientState
 from ..spec.errors import EngineDeadError, UtilityError
 from ..spec.membership import MembershipState
 from . import conformance as cf
-from .bounds import DEATH_BOUND_S, MAX_LIVE, WAIT_S, RuleLimits, check_shutdown_took
+from ._harness import wait_until
+from .bounds import MAX_LIVE, RULE_DEATH_BOUND_S, WAIT_S, RuleLimits, check_shutdown_took
 from .oracle import DPOracle, OracleViolation, Phase, ResourceSnapshot, check_reaped, check_released
 from .pools import ensure_resource_tracker
 from .stateful_base import _ADD_DRAWS, CampaignMachine, CampaignStats
@@ -213,12 +214,10 @@ class DataParallelStateMachine(CampaignMachine):
         return {i: s.name for i, s in self.cut.client.engines.items()}
 
     def _wait_pending(self, n: int, call: concurrent.futures.Future[Any]) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while self._pending_calls() < n:
-            if time.monotonic() > deadline or call.done():
-                raise OracleViolation(f"{self._pending_calls()} utility calls pending, not {n}"
-                                      f" (the call done: {call.done()})")
-            time.sleep(0.001)
+        if not wait_until(lambda: self._pending_calls() >= n or call.done(), WAIT_S,
+                          poll=0.001) or self._pending_calls() < n:
+            raise OracleViolation(f"{self._pending_calls()} utility calls pending, not {n}"
+                                  f" (the call done: {call.done()})")
 
     def _send(self, req: EngineCoreRequest, expected: list[int] | None,
               stop_index: int | None, *, avoid: set[int] | None = None) -> None:
@@ -275,6 +274,12 @@ class DataParallelStateMachine(CampaignMachine):
             self._send(req, expected, stop_index)
 
     _audit_memory = False
+
+    def _engine_views(self, n: int) -> list[tuple[int, Any]]:
+        # drain_trace answers per serving engine, in index order; each engine's sleep state
+        # is its own client's (a replacement comes up awake while the others may sleep).
+        members = [(i, self.cut.client.engine_client(i)) for i in self.oracle.serving()]
+        return [(i, None if m is None else m.state) for i, m in members]
 
     def _check_drained(self) -> None:
         super()._check_drained()
@@ -370,7 +375,7 @@ class DataParallelStateMachine(CampaignMachine):
                 os.kill(old, signal.SIGKILL)
             # A stopped engine is left stopped: its client's teardown resumes and ends it.
             start = time.monotonic()
-            bound = DEATH_BOUND_S + 3 + (STOP_HEARTBEAT_TIMEOUT_S if how == "sigstop" else 0)
+            bound = RULE_DEATH_BOUND_S + 3 + (STOP_HEARTBEAT_TIMEOUT_S if how == "sigstop" else 0)
             # Told at once: outputs read from here on may show the death.
             self.oracle.engine_died(k, restarted=self.restarts)
             assert self.live is not None

@@ -1,8 +1,9 @@
 """The standalone-engine world: ``StandaloneEngine``, an engine started on its own (what
-``enginewire engine`` runs); ``AttachPool``, whose clients attach to it; and
-``StandaloneEngineStateMachine``, which runs ``EngineClientStateMachine``'s rules on those
-front ends and adds the handover: the front end goes, cleanly or without a word, and a new one
-attaches and carries on under a fresh oracle.
+``enginewire engine`` runs); ``AttachPool``, whose clients attach to it and which replaces it
+when a fault rule killed it; and ``StandaloneEngineStateMachine``, which runs
+``EngineClientStateMachine``'s rules on those front ends, its engine faults included, and adds
+the handover: the front end goes, cleanly or without a word, after a fault the engine survived
+or not, and a new one attaches and carries on under a fresh oracle.
 """
 
 from __future__ import annotations
@@ -18,24 +19,37 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from ..protocol.messages import EngineCoreOutputs, FinishReason
+from ..runtime.faults import INJECTED_EXIT_CODE
 from ..runtime.ipc import OWNER_FILE, owned_tempdir
 from ..spec.engine import EngineState
-from ..spec.errors import ClientClosedError
+from ..spec.errors import ClientClosedError, EngineDeadError
 from . import conformance as cf
-from .bounds import LONG_MAX_TOKENS, MAX_LIVE, SHUTDOWN_BOUND_S, WAIT_S
+from .bounds import LONG_MAX_TOKENS, MAX_LIVE, RULE_DEATH_BOUND_S, SHUTDOWN_BOUND_S, WAIT_S
 from .oracle import Oracle, OracleViolation, ResourceSnapshot, check_released
 from .pools import ClientPool, _Live, close_and_check, ensure_resource_tracker
-from .stateful_base import CampaignStats
-from .stateful_client import EngineClientStateMachine
+from .stateful_base import CampaignStats, _note
+from .stateful_client import _MALFORMED, EngineClientStateMachine
 
 __all__ = ["AttachPool", "StandaloneEngine", "StandaloneEngineStateMachine"]
 
 # --- an engine started on its own, front end after front end --------------------------------
 
-# The attached clients' heartbeat deadline, and the engine's beat (as tests/runtime/
-# test_reattach.py): only the heartbeat reports the death of an engine the client did not start.
-ATTACHED_HEARTBEAT_TIMEOUT_S = 5.0
+# The attached clients' heartbeat deadline, and the engine's beat: only the heartbeat reports
+# the death of an engine the client did not start, so every SIGKILL, SIGSTOP and injected exit
+# of the fault rules costs this deadline. Ten beats: 5 s (tests/runtime/test_reattach.py's)
+# made a death cost ten examples' worth of steps; at 1 s a 4-minute 20 x 100 run on the
+# loaded 2-core machine (13 332 steps, 53 deaths) saw no false one.
+ATTACHED_HEARTBEAT_TIMEOUT_S = 1.0
 STANDALONE_HEARTBEAT_S = 0.1
+# Engine deaths per example: each costs the heartbeat deadline, a reap and a new engine's
+# start and attach (about 0.5 s).
+MAX_DEATHS = 1
+# How each way to die leaves the engine process: a SIGSTOPped engine is SIGKILLed when reaped,
+# a raise in a step is the engine's fatal-error exit (1), an injected exit is os._exit(17).
+_EXIT_CODES = {"sigkill": -signal.SIGKILL, "sigstop": -signal.SIGKILL, "step_raise": 1,
+               "step_exit": INJECTED_EXIT_CODE}
+# handover_after_fault: the delay of a delayed step or utility reply as the front end goes.
+FAULT_DELAY_S = 0.05
 # handover's left-behind requests and its probes after the attach: seeds that differ, so an
 # old output taken for a probe that reuses its id shows as a wrong token (null model).
 LEFT_SEED = 21
@@ -69,7 +83,8 @@ class StandaloneEngine:
     attach to it one after another at the same ipc addresses, and it outlives each of them.
 
     ``close`` stops it (SIGTERM) and checks that it exited cleanly and that nothing it or its
-    front ends held is left: its process, the socket files, this process's threads and fds."""
+    front ends held is left: its process, the socket files, this process's threads and fds.
+    ``reap`` does the same for an engine a fault rule killed or stopped."""
 
     def __init__(self, config: Any, *, faults: bool = True) -> None:
         import multiprocessing
@@ -81,6 +96,7 @@ class StandaloneEngine:
 
         ensure_resource_tracker()
         self.config = config
+        self.faults = faults
         self.before = ResourceSnapshot.take()
         # Owned by this process: a campaign killed outright leaves it, and the next standalone
         # engine to start removes it.
@@ -116,8 +132,6 @@ class StandaloneEngine:
 
     def close(self, *, check: bool = True) -> None:
         """Stop the engine; with ``check``, OracleViolation if anything was left behind."""
-        import shutil
-
         if self._closed:
             return
         self._closed = True
@@ -135,8 +149,38 @@ class StandaloneEngine:
                 proc.join(WAIT_S)
             elif proc.exitcode != 0:
                 problems.append(f"the standalone engine exited with {proc.exitcode} on SIGTERM")
+        self._release(problems, check)
+
+    def reap(self, how: str | None, *, check: bool = True) -> None:
+        """Reap the engine a fault rule killed ``how`` (``_EXIT_CODES``), or stopped and left
+        so: SIGKILL if it still runs, then, with ``check``, OracleViolation if it exited
+        otherwise than ``how`` says or left anything behind. ``how`` None: the rule that
+        meant to kill it did not finish (its failure is reported): reaped, not judged."""
+        if self._closed:
+            return
+        self._closed = True
+        problems = []
+        proc = self.proc
+        if how not in (None, "sigkill", "sigstop"):
+            # An engine that dies by itself exits once its fatal error is logged and sent.
+            proc.join(SHUTDOWN_BOUND_S)
+            if proc.is_alive():
+                problems.append(f"the standalone engine was still running {SHUTDOWN_BOUND_S} s"
+                                f" after its death ({how}) was seen")
+        if proc.is_alive():
+            proc.kill()  # a stopped process takes a SIGKILL too
+        proc.join(WAIT_S)
+        if how is not None and proc.exitcode != _EXIT_CODES[how]:
+            problems.append(f"the standalone engine killed by {how} exited with"
+                            f" {proc.exitcode}, not {_EXIT_CODES[how]}")
+        self._release(problems, check and how is not None)
+
+    def _release(self, problems: list[str], check: bool) -> None:
+        """The engine process is gone: release its handle and directory, and judge."""
+        import shutil
+
         with contextlib.suppress(ValueError):  # still running after a SIGKILL: keep its fd
-            proc.close()  # its sentinel fd
+            self.proc.close()  # its sentinel fd
         # Every front end removes the socket files it bound (the engine binds none).
         left = sorted(set(os.listdir(self.dir)) - {OWNER_FILE})
         if left:
@@ -151,22 +195,51 @@ class StandaloneEngine:
 class AttachPool(ClientPool):
     """A ``ClientPool`` over a ``StandaloneEngine``: a new client attaches to it rather than
     starting an engine. Every example starts on a client of ``kind``: its rules depend on
-    the kind, so an idle client of another kind (left by a handover) is shut down first."""
+    the kind, so an idle client of another kind (left by a handover) is shut down first.
+
+    An engine a fault rule kills (``condemn``, then ``died``) is replaced at the next
+    ``acquire``, once its last front end is gone: reaped and judged (``StandaloneEngine.reap``),
+    and a new one started at fresh addresses, so the next front end and example carry on."""
 
     def __init__(self, engine: StandaloneEngine, stats: CampaignStats, kind: str = "sync"
                  ) -> None:
-        super().__init__(lambda: engine.attach(kind), stats)
+        super().__init__(lambda: self.engine.attach(kind), stats)
         self.engine = engine
         self.kind = kind
+        # Set once a fault rule is about to kill the engine; then how it died, once seen.
+        self._condemned = False
+        self._died: str | None = None
+
+    def condemn(self) -> None:
+        """The engine is about to be killed: replace it at the next ``acquire`` whatever
+        happens (a rule that fails halfway leaves it stopped or dying)."""
+        self._condemned = True
+
+    def died(self, how: str) -> None:
+        """The engine's death (``how``) was seen: its exit is judged when it is reaped."""
+        self._died = how
 
     def acquire(self) -> _Live:
         idle = self._idle
-        if idle is not None and idle.cut.kind != self.kind:
+        if idle is not None and (self._condemned or idle.cut.kind != self.kind):
             self._idle = None
-            close_and_check(idle)
+            close_and_check(idle, check=not self._condemned)
+        if self._condemned:
+            self._replace_engine()
         if self._idle is not None:
             return super().acquire()
         return self.attach(self.kind)
+
+    def _replace_engine(self) -> None:
+        old, how = self.engine, self._died
+        self._condemned, self._died = False, None
+        try:
+            old.reap(how)
+        finally:  # a dead engine judged wrong is still replaced: the campaign goes on to report
+            start = time.monotonic()
+            self.engine = StandaloneEngine(old.config, faults=old.faults)
+            self.stats.engines_started += 1
+            self.stats.seconds["(engine start)"] += time.monotonic() - start
 
     def attach(self, kind: str) -> _Live:
         before = ResourceSnapshot.take()
@@ -179,7 +252,10 @@ class AttachPool(ClientPool):
         try:
             super().close()
         finally:
-            self.engine.close()
+            if self._condemned:
+                self.engine.reap(self._died)
+            else:
+                self.engine.close()
 
 
 class StandaloneEngineStateMachine(EngineClientStateMachine):
@@ -192,8 +268,17 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
     the old client releases its threads and fds; the new client finds the engine awake and
     idle (no live request, every KV block free); no output of an old request reaches it, even
     for an id it reuses at once (its probes reuse the old live ids, with another seed, so an
-    old output shows as a wrong token). ``crash``, ``shutdown`` and ``restart`` are not rules
-    here: the engine is shared by every example, and only its heartbeat would report it dead."""
+    old output shows as a wrong token).
+
+    The launched machine's engine faults run here too, judged alike: ``crash`` (a SIGKILL,
+    a SIGSTOP left so, a raise or an exit in a step) must be seen by the attached client
+    within its heartbeat deadline, every blocked call failing with EngineDeadError; then
+    ``restart`` gets a new front end on a new engine (the pool reaps and judges the dead one).
+    ``malformed_frame`` and the delayed utilities the engine survives, and
+    ``handover_after_fault`` hands it over in the middle of one. ``shutdown`` is not a rule:
+    a front end that goes is the handovers' case."""
+
+    death_bound_s = ATTACHED_HEARTBEAT_TIMEOUT_S + RULE_DEATH_BOUND_S
 
     def __init__(self, pool: AttachPool, **kwargs: Any) -> None:
         super().__init__(pool.factory, kind=pool.kind, pool=pool, orphan_config=None,
@@ -201,16 +286,32 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         self.attach_pool = pool
         # Every id a previous front end of this example used: none may reach the current one.
         self._foreign: set[str] = set()
+        self._deaths = 0  # engines this example killed (MAX_DEATHS)
 
-    # Not rules on a shared standalone engine (see the class docstring); same signatures.
-    def crash(self, how: str, observers: bool) -> None:
-        raise NotImplementedError("crash kills the standalone engine every example shares")
+    def _engine_pid(self) -> int | None:
+        return self.attach_pool.engine.pid
 
+    # Not a rule here (see the class docstring); same signature.
     def shutdown(self, with_pending: bool) -> None:
         raise NotImplementedError("a front end that goes is handover's case here")
 
-    def restart(self) -> None:
-        raise NotImplementedError("a front end that goes is handover's case here")
+    @precondition(lambda self: self.alive and self.faults and self._deaths < MAX_DEATHS
+                  and self._life >= self.min_life)
+    @rule(how=st.sampled_from(["sigkill", "sigstop", "step_raise", "step_exit"]),
+          observers=st.booleans())
+    def crash(self, how: str, observers: bool) -> None:
+        """The engine dies, or hangs (SIGSTOP), under its attached front end: judged as the
+        launched machine's ``crash``, within the heartbeat deadline. The pool replaces it."""
+        with self._rule("crash", locals()):
+            self._deaths += 1
+            self.attach_pool.condemn()
+            self.attach_pool.died(self._crash(how, observers))
+
+    def _check_restarted(self) -> None:
+        """``restart`` after the engine's death: the dead front end went (released, judged),
+        the pool reaped the engine and started another; the new front end finds it fresh."""
+        self.kind = self.cut.kind  # the pool's kind, which a handover may have changed
+        self._check_fresh_engine()
 
     def _observe(self, batch: EngineCoreOutputs) -> None:
         for out in batch.outputs:
@@ -245,13 +346,27 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         with self._rule("handover_mid_stream", locals()):
             self._handover("vanish", left, "running", next_kind, alone=True)
 
+    @precondition(lambda self: self.alive and self.faults and not self.oracle.paused)
+    @rule(fault=st.sampled_from(["malformed_frame", "step_delay", "utility_delay", "sigstop"]),
+          how=st.sampled_from(["shutdown", "vanish"]), next_kind=st.sampled_from(ATTACH_KINDS))
+    def handover_after_fault(self, fault: str, how: str, next_kind: str) -> None:
+        """A fault the engine survives strikes as its front end goes, one request left
+        running, and the next front end must still find the engine fresh: garbage frames in
+        flight, a step delayed, a utility reply delayed (the call pending as the front end
+        goes), or the engine stopped (SIGSTOP) with a call held pending until the front end
+        went, then resumed, as the launched machine's ``shutdown`` stops its engine. Not
+        paused: a delayed step needs one to run. See ``_handover``."""
+        with self._rule("handover_after_fault", locals()):
+            self._handover(how, 1, "running", next_kind, fault=fault)
+
     def _handover(self, how: str, left: int, then: str, next_kind: str, *,
-                  alone: bool = False) -> None:
+                  alone: bool = False, fault: str | None = None) -> None:
         """The front end goes, ``how``: shut down (it aborts what it leaves) or vanished (no
         abort). It leaves ``left`` long requests behind, with the engine ``then`` running
         them, asleep (level 1, keep), paused (keep), or with a read blocked and a sleep(wait)
-        deferred. With ``alone`` the engine runs without a front end for ``ALONE_S`` first. A
-        ``next_kind`` client attaches and the program goes on with it."""
+        deferred; a ``fault`` strikes just before it goes (``_strike``). With ``alone`` the
+        engine runs without a front end for ``ALONE_S`` first. A ``next_kind`` client attaches
+        and the program goes on with it."""
         left_ids = self._leave_behind(left)
         waiters: list[concurrent.futures.Future[Any]] = []
         if then == "asleep":
@@ -264,7 +379,15 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
             waiters.append(self.cut.submit("get_output"))
             if not self.oracle.paused:  # paused, the engine replies at once
                 waiters.append(self.cut.submit("sleep", 1, "wait"))
-        self._go(how, waiters)
+            self._until_blocked(waiters)
+        stopped = None if fault is None else self._strike(fault, waiters)
+        try:
+            self._go(how, waiters)
+        finally:
+            if stopped is not None:
+                os.kill(stopped[0], signal.SIGCONT)
+        if stopped is not None:
+            self._judge_held(*stopped[1:])
         if alone:
             # The engine steps alone meanwhile, and what it sends for the old session waits
             # in its pipe for the next front end to connect, which must drop all of it.
@@ -295,18 +418,70 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
             ids.append(rid)
         return ids
 
+    def _until_blocked(self, waiters: list[concurrent.futures.Future[Any]]) -> None:
+        """Until the read of ``waiters`` waits (a round trip issued after it has completed)
+        and its deferred call is registered (or already ended: nothing to drain)."""
+        self.cut.call_utility("echo", 0)
+        deadline = time.monotonic() + WAIT_S
+        while len(waiters) > 1 and not waiters[1].done() and not self._pending_calls():
+            if time.monotonic() > deadline:
+                raise OracleViolation("sleep(wait) was neither pending nor done")
+            time.sleep(0.001)
+
+    def _strike(self, fault: str, waiters: list[concurrent.futures.Future[Any]]
+                ) -> tuple[int, float, concurrent.futures.Future[Any]] | None:
+        """``handover_after_fault``'s fault, as the front end is about to go. A delayed
+        reply's call joins ``waiters``. For a SIGSTOP: the stopped pid (resumed once the
+        front end went), when it stopped, and the call it holds pending (``_judge_held``)."""
+        self.stats.faults[fault] += 1
+        if fault == "malformed_frame":
+            for frames in _MALFORMED:
+                self.cut.client.send_raw_frames(list(frames))
+        elif fault == "step_delay":  # the step the request left running takes next
+            self._arm(f"step:1:delay:{FAULT_DELAY_S}")
+        elif fault == "utility_delay":
+            self._arm(f"utility:echo:1:delay:{FAULT_DELAY_S}")
+            waiters.append(self.cut.submit("call_utility", "echo", "late"))
+        else:
+            pid = self._engine_pid()
+            assert pid is not None
+            cf.stop_process(pid)
+            stopped = time.monotonic()
+            held = self.cut.submit("call_utility", "echo", "held")
+            try:
+                self._wait_pending(1, held)
+            except BaseException:
+                os.kill(pid, signal.SIGCONT)
+                raise
+            return pid, stopped, held
+        return None
+
+    def _judge_held(self, stopped: float, held: concurrent.futures.Future[Any]) -> None:
+        """The call a SIGSTOPped engine held as its front end went ends ClientClosedError;
+        EngineDeadError only if the stop outlasted the heartbeat deadline before the front end
+        was gone (a loaded machine), which then was a death the client had to report."""
+        try:
+            held.result(timeout=WAIT_S)
+        except ClientClosedError:
+            return
+        except EngineDeadError:
+            window = time.monotonic() - stopped
+            if window < ATTACHED_HEARTBEAT_TIMEOUT_S:
+                raise OracleViolation(
+                    f"a call held by a SIGSTOPped engine raised EngineDeadError as its front"
+                    f" end went, {window:.2f} s after the stop (heartbeat deadline"
+                    f" {ATTACHED_HEARTBEAT_TIMEOUT_S} s)") from None
+            _note(f"handover_after_fault: the stop lasted {window:.2f} s, past the heartbeat"
+                  " deadline: the front end saw the engine die first")
+        except concurrent.futures.TimeoutError:
+            raise OracleViolation("a call held by a SIGSTOPped engine was never woken as its"
+                                  " front end went") from None
+        else:
+            raise OracleViolation("a call held by a SIGSTOPped engine returned a value")
+
     def _go(self, how: str, waiters: list[concurrent.futures.Future[Any]]) -> None:
         """The current front end goes; its waiters end and it releases what it held."""
         live, client = self.live, self.cut.client
-        if waiters:
-            # The read is waiting once a round trip issued after it has completed; the
-            # deferred call once it is registered (or it already ended: nothing to drain).
-            self.cut.call_utility("echo", 0)
-            deadline = time.monotonic() + WAIT_S
-            while len(waiters) > 1 and not waiters[1].done() and not self._pending_calls():
-                if time.monotonic() > deadline:
-                    raise OracleViolation("sleep(wait) was neither pending nor done")
-                time.sleep(0.001)
         if how == "shutdown":  # it aborts what it leaves: a read may see those ABORTs
             self.oracle.abort(self.oracle.live_ids())
         else:

@@ -111,6 +111,11 @@ UTILITIES: tuple[Utility, ...] = (
             "Read-only: the engine's resource accounting recounted (KV blocks, queues, pending"
             " outputs and replies, memory asleep), for a campaign's quiescence check.",
             every_engine="each"),
+    Utility("drain_trace", (), "Any",
+            "Trace mode only: the engine's lifecycle records (engine, engine_request, session)"
+            " since the last call, in its order, as columns, with how many were dropped past"
+            " its bound and its state now; a UtilityError when the engine records no trace.",
+            example=None, every_engine="each"),
     Utility("pause_scheduler", (Param("mode", "str", '"abort"'),), "None",
             "Stop scheduling; ``mode`` says what happens to requests in flight.",
             wire="mode", convert="None", power=SLEPT, example=("abort",),

@@ -364,6 +364,8 @@ def _watch_engine(
 ) -> BaseException | None:
     """Block until the engine exits or goes silent or its attach marker is overdue (the
     cause), or the client stops or nothing is left to watch (None)."""
+    if proc is None and _mutants.active("attached_client_ignores_heartbeat_loss"):
+        heartbeat_timeout_s = None
     waitables: list[Any] = [stop_fd]
     if proc is not None:
         waitables.append(proc.sentinel)

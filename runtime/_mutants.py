@@ -29,6 +29,9 @@ class Mutant:
     name: str
     bug: str
     clients: tuple[str, ...]  # the client kinds on which the bug can show
+    # The model its campaign runs: "null" unless the bug changes only what a real model
+    # computes (the null model's tokens ignore the KV cache).
+    model: str = "null"
 
 
 _MP = ("sync", "async")
@@ -67,6 +70,12 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("add_after_death_dropped",
            "an ADD on a client whose engine died is dropped silently instead of raising"
            " EngineDeadError (the caller waits for outputs that never come)", _MP),
+    # The books balance (each holder counts its reference) and the null model never reads
+    # the KV cache: only a real model's tokens, compared with a lone run, show it.
+    Mutant("kv_block_shared_while_live",
+           "a request's new KV block is one another live request still holds (taken as a"
+           " shared prefix block), so both write their K/V into it", ("inproc", *_MP),
+           model="tiny"),
     # The attach/handover path: only a standalone engine outlives a front end, so only the
     # standalone campaign (front ends taking turns on one engine) can show these.
     Mutant("attach_marker_session_not_checked",
@@ -77,6 +86,22 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("session_leaves_engine_asleep",
            "a new front end's session leaves the engine asleep or paused, as the previous one"
            " left it", _LONE),
+    # Only an engine the client did not launch is watched by its heartbeat alone (a launched
+    # one's exit shows on its process sentinel): the standalone campaign's kills find it.
+    Mutant("attached_client_ignores_heartbeat_loss",
+           "a client attached to an engine it did not launch never declares it dead when its"
+           " heartbeat stops, so a SIGSTOPped or killed engine leaves every call blocked",
+           _LONE),
+    Mutant("inproc_wait_drops_outputs_of_deferring_step",
+           "the in-process client, stepping the engine through a sleep/pause(wait), loses the"
+           " outputs of the step that completes the wait (the drained requests' last tokens)",
+           ("inproc",)),
+    # Outputs and resources are as they should be: only the engine's own trace, drained and
+    # cross-checked with the client's (model_tests/oracle.py, EngineTraceCheck), shows it.
+    Mutant("abort_recorded_as_error",
+           "the engine answers an abort with an ABORT output, but its own lifecycle ends the"
+           " request FINISHED_ERROR (its books, logs and metrics disagree with what it sent)",
+           ("inproc", *_MP)),
 )}
 
 

@@ -562,6 +562,8 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 raise _TimedOut(UtilityTimeoutError(method, timeout))
             if engine.has_unfinished_requests() or engine.has_pending_outputs():
                 outputs = self._step()
+                if fut.done() and _mutants.active("inproc_wait_drops_outputs_of_deferring_step"):
+                    continue
                 if outputs.outputs or outputs.finished_requests:
                     self._buffered.append(outputs)
             else:

@@ -11,6 +11,10 @@ messages arrive and ``step()`` while ``has_unfinished_requests() or has_pending_
 Outputs that do not come from the model (ABORT and ERROR finishes) are queued and handed out
 by the next ``step()``, so every output leaves through one place, in order.
 
+Trace mode (a ``trace`` list given): every lifecycle records through one bounded
+``EngineTrace`` (runtime/_engine_trace.py), which the ``drain_trace`` utility empties for the
+front end; the given list still gets every entry.
+
 Pause and sleep. ``pause_scheduler(mode)`` stops scheduling: ``abort`` finishes every live
 request with ABORT; ``keep`` parks them (their KV stays, unless a sleep then releases it, in
 which case they are preempted and recompute after wake); ``wait`` lets the requests live at
@@ -26,6 +30,7 @@ and calls, and wakes or resumes the engine.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import os
@@ -65,6 +70,7 @@ from ..spec.errors import ClientClosedError, EngineDeadError, UtilityError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
 from . import _mutants
+from ._engine_trace import EngineTrace
 from .config import EngineConfig
 from .executor import MEMORY_TAGS, UniProcExecutor
 from .fault_points import FaultPoint
@@ -79,6 +85,8 @@ S, E = EngineState, EngineEvent
 WAKE_TAGS = (*MEMORY_TAGS, "scheduling")
 # The most outputs one EngineCoreOutputs may carry: what every client's decoder accepts.
 _MAX_BATCH = DEFAULT_LIMITS.max_batch
+# Names each engine core of this process in its drained traces (an id() could be reused).
+_ENGINE_SERIAL = itertools.count(1)
 
 
 def _describe_tensor(value: object) -> str:
@@ -121,11 +129,18 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.trace = trace
+        # What drain_trace hands out: the lifecycles record through it (a caller's own list
+        # still gets every entry). None: this engine records no trace.
+        self.engine_trace: EngineTrace | None = (
+            None if trace is None else trace if isinstance(trace, EngineTrace)
+            else EngineTrace(sink=trace))
+        self._trace_source = f"{os.getpid()}.{next(_ENGINE_SERIAL)}"
         # Plain decode outputs as the wire's columns (EngineCoreOutputs.stream_ids/_tokens)
         # instead of one struct each: the process wrapper asks for it, in-process callers
         # keep reading ``outputs``.
         self.stream_outputs = stream_outputs
-        self.lifecycle: Lifecycle[EngineState, EngineEvent] = ENGINE.lifecycle(trace=trace)
+        self.lifecycle: Lifecycle[EngineState, EngineEvent] = ENGINE.lifecycle(
+            trace=self.engine_trace)
         # The fault harness's hook (runtime/faults.py), called with a FaultPoint (and, at
         # UTILITY, the method); None: no plan.
         self.fault_hook: Callable[..., None] | None = None
@@ -274,7 +289,8 @@ class EngineCore:
         self._seq = seq + 1
         default_seed = (self.config.seed * 1_000_003 + seq) & 0x7FFF_FFFF
         self.scheduler.add(Request(req, seq, self.arch.eos_token_id, default_seed,
-                                   self.config.max_model_len, self.trace))
+                                   self.config.max_model_len,
+                                   self._request_trace(req.request_id)))
         if self.lifecycle.state in ACCEPTS_WORK:
             self.lifecycle.fire(E.WORK_ARRIVED)
 
@@ -288,21 +304,36 @@ class EngineCore:
             logger.warning("dropped a malformed ADD that reuses the id of live request %.80r"
                            " (the live request is left alone): %.200s", request_id, error)
             return False
-        lc = ENGINE_REQUEST.lifecycle(trace=self.trace)
+        lc = ENGINE_REQUEST.lifecycle(trace=self._request_trace(request_id))
         lc.fire(EngineRequestEvent.REJECT)
         self._pending.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, None, 0, error))
         return True
+
+    def _request_trace(self, request_id: str) -> list[TraceEntry] | None:
+        trace = self.engine_trace
+        return None if trace is None else trace.for_request(request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End each live request with an ABORT output; unknown or finished ids are no-ops."""
         if isinstance(request_ids, str):  # a bare id would iterate per character
             request_ids = (request_ids,)
-        outs = self.scheduler.abort(request_ids)
+        if _mutants.active("abort_recorded_as_error"):
+            outs = self._abort_booked_as_error(request_ids)
+        else:
+            outs = self.scheduler.abort(request_ids)
         if outs and _mutants.active("abort_not_acknowledged"):
             outs = []
         if outs:
             self._pending.extend(outs)
             self._settle()
+
+    def _abort_booked_as_error(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """The seeded bug ``abort_recorded_as_error``: ABORT outputs, ERROR in the books."""
+        sched = self.scheduler
+        outs = [sched.finish(req, EngineRequestEvent.ERROR, FinishReason.ABORT)
+                for rid in request_ids if (req := sched.requests.get(rid)) is not None]
+        sched.running = [r for r in sched.running if not r.finished]
+        return outs
 
     def _abort_mid_step(
         self, reqs: list[Request], nums: list[int], tokens: list[int]
@@ -549,6 +580,19 @@ class EngineCore:
             "mid_step_aborts": len(self.mid_step_aborts),
             "asleep_tags": sorted(executor.sleeping) if executor is not None else [],
         }
+
+    def drain_trace(self) -> dict[str, Any]:
+        """Read-only, trace mode only: this engine's lifecycle records since the last call, in
+        its order (runtime/_engine_trace.py), with its state now and the name of this engine
+        core (``source``), for model_tests/oracle.py's cross-checks."""
+        if self.engine_trace is None:
+            raise UtilityError("drain_trace", "this engine records no trace (an in-process"
+                               " client records one when given trace=[...]; an engine"
+                               " process when started with ENGINEWIRE_ENGINE_TRACE set)")
+        out = self.engine_trace.drain()
+        out["source"] = self._trace_source
+        out["state"] = self.lifecycle.state.name
+        return out
 
     def pause_scheduler(self, mode: str = "abort") -> Future[Any] | None:
         """Stop scheduling; see the module docstring. A ``Future`` when ``wait`` must drain."""

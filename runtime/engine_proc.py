@@ -80,6 +80,7 @@ from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests rea
 from ._engine_link import _Link
 from ._engine_output import _STOP, OUTPUT_FLUSH_S, _is_marker, _OutputSide
 from ._engine_shared import IDLE_WAKE_S, _Control
+from ._engine_trace import EngineTrace, trace_from_env
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
 from .integrity import LinkIntegrity
 from .security import CurveConfig, TransportGuard, check_transport
@@ -169,6 +170,10 @@ class EngineCoreProc(_InputSide, _OutputSide):
         self._input_error: BaseException | None = None
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
+        # The session and the engine core record into one bounded trace, which drain_trace
+        # hands out (runtime/_engine_trace.py); a plain list given here still gets each entry.
+        if trace is not None and not isinstance(trace, EngineTrace):
+            trace = EngineTrace(sink=trace)
         # Which front end this engine serves (spec/session.py): the input thread's alone, as
         # it sees every ATTACH and integrity failure first. ``_refused`` caches whether the
         # state drops input (SESSION_DROPS_INPUT), its per-message test.
@@ -530,6 +535,7 @@ def run_engine_core(
     integrity: bool = False,
     raise_startup_errors: bool = False,
     parent_lifeline: int | None = None,
+    proc_class: type[EngineCoreProc] | None = None,
 ) -> int:
     """Build the engine, handshake with the client at the given addresses, serve until told
     to stop. Returns the process exit status (0 clean, 1 fatal); with
@@ -539,7 +545,8 @@ def run_engine_core(
     test hook: a ``FaultPlan``, ``Fault`` or spec string (``runtime/faults.py``). ``curve``
     makes both sockets CURVE clients of the front end (plain tcp needs
     ``allow_insecure_tcp=True``); ``limits`` bounds the input (docs/security.md).
-    ``parent_lifeline``: an fd that reads EOF once the parent is gone (runtime/engine_launch.py)."""
+    ``parent_lifeline``: an fd that reads EOF once the parent is gone (runtime/engine_launch.py).
+    ``proc_class``: an ``EngineCoreProc`` subclass speaking another wire (runtime/vllm_wire.py)."""
     signals = _ShutdownSignals()
     signals.install()
     if parent_pid is not None:
@@ -547,7 +554,7 @@ def run_engine_core(
     proc: EngineCoreProc | None = None
     constructed = stopped = False
     try:
-        proc = EngineCoreProc(
+        proc = (proc_class or EngineCoreProc)(
             config,
             input_address=input_address,
             output_address=output_address,
@@ -655,6 +662,9 @@ def serve_launched(config: Any, kwargs: dict[str, Any], *,
 
         torch.set_num_threads(int(threads))
     try:
+        if "trace" not in kwargs:
+            # Trace mode for a launched engine: its lifecycles' records, for drain_trace.
+            kwargs = {**kwargs, "trace": trace_from_env()}
         code = run_engine_core(config, **kwargs, raise_startup_errors=report is not None,
                                parent_lifeline=lifeline)
     except Exception as e:
