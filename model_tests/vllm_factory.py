@@ -1,0 +1,625 @@
+"""Client factories for vLLM 0.33's real ``SyncMPClient`` / ``AsyncMPClient`` (issue #33).
+
+Theory of operation
+-------------------
+Rule 1: vLLM's client code runs unmodified. Each client is vLLM's own class, attached through
+``client_addresses`` to an enginewire engine process speaking vLLM's wire
+(``enginewire.runtime.vllm_wire``). The factory launches that process and plays vLLM's
+``CoreEngineProcManager`` for it: vLLM's own monitor thread (``start_engine_core_monitor``)
+watches it, so death is detected as in vLLM's engine-managed mode (reference §3.5).
+Rule 2: the adapter only translates. ``VllmClientAdapter`` turns enginewire's requests into
+vLLM's, vLLM's outputs and errors into enginewire's, and gives the blocking-with-timeout
+surface the driver calls. Where vLLM's documented contract differs from enginewire's, the
+difference is declared in ``VLLM_CONTRACT`` and the adapter follows the declaration (and
+nothing else): it is the layer vLLM puts above its client (``InputProcessor``,
+``AsyncLLM.errored``). Anything not declared is passed through as vLLM does it, so the
+campaign and the fault matrix judge vLLM's behaviour by enginewire's spec.
+
+Use (needs vLLM importable; the CLI loads these by name)::
+
+    enginewire campaign --client sync  --factory enginewire.testing.vllm_factory:vllm_sync
+    enginewire campaign --client async --factory enginewire.testing.vllm_factory:vllm_async
+    enginewire faults matrix --quick --factory enginewire.testing.vllm_factory:vllm_sync
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from typing import Any
+
+from ..protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from ..spec.client import ClientState
+from ..spec.errors import (
+    ClientClosedError,
+    EngineDeadError,
+    SpecViolation,
+    UtilityError,
+    UtilityTimeoutError,
+)
+from ._conformance_driver import ClientUnderTest, NotApplicable, _LoopThread
+from .bounds import RULE_DEATH_BOUND_S
+
+__all__ = ["VLLM_CONTRACT", "VllmClientAdapter", "vllm_async", "vllm_available", "vllm_sync"]
+
+# Where vLLM 0.33's contract differs from enginewire's, and what the adapter does about it.
+# Each key names the difference; the value says vLLM's side (reference section) and the
+# adapter's answer. Findings that are only these are not bugs (docs/vllm.md).
+VLLM_CONTRACT: dict[str, str] = {
+    "closed_is_dead": "vLLM has one error for a dead and a shut-down client (EngineDeadError"
+                      " from ensure_alive, §1.4/§3.6): after the adapter's own shutdown() it"
+                      " is reported as ClientClosedError",
+    "duplicate_ids": "the client does not check request ids; vLLM's InputProcessor makes"
+                     " them unique above it (§6.15): the adapter refuses a live id with"
+                     " SpecViolation, as that layer would never send one",
+    "dead_delivered_once": "get_output raises EngineDeadError once, then blocks; AsyncLLM"
+                           " keeps the death (errored) above the client: after the adapter"
+                           " has delivered one EngineDeadError every later read raises it",
+    "no_utility_timeout": "call_utility takes no timeout (§1.5, §8): the adapter's timeout"
+                          " only stops waiting; the call stays registered in vLLM until its"
+                          " late reply, and is not counted as pending by the adapter",
+    "no_get_output_timeout": "SyncMPClient.get_output takes no timeout: the adapter reads"
+                             " vLLM's outputs_queue with one (same checks as get_output)",
+    "abort_outputs": "vLLM's engine sends no output for a client abort (§6.13); this engine"
+                     " is enginewire's and sends ABORT, which vLLM's clients pass through",
+    "results_untyped": "utility results arrive as plain msgpack values (§2.4): lists for"
+                       " tuples and sets, dicts for structs",
+}
+
+# Options of the ClientFactory contract (and the matrix's) this factory cannot honour, and why.
+_REFUSED = {
+    "engine_heartbeat_timeout_s": "vLLM's clients have no heartbeat deadline",
+    "frame_integrity": "vLLM's wire has no integrity trailers",
+    "engine_connect": "the engine connects to vLLM's client directly (no proxy address)",
+    "input_address": "the factory binds its own ipc addresses",
+    "output_address": "the factory binds its own ipc addresses",
+    "ready_timeout_s": "set VLLM_ENGINE_READY_TIMEOUT_S instead",
+    "shutdown_timeout_s": "vLLM's shutdown(timeout) is the shutdown rule's to pass",
+    "curve": "vLLM's wire has no CURVE security",
+}
+_HONOURED = ("config", "engine_fault", "engine_startup_delay_s", "engine_heartbeat_interval_s")
+
+# How long after vLLM is seen dead or closed a call still blocked in vLLM is abandoned
+# (vLLM would block it forever): past every bound a rule judges, so it never hides a finding.
+ABANDON_S = RULE_DEATH_BOUND_S + 10.0
+
+
+class Abandoned(RuntimeError):
+    """A call still blocked inside vLLM long after its client died or was shut down; the
+    adapter stops waiting (vLLM never would) so threads can end. Not an enginewire error."""
+
+
+def vllm_available() -> str | None:
+    """None if vLLM's client layer imports, else why not."""
+    try:
+        import vllm.v1.engine.core_client  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"vLLM is not importable: {type(e).__name__}: {e}"
+    return None
+
+
+def _vllm_config(max_model_len: int) -> Any:
+    from vllm.config import DeviceConfig, VllmConfig
+
+    # The client reads only model_config.max_model_len / multimodal_config and the parallel
+    # and cache configs while attaching; there is no model to build a ModelConfig from.
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    if cfg.model_config is None:
+        stub = types.SimpleNamespace(max_model_len=max_model_len, multimodal_config=None)
+        object.__setattr__(cfg, "model_config", stub)
+    return cfg
+
+
+class _EngineManager:
+    """vLLM's ``CoreEngineProcManager`` duty for one engine the factory launched: what vLLM's
+    monitor thread calls (``monitor_engine_liveness``) and what its shutdown calls."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.manager_stopped = threading.Event()
+        try:
+            self._pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def monitor_engine_liveness(self) -> None:
+        # vLLM: wait on the process sentinels with a 1 s timeout until stopped; the first
+        # exit ends the wait and shuts the manager down (utils.py:356-372).
+        while not self.manager_stopped.is_set():
+            if self._pidfd is not None:
+                ready, _, _ = select.select([self._pidfd], [], [], 1.0)
+                if ready:
+                    break
+            elif self.proc.poll() is not None:
+                break
+            else:
+                time.sleep(0.05)
+        if not self.manager_stopped.is_set():
+            self.shutdown()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        # vLLM's module shutdown: SIGTERM, join against a deadline (5 s default), kill.
+        self.manager_stopped.set()
+        p = self.proc
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a SIGSTOPped engine cannot take its SIGTERM
+                p.terminate()
+            try:
+                p.wait(5.0 if timeout is None else max(timeout, 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(5.0)
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+
+
+def _to_vllm_request(req: EngineCoreRequest) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest as VReq
+
+    sp = req.sampling_params
+    v = SamplingParams(max_tokens=max(1, sp.max_tokens), temperature=sp.temperature,
+                       top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                       stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+    if sp.max_tokens < 1:
+        # vLLM's SamplingParams refuses it; the campaign sends it to see the ENGINE refuse it
+        # (a front end that does not validate): set it past the constructor's check.
+        v.max_tokens = sp.max_tokens
+    return VReq(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+                mm_features=None, sampling_params=v, pooling_params=None,
+                arrival_time=req.arrival_time or time.time(), lora_request=None,
+                cache_salt=None, data_parallel_rank=req.data_parallel_rank,
+                priority=req.priority)
+
+
+def _from_vllm_outputs(v: Any) -> EngineCoreOutputs:
+    outs = []
+    for o in v.outputs:
+        cached = 0 if o.prefill_stats is None else int(o.prefill_stats.num_cached_tokens)
+        err = None if o.error is None else str(getattr(o.error, "message", o.error))
+        outs.append(EngineCoreOutput(
+            o.request_id, list(o.new_token_ids),
+            None if o.finish_reason is None else FinishReason(int(o.finish_reason)),
+            o.stop_reason, cached, err))
+    return EngineCoreOutputs(engine_index=v.engine_index, outputs=outs, timestamp=v.timestamp,
+                             finished_requests=None if v.finished_requests is None
+                             else sorted(v.finished_requests))
+
+
+class VllmClientAdapter:
+    """vLLM's client behind the surface ``ClientUnderTest`` drives (module docstring)."""
+
+    multiprocess = True
+
+    def __init__(self, kind: str, config: Any, *, fault: Any = None, startup_delay_s: float = 0.0,
+                 heartbeat_interval_s: float | None = None, loop: _LoopThread | None = None
+                 ) -> None:
+        from ..runtime.vllm_wire import encode_config, encode_plan
+
+        self.kind = kind
+        self.config = config
+        self._loop = loop
+        self._closed = False
+        self._asleep = False
+        self._dead_delivered = False
+        self._dead_seen_at: float | None = None
+        self._closed_at: float | None = None
+        self._live: set[str] = set()
+        self._timed_out: set[int] = set()
+        self._dir = tempfile.mkdtemp(prefix="ew-vllm-")
+        self.resources = types.SimpleNamespace(ipc_dir=types.SimpleNamespace(path=self._dir))
+        addrs = {"input_address": f"ipc://{self._dir}/in",
+                 "output_address": f"ipc://{self._dir}/out"}
+        cmd = [sys.executable, "-m", "enginewire.runtime.vllm_wire",
+               "--input-address", addrs["input_address"],
+               "--output-address", addrs["output_address"],
+               "--config", encode_config(config), "--parent-pid", str(os.getpid()),
+               "--startup-delay-s", str(startup_delay_s)]
+        plan = encode_plan(fault)
+        if plan is not None:
+            cmd += ["--fault", plan]
+        if heartbeat_interval_s is not None:
+            cmd += ["--heartbeat-interval-s", str(heartbeat_interval_s)]
+        # A bounded attach: vLLM's default waits 600 s for a ready that a failed engine never
+        # sends (client_addresses mode has no process to watch while attaching).
+        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "60")
+        self._proc = subprocess.Popen(cmd)
+        self.engine_pid: int | None = self._proc.pid
+        self._manager = _EngineManager(self._proc)
+        try:
+            self._vc = self._build(addrs)
+        except BaseException:
+            self._manager.shutdown(0.5)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def _build(self, addrs: dict[str, str]) -> Any:
+        from vllm.v1.engine.core_client import AsyncMPClient, MPClient, SyncMPClient
+        from vllm.v1.executor import Executor
+
+        cfg = _vllm_config(int(self.config.max_model_len))
+        if self.kind == "async":
+            assert self._loop is not None
+
+            async def build() -> Any:  # in the loop: vLLM starts its receiver task eagerly
+                return AsyncMPClient(cfg, Executor, False, client_addresses=addrs)
+
+            vc = self._loop.run(build(), timeout=None)
+        else:
+            # SyncMPClient.__init__ takes no client_addresses (vLLM only builds it with
+            # engines it launches): a class between it and MPClient forwards them.
+            class _Attach(MPClient):  # type: ignore[misc]  # vLLM is untyped here (absent)
+                def __init__(self, asyncio_mode: bool, vllm_config: Any, executor_class: Any,
+                             log_stats: bool, client_addresses: Any = None,
+                             renderer: Any = None) -> None:
+                    super().__init__(asyncio_mode, vllm_config, executor_class, log_stats,
+                                     client_addresses=addrs, renderer=renderer)
+
+            cls = type("AttachedSyncMPClient", (SyncMPClient, _Attach), {})
+            vc = cls(cfg, Executor, False)
+        # Engine-managed mode's death detection: vLLM's own monitor thread, on our process.
+        vc.resources.engine_manager = self._manager
+        vc.start_engine_core_monitor()
+        return vc
+
+    # -- what the campaign reads ----------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return not self._closed and bool(self._vc.resources.engine_dead)
+
+    @property
+    def state(self) -> ClientState:
+        if self._closed:
+            return ClientState.SHUTDOWN
+        if self._vc.resources.engine_dead:
+            return ClientState.DEAD
+        if self._asleep:
+            return ClientState.SLEEPING
+        return ClientState.RUNNING if self._live else ClientState.READY
+
+    def pending_utility_calls(self) -> int:
+        return len([c for c in list(self._vc.utility_results) if c not in self._timed_out])
+
+    # -- translation of errors --------------------------------------------------------------
+
+    def _error(self, e: BaseException, method: str | None = None) -> BaseException:
+        from vllm.v1.engine.exceptions import EngineDeadError as VDead
+
+        if isinstance(e, VDead):
+            if self._closed:  # VLLM_CONTRACT["closed_is_dead"]
+                out: BaseException = ClientClosedError("the client was shut down")
+            else:
+                out = EngineDeadError()
+        elif method is not None and type(e) is Exception:  # a utility's failure_message
+            out = UtilityError(method, str(e))
+        else:
+            return e
+        out.__cause__ = e
+        return out
+
+    def _should_abandon(self) -> bool:
+        now = time.monotonic()
+        if self._closed_at is None and not self._vc.resources.engine_dead:
+            return False
+        if self._dead_seen_at is None:
+            self._dead_seen_at = now
+        since = self._closed_at if self._closed_at is not None else self._dead_seen_at
+        return now - since > ABANDON_S
+
+    def _refuse_if_ended(self) -> None:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        if self._dead_delivered:  # VLLM_CONTRACT["dead_delivered_once"]
+            raise EngineDeadError()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _check_add(self, req: EngineCoreRequest) -> Any:
+        if req.request_id in self._live and not self._closed and \
+                not self._vc.resources.engine_dead:  # VLLM_CONTRACT["duplicate_ids"]
+            raise SpecViolation("ClientRequest", "LIVE", "ADD_REQUEST", "id already live")
+        return _to_vllm_request(req)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        v = self._check_add(req)
+        try:
+            self._vc.add_request(v)
+        except Exception as e:
+            raise self._error(e) from None
+        self._live.add(req.request_id)
+
+    async def add_request_async(self, req: EngineCoreRequest) -> None:
+        v = self._check_add(req)
+        try:
+            await self._vc.add_request_async(v)
+        except Exception as e:
+            raise self._error(e) from None
+        self._live.add(req.request_id)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        try:
+            self._vc.abort_requests(list(ids))
+        except Exception as e:
+            raise self._error(e) from None
+
+    async def abort_requests_async(self, ids: list[str]) -> None:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        try:
+            await self._vc.abort_requests_async(list(ids))
+        except Exception as e:
+            raise self._error(e) from None
+
+    def _took(self, item: Any) -> EngineCoreOutputs:
+        if isinstance(item, Exception):
+            err = self._error(self._vc._format_exception(item))
+            if isinstance(err, EngineDeadError):
+                self._dead_delivered = True
+            raise err
+        if item.wave_complete is not None:  # SyncMPClient.get_output's own bookkeeping
+            self._vc.engines_running = False
+        out = _from_vllm_outputs(item)
+        for o in out.outputs:
+            if o.finish_reason is not None:
+                self._live.discard(o.request_id)
+        return out
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self._refuse_if_ended()
+        # VLLM_CONTRACT["no_get_output_timeout"]: SyncMPClient.get_output is
+        # ``outputs_queue.get()`` and its checks; the same, with a bound.
+        q = self._vc.outputs_queue
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            try:
+                item = q.get(timeout=wait) if wait > 0 else q.get_nowait()
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return EngineCoreOutputs()
+                if self._should_abandon():
+                    raise Abandoned("vLLM's get_output is still blocked long after its"
+                                    " client died or was shut down") from None
+                continue
+            return self._took(item)
+
+    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self._refuse_if_ended()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            try:
+                item = await asyncio.wait_for(self._vc.get_output_async(), wait)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return EngineCoreOutputs()
+                if self._should_abandon():
+                    raise Abandoned("vLLM's get_output_async is still blocked long after its"
+                                    " client died or was shut down") from None
+                continue
+            except Exception as e:
+                err = self._error(e)
+                if isinstance(err, EngineDeadError):
+                    self._dead_delivered = True
+                raise err from None
+            return self._took(item)
+
+    # -- utilities --------------------------------------------------------------------------
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        before = set(self._vc.utility_results)
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:  # vLLM's call blocks without a bound: on a daemon thread
+            try:
+                done.set_result(self._vc.call_utility(method, *args))
+            except BaseException as e:
+                done.set_exception(e)
+
+        threading.Thread(target=run, name="vllm-call-utility", daemon=True).start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                result = done.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    # VLLM_CONTRACT["no_utility_timeout"]
+                    self._timed_out |= set(self._vc.utility_results) - before
+                    raise UtilityTimeoutError(method, timeout) from None  # type: ignore[arg-type]
+                if self._should_abandon():
+                    raise Abandoned(f"vLLM's call_utility({method!r}) is still blocked long"
+                                    " after its client died or was shut down") from None
+                continue
+            except Exception as e:
+                raise self._error(e, method) from None
+            return result
+
+    async def call_utility_async(self, method: str, *args: Any,
+                                 timeout: float | None = None) -> Any:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        before = set(self._vc.utility_results)
+        task = asyncio.ensure_future(self._vc.call_utility_async(method, *args))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                wait = 0.1 if deadline is None else max(0.0, min(0.1,
+                                                                 deadline - time.monotonic()))
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if done:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._timed_out |= set(self._vc.utility_results) - before
+                    task.cancel()
+                    raise UtilityTimeoutError(method, timeout)  # type: ignore[arg-type]
+                if self._should_abandon():
+                    task.cancel()
+                    raise Abandoned(f"vLLM's call_utility_async({method!r}) is still blocked"
+                                    " long after its client died or was shut down")
+        except asyncio.CancelledError:
+            task.cancel()  # the caller gave up: so does vLLM's await (its entry stays)
+            raise
+        try:
+            return task.result()
+        except Exception as e:
+            raise self._error(e, method) from None
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        return [self.call_utility(method, *args)]
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        try:
+            return list(await self._vc.call_utility_all_async(method, *args))
+        except Exception as e:
+            raise self._error(e, method) from None
+
+    # Typed utilities: vLLM's own methods where the client has them.
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode={mode!r}")
+        self.call_utility("sleep", level, mode)
+        self._asleep = True
+
+    async def sleep_async(self, level: int = 1, mode: str = "abort") -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode={mode!r}")
+        await self._typed_async("sleep", self._vc.sleep_async, level, mode)
+        self._asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        full = bool(self.call_utility("wake_up", tags))
+        self._asleep = not full
+        return full
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> bool:
+        full = bool(await self._typed_async("wake_up", self._vc.wake_up_async, tags))
+        self._asleep = not full
+        return full
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call_utility("is_sleeping"))
+
+    async def is_sleeping_async(self) -> bool:
+        return bool(await self._typed_async("is_sleeping", self._vc.is_sleeping_async))
+
+    def pause_scheduler(self, mode: str = "abort") -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode={mode!r}")
+        self.call_utility("pause_scheduler", mode)  # SyncMPClient has no pause method
+        self._asleep = True
+
+    async def pause_scheduler_async(self, mode: str = "abort") -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode={mode!r}")
+        await self._typed_async("pause_scheduler", self._vc.pause_scheduler_async, mode)
+        self._asleep = True
+
+    def resume_scheduler(self) -> None:
+        self.call_utility("resume_scheduler")
+        self._asleep = False
+
+    async def resume_scheduler_async(self) -> None:
+        await self._typed_async("resume_scheduler", self._vc.resume_scheduler_async)
+        self._asleep = False
+
+    async def _typed_async(self, method: str, fn: Any, *args: Any) -> Any:
+        if self._closed:
+            raise ClientClosedError("the client was shut down")
+        try:
+            return await fn(*args)
+        except Exception as e:
+            raise self._error(e, method) from None
+
+    # -- what a misbehaving front end sends (the malformed_frame rule) -------------------
+
+    def send_raw_frames(self, frames: list[bytes]) -> None:
+        vc = self._vc
+        msg = [vc.core_engine, *frames]
+        if self.kind == "async":
+            assert self._loop is not None
+
+            async def send() -> None:
+                await vc.input_socket.send_multipart(msg)
+
+            self._loop.run(send())
+        else:
+            vc.input_socket.send_multipart(msg)
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closed_at = time.monotonic()
+        try:
+            self._vc.shutdown(timeout=timeout)
+        finally:
+            self._manager.shutdown(0.5)
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _make(kind: str, options: dict[str, Any]) -> ClientUnderTest:
+    why = vllm_available()
+    if why is not None:
+        raise NotApplicable(why)
+    for name in sorted(options):
+        if name in _REFUSED:
+            raise NotApplicable(f"vLLM's {kind} client cannot honour {name}=: {_REFUSED[name]}")
+        if name not in _HONOURED:
+            raise NotApplicable(f"vLLM's {kind} client does not know option {name}=")
+    from ..runtime.config import EngineConfig
+    from ..runtime.faults import FaultPlan, as_plan
+
+    config = options.get("config") or EngineConfig(model="null", max_num_seqs=16)
+    plan = as_plan(options.get("engine_fault")) or FaultPlan(allow_arm=True)
+    loop = _LoopThread() if kind == "async" else None
+    try:
+        client = VllmClientAdapter(kind, config, fault=plan,
+                                   startup_delay_s=float(options.get("engine_startup_delay_s",
+                                                                     0.0)),
+                                   heartbeat_interval_s=options.get(
+                                       "engine_heartbeat_interval_s"), loop=loop)
+    except BaseException:
+        if loop is not None:
+            loop.close()
+        raise
+    return ClientUnderTest(client, kind, None, loop)
+
+
+def vllm_sync(**options: Any) -> ClientUnderTest:
+    """vLLM 0.33's ``SyncMPClient`` on enginewire's engine (the ``ClientFactory`` contract)."""
+    return _make("sync", options)
+
+
+def vllm_async(**options: Any) -> ClientUnderTest:
+    """vLLM 0.33's ``AsyncMPClient`` on enginewire's engine (the ``ClientFactory`` contract)."""
+    return _make("async", options)

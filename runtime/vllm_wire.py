@@ -1,0 +1,482 @@
+"""A vLLM 0.33 wire profile for enginewire's engine process: vLLM's unmodified clients attach.
+
+Theory of operation
+-------------------
+Rule 1: only the bytes change. ``VllmWireEngineProc`` is an ``EngineCoreProc`` whose input
+thread and output encoder speak vLLM 0.33.0's engine-core wire (docs/vllm.md; the
+reference's §2-§3); the busy loop, the ``EngineCore`` under it, the fault points, the
+deferred replies and the heartbeat are enginewire's, untouched. So a fault plan armed
+through ``arm_fault`` fires in the same places as on enginewire's own wire.
+Rule 2: translate at the boundary, once. A vLLM message becomes an enginewire input item as
+it is decoded (input thread); an enginewire output becomes a vLLM ``EngineCoreOutputs`` as it
+is encoded (output path). Nothing in between knows which wire is spoken.
+
+What vLLM's clients expect, and where it is met:
+
+* handshake (``client_addresses`` mode, reference §3.2 step 6): the engine's DEALER
+  (identity = rank, 2 bytes little-endian) connects to the client's ROUTER and speaks first,
+  one frame ``msgpack(EngineCoreReadyResponse)`` (a map); the client binds both sockets.
+* client -> engine: ``[type byte, msgpack payload, aux...]`` as separate frames (ADD 0x00 an
+  ``EngineCoreRequest`` array, ABORT 0x01 a list of ids, UTILITY 0x03
+  ``[client_index, call_id, method, args]``); reference §2.2-§2.3.
+* engine -> client: ``[msgpack(EngineCoreOutputs)]``; a utility reply is a batch with
+  ``utility_output = [call_id, failure_message, [type_info=nil, result]]``; death is the one
+  frame ``b"ENGINE_CORE_DEAD"``.
+
+The structs below mirror vLLM 0.33.0's positional layouts (``vllm/v1/engine/__init__.py``)
+instead of importing them: importing ``vllm.v1.engine`` costs ~12 s of torch per engine
+start, and the campaign starts engines often. ``tests/vllm/test_vllm_wire.py`` pins the
+mirror against vLLM's own structs, byte for byte, where vLLM is installed. This module does
+not import vllm at all; ``enginewire.testing.vllm_factory`` (the client side) does, lazily.
+
+Run one (what the factory launches)::
+
+    python -m enginewire.runtime.vllm_wire --input-address ipc://... --output-address ipc://...
+        [--config JSON] [--fault JSON] [--parent-pid PID] [--startup-delay-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from typing import Any
+
+import msgspec
+import zmq
+
+from ..protocol.messages import (
+    ENGINE_DEAD_SENTINEL,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    SamplingParams,
+    UtilityRequest,
+)
+from ._engine_input import _InputSide
+from ._engine_shared import IDLE_WAKE_S, _Control
+from .engine_proc import EngineCoreProc, run_engine_core
+from .faults import FaultPoint
+
+__all__ = [
+    "VLLM_DEAD_SENTINEL",
+    "VLLM_VERSION",
+    "VllmEngineCoreOutput",
+    "VllmEngineCoreOutputs",
+    "VllmEngineCoreRequest",
+    "VllmReadyResponse",
+    "VllmSamplingParams",
+    "VllmWireEngineProc",
+    "outputs_to_vllm",
+    "request_from_vllm",
+    "run_vllm_engine",
+]
+
+logger = logging.getLogger("enginewire.runtime.engine_proc")
+
+# The release whose wire this mirrors (reference §0: the 0.33.0 wheel, commit 4ba787ec9).
+VLLM_VERSION = "0.33.0"
+# vllm/v1/engine/core.py: EngineCoreProc.ENGINE_CORE_DEAD.
+VLLM_DEAD_SENTINEL = b"ENGINE_CORE_DEAD"
+
+# vLLM's request-type bytes (reference §2.2). 0x02 (START_DP_WAVE) comes from a coordinator,
+# which a single engine has none of: it is dropped like any unknown type.
+_ADD, _ABORT, _UTILITY = b"\x00", b"\x01", b"\x03"
+
+
+# --- vLLM 0.33.0's structs, mirrored (field order and defaults are the wire) ---------------
+
+
+class VllmSamplingParams(msgspec.Struct, omit_defaults=True):
+    """The fields of vLLM's ``SamplingParams`` (a map, not array_like) this engine honours;
+    every other key is ignored. Defaults are vLLM's: an omitted key means vLLM's default."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+
+
+class VllmEngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int] | None
+    mm_features: Any
+    sampling_params: VllmSamplingParams | None
+    pooling_params: Any
+    arrival_time: float
+    lora_request: Any
+    cache_salt: str | None
+    data_parallel_rank: int | None
+    prompt_embeds: Any = None
+    prompt_is_token_ids: Any = None
+    client_index: int = 0
+    current_wave: int = 0
+    priority: int = 0
+    trace_headers: Any = None
+    resumable: bool = False
+    external_req_id: str | None = None
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: Any = None
+    abort_immediately: bool = False
+    session_id: str | None = None
+    kv_hints: Any = None
+
+
+class VllmPrefillStats(msgspec.Struct, omit_defaults=True):
+    """vllm/v1/metrics/stats.py ``PrefillStats`` (a dataclass: a map on the wire)."""
+
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_local_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0
+
+
+class VllmRequestError(msgspec.Struct):
+    """vllm/outputs.py ``RequestError`` (a dataclass: a map)."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class VllmEngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Any = None
+    new_prompt_logprobs_tensors: Any = None
+    pooling_output: Any = None
+    finish_reason: int | None = None
+    stop_reason: int | str | None = None
+    events: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    trace_headers: Any = None
+    prefill_stats: VllmPrefillStats | None = None
+    routed_experts: Any = None
+    num_nans_in_logits: int = 0
+    mm_cache_miss_hashes: list[str] | None = None
+    new_sampling_mask: Any = None
+    spec_decode_metrics: Any = None
+    prompt_token_id_logprobs: Any = None
+    error: VllmRequestError | None = None
+
+
+class VllmUtilityOutput(msgspec.Struct, array_like=True, gc=False):
+    """No omit_defaults in vLLM: always three elements. ``result`` is a ``UtilityResult``,
+    ``[type_info, value]``; ``type_info`` is nil with insecure serialization off (§2.4)."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: list[Any] | None = None
+
+
+class VllmEngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[VllmEngineCoreOutput] = []
+    scheduler_stats: Any = None
+    timestamp: float = 0.0
+    utility_output: VllmUtilityOutput | None = None
+    finished_requests: list[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None
+    weight_version: str | None = None
+
+
+class VllmReadyResponse(msgspec.Struct, omit_defaults=True):
+    """vllm/v1/engine/__init__.py ``EngineCoreReadyResponse`` (a dataclass: a map)."""
+
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    dp_stats_address: str | None
+    dtype: str
+    vllm_version: str
+    world_size: int
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    decode_context_parallel_size: int
+    data_parallel_rank: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    instance_id: str
+    supports_lora: bool
+    max_loras: int
+    kv_cache_size_tokens: int | None = None
+    enable_sleep_mode: bool = False
+
+
+# --- translation -----------------------------------------------------------------------------
+
+
+def request_from_vllm(v: VllmEngineCoreRequest) -> EngineCoreRequest:
+    """vLLM's ADD as enginewire's. What enginewire's engine cannot do is refused here, as a
+    ``ValueError`` the caller turns into that request's ERROR (vLLM's own input thread turns
+    pre-processing errors into per-request ERROR outputs, reference §4.2)."""
+    if v.prompt_token_ids is None:
+        raise ValueError("prompt_embeds/multimodal-only requests are not supported")
+    if v.pooling_params is not None or v.lora_request is not None or v.mm_features:
+        raise ValueError("pooling, LoRA and multimodal requests are not supported")
+    sp = v.sampling_params or VllmSamplingParams()
+    if sp.n != 1:
+        raise ValueError(f"n={sp.n}: only n=1 is supported")
+    return EngineCoreRequest(
+        v.request_id,
+        list(v.prompt_token_ids),
+        SamplingParams(
+            max_tokens=16 if sp.max_tokens is None else sp.max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=max(0, sp.top_k),
+            seed=sp.seed,
+            stop_token_ids=list(sp.stop_token_ids or ()),
+            ignore_eos=sp.ignore_eos,
+        ),
+        arrival_time=v.arrival_time,
+        priority=v.priority,
+        client_index=v.client_index,
+        data_parallel_rank=v.data_parallel_rank,
+    )
+
+
+def _output_to_vllm(o: Any) -> VllmEngineCoreOutput:
+    prefill = VllmPrefillStats(num_cached_tokens=o.num_cached_tokens) if o.num_cached_tokens \
+        else None
+    error = None if o.error is None else VllmRequestError("error", str(o.error))
+    return VllmEngineCoreOutput(
+        o.request_id, list(o.new_token_ids),
+        finish_reason=None if o.finish_reason is None else int(o.finish_reason),
+        stop_reason=o.stop_reason, prefill_stats=prefill, error=error)
+
+
+def outputs_to_vllm(batch: EngineCoreOutputs) -> VllmEngineCoreOutputs:
+    """enginewire's batch as vLLM's. Streamed tokens (``stream_ids``/``stream_tokens``, one
+    token per id) become ordinary outputs; the session fields have no vLLM counterpart (no
+    vLLM client attaches, so none is ever set here)."""
+    outs = [_output_to_vllm(o) for o in batch.outputs]
+    if batch.stream_ids:
+        outs = [VllmEngineCoreOutput(rid, [tok]) for rid, tok in
+                zip(batch.stream_ids, batch.stream_tokens, strict=True)] + outs
+    u = batch.utility_output
+    util = None
+    if u is not None:
+        util = VllmUtilityOutput(u.call_id, u.failure_message,
+                                 None if u.failure_message is not None else [None, u.result])
+    return VllmEngineCoreOutputs(
+        engine_index=batch.engine_index, outputs=outs, timestamp=batch.timestamp,
+        utility_output=util,
+        finished_requests=None if batch.finished_requests is None
+        else list(batch.finished_requests))
+
+
+class _VllmOutputEncoder:
+    """Stands in for ``protocol.codec.Encoder`` on the output path (``encode``,
+    ``encode_into``): every batch leaves as vLLM's ``EngineCoreOutputs``."""
+
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+
+    def encode(self, obj: Any) -> list[Any]:
+        return [self._enc.encode(outputs_to_vllm(obj))]
+
+    def encode_into(self, obj: Any, buf: bytearray) -> list[Any]:
+        self._enc.encode_into(outputs_to_vllm(obj), buf)
+        return [buf]
+
+
+# Utilities vLLM's clients call with arguments enginewire's engine takes differently.
+def _vllm_utility_args(method: str, args: list[Any]) -> list[Any]:
+    if method == "pause_scheduler" and len(args) == 2:  # (mode, clear_cache): no cache option
+        return args[:1]
+    return args
+
+
+# --- the engine process ----------------------------------------------------------------------
+
+
+class VllmWireEngineProc(EngineCoreProc):
+    """``EngineCoreProc`` speaking vLLM 0.33's wire (module docstring)."""
+
+    def _output_thread(self, address: str) -> None:
+        # Set here, on the thread that starts first and owns every send: no output can be
+        # encoded before it (the ready goes out on the input thread, started after this one).
+        self._out_encoder = _VllmOutputEncoder()  # type: ignore[assignment]
+        super()._output_thread(address)
+
+    def _put_output(self, item: Any, *, direct: bool) -> None:
+        if isinstance(item, bytes) and item == ENGINE_DEAD_SENTINEL:
+            item = VLLM_DEAD_SENTINEL
+        super()._put_output(item, direct=direct)
+
+    def _vllm_ready(self) -> bytes:
+        info = self.engine.ready_info()
+        cfg = self.engine.config
+        blocks, block = int(info["num_gpu_blocks"]), int(info["block_size"])
+        return msgspec.msgpack.encode(VllmReadyResponse(
+            max_model_len=int(info["max_model_len"]), num_gpu_blocks=blocks, block_size=block,
+            dp_stats_address=None, dtype=str(getattr(cfg, "dtype", "float32")),
+            vllm_version=VLLM_VERSION, world_size=1, data_parallel_size=1,
+            tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1,
+            data_parallel_rank=self.engine_index,
+            max_num_seqs=int(getattr(cfg, "max_num_seqs", 1)),
+            max_num_batched_tokens=int(getattr(cfg, "max_num_batched_tokens", 1)),
+            instance_id=f"enginewire-{os.getpid()}", supports_lora=False, max_loras=0,
+            kv_cache_size_tokens=blocks * block, enable_sleep_mode=True))
+
+    def _input_thread(self, address: str, ready: Any) -> None:  # enginewire's ready unused
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        self._decode_req = msgspec.msgpack.Decoder(VllmEngineCoreRequest).decode
+        self._decode_any = msgspec.msgpack.Decoder().decode
+        try:
+            sock.connect(address)
+            # vLLM's engine sends its ready first, once per input address (reference §3.2
+            # step 6): the ROUTER learns the identity from it. Queued before the connection
+            # completes (no IMMEDIATE), as vLLM's DEALER does.
+            sock.send(self._vllm_ready())
+            self._peer_seen.set()
+            self._input_ready.set()
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            idle_ms = int(IDLE_WAKE_S * 1000)
+            while True:
+                if not poller.poll(idle_ms):
+                    continue
+                frames = sock.recv_multipart(copy=True)
+                try:
+                    self._accept_vllm(frames)
+                except Exception:
+                    # enginewire's rule, kept on this wire: no frame kills the input thread
+                    # (vLLM 0.33's own input thread dies on an unknown type byte, §6.19).
+                    logger.exception("engine input thread: dropped a frame it could not handle")
+        except zmq.ContextTerminated:
+            return
+        except BaseException as e:
+            self._input_error = e
+            logger.exception("engine input thread failed")
+            self.input_queue.put((_Control.SHUTDOWN, e))
+        finally:
+            sock.close(linger=0)
+
+    def _accept_vllm(self, frames: list[bytes]) -> None:
+        kind, body = frames[0], frames[1] if len(frames) > 1 else b""
+        if kind == _ADD:
+            try:
+                v = self._decode_req(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._reject_vllm_add(body, f"malformed request: {e}")
+                return
+            try:
+                payload: Any = request_from_vllm(v)
+            except ValueError as e:
+                self.input_queue.put((_Control.REJECT_ADD, (v.request_id, str(e))))
+                return
+            rtype = RequestType.ADD
+        elif kind == _ABORT:
+            ids = self._decode_any(body)
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                logger.warning("rejected malformed ABORT: %.200r", ids)
+                return
+            payload, rtype = ids, RequestType.ABORT
+        elif kind == _UTILITY:
+            call = self._decode_any(body)
+            if not (isinstance(call, list) and len(call) == 4 and isinstance(call[1], int)
+                    and isinstance(call[2], str) and isinstance(call[3], list)):
+                logger.warning("rejected malformed utility call: %.200r", call)
+                return
+            payload = UtilityRequest(int(call[0] or 0), call[1], call[2],
+                                     _vllm_utility_args(call[2], call[3]))
+            rtype = RequestType.UTILITY
+        else:
+            logger.warning("rejected malformed input (type byte %r)", kind[:1])
+            return
+        if self.faults is not None:
+            try:
+                self._fault(FaultPoint.INPUT_DECODED)
+            except Exception as e:
+                self.input_queue.put((_Control.SHUTDOWN, e))
+                return
+        if rtype is RequestType.ABORT:
+            self.engine.mid_step_aborts.extend(payload)
+        elif rtype is RequestType.UTILITY and _InputSide._serve_idle_call(self, payload):
+            return
+        self.input_queue.put((rtype, payload))
+
+    def _reject_vllm_add(self, body: bytes, why: str) -> None:
+        try:
+            head = msgspec.msgpack.decode(body)
+            rid = head[0] if isinstance(head, list) and head and isinstance(head[0], str) \
+                else None
+        except Exception:
+            rid = None
+        if rid is None:
+            logger.warning("rejected malformed ADD (no id): %s", why)
+            return
+        logger.warning("rejected malformed ADD for %.80r: %.300s", rid, why)
+        self.input_queue.put((_Control.REJECT_ADD, (rid, why)))
+
+
+def run_vllm_engine(config: Any, *, input_address: str, output_address: str,
+                    parent_pid: int | None = None, startup_delay_s: float = 0.0,
+                    fault: Any = None, heartbeat_interval_s: float | None = None) -> int:
+    """``engine_proc.run_engine_core`` with the vLLM wire's engine process. Returns the exit
+    status."""
+    return run_engine_core(config, input_address=input_address, output_address=output_address,
+                           parent_pid=parent_pid, startup_delay_s=startup_delay_s, fault=fault,
+                           heartbeat_interval_s=heartbeat_interval_s,
+                           proc_class=VllmWireEngineProc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .config import EngineConfig
+    from .engine_proc import _configure_logging
+    from .faults import FaultPlan
+
+    ap = argparse.ArgumentParser(prog="python -m enginewire.runtime.vllm_wire")
+    ap.add_argument("--input-address", required=True)
+    ap.add_argument("--output-address", required=True)
+    ap.add_argument("--config", default="{}", help="EngineConfig as JSON")
+    ap.add_argument("--fault", default=None, help="FaultPlan as JSON")
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--startup-delay-s", type=float, default=0.0)
+    ap.add_argument("--heartbeat-interval-s", type=float, default=None)
+    args = ap.parse_args(argv)
+    _configure_logging()
+    config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
+    fault = None if args.fault is None else msgspec.json.decode(args.fault.encode(),
+                                                                 type=FaultPlan)
+    code = 1
+    try:
+        code = run_vllm_engine(config, input_address=args.input_address,
+                               output_address=args.output_address, parent_pid=args.parent_pid,
+                               startup_delay_s=args.startup_delay_s, fault=fault,
+                               heartbeat_interval_s=args.heartbeat_interval_s)
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def encode_config(config: Any) -> str:
+    """``--config`` for ``main``."""
+    return msgspec.json.encode(config).decode()
+
+
+def encode_plan(plan: Any) -> str | None:
+    """``--fault`` for ``main`` (None: no plan)."""
+    return None if plan is None else msgspec.json.encode(plan).decode()
+
+
+if __name__ == "__main__":
+    main()
