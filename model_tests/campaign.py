@@ -38,39 +38,16 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ..spec import (
-    ATTACH,
-    CLIENT,
-    CLIENT_REQUEST,
-    ENGINE,
-    ENGINE_REQUEST,
-    MEMBERSHIP,
-    SESSION,
-    AttachEvent,
-    AttachState,
-    ClientEvent,
-    ClientRequestEvent,
-    ClientRequestState,
-    ClientState,
-    EngineEvent,
-    EngineRequestEvent,
-    EngineRequestState,
-    EngineState,
-    Machine,
-    SessionEvent,
-    SessionState,
-)
 from .coverage_html import write_coverage_html, write_reproducers
 from .reproducer import _reproducer
+from .unreached import UNREACHED, _why_unreached
 
 __all__ = [
     "ALL_CLIENTS",
@@ -99,123 +76,6 @@ MUTANT_TIMEOUT_S = 300.0
 # A single ``mutant`` run whose child crashed has no verdict: neither 0 (not detected) nor 1.
 MUTANT_ERROR = 3
 _THREADS_ENV = "ENGINEWIRE_ENGINE_THREADS"
-
-# Every spec transition a campaign never reaches, and why: exact (machine, source, event,
-# target) keys, checked against the spec machines by tests/model_tests/test_campaign.py. A
-# transition missing from a report and from this table is a gap: a rule should reach it.
-_FORGOTTEN_CLIENT = ("unreachable by this runtime: the client forgets a request once it"
-                     " finished (a reused id starts a new lifecycle in UNKNOWN) and never tracks"
-                     " an unknown id, so sends, aborts and deaths fire only on live requests")
-_FORGOTTEN_ENGINE = ("unreachable by this runtime: the scheduler forgets a request once it"
-                     " finished (a reused id starts a new lifecycle in UNKNOWN), so an ADD, a"
-                     " rejection or an abort of a finished or unknown id fires nothing")
-_IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and it ends the engine"
-                      " before the loop serves the next drain_trace (the trace of an engine"
-                      " process reaches its client only through that utility)")
-_SESSION_BY_TESTS = ("covered by tests, not by campaign rules (every front end has its engine's"
-                     " frame-integrity setting, and none breaks an --integrity link):"
-                     " tests/runtime/test_attach_phase.py, test_reattach.py")
-_AS, _AE = AttachState, AttachEvent
-_CS, _CE = ClientState, ClientEvent
-_ES, _EE = EngineState, EngineEvent
-_CRS, _CRE = ClientRequestState, ClientRequestEvent
-_ERS, _ERE = EngineRequestState, EngineRequestEvent
-_SS, _SE = SessionState, SessionEvent
-
-
-def _key(machine: Machine[Any, Any], source: Enum, event: Enum, target: Enum
-         ) -> tuple[str, str, str, str]:
-    """A transition as its trace entry names it, built from the spec's members."""
-    return machine.name, source.name, event.name, target.name
-
-
-_C_FINISHED = (_CRS.FINISHED_STOPPED, _CRS.FINISHED_LENGTH, _CRS.FINISHED_ABORTED,
-               _CRS.FINISHED_ERROR)
-_E_FINISHED = (_ERS.FINISHED_STOPPED, _ERS.FINISHED_LENGTH, _ERS.FINISHED_ABORTED,
-               _ERS.FINISHED_ERROR)
-UNREACHED: dict[tuple[str, str, str, str], str] = {
-    _key(CLIENT, _CS.CONSTRUCTING, _CE.ENGINE_DIED, _CS.DEAD):
-        "covered by conformance, not by campaign rules (which start from a ready client): the"
-        " engine process dies during the handshake (check_kill_during_handshake)",
-    _key(CLIENT, _CS.SHUTDOWN, _CE.ENGINE_DIED, _CS.SHUTDOWN):
-        "a race no rule forces (reached in some 10-minute runs, not all): a death notice"
-        " landing after shutdown() marked the client SHUTDOWN and before its monitor stopped"
-        " (the client absorbs it)",
-    **{_key(CLIENT_REQUEST, f, e, f): _FORGOTTEN_CLIENT
-       for f in _C_FINISHED for e in (_CRE.ABORT_SENT, _CRE.ENGINE_DIED)},
-    **{_key(CLIENT_REQUEST, f, _CRE.SEND, _CRS.SENT): _FORGOTTEN_CLIENT for f in _C_FINISHED},
-    _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ABORT_SENT, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
-    _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ENGINE_DIED, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
-    _key(ENGINE, _ES.READY, _EE.FATAL_ERROR, _ES.DEAD):
-        _IN_ENGINE_PROCESS + " (a fault between the handshake and the loop's start)",
-    _key(ENGINE, _ES.READY, _EE.SHUTDOWN, _ES.SHUTDOWN):
-        _IN_ENGINE_PROCESS + " (a stop between the handshake and the loop's start)",
-    _key(ENGINE, _ES.DEAD, _EE.FATAL_ERROR, _ES.DEAD):
-        _IN_ENGINE_PROCESS + "; in-process, a dead engine refuses every call before a second"
-        " fatal error could happen",
-    _key(ENGINE, _ES.CONSTRUCTING, _EE.SHUTDOWN, _ES.SHUTDOWN):
-        _IN_ENGINE_PROCESS + " (a stop request during start-up); in-process, EngineCore"
-        " cannot be shut down before its constructor returned",
-    _key(ENGINE, _ES.DRAINING, _EE.WAKE_UP, _ES.IDLE):
-        "unreachable by this runtime: the end of the last draining request drains the engine"
-        " at once (DRAINED), so a wake-up never finds it DRAINING with no request left",
-    _key(ENGINE, _ES.SHUTDOWN, _EE.SHUTDOWN, _ES.SHUTDOWN):
-        "unreachable by this runtime: EngineCore.shutdown() returns early once shut down",
-    **{_key(ENGINE_REQUEST, f, e, t): _FORGOTTEN_ENGINE for f in _E_FINISHED
-       for e, t in ((_ERE.ADD, _ERS.WAITING), (_ERE.REJECT, _ERS.FINISHED_ERROR),
-                    (_ERE.ABORT, f))},
-    _key(ENGINE_REQUEST, _ERS.UNKNOWN, _ERE.ABORT, _ERS.UNKNOWN): _FORGOTTEN_ENGINE,
-    _key(ATTACH, _AS.AWAITING_MARKER, _AE.FOREIGN_MESSAGE, _AS.AWAITING_MARKER):
-        "only a standalone engine has a previous front end whose messages a new one drops"
-        " (--client standalone reaches it: handover_mid_stream, every time)",
-    _key(ATTACH, _AS.AWAITING_MARKER, _AE.REFUSAL, _AS.REFUSED):
-        "covered by tests, not by campaign rules (every front end has its engine's"
-        " frame-integrity setting): tests/runtime/test_attach_phase.py, test_reattach.py",
-    _key(ATTACH, _AS.AWAITING_MARKER, _AE.DEADLINE, _AS.OVERDUE):
-        "covered by tests, not by campaign rules (none loses an ATTACH or silences an engine"
-        " before its marker): tests/runtime/test_attach_phase.py, test_reattach.py",
-    _key(ATTACH, _AS.ATTACHED, _AE.SESSION_ENDED, _AS.ENDED):
-        "covered by tests, not by campaign rules (none breaks an --integrity link):"
-        " tests/runtime/test_attach_phase.py, test_reattach.py",
-    _key(SESSION, _SS.ATTACHED, _SE.ATTACH_ACCEPTED, _SS.ATTACHED):
-        "only a standalone engine has a second front end attach (--client standalone reaches"
-        " it at every handover)",
-    **{_key(SESSION, t.source, t.event, t.target): _SESSION_BY_TESTS
-       for t in SESSION.transitions if t.event is not _SE.ATTACH_ACCEPTED
-       or t.source not in (_SS.NO_FRONT_END, _SS.ATTACHED)},
-}
-
-
-# Engine-side machines reach the report only through a drained engine trace (an in-process
-# engine's records are in its client's trace as well).
-_ENGINE_MACHINES = (ENGINE.name, ENGINE_REQUEST.name, SESSION.name)
-_NOT_OBSERVED = ("not observed by this run: no client drained an engine trace that has this"
-                 " machine (an in-process engine records one with its client's trace, --client"
-                 " inproc; an engine process when ENGINEWIRE_ENGINE_TRACE is set, as campaigns"
-                 " set it, and only an engine process has a session; a factory's engine may"
-                 " keep none)")
-
-
-
-_ONE_ENGINE = ("not driven by this run: membership is the data-parallel client's (one engine"
-               " core per client here; --engines N drives it)")
-
-
-def _why_unreached(item: str, *, engine_observed: bool = True,
-                   data_parallel: bool = False, observed: frozenset[str] | None = None) -> str:
-    """Why ``item`` was never reached: its declared reason, else what this run did not do.
-    ``observed``: the machines with any step in the run (None: every engine-side machine
-    when ``engine_observed``, none otherwise)."""
-    m = re.fullmatch(r"(\S+) (\S+) -(\S+)-> (\S+)", item)
-    why = UNREACHED.get(m.groups()) if m else None  # type: ignore[arg-type]
-    if why is None and m is not None and not data_parallel and m.group(1) == MEMBERSHIP.name:
-        return _ONE_ENGINE
-    unseen = (m is not None and m.group(1) in _ENGINE_MACHINES
-              and (not engine_observed if observed is None else m.group(1) not in observed))
-    if why is None and unseen:
-        return _NOT_OBSERVED
-    return why or "NOT REACHED in this run: no reason declared (a gap; run longer or add a rule)"
-
 
 @dataclass
 class ClientResult:

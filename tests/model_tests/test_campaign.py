@@ -15,8 +15,9 @@ from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, Fi
 from enginewire.runtime import _mutants
 from enginewire.runtime.model import TINY_ARCH, null_token
 from enginewire.spec import ClientState
-from enginewire.testing.campaign import UNREACHED, _reproducer, _why_unreached, run_campaign
+from enginewire.testing.campaign import _reproducer, run_campaign
 from enginewire.testing.oracle import Coverage, Oracle, OracleViolation, null_tokens
+from enginewire.testing.unreached import UNREACHED, _why_unreached
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it
 
