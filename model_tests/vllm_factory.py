@@ -54,6 +54,7 @@ from ..spec.errors import (
     UtilityError,
     UtilityTimeoutError,
 )
+from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
 from ._conformance_driver import ClientUnderTest, NotApplicable, _LoopThread
 from .bounds import RULE_DEATH_BOUND_S
 
@@ -339,7 +340,9 @@ class VllmClientAdapter:
     def _check_add(self, req: EngineCoreRequest) -> Any:
         if req.request_id in self._live and not self._closed and \
                 not self._vc.resources.engine_dead:  # VLLM_CONTRACT["duplicate_ids"]
-            raise SpecViolation("ClientRequest", "LIVE", "ADD_REQUEST", "id already live")
+            # As our client's refusal reads: SEND is not allowed on a live request.
+            raise SpecViolation(CLIENT_REQUEST.name, ClientRequestState.SENT.name,
+                                ClientRequestEvent.SEND.name, None)
         return _to_vllm_request(req)
 
     def add_request(self, req: EngineCoreRequest) -> None:
