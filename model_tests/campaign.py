@@ -513,7 +513,8 @@ def run_campaign(
         if row.get("error"):
             print(f"mutant {mutant}: ERROR ({row['detail']})", file=sys.stderr)
             return MUTANT_ERROR
-        verdict = ("DETECTED" if row["detected"] else "not detected" if row["applicable"]
+        verdict = (f"DETECTED in {row['seconds']} s (example {row['examples']})"
+                   if row["detected"] else "not detected" if row["applicable"]
                    else "not applicable")
         print(f"mutant {mutant}: {verdict} ({row['detail']})")
         return 1 if row["detected"] else 0
@@ -721,10 +722,11 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
     """One campaign in a child process with the mutant switched on."""
     from ..runtime import _mutants
 
+    kind = _mutants.BANK[name].kind
     wanted = [k for k in kinds if k in _mutants.BANK[name].clients]
     if not wanted:
-        return {"mutant": name, "applicable": False, "detected": False, "examples": None,
-                "seconds": None,
+        return {"mutant": name, "kind": kind, "applicable": False, "detected": False,
+                "examples": None, "seconds": None, "wall_s": None,
                 "detail": f"no requested client can show it (needs {_mutants.BANK[name].clients})"}
     if model == "null":  # a mutant the null model cannot show runs on the model it needs
         model = _mutants.BANK[name].model
@@ -756,25 +758,30 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
     detected = rc == 1 and bool(failing)
     if rc is not None and not detected and (rc != 0 or not report):
         # The child crashed (an import error, a bug in the harness): no verdict either way.
-        return {"mutant": name, "applicable": True, "detected": False, "error": True,
-                "examples": None, "seconds": round(seconds, 1),
+        return {"mutant": name, "kind": kind, "applicable": True, "detected": False,
+                "error": True, "examples": None, "seconds": None, "wall_s": round(seconds, 1),
                 "detail": f"the campaign crashed (exit status {rc}): {_last_line(log)}; "
                           f"see {log}", "log": str(log)}
     if detected:
         first = failing[0]
-        ff = first.get("first_failure") or [first["examples"], seconds]
+        # Time to detection: from the child campaign's start, so the clients it ran first
+        # (each to its end, having found nothing) count; not the interpreter's start.
+        before = sum(float(c.get("seconds") or 0) for c in report["clients"][
+            :report["clients"].index(first)])
+        ff = first.get("first_failure") or [first["examples"], first.get("seconds") or 0]
         why = first["failure"]
         if why.startswith("Flaky") and first.get("errors"):
             # Hypothesis reported its replay as flaky (a mutant on a shared standalone engine
             # leaves it changed for the replay): the error that failed the example says more.
             why = f"{first['errors'][0]} (then {why.split(':')[0]})"
         detail = f"{first['client']}: {why[:160]}"
-        return {"mutant": name, "applicable": True, "detected": True, "examples": ff[0],
-                "seconds": round(float(ff[1]), 1), "client": first["client"],
+        return {"mutant": name, "kind": kind, "applicable": True, "detected": True,
+                "examples": ff[0], "seconds": round(before + float(ff[1]), 1),
+                "wall_s": round(seconds, 1), "client": first["client"],
                 "detail": detail, "log": str(log)}
     why = "timed out" if rc is None else f"exit status {rc}"
-    return {"mutant": name, "applicable": True, "detected": False, "examples": None,
-            "seconds": round(seconds, 1),
+    return {"mutant": name, "kind": kind, "applicable": True, "detected": False,
+            "examples": None, "seconds": None, "wall_s": round(seconds, 1),
             "detail": f"{why}; see {log}", "log": str(log)}
 
 
@@ -796,12 +803,17 @@ def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int 
         row = _run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
                           results_dir=results_dir)
         rows.append(row)
-        print(f"  {name:<40} {_verdict(row)}", flush=True)
-    print(f"\n{'mutant':<40} {'detected':<8} {'examples':>8} {'seconds':>8}  client")
+        found = f" in {row['seconds']} s ({row['client']})" if row["detected"] else ""
+        print(f"  {name:<44} {_verdict(row)}{found}", flush=True)
+    # "seconds": from the child campaign's start to its first detection; "wall": the whole
+    # child run, interpreter start, the failing example's end and the shutdown included.
+    print(f"\n{'mutant':<44} {'class':<11} {'detected':<8} {'examples':>8} {'seconds':>8}"
+          f" {'wall':>6}  client")
     for r in rows:
-        print(f"{r['mutant']:<40} {_verdict(r):<8} "
+        print(f"{r['mutant']:<44} {r['kind']:<11} {_verdict(r):<8} "
               f"{'' if r['examples'] is None else r['examples']:>8} "
-              f"{'' if r['seconds'] is None else r['seconds']:>8}  {r.get('client', '')}")
+              f"{'' if r['seconds'] is None else r['seconds']:>8} "
+              f"{'' if r['wall_s'] is None else r['wall_s']:>6}  {r.get('client', '')}")
     path = _new_report_path(results_dir, "mutants")
     path.write_text(json.dumps(rows, indent=2))
     applicable = [r for r in rows if r["applicable"]]

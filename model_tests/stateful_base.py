@@ -518,7 +518,8 @@ class CampaignMachine(RuleBasedStateMachine):
     def abort_mid_generation(self, k: int, mix: str) -> None:
         """Requests aborted once they generate (so they hold KV blocks), in one list that may
         mix in a finished, an unknown and repeated ids: each live one ends once, with ABORT
-        or a finish that raced it, nothing else changes, and the books balance after."""
+        or a finish that raced it (in-process nothing can race it: ABORT), nothing else
+        changes, and the books balance after."""
         with self._rule("abort_mid_generation", locals()):
             if self._full("abort_mid_generation", k):
                 return
@@ -538,14 +539,27 @@ class CampaignMachine(RuleBasedStateMachine):
                 self._poll(0.2)
             batch = list(ids)
             if mix == "mixed":
-                batch += [*self.oracle.finished_ids[:1], f"never-sent-{k}"]
+                # The ids the engine does not know come first: a list that stops at one of
+                # them (a `break` for a `continue`) leaves the live ones after it running.
+                batch = [*self.oracle.finished_ids[:1], f"never-sent-{k}", *batch]
             elif mix == "repeated":
                 batch += ids[::-1]
+            # Live when the abort goes (a small max_model_len can end one in the poll above).
+            live = [r for r in ids if not self.oracle.requests[r].finished]
             self.cut.abort_requests(batch)
             self.oracle.abort(batch)
             self._audit()
             self._drain(ids)
             self._audit()
+            if not self.multiprocess:
+                # The in-process abort reaches the engine before its next step: only ABORT can
+                # end a request that was live when it went.
+                for rid in live:
+                    m = self.oracle.requests[rid]
+                    if m.finish is not None and m.finish is not FinishReason.ABORT:
+                        raise OracleViolation(
+                            f"{rid!r} was aborted mid-generation (in {batch}) yet ended"
+                            f" {m.finish.name} after {len(m.tokens)} tokens: the abort was lost")
 
     def _closed_read_refused(self) -> bool:
         """On a shut-down client a read raises ClientClosedError: True when that was judged."""

@@ -466,6 +466,8 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._engine_lock:
+            if _mutants.active("add_after_shutdown_accepted") and self.is_closed:
+                return
             self._track_add(request)
             try:
                 try:

@@ -668,7 +668,7 @@ class EngineCore:
         assert executor is not None
         if st is S.SLEEPING:
             executor.wake_up([t for t in wanted if t in MEMORY_TAGS])
-            if executor.sleeping:
+            if executor.sleeping and not _mutants.active("partial_wake_reports_awake"):
                 lc.fire(E.WAKE_UP, PARTIAL)
                 return False
         if st is S.DRAINING:

@@ -465,6 +465,8 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 outs.append(self.finish(req, RE.ABORT, FinishReason.ABORT))
+            elif _mutants.active("abort_list_stops_at_unknown_id"):
+                break
         if outs:
             self.running = [r for r in self.running if not r.finished]
         return outs
@@ -802,6 +804,8 @@ class Scheduler:
 
     def _finish_on(self, req: Request, tok: int) -> EngineCoreOutput:
         """``tok`` ended ``req`` (a stop id, EOS or the length limit): finish it."""
+        if _mutants.active("stop_on_last_token_ends_length") and req.num_tokens >= req.stop_len:
+            return self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])
         if tok in req.stop_ids:
             return self.finish(req, RE.STOP, FinishReason.STOP, tok, None, [tok])
         if tok == req.eos:

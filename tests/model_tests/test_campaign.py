@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -142,8 +143,6 @@ def test_mutants_are_off_and_every_branch_names_a_mutant() -> None:
     assert len(_mutants.BANK) >= 10
     # active() is one comparison when off, so names are checked here, statically: every
     # branch in the runtime names a mutant of the bank, and every mutant has a branch.
-    import re
-
     runtime = Path(_mutants.__file__).parent
     used = set()
     for src in runtime.glob("*.py"):
@@ -151,6 +150,18 @@ def test_mutants_are_off_and_every_branch_names_a_mutant() -> None:
             continue
         used |= set(re.findall(r'_mutants\.active\("([a-z_]+)"\)', src.read_text()))
     assert used == set(_mutants.BANK), used ^ set(_mutants.BANK)
+
+
+def test_every_class_of_bug_has_a_mutant() -> None:
+    # Issue #30: the bank holds at least 25 seeded bugs, at least one of each class.
+    assert len(_mutants.BANK) >= 25
+    by_kind: dict[str, list[str]] = {}
+    for m in _mutants.BANK.values():
+        by_kind.setdefault(m.kind, []).append(m.name)
+    assert set(by_kind) == set(_mutants.KINDS), set(_mutants.KINDS) - set(by_kind)
+    # A row without a declared class fails where it is written, naming the classes.
+    with pytest.raises(ValueError, match="is not a class of the bank; give one of quiescence"):
+        _mutants.Mutant("x", "a bug", ("inproc",), kind="typo")
 
 
 def test_unknown_mutant_in_env_fails_the_import(tmp_path: Path) -> None:
@@ -204,7 +215,8 @@ def test_bounded_campaign(client: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(_mutants.BANK))
-def test_mutant_is_detected(name: str, tmp_path: Path) -> None:
+def test_mutant_is_detected(name: str, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
     """The mutant table, one row per test: the campaign must find every seeded bug."""
     # The attach-path mutants run on one engine that front ends take turns on, some rules of
     # which need a handover of a given kind first: they get more examples. So does an abort
@@ -221,6 +233,9 @@ def test_mutant_is_detected(name: str, tmp_path: Path) -> None:
     made = ("state = StandaloneEngineStateMachine(pool" if _mutants.BANK[name].clients ==
             ("standalone",) else "state = EngineClientStateMachine(factory")
     assert failing and made in failing[0]["reproducer"]
+    # The verdict says how long the campaign took to find it, and in which example.
+    assert re.search(rf"mutant {name}: DETECTED in [0-9.]+ s \(example [0-9]+\)",
+                     capsys.readouterr().out)
 
 
 # --- front ends taking turns on an engine started on its own -----------------------------------
