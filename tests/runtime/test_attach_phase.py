@@ -32,6 +32,7 @@ from enginewire.runtime.engine_proc import EngineCoreProc, _Control
 from enginewire.spec import (
     ATTACH,
     SESSION,
+    AttachEvent,
     AttachState,
     SessionState,
     TraceEntry,
@@ -148,12 +149,15 @@ def test_a_silent_engine_makes_the_marker_overdue(tmp_path: Path) -> None:
 def test_a_marker_after_the_deadline_changes_nothing(tmp_path: Path) -> None:
     """The monitor and the reader race for the phase: whichever moves it first wins, and the
     other's event is not fired (no SpecViolation on a reader thread)."""
-    with scripted_engine(tmp_path, ready_timeout_s=0.3) as (client, _dealer, push, session):
+    with scripted_engine(tmp_path, ready_timeout_s=0.3) as (client, _dealer, _push, _s):
         with pytest.raises(EngineDeadError):
             client.get_output(timeout=BOUND_S)
-        _send(push, EngineCoreOutputs(session=session, timestamp=1.0))
-        time.sleep(0.1)
+        steps = len(client.trace)
+        # The reader's step for a marker that lands now: refused, nothing recorded.
+        assert client._attach_step(AttachEvent.MARKER) is False
+        assert client._attach_step(AttachEvent.DEADLINE) is False
         assert client.attach_phase.state is AttachState.OVERDUE
+        assert client._attaching is None and len(client.trace) == steps
 
 
 # -- the engine's session, on an engine core in this process -----------------------------------
