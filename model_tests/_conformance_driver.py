@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import enum
 import os
 import signal
 import threading
 import time
 import unittest
-from collections.abc import Callable, Coroutine
+from collections import Counter
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,7 +39,14 @@ from ..spec import (
     TraceEntry,
     validate_trace,
 )
-from ._harness import wait_until
+from ._harness import (
+    LEAK_KINDS,
+    RELEASE_BOUND_S,
+    ResourceSnapshot,
+    fd_targets,
+    left_behind,
+    wait_until,
+)
 from .bounds import DEATH_BOUND_S
 
 CLIENT_KINDS = ("inproc", "sync", "async")
@@ -248,6 +257,89 @@ ClientFactory = Callable[..., ClientUnderTest]
 """``factory(**options) -> ClientUnderTest``: a fresh client; it honours ``config=``,
 ``engine_startup_delay_s=`` and ``engine_fault=`` or raises ``NotApplicable`` (module
 docstring)."""
+
+
+
+
+# --- a factory's declared contract ---------------------------------------------------------
+
+
+class Declared(enum.StrEnum):
+    """Differences from enginewire's contract a ``ClientFactory`` may declare, as
+    ``factory.contract`` (a mapping of name to why), that the harness itself follows. A
+    factory of a client that is not enginewire's (``vllm_factory``) names what its client
+    does differently instead of having its adapter hide it; the harness then judges by the
+    declaration and says so (a cell not applicable, a leak excused), never silently. A
+    factory may declare other names too: only its own adapter reads those."""
+
+    # The client never declares a silent engine dead (it has no heartbeat deadline): it
+    # refuses ``engine_heartbeat_timeout_s``; the fault matrix leaves the option out and
+    # reports a cell only that deadline could end (a SIGSTOP after the handshake) as n/a.
+    NO_HEARTBEAT_DEADLINE = "no_heartbeat_deadline"
+    # Its wire has no integrity trailers: it refuses ``frame_integrity=True``; frame cells
+    # run without them, and those whose fault only the trailers detect (loss, reorder,
+    # duplication, bit flips) are n/a.
+    NO_FRAME_INTEGRITY = "no_frame_integrity"
+    # Its wire has no ATTACH and no attach marker: the lost-attach frame cells are n/a.
+    NO_ATTACH_HANDSHAKE = "no_attach_handshake"
+    # An engine that dies before its ready is seen only at the ready deadline (the client
+    # watches no process while it attaches): start-up death cells get the hung-start-up
+    # cells' ready deadline and bound.
+    STARTUP_DEATH_AT_READY_DEADLINE = "startup_death_at_ready_deadline"
+    # shutdown() leaves the client's libzmq context open (its io threads' eventfd and
+    # eventpoll fds) until the client object is collected: leak checks excuse fds of
+    # exactly those kinds (``ZMQ_CONTEXT_FDS``), nothing else.
+    ZMQ_CONTEXT_OUTLIVES_SHUTDOWN = "zmq_context_outlives_shutdown"
+    # Frames are vLLM 0.33's (reference §2.3-§2.5), not enginewire's: the interposer reads
+    # their kinds by vLLM's layout.
+    VLLM_WIRE = "vllm_wire"
+
+
+# What an open libzmq context holds: an eventpoll and a mailbox eventfd per io thread and
+# for its reaper, and its own mailbox eventfd (no inode number in the link's name).
+ZMQ_CONTEXT_FDS = frozenset({"anon_inode:[eventfd]", "anon_inode:[eventpoll]"})
+
+
+def declared_contract(factory: Any) -> Mapping[str, str]:
+    """``factory.contract`` (name -> why: ``Declared`` names and the factory's own), or an
+    empty mapping for a factory that declares nothing (every built-in one)."""
+    contract = getattr(factory, "contract", None)
+    if contract is None:
+        return {}
+    if not isinstance(contract, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in contract.items()):
+        raise TypeError(f"{factory!r}.contract must map names to why (str -> str),"
+                        f" got {contract!r}")
+    return contract
+
+
+def declared_reason(contract: Mapping[str, str], name: Declared) -> str:
+    """The sentence a result carries when the harness followed ``name``."""
+    return f"declared by the factory ({name.value}): {contract[name.value]}"
+
+
+def left_behind_as_declared(before: ResourceSnapshot, contract: Mapping[str, str], *,
+                            bound: float = RELEASE_BOUND_S,
+                            kinds: Collection[str] = LEAK_KINDS) -> dict[str, Any]:
+    """``left_behind``, except what ``contract`` declares is left: with
+    ``ZMQ_CONTEXT_OUTLIVES_SHUTDOWN``, new fds of the ``ZMQ_CONTEXT_FDS`` kinds only."""
+    if Declared.ZMQ_CONTEXT_OUTLIVES_SHUTDOWN not in contract or "fds" not in kinds:
+        return left_behind(before, bound=bound, kinds=kinds)
+    leaks = left_behind(before, bound=bound, kinds=[k for k in kinds if k != "fds"])
+
+    def names(targets: Counter[str]) -> Counter[str]:
+        # A file unlinked since the snapshot is the same fd under a new name.
+        return Counter(t.removesuffix(" (deleted)") for t in targets.elements())
+
+    def only_context_fds() -> bool:
+        new = names(fd_targets()) - names(before.fd_targets)
+        return all(t in ZMQ_CONTEXT_FDS for t in new)
+
+    if not wait_until(only_context_fds, bound, poll=0.05):
+        import psutil
+
+        leaks["fds"] = max(1, psutil.Process().num_fds() - before.fds)
+    return leaks
 
 
 def open_client(

@@ -33,7 +33,12 @@ Your own client (``factory=``, ``enginewire faults matrix --factory MODULE:FUNCT
 gets. One client it builds as configured comes first (``_probe_factory``): its kind says which
 cells apply, and its clean run of the matrix's request gives the reference tokens. A cell whose
 options the factory refuses (``NotApplicable``) is ``NOT_APPLICABLE``: in the table and the
-JSON, neither passed nor failed.
+JSON, neither passed nor failed. A factory may also declare where its client's contract
+differs (``factory.contract``, names of ``Declared`` in _conformance_driver.py): the matrix
+then leaves out an option it declares unsupported, reports a cell only that option could
+judge as not applicable (``declared_away``, the declaration in the detail), waits the ready
+deadline where a start-up death is declared seen only there, and excuses a declared
+leftover in the leak check.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,7 +79,13 @@ from ._cells import (
     run_tokens,
     utility,
 )
-from ._harness import ResourceSnapshot, left_behind
+from ._conformance_driver import (
+    Declared,
+    declared_contract,
+    declared_reason,
+    left_behind_as_declared,
+)
+from ._harness import ResourceSnapshot
 from .bounds import DEATH_BOUND_S
 
 if TYPE_CHECKING:
@@ -166,12 +177,34 @@ def expected_outcome(cell: Cell) -> Outcome:
     return Outcome.DEAD
 
 
-def latency_bound(cell: Cell) -> float:
-    if cell.fault.action is FaultAction.SIGSTOP and cell.fault.point is FaultPoint.BEFORE_READY:
+def _start_seen_at_ready_deadline(cell: Cell, contract: Mapping[str, str]) -> bool:
+    """A hang before the handshake, or (where the factory declares that its client watches
+    no process while it attaches) any death there: only the ready deadline can show it."""
+    f = cell.fault
+    if f.point is not FaultPoint.BEFORE_READY or f.action is FaultAction.DELAY:
+        return False
+    return f.action is FaultAction.SIGSTOP or (
+        Declared.STARTUP_DEATH_AT_READY_DEADLINE in contract)
+
+
+def latency_bound(cell: Cell, contract: Mapping[str, str] | None = None) -> float:
+    if _start_seen_at_ready_deadline(cell, contract or {}):
         # No heartbeat before the handshake (a build may take seconds): the ready deadline
         # turns this hang into a startup error, not a death.
         return STARTUP_HANG_READY_S + 2.0
     return DEATH_BOUND_S
+
+
+def declared_away(cell: Cell, contract: Mapping[str, str]) -> str | None:
+    """Why ``cell`` cannot judge a client whose factory declares ``contract`` (``Declared``),
+    or None: a SIGSTOP after the handshake is seen only by a heartbeat deadline, which a
+    client declaring ``NO_HEARTBEAT_DEADLINE`` does not have (at shutdown the cell judges the
+    shutdown's bound, which needs none)."""
+    f = cell.fault
+    if (Declared.NO_HEARTBEAT_DEADLINE in contract and f.action is FaultAction.SIGSTOP
+            and f.point is not FaultPoint.BEFORE_READY and cell.scenario is not Scenario.SHUTDOWN):
+        return declared_reason(contract, Declared.NO_HEARTBEAT_DEADLINE)
+    return None
 
 
 def _applies(client: str, scenario: Scenario, point: FaultPoint, action: FaultAction) -> bool:
@@ -267,6 +300,8 @@ def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
                                    shutdown_timeout_s=SHUTDOWN_TIMEOUT_S,
                                    ready_timeout_s=ready_timeout_s)
     if factory is not None:
+        if Declared.NO_HEARTBEAT_DEADLINE in declared_contract(factory):
+            del options["engine_heartbeat_timeout_s"]  # the cells that need it are n/a
         return build_with(factory, **options)
     return open_client(cell.client, config, **options)
 
@@ -279,7 +314,15 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
     gets); a refusal is ``NOT_APPLICABLE``. ``reference``: a clean run's tokens (default: an
     in-process run of ``config``)."""
     expected = expected_outcome(cell)
-    record = Path(tempfile.mkstemp(prefix="fault-", suffix=".log", dir=workdir)[1])
+    contract = declared_contract(factory) if factory is not None else {}
+    away = declared_away(cell, contract)
+    if away is not None:
+        return _not_applicable(cell.name, cell.client, cell.scenario.value,
+                               cell.fault.point.value, cell.fault.action.value,
+                               expected.value, away)
+    fd, name = tempfile.mkstemp(prefix="fault-", suffix=".log", dir=workdir)
+    os.close(fd)  # the engine writes it; held open here, it was one fd per cell for the run
+    record = Path(name)
     plan = FaultPlan(faults=[cell.fault], record_path=str(record))
     reference = reference if reference is not None else reference_tokens(config)
     before = ResourceSnapshot.take()
@@ -287,8 +330,7 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
     deadline = start + CELL_BOUND_S - 10.0
     cut: Any = None
     outcome, detail, seen_at = Outcome.HANG, "", None
-    ready_s = (STARTUP_HANG_READY_S if cell.fault.point is FaultPoint.BEFORE_READY
-               and cell.fault.action is FaultAction.SIGSTOP else 60.0)
+    ready_s = STARTUP_HANG_READY_S if _start_seen_at_ready_deadline(cell, contract) else 60.0
     try:
         try:
             cut = _open(cell, config, plan, ready_s, factory)
@@ -331,12 +373,13 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
         latency = max(0.0, seen_at - fired) * 1000.0
     with contextlib.suppress(OSError):
         record.unlink()
-    leaks = left_behind(before)
+    leaks = left_behind_as_declared(before, contract)
     outcome, detail = clean_refusal(outcome, detail, leaks)
     passed = outcome is expected and not leaks and wall <= CELL_BOUND_S
-    if passed and latency is not None and latency > latency_bound(cell) * 1000.0:
+    bound = latency_bound(cell, contract)
+    if passed and latency is not None and latency > bound * 1000.0:
         passed = False
-        detail = f"detected after {latency:.0f} ms (bound {latency_bound(cell) * 1000:.0f})"
+        detail = f"detected after {latency:.0f} ms (bound {bound * 1000:.0f})"
     return CellResult(
         cell=cell.name, client=cell.client, scenario=cell.scenario.value,
         point=cell.fault.point.value, action=cell.fault.action.value,

@@ -14,7 +14,9 @@ frame, the ready handshake included, crosses the proxy:
 One thread owns the four sockets. Each message is matched against the ``FrameRule`` list by
 direction, kind and probability (one ``random.Random(seed)``, so a seed replays a run) and is
 then forwarded, dropped, delayed, duplicated, held back behind the next message (reorder),
-truncated or bit-flipped. ``events`` records every rule applied, for the report.
+truncated or bit-flipped. ``events`` records every rule applied, for the report. Kinds are
+read from enginewire's frames, or with ``wire="vllm"`` from vLLM 0.33's (``WIRES``: the
+frame cells do so for a factory declaring ``Declared.VLLM_WIRE``, docs/vllm.md).
 
 ZMQ over ipc neither loses nor reorders, so the spec requires every one of these to end as a
 *detected* outcome (``ProtocolError``/dead engine, ERROR finish, failed utility), never a hang
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +50,13 @@ from ..runtime.faults import as_member, check_count, check_real
 from ..runtime.integrity import DEFAULT_LOSS_DEADLINE_S
 from . import _cells as cells
 from ._cells import Outcome
-from ._harness import ResourceSnapshot, left_behind
+from ._conformance_driver import (
+    Declared,
+    declared_contract,
+    declared_reason,
+    left_behind_as_declared,
+)
+from ._harness import ResourceSnapshot
 from .bounds import DEATH_BOUND_S
 
 __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
@@ -126,10 +135,37 @@ _TYPE_KINDS = {RequestType.ADD.value: FrameKind.ADD, RequestType.ABORT.value: Fr
 _shallow = msgspec.msgpack.Decoder()
 
 
-def _kind_to_client(frames: list[bytes], handshake: bool) -> FrameKind:
+@dataclass(frozen=True)
+class _OutputsLayout:
+    """Where a wire's batch of outputs (a positional msgpack array, trailing defaults
+    omitted) keeps what its kind is read from, and that wire's dead sentinel."""
+
+    sentinel: bytes
+    utility: int
+    outputs: int = 1
+    stream: int | None = None
+    session: int | None = None
+
+
+# The request type bytes are the same on both (vLLM's ADD 0x00, ABORT 0x01, UTILITY 0x03,
+# reference §2.2); vLLM's clients send no 0x04.
+WIRES = {
+    # EngineCoreOutputs: [engine_index, outputs, timestamp, finished, stats, utility_output,
+    # stream_ids, stream_tokens, session]. Tokens come as output structs, as the columnar
+    # stream lists, or both.
+    "enginewire": _OutputsLayout(ENGINE_DEAD_SENTINEL, utility=5, stream=6, session=8),
+    # vLLM 0.33's (reference §2.5): [engine_index, outputs, scheduler_stats, timestamp,
+    # utility_output, finished_requests, wave_complete, start_wave, weight_version]; its
+    # sentinel is runtime/vllm_wire.py's VLLM_DEAD_SENTINEL (tests/vllm pins both).
+    "vllm": _OutputsLayout(b"ENGINE_CORE_DEAD", utility=4),
+}
+
+
+def _kind_to_client(frames: list[bytes], handshake: bool,
+                    layout: _OutputsLayout = WIRES["enginewire"]) -> FrameKind:
     if handshake:
         return FrameKind.READY
-    if len(frames) == 1 and frames[0] == ENGINE_DEAD_SENTINEL:
+    if len(frames) == 1 and frames[0] == layout.sentinel:
         return FrameKind.SENTINEL
     try:
         value = _shallow.decode(frames[0])
@@ -137,14 +173,15 @@ def _kind_to_client(frames: list[bytes], handshake: bool) -> FrameKind:
         return FrameKind.OTHER
     if not isinstance(value, list):
         return FrameKind.OTHER
-    # EngineCoreOutputs is positional: [engine_index, outputs, timestamp, finished, stats,
-    # utility_output, stream_ids, stream_tokens, session]; trailing defaults are omitted.
-    # Tokens come as output structs, as the columnar stream lists, or both.
-    if len(value) >= 6 and value[5] is not None:
+
+    def at(i: int | None) -> Any:
+        return value[i] if i is not None and len(value) > i else None
+
+    if at(layout.utility) is not None:
         return FrameKind.UTILITY
-    if len(value) >= 9 and value[8] is not None:
+    if at(layout.session) is not None:
         return FrameKind.ATTACH
-    if (len(value) >= 2 and value[1]) or (len(value) >= 7 and value[6]):
+    if at(layout.outputs) or at(layout.stream):
         return FrameKind.TOKENS
     return FrameKind.HEARTBEAT
 
@@ -179,6 +216,8 @@ class Interposer:
     # The engine it stands in for: its identity on the client's ROUTER (a data-parallel
     # client's engine i answers as i).
     engine_index: int = 0
+    # Whose frames it reads kinds from (``WIRES``): enginewire's, or vLLM 0.33's.
+    wire: str = "enginewire"
     events: list[tuple[str, str, str]] = field(default_factory=list)
     # time.monotonic() of each entry in ``events``: detection latency starts there.
     applied_at: list[float] = field(default_factory=list)
@@ -197,6 +236,9 @@ class Interposer:
                 0 <= self.engine_index < 1 << 16):
             raise ValueError(f"Interposer.engine_index={self.engine_index!r}: must be an"
                              " integer in [0, 65535]")
+        if self.wire not in WIRES:
+            raise ValueError(f"Interposer.wire={self.wire!r}: must be one of {sorted(WIRES)}")
+        self._layout = WIRES[self.wire]
         self._identity = self.engine_index.to_bytes(2, "little")
         self._rng = random.Random(self.seed)
         self._states = [_RuleState(r) for r in self.rules]
@@ -379,12 +421,15 @@ class Interposer:
                 action = rule.action if rule else None
                 # The handshake travels on the input pair; tag it so send() routes it back.
                 tag = [b"\x00READY"] if kind is FrameKind.READY else []
-                # A request's payload follows its type byte in the first frame.
-                payload_start = 1 if direction is Direction.TO_ENGINE else 0
+                # A request's payload follows its type byte: in the first frame
+                # (enginewire's), or as the next frame (vLLM's, reference §2.3).
+                index, payload_start = 0, 1 if direction is Direction.TO_ENGINE else 0
+                if payload_start and len(frames) > 1 and len(frames[0]) == 1:
+                    index, payload_start = 1, 0
                 if action is FrameAction.DROP:
                     return
                 if action in (FrameAction.TRUNCATE, FrameAction.BITFLIP):
-                    frames = self._mangle(frames, 0, payload_start, action)
+                    frames = self._mangle(frames, index, payload_start, action)
                 out = [*tag, *frames]
                 if action is FrameAction.DELAY:
                     assert rule is not None
@@ -414,7 +459,8 @@ class Interposer:
                     forward(Direction.TO_CLIENT, frames, FrameKind.READY)
                 if eng_out in events:
                     frames = eng_out.recv_multipart()
-                    forward(Direction.TO_CLIENT, frames, _kind_to_client(frames, False))
+                    forward(Direction.TO_CLIENT, frames,
+                            _kind_to_client(frames, False, self._layout))
                 if cli_in in events:
                     frames = cli_in.recv_multipart()
                     kind = _TYPE_KINDS.get(frames[0][:1] if frames else b"", FrameKind.OTHER)
@@ -438,38 +484,39 @@ def interposer_cells(clients: list[str], quick: bool, config: Any, *, factory: A
     if not kinds:
         return []
     detected = {Outcome.DEAD, Outcome.ERROR_OUTPUT, Outcome.UTILITY_ERROR}
-    specs: list[tuple[FrameRule, set[Outcome]]] = [
+    # (rule, outcomes allowed, whether only the integrity trailers detect it)
+    specs: list[tuple[FrameRule, set[Outcome], bool]] = [
         (FrameRule(action=FrameAction.DELAY, direction=Direction.TO_CLIENT,
-                   kind=FrameKind.TOKENS, count=None, delay_s=0.05), {Outcome.OK}),
+                   kind=FrameKind.TOKENS, count=None, delay_s=0.05), {Outcome.OK}, False),
         (FrameRule(action=FrameAction.DELAY, direction=Direction.TO_CLIENT,
-                   kind=FrameKind.READY, delay_s=0.3), {Outcome.OK}),
+                   kind=FrameKind.READY, delay_s=0.3), {Outcome.OK}, False),
         (FrameRule(action=FrameAction.TRUNCATE, direction=Direction.TO_CLIENT,
-                   kind=FrameKind.TOKENS, skip=1), detected),
+                   kind=FrameKind.TOKENS, skip=1), detected, False),
         (FrameRule(action=FrameAction.DUPLICATE, direction=Direction.TO_ENGINE,
-                   kind=FrameKind.ADD), detected),
+                   kind=FrameKind.ADD), detected, False),
         (FrameRule(action=FrameAction.TRUNCATE, direction=Direction.TO_ENGINE,
-                   kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}),
+                   kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}, False),
     ]
     # Loss, reorder and corruption are detected by the integrity trailers (seq/ack/CRC,
     # runtime/integrity.py), which every interposer cell turns on.
     specs += [
         (FrameRule(action=FrameAction.BITFLIP, direction=Direction.TO_CLIENT,
-                   kind=FrameKind.TOKENS, skip=1), detected),
+                   kind=FrameKind.TOKENS, skip=1), detected, True),
         (FrameRule(action=FrameAction.DROP, direction=Direction.TO_ENGINE,
-                   kind=FrameKind.ADD), detected),
+                   kind=FrameKind.ADD), detected, True),
     ]
     if not quick:
         specs += [
             (FrameRule(action=FrameAction.TRUNCATE, direction=Direction.TO_ENGINE,
-                       kind=FrameKind.ADD), detected),
+                       kind=FrameKind.ADD), detected, True),
             (FrameRule(action=FrameAction.BITFLIP, direction=Direction.TO_ENGINE,
-                       kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}),
+                       kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}, True),
             (FrameRule(action=FrameAction.DROP, direction=Direction.TO_CLIENT,
-                       kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}),
+                       kind=FrameKind.UTILITY), detected | {Outcome.TIMEOUT}, False),
         ]
         specs += [
             (FrameRule(action=a, direction=d, kind=k, skip=1 if k is FrameKind.TOKENS else 0),
-             detected)
+             detected, True)
             for d, k in ((Direction.TO_CLIENT, FrameKind.TOKENS),
                          (Direction.TO_ENGINE, FrameKind.ADD))
             for a in (FrameAction.DROP, FrameAction.REORDER, FrameAction.BITFLIP,
@@ -478,9 +525,9 @@ def interposer_cells(clients: list[str], quick: bool, config: Any, *, factory: A
         ]
     cells = []
     for kind in kinds if not quick else kinds[:1]:
-        for rule, ok in specs:
+        for rule, ok, trailers in specs:
             cells.append(_InterposerCell(kind, rule, frozenset(ok), config, factory=factory,
-                                         reference=reference))
+                                         reference=reference, needs_integrity=trailers))
     # A lost ATTACH (to the engine) or attach marker (back): every message is then dropped
     # as "before the marker", so only the marker's deadline can end it. Dead, and by that
     # deadline: not by the heartbeat (a live engine keeps beating) nor the loss deadline (no
@@ -519,6 +566,17 @@ class _InterposerCell:
     # run of it gives; None: the built-in client of ``client`` on ``config``.
     factory: Any = None
     reference: list[int] | None = None
+    # Only the integrity trailers detect this fault (a factory declaring NO_FRAME_INTEGRITY
+    # cannot run it).
+    needs_integrity: bool = True
+
+    def declared_away(self, contract: Mapping[str, str]) -> str | None:
+        """Why this cell cannot judge a client whose factory declares ``contract``."""
+        if self.rule.kind is FrameKind.ATTACH and Declared.NO_ATTACH_HANDSHAKE in contract:
+            return declared_reason(contract, Declared.NO_ATTACH_HANDSHAKE)
+        if self.needs_integrity and Declared.NO_FRAME_INTEGRITY in contract:
+            return declared_reason(contract, Declared.NO_FRAME_INTEGRITY)
+        return None
 
     @property
     def latency_bound_s(self) -> float:
@@ -542,10 +600,19 @@ class _InterposerCell:
         from .conformance import open_client
 
         expected = "|".join(sorted(o.value for o in self.allowed))
+        contract = declared_contract(self.factory) if self.factory is not None else {}
+        away = self.declared_away(contract)
+        if away is not None:
+            return cells.CellResult(cell=self.name, client=self.client, scenario="frames",
+                                    point=f"{self.rule.direction}:{self.rule.kind}",
+                                    action=str(self.rule.action), expected=expected,
+                                    outcome=Outcome.NOT_APPLICABLE.value, passed=False,
+                                    detail=away[:300])
         before = ResourceSnapshot.take()
         start = time.monotonic()
         outcome, detail, seen_at = Outcome.HANG, "", None
-        proxy = Interposer([self.rule], seed=self.seed).start()
+        wire = "vllm" if Declared.VLLM_WIRE in contract else "enginewire"
+        proxy = Interposer([self.rule], seed=self.seed, wire=wire).start()
         cut = None
         try:
             client_dir = tempfile.mkdtemp(prefix="enginewire-ipc-", dir=workdir)
@@ -555,10 +622,14 @@ class _InterposerCell:
             if self.heartbeat:
                 beat = dict(engine_heartbeat_timeout_s=cells.HEARTBEAT_TIMEOUT_S,
                             engine_heartbeat_interval_s=cells.HEARTBEAT_INTERVAL_S)
+            if Declared.NO_HEARTBEAT_DEADLINE in contract:
+                beat.pop("engine_heartbeat_timeout_s", None)
             options: dict[str, Any] = dict(
                 input_address=inp, output_address=out, engine_connect=proxy.engine_addresses,
                 frame_integrity=True, **beat, shutdown_timeout_s=cells.SHUTDOWN_TIMEOUT_S,
                 ready_timeout_s=self.ready_timeout_s)
+            if Declared.NO_FRAME_INTEGRITY in contract:
+                del options["frame_integrity"]  # the cells that need it are n/a
             try:
                 # A factory that cannot take the proxy's addresses refuses them: not applicable.
                 cut = (cells.build_with(self.factory, **options) if self.factory is not None
@@ -581,7 +652,7 @@ class _InterposerCell:
                 with contextlib.suppress(Exception):
                     cut.shutdown()
             proxy.close()
-        leaks = left_behind(before)
+        leaks = left_behind_as_declared(before, contract)
         outcome, detail = cells.clean_refusal(outcome, detail, leaks)
         wall = time.monotonic() - start
         passed = outcome in self.allowed and not leaks

@@ -10,12 +10,13 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import conformance as cf
-from ._harness import exited, wait_until
+from ._conformance_driver import Declared, declared_contract, left_behind_as_declared
+from ._harness import describe_leaks, exited, wait_until
 from .bounds import WAIT_S, check_shutdown_took
 from .conformance_breaking import _ORPHAN_SCRIPT
 from .oracle import OracleViolation, ResourceSnapshot, check_released
@@ -105,6 +106,9 @@ class _Live:
     before: ResourceSnapshot
     engine_pid: int | None
     ipc_path: str | None
+    # What its factory declares (``declared_contract`` (_conformance_driver.py)): the release check
+    # follows it (a declared leftover is excused, by kind).
+    contract: Mapping[str, str] = field(default_factory=dict)
 
 
 class ClientPool:
@@ -131,7 +135,8 @@ class ClientPool:
         self.stats.seconds["(engine start)"] += time.monotonic() - start
         res = getattr(cut.client, "resources", None)
         ipc = getattr(getattr(res, "ipc_dir", None), "path", None)
-        return _Live(cut, before, cut.engine_pid, None if ipc is None else str(ipc))
+        return _Live(cut, before, cut.engine_pid, None if ipc is None else str(ipc),
+                     declared_contract(self.factory))
 
     def release(self, live: _Live) -> None:
         if self._idle is not None:
@@ -151,7 +156,14 @@ def close_and_check(live: _Live, *, check: bool = True) -> float:
     took = time.monotonic() - start
     if check:
         check_shutdown_took(took)
-        check_released(live.before, engine_pid=live.engine_pid, ipc_path=live.ipc_path)
+        declared = Declared.ZMQ_CONTEXT_OUTLIVES_SHUTDOWN in live.contract
+        check_released(live.before, engine_pid=live.engine_pid, ipc_path=live.ipc_path,
+                       threads_fds=not declared)
+        if declared:  # threads and fds, less the leftover the factory declares
+            leaks = left_behind_as_declared(live.before, live.contract,
+                                            kinds=("threads", "fds"))
+            if leaks:
+                raise OracleViolation("; ".join(describe_leaks(leaks, live.before)))
     return took
 
 

@@ -8,12 +8,26 @@ Rule 1: vLLM's client code runs unmodified. Each client is vLLM's own class, att
 ``CoreEngineProcManager`` for it: vLLM's own monitor thread (``start_engine_core_monitor``)
 watches it, so death is detected as in vLLM's engine-managed mode (reference §3.5).
 Rule 2: the adapter only translates. ``VllmClientAdapter`` turns enginewire's requests into
-vLLM's, vLLM's outputs and errors into enginewire's, and gives the blocking-with-timeout
-surface the driver calls. Where vLLM's documented contract differs from enginewire's, the
-difference is declared in ``VLLM_CONTRACT`` and the adapter follows the declaration (and
-nothing else): it is the layer vLLM puts above its client (``InputProcessor``,
-``AsyncLLM.errored``). Anything not declared is passed through as vLLM does it, so the
-campaign and the fault matrix judge vLLM's behaviour by enginewire's spec.
+vLLM's, vLLM's outputs and errors into enginewire's (types only: a decode error is a
+``ProtocolError``, a missed ready an ``EngineStartupError``), and gives the
+blocking-with-timeout surface the driver calls.
+Rule 3: differences are declared, as data. Where vLLM's documented contract differs from
+enginewire's, ``VLLM_CONTRACT`` names the difference, and the factories carry it as
+``contract``. The names of ``Declared`` (_conformance_driver.py) are followed by the
+harness itself (the fault matrix leaves out an option vLLM lacks and reports the cells only
+it could judge as not applicable; the interposer reads vLLM's frames; the release check
+excuses the zmq context vLLM leaves open); the others by the adapter, playing the layer
+vLLM puts above its client (``InputProcessor``, ``AsyncLLM.errored``). Anything not
+declared is passed through as vLLM does it, so the campaign and the fault matrix judge
+vLLM's behaviour by enginewire's spec.
+
+Options (the ``ClientFactory`` contract and the matrix's): ``config``, ``engine_fault``,
+``engine_startup_delay_s``, ``engine_heartbeat_interval_s``, ``ready_timeout_s`` (vLLM's
+``VLLM_ENGINE_READY_TIMEOUT_S``), ``shutdown_timeout_s`` (what vLLM's ``shutdown(timeout)``
+gives its engine manager), ``input_address``/``output_address`` (vLLM's
+``client_addresses``) with ``engine_connect`` (where the engine connects instead: the
+interposer's pair) and ``frame_integrity=False`` are honoured; ``engine_heartbeat_timeout_s``,
+``frame_integrity=True``, ``curve`` and anything unknown are refused (``NotApplicable``).
 
 Use (needs vLLM importable; the CLI loads these by name)::
 
@@ -31,7 +45,6 @@ import os
 import queue
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +52,8 @@ import threading
 import time
 import types
 from typing import Any
+
+import msgspec
 
 from ..protocol.messages import (
     EngineCoreOutput,
@@ -50,19 +65,25 @@ from ..spec.client import ClientState
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
+    EngineStartupError,
+    ProtocolError,
     SpecViolation,
     UtilityError,
     UtilityTimeoutError,
 )
 from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
-from ._conformance_driver import ClientUnderTest, NotApplicable, _LoopThread
+from ._conformance_driver import ClientUnderTest, Declared, NotApplicable, _LoopThread
 from .bounds import RULE_DEATH_BOUND_S
 
-__all__ = ["VLLM_CONTRACT", "VllmClientAdapter", "vllm_async", "vllm_available", "vllm_sync"]
+__all__ = ["VLLM_CONTRACT", "VllmClientAdapter", "VllmFactory", "vllm_async", "vllm_available",
+           "vllm_sync"]
 
-# Where vLLM 0.33's contract differs from enginewire's, and what the adapter does about it.
-# Each key names the difference; the value says vLLM's side (reference section) and the
-# adapter's answer. Findings that are only these are not bugs (docs/vllm.md).
+# Where vLLM 0.33's contract differs from enginewire's. Each key names the difference; the
+# value says vLLM's side (reference section) and who follows it. The ``Declared`` names are
+# read by the harness itself (``Declared``, _conformance_driver.py: the fault matrix, the
+# interposer, the campaign's release check); the others by this module's adapter, which
+# plays the layer vLLM puts above its client. Findings that are only these are not bugs
+# (docs/vllm.md).
 VLLM_CONTRACT: dict[str, str] = {
     "closed_is_dead": "vLLM has one error for a dead and a shut-down client (EngineDeadError"
                       " from ensure_alive, §1.4/§3.6): after the adapter's own shutdown() it"
@@ -82,20 +103,47 @@ VLLM_CONTRACT: dict[str, str] = {
                      " is enginewire's and sends ABORT, which vLLM's clients pass through",
     "results_untyped": "utility results arrive as plain msgpack values (§2.4): lists for"
                        " tuples and sets, dicts for structs",
+    Declared.NO_HEARTBEAT_DEADLINE.value:
+        "vLLM's clients have no heartbeat deadline: a silent (SIGSTOPped) engine is never"
+        " declared dead; only the process monitor and the dead sentinel are (§3.5, §6.1-2)",
+    Declared.NO_FRAME_INTEGRITY.value:
+        "vLLM's wire has no integrity trailers (§2.3): a lost, reordered, duplicated or"
+        " bit-flipped frame is not detected by the client",
+    Declared.NO_ATTACH_HANDSHAKE.value:
+        "vLLM's wire has no ATTACH and no attach marker: the ready is the whole handshake"
+        " (§3.2 step 6)",
+    Declared.STARTUP_DEATH_AT_READY_DEADLINE.value:
+        "attached through client_addresses, vLLM's client watches no process while it"
+        " waits for the ready (only engine-managed mode's wait_for_engine_startup polls the"
+        " sentinels, §3.2): an engine that dies first is seen at VLLM_ENGINE_READY_TIMEOUT_S"
+        " (ready_timeout_s here), a TimeoutError the adapter reports as EngineStartupError",
+    Declared.ZMQ_CONTEXT_OUTLIVES_SHUTDOWN.value:
+        "shutdown() closes the sockets but not the zmq context (§3.6 point 5): its io"
+        " threads' eventfd/eventpoll fds stay until the client object is collected (finding"
+        " 4, docs/vllm.md)",
+    Declared.VLLM_WIRE.value: "frames are vLLM 0.33's (§2.2-§2.5; runtime/vllm_wire.py)",
 }
 
 # Options of the ClientFactory contract (and the matrix's) this factory cannot honour, and why.
 _REFUSED = {
-    "engine_heartbeat_timeout_s": "vLLM's clients have no heartbeat deadline",
-    "frame_integrity": "vLLM's wire has no integrity trailers",
-    "engine_connect": "the engine connects to vLLM's client directly (no proxy address)",
-    "input_address": "the factory binds its own ipc addresses",
-    "output_address": "the factory binds its own ipc addresses",
-    "ready_timeout_s": "set VLLM_ENGINE_READY_TIMEOUT_S instead",
-    "shutdown_timeout_s": "vLLM's shutdown(timeout) is the shutdown rule's to pass",
+    "engine_heartbeat_timeout_s": VLLM_CONTRACT[Declared.NO_HEARTBEAT_DEADLINE.value],
     "curve": "vLLM's wire has no CURVE security",
 }
-_HONOURED = ("config", "engine_fault", "engine_startup_delay_s", "engine_heartbeat_interval_s")
+_HONOURED = ("config", "engine_fault", "engine_startup_delay_s", "engine_heartbeat_interval_s",
+             # vLLM's VLLM_ENGINE_READY_TIMEOUT_S (read at import: set on the module, below)
+             "ready_timeout_s",
+             # the timeout vLLM's shutdown(timeout) passes its engine manager
+             "shutdown_timeout_s",
+             # client_addresses: the client binds these (the interposer connects there) and
+             # the engine connects to engine_connect (the interposer's pair) instead
+             "input_address", "output_address", "engine_connect",
+             # only False: vLLM's wire has none (NO_FRAME_INTEGRITY)
+             "frame_integrity")
+# vLLM waits this long for the ready when not told (its own default, 600 s, outlasts every
+# bound the harness has).
+DEFAULT_READY_TIMEOUT_S = 60.0
+# The ready deadline lives in vLLM's module (bound at import): one construction at a time.
+_READY_TIMEOUT_LOCK = threading.Lock()
 
 # How long after vLLM is seen dead or closed a call still blocked in vLLM is abandoned
 # (vLLM would block it forever): past every bound a rule judges, so it never hides a finding.
@@ -156,17 +204,21 @@ class _EngineManager:
             self.shutdown()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        # vLLM's module shutdown: SIGTERM, join against a deadline (5 s default), kill.
+        # vLLM's module shutdown: SIGTERM, join against a deadline (5 s default), kill. No
+        # SIGCONT first: vLLM sends none, so a SIGSTOPped engine holds its SIGTERM and is
+        # killed at the deadline. (This manager once resumed it: the engine then answered a
+        # call pending at shutdown before it went, which read as vLLM returning a value from
+        # a call blocked at shutdown, finding 3 of docs/vllm.md.)
         self.manager_stopped.set()
         p = self.proc
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGCONT)  # a SIGSTOPped engine cannot take its SIGTERM
                 p.terminate()
             try:
                 p.wait(5.0 if timeout is None else max(timeout, 0.1))
             except subprocess.TimeoutExpired:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(5.0)
         if self._pidfd is not None:
@@ -214,8 +266,11 @@ class VllmClientAdapter:
     multiprocess = True
 
     def __init__(self, kind: str, config: Any, *, fault: Any = None, startup_delay_s: float = 0.0,
-                 heartbeat_interval_s: float | None = None, loop: _LoopThread | None = None
-                 ) -> None:
+                 heartbeat_interval_s: float | None = None, loop: _LoopThread | None = None,
+                 client_addresses: tuple[str, str] | None = None,
+                 engine_connect: tuple[str, str] | None = None,
+                 ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+                 shutdown_timeout_s: float | None = None) -> None:
         from ..runtime.vllm_wire import encode_config, encode_plan
 
         self.kind = kind
@@ -228,13 +283,19 @@ class VllmClientAdapter:
         self._closed_at: float | None = None
         self._live: set[str] = set()
         self._timed_out: set[int] = set()
-        self._dir = tempfile.mkdtemp(prefix="ew-vllm-")
-        self.resources = types.SimpleNamespace(ipc_dir=types.SimpleNamespace(path=self._dir))
-        addrs = {"input_address": f"ipc://{self._dir}/in",
-                 "output_address": f"ipc://{self._dir}/out"}
+        self._shutdown_timeout_s = shutdown_timeout_s
+        # The ipc directory is the factory's unless the caller gave the addresses (the
+        # interposer's cell binds them in a directory of its own).
+        self._dir: str | None = None
+        if client_addresses is None:
+            self._dir = tempfile.mkdtemp(prefix="ew-vllm-")
+            client_addresses = (f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+            self.resources = types.SimpleNamespace(
+                ipc_dir=types.SimpleNamespace(path=self._dir))
+        addrs = {"input_address": client_addresses[0], "output_address": client_addresses[1]}
+        engine_in, engine_out = engine_connect or client_addresses
         cmd = [sys.executable, "-m", "enginewire.runtime.vllm_wire",
-               "--input-address", addrs["input_address"],
-               "--output-address", addrs["output_address"],
+               "--input-address", engine_in, "--output-address", engine_out,
                "--config", encode_config(config), "--parent-pid", str(os.getpid()),
                "--startup-delay-s", str(startup_delay_s)]
         plan = encode_plan(fault)
@@ -242,20 +303,39 @@ class VllmClientAdapter:
             cmd += ["--fault", plan]
         if heartbeat_interval_s is not None:
             cmd += ["--heartbeat-interval-s", str(heartbeat_interval_s)]
-        # A bounded attach: vLLM's default waits 600 s for a ready that a failed engine never
-        # sends (client_addresses mode has no process to watch while attaching).
-        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", "60")
         self._proc = subprocess.Popen(cmd)
         self.engine_pid: int | None = self._proc.pid
         self._manager = _EngineManager(self._proc)
         try:
-            self._vc = self._build(addrs)
-        except BaseException:
+            self._vc = self._build(addrs, ready_timeout_s)
+        except BaseException as e:
             self._manager.shutdown(0.5)
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_dir()
+            if isinstance(e, Exception):
+                # vLLM's ready deadline (TimeoutError) or a failed attach: enginewire's
+                # start-up error (Declared.STARTUP_DEATH_AT_READY_DEADLINE).
+                raise EngineStartupError(f"vLLM's {kind} client did not attach:"
+                                         f" {type(e).__name__}: {e}") from e
             raise
 
-    def _build(self, addrs: dict[str, str]) -> Any:
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _build(self, addrs: dict[str, str], ready_timeout_s: float) -> Any:
+        from vllm.v1.engine import core_client
+
+        # A bounded attach: MPClient reads the deadline from its module's global, bound from
+        # VLLM_ENGINE_READY_TIMEOUT_S when vLLM was imported (default 600 s).
+        with _READY_TIMEOUT_LOCK:
+            saved = core_client.VLLM_ENGINE_READY_TIMEOUT_S
+            core_client.VLLM_ENGINE_READY_TIMEOUT_S = max(1, round(ready_timeout_s))
+            try:
+                return self._construct(addrs)
+            finally:
+                core_client.VLLM_ENGINE_READY_TIMEOUT_S = saved
+
+    def _construct(self, addrs: dict[str, str]) -> Any:
         from vllm.v1.engine.core_client import AsyncMPClient, MPClient, SyncMPClient
         from vllm.v1.executor import Executor
 
@@ -315,6 +395,11 @@ class VllmClientAdapter:
                 out = EngineDeadError()
         elif method is not None and type(e) is Exception:  # a utility's failure_message
             out = UtilityError(method, str(e))
+        elif isinstance(e, msgspec.DecodeError | msgspec.ValidationError):
+            # vLLM's receiver could not decode what the engine sent, and died (the error is
+            # its last item, §1.5/§1.6): enginewire's name for it; the type only, vLLM does
+            # not mark the engine dead (docs/vllm.md, finding 5).
+            out = ProtocolError(f"vLLM's receiver could not decode an output: {e}")
         else:
             return e
         out.__cause__ = e
@@ -448,8 +533,11 @@ class VllmClientAdapter:
         threading.Thread(target=run, name="vllm-call-utility", daemon=True).start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            # Never past the deadline: a 10 ms timeout must not wait a whole 0.1 s poll (a
+            # reply 80 ms late once came back as a value instead of UtilityTimeoutError).
+            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             try:
-                result = done.result(timeout=0.1)
+                result = done.result(timeout=wait)
             except concurrent.futures.TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     # VLLM_CONTRACT["no_utility_timeout"]
@@ -584,10 +672,10 @@ class VllmClientAdapter:
         self._closed = True
         self._closed_at = time.monotonic()
         try:
-            self._vc.shutdown(timeout=timeout)
+            self._vc.shutdown(timeout=self._shutdown_timeout_s if timeout is None else timeout)
         finally:
             self._manager.shutdown(0.5)
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_dir()
 
 
 def _make(kind: str, options: dict[str, Any]) -> ClientUnderTest:
@@ -599,18 +687,31 @@ def _make(kind: str, options: dict[str, Any]) -> ClientUnderTest:
             raise NotApplicable(f"vLLM's {kind} client cannot honour {name}=: {_REFUSED[name]}")
         if name not in _HONOURED:
             raise NotApplicable(f"vLLM's {kind} client does not know option {name}=")
+    if options.get("frame_integrity"):
+        raise NotApplicable(f"vLLM's {kind} client cannot honour frame_integrity=True: "
+                            + VLLM_CONTRACT[Declared.NO_FRAME_INTEGRITY.value])
+    if ("input_address" in options) != ("output_address" in options):
+        raise NotApplicable("input_address= and output_address= come together here (vLLM's"
+                            " client_addresses)")
     from ..runtime.config import EngineConfig
     from ..runtime.faults import FaultPlan, as_plan
 
     config = options.get("config") or EngineConfig(model="null", max_num_seqs=16)
     plan = as_plan(options.get("engine_fault")) or FaultPlan(allow_arm=True)
+    addresses = None
+    if "input_address" in options:
+        addresses = (str(options["input_address"]), str(options["output_address"]))
+    connect = options.get("engine_connect")
     loop = _LoopThread() if kind == "async" else None
     try:
-        client = VllmClientAdapter(kind, config, fault=plan,
-                                   startup_delay_s=float(options.get("engine_startup_delay_s",
-                                                                     0.0)),
-                                   heartbeat_interval_s=options.get(
-                                       "engine_heartbeat_interval_s"), loop=loop)
+        client = VllmClientAdapter(
+            kind, config, fault=plan,
+            startup_delay_s=float(options.get("engine_startup_delay_s", 0.0)),
+            heartbeat_interval_s=options.get("engine_heartbeat_interval_s"), loop=loop,
+            client_addresses=addresses,
+            engine_connect=None if connect is None else (str(connect[0]), str(connect[1])),
+            ready_timeout_s=float(options.get("ready_timeout_s", DEFAULT_READY_TIMEOUT_S)),
+            shutdown_timeout_s=options.get("shutdown_timeout_s"))
     except BaseException:
         if loop is not None:
             loop.close()
@@ -618,11 +719,28 @@ def _make(kind: str, options: dict[str, Any]) -> ClientUnderTest:
     return ClientUnderTest(client, kind, None, loop)
 
 
-def vllm_sync(**options: Any) -> ClientUnderTest:
-    """vLLM 0.33's ``SyncMPClient`` on enginewire's engine (the ``ClientFactory`` contract)."""
-    return _make("sync", options)
+class VllmFactory:
+    """vLLM 0.33's client of one kind on enginewire's engine: a ``ClientFactory``
+    (``factory(**options)``, the conformance contract) that declares where vLLM's contract
+    differs (``contract``, read by ``declared_contract`` (_conformance_driver.py))."""
+
+    contract: types.MappingProxyType[str, str] = types.MappingProxyType(VLLM_CONTRACT)
+
+    def __init__(self, kind: str) -> None:
+        if kind not in ("sync", "async"):
+            raise ValueError(f"kind={kind!r}: vLLM's clients here are sync and async")
+        self.kind = kind
+        # What load_factory and the matrix's report name it by.
+        self.__name__ = self.__qualname__ = f"vllm_{kind}"
+
+    def __call__(self, **options: Any) -> ClientUnderTest:
+        return _make(self.kind, options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__module__}:{self.__qualname__}"
 
 
-def vllm_async(**options: Any) -> ClientUnderTest:
-    """vLLM 0.33's ``AsyncMPClient`` on enginewire's engine (the ``ClientFactory`` contract)."""
-    return _make("async", options)
+vllm_sync = VllmFactory("sync")
+"""vLLM 0.33's ``SyncMPClient`` on enginewire's engine (the ``ClientFactory`` contract)."""
+vllm_async = VllmFactory("async")
+"""vLLM 0.33's ``AsyncMPClient`` on enginewire's engine (the ``ClientFactory`` contract)."""

@@ -338,6 +338,7 @@ class VllmWireEngineProc(EngineCoreProc):
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         self._decode_req = msgspec.msgpack.Decoder(VllmEngineCoreRequest).decode
         self._decode_any = msgspec.msgpack.Decoder().decode
+        self._client_has_ready = False
         try:
             sock.connect(address)
             # vLLM's engine sends its ready first, once per input address (reference §3.2
@@ -369,6 +370,16 @@ class VllmWireEngineProc(EngineCoreProc):
             sock.close(linger=0)
 
     def _accept_vllm(self, frames: list[bytes]) -> None:
+        if not self._client_has_ready:
+            # vLLM's handshake has no ATTACH (enginewire's AFTER_READY point): the client's
+            # first message proves it read the ready, so the handshake is done here.
+            self._client_has_ready = True
+            if self.faults is not None:
+                try:
+                    self._fault(FaultPoint.AFTER_READY)
+                except Exception as e:
+                    self.input_queue.put((_Control.SHUTDOWN, e))
+                    return
         kind, body = frames[0], frames[1] if len(frames) > 1 else b""
         if kind == _ADD:
             try:

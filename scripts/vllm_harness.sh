@@ -9,7 +9,8 @@
 # torch 2.14; vllm._C need not import, the client layer does not use it), then runs:
 #   1. tests/vllm (the wire profile against vLLM's own structs; both clients end to end);
 #   2. the campaign on each client (CAMPAIGN_ARGS, default --examples 10 --steps 25 --seed 1);
-#   3. the quick fault matrix on each client.
+#   3. the quick fault matrix on each client (the cells vLLM's declared contract rules out
+#      are reported n/a, with the declaration; docs/vllm.md has the verdicts).
 # Everything runs under nice (the campaign starts engines often). Exit status: 0 when
 # every step ran, whatever it found (findings are the point); 1 when a step could not run.
 set -uo pipefail
@@ -49,7 +50,8 @@ for kind in sync async; do
   [ "${PIPESTATUS[0]}" -le 1 ] || status=1
   echo "== fault matrix, vLLM $kind client"
   nice -n 10 "$ew" faults matrix --quick --client "$kind" \
-    --factory "enginewire.testing.vllm_factory:vllm_$kind" 2>&1 | tee "$out/matrix-$kind.txt"
+    --factory "enginewire.testing.vllm_factory:vllm_$kind" \
+    --results-dir "$out/matrix-$kind" 2>&1 | tee "$out/matrix-$kind.txt"
   [ "${PIPESTATUS[0]}" -le 1 ] || status=1
 done
 echo "== results in $out (docs/vllm.md says how to read them)"
