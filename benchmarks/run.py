@@ -404,8 +404,12 @@ def run_bench(
     plot_out: str | None = None,
     only: list[str] | None = None,
     engines: int = 2,
+    contended: int | None = None,
 ) -> int:
     """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed.
+
+    ``contended=N`` runs every selected measurement, ours and its floor alike, beside N
+    CPU-bound processes (``benchmarks/contention.py``) that live for the whole run.
 
     The output paths (and matplotlib, for a plot) are checked before anything runs: ValueError
     for a path that cannot be written, ImportError without matplotlib, FileNotFoundError when
@@ -421,20 +425,30 @@ def run_bench(
             raise FileNotFoundError(f"the model section: {missing}")
     t0 = time.perf_counter()
     machine = _machine()
-    rows = collect(quick, only, engines)
+    load = None
+    if contended is not None:
+        from .contention import BackgroundLoad
+
+        with BackgroundLoad(contended) as load:
+            rows = collect(quick, only, engines)
+        machine["contended"] = load.describe()
+    else:
+        rows = collect(quick, only, engines)
     ok = judge(rows)
     elapsed = time.perf_counter() - t0
     mode = "quick" if quick else "full"
+    beside = "" if load is None else f", beside {load.n} spinning processes"
     print_table(
         rows,
         f"enginewire bench ({mode}, {elapsed:.0f} s, "
-        f"load {machine['loadavg_at_start'][0]:.1f} at start)",
+        f"load {machine['loadavg_at_start'][0]:.1f} at start{beside})",
     )
     if json_out:
         with open(json_out, "w") as f:
             json.dump(
                 {
                     "quick": quick,
+                    "contended": contended,
                     "elapsed_s": elapsed,
                     "machine": machine,
                     "all_bars_met": ok,
@@ -472,11 +486,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engines", type=int, default=1, metavar="N",
         help="data parallel: N engines' tokens/s over one engine's on compute-bound steps, and "
         "the routing cost per request (alone, the dp section only; the full run uses 2)")
+    parser.add_argument(
+        "--contended", type=int, nargs="?", const=0, default=None, metavar="N",
+        help="run beside N CPU-bound processes (default: one per core), as a serving host's"
+        " tokenizers and workers contend for the cores; ours and the floors alike")
+    parser.add_argument(
+        "--against-vllm", metavar="DIR",
+        help="instead: run the side-by-side comparison with vLLM's real clients kept in DIR"
+        " (shared/bench-vllm), in interleaved rounds; needs a Python with vLLM installed"
+        " (--vllm-python, or $ENGINEWIRE_VLLM_PYTHON)")
+    parser.add_argument("--rounds", type=int, default=5, metavar="N",
+                        help="--against-vllm: interleaved rounds (default 5)")
+    parser.add_argument("--vllm-python", metavar="PATH",
+                        help="--against-vllm: the interpreter of the vLLM environment")
+    parser.add_argument("--out", metavar="DIR",
+                        help="--against-vllm: where the rounds' JSON, logs and summary go"
+                        " (default: a new folder under results/)")
+    parser.add_argument("--lean", action="store_true",
+                        help="--against-vllm: delivery only, against vLLM's lean toy engine")
 
 
 def bench_command(args: argparse.Namespace) -> int:
     """The command's handler: the arguments checked up front (a bad one is a ``UsageError``,
     a missing package or the model's weights a ``MissingError``), then ``run_bench``."""
+    if args.contended is not None and args.contended < 0:
+        raise UsageError(f"--contended {args.contended}: give a number of processes >= 1,"
+                         " or none for one per core")
+    contended = None
+    if args.contended is not None:
+        from .contention import default_procs
+
+        contended = args.contended or default_procs()
+    if args.against_vllm is not None:
+        from .against_vllm import against_vllm_command
+
+        return against_vllm_command(args, contended)
+    for flag, value in (("--rounds", args.rounds != 5), ("--vllm-python", args.vllm_python),
+                        ("--out", args.out), ("--lean", args.lean)):
+        if value:
+            raise UsageError(f"{flag} goes with --against-vllm DIR")
     only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
     unknown = sorted(set(only or ()) - set(SECTIONS))
     if unknown:
@@ -498,7 +546,7 @@ def bench_command(args: argparse.Namespace) -> int:
     elif only and "dp" in only and args.engines == 1:
         args.engines = 2
     return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only,
-                         engines=args.engines))
+                         engines=args.engines, contended=contended))
 
 
 def main(argv: list[str] | None = None) -> int:
