@@ -50,6 +50,7 @@ __all__ = [
     "LEAK_KINDS",
     "RELEASE_BOUND_S",
     "ResourceSnapshot",
+    "assert_released",
     "describe_leaks",
     "exited",
     "left_behind",
@@ -214,6 +215,16 @@ def left_behind(before: ResourceSnapshot, *, bound: float = RELEASE_BOUND_S,
 
     wait_until(released, bound, poll=_LEAK_POLL_S)
     return leaks
+
+
+def assert_released(before: ResourceSnapshot, what: str = "", *, bound: float = RELEASE_BOUND_S,
+                    kinds: Collection[str] = LEAK_KINDS) -> None:
+    """A test's form of ``left_behind``: AssertionError naming each leftover (``what`` says
+    after what), so every test judges a leak by the one definition here."""
+    leaks = left_behind(before, bound=bound, kinds=kinds)
+    if leaks:
+        raise AssertionError((f"{what}: " if what else "") + "; ".join(
+            describe_leaks(leaks, before)))
 
 
 def describe_leaks(leaks: dict[str, Any], before: ResourceSnapshot) -> list[str]:

@@ -25,6 +25,13 @@ DEATH_BOUND_S = 1.0
 RULE_DEATH_BOUND_S = DEATH_BOUND_S + 1.0
 # Ordinary waits: a drain, a utility reply (null-model drains take milliseconds).
 WAIT_S = 10.0
+# The conformance suite's upper bound on the same waits. It judges a user's client and engine
+# (a real model's generation, a slow CI host), where only a hang must fail, so it allows six
+# times the campaign's bound; the campaign keeps the short one, to fail fast mid-program.
+CONFORMANCE_WAIT_S = 6 * WAIT_S
+# A parent's death makes its engine exit within this many seconds (the lifeline's EOF, then
+# the engine's own shutdown of a model that may hold a device).
+ORPHAN_BOUND_S = 5.0
 # A clean shutdown, SIGTERM to reaped, on a loaded machine.
 SHUTDOWN_BOUND_S = 4.0
 # Long enough that an abort sent right after its ADD lands first (null steps take tens of

@@ -82,7 +82,6 @@ from ..spec import (
 from ._conformance_driver import (
     _PROMPT,
     CLIENT_KINDS,
-    ORPHAN_BOUND_S,
     WAIT_S,
     ClientFactory,
     ClientUnderTest,
@@ -98,7 +97,7 @@ from ._conformance_driver import (
     request,
     stop_process,
 )
-from .bounds import DEATH_BOUND_S
+from .bounds import DEATH_BOUND_S, ORPHAN_BOUND_S
 from .conformance_breaking import (
     check_client_kill_engine_exits,
     check_construction_failure_leaks_nothing,

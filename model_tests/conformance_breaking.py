@@ -22,7 +22,6 @@ from ..spec import (
     EngineStartupError,
 )
 from ._conformance_driver import (
-    ORPHAN_BOUND_S,
     WAIT_S,
     ClientFactory,
     NotApplicable,
@@ -33,13 +32,12 @@ from ._conformance_driver import (
 )
 from ._harness import (
     ResourceSnapshot,
-    describe_leaks,
+    assert_released,
     exited,
-    left_behind,
     new_processes,
     wait_until,
 )
-from .bounds import DEATH_BOUND_S
+from .bounds import DEATH_BOUND_S, ORPHAN_BOUND_S
 
 # --- scenarios that break the engine (fresh client each) --------------------------------------
 
@@ -235,5 +233,5 @@ def check_construction_failure_leaks_nothing(factory: ClientFactory, bad_config:
     attempt()  # warm-up: first use creates process-wide things (imports, pools)
     before = ResourceSnapshot.take()
     attempt()
-    leaks = left_behind(before, bound=WAIT_S, kinds=("processes", "threads", "fds"))
-    assert not leaks, "after a failed construction: " + "; ".join(describe_leaks(leaks, before))
+    assert_released(before, "after a failed construction", bound=WAIT_S,
+                    kinds=("processes", "threads", "fds"))

@@ -29,6 +29,7 @@ from enginewire.spec import (
     UtilityError,
     UtilityTimeoutError,
 )
+from enginewire.testing._harness import ResourceSnapshot, assert_released
 
 NULL = EngineConfig(model="null")
 
@@ -42,19 +43,12 @@ def _resource_tracker() -> None:
     resource_tracker.ensure_running()
 
 
-def snapshot() -> tuple[set[int], int, set[str]]:
-    me = psutil.Process()
-    # multiprocessing's resource tracker is started by the first spawn and stays: not ours.
-    kids = {c.pid for c in me.children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline())}
-    return kids, len(os.listdir("/proc/self/fd")), {t.name for t in threading.enumerate()}
+def snapshot() -> ResourceSnapshot:
+    return ResourceSnapshot.take()
 
 
-def assert_nothing_leaked(before: tuple[set[int], int, set[str]]) -> None:
-    kids, fds, threads = snapshot()
-    assert not (kids - before[0]), f"engine processes left: {kids - before[0]}"
-    assert fds <= before[1], f"{fds - before[1]} file descriptors left"
-    assert threads <= before[2], f"threads left: {threads - before[2]}"
+def assert_nothing_leaked(before: ResourceSnapshot) -> None:
+    assert_released(before, kinds=("processes", "threads", "fds"))
 
 
 def test_timeouts_normalize_or_refuse() -> None:

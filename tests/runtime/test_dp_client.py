@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
 import pytest
 
 from enginewire.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
@@ -37,6 +36,7 @@ from enginewire.spec import (
     SpecViolation,
     validate_trace,
 )
+from enginewire.testing._harness import ResourceSnapshot, assert_released
 
 BOUND_S = 30.0
 DP2 = EngineConfig(model="null", data_parallel_size=2, max_num_seqs=16, null_step_delay_s=0.005)
@@ -87,11 +87,6 @@ class Driver:
             self.loop.close()
 
 
-def snapshot() -> tuple[set[int], int, set[str]]:
-    me = psutil.Process()
-    kids = {c.pid for c in me.children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline())}
-    return kids, len(os.listdir("/proc/self/fd")), {t.name for t in threading.enumerate()}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -104,7 +99,7 @@ def _resource_tracker() -> None:
 @contextlib.contextmanager
 def open_dp(kind: str, **options: Any) -> Iterator[Driver]:
     """A driver whose close leaves no process, fd or thread behind, and a valid trace."""
-    before = snapshot()
+    before = ResourceSnapshot.take()
     d = Driver(kind, **options)
     try:
         yield d
@@ -113,13 +108,8 @@ def open_dp(kind: str, **options: Any) -> Iterator[Driver]:
         for machine in (CLIENT, CLIENT_REQUEST, UTILITY, MEMBERSHIP):
             validate_trace(machine, d.trace)
         assert any(name == MEMBERSHIP.name for name, *_ in d.trace)
-    deadline = time.monotonic() + 10
-    while snapshot()[0] - before[0] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    kids, fds, threads = snapshot()
-    assert not kids - before[0], f"engine processes left: {kids - before[0]}"
-    assert fds <= before[1], f"{fds - before[1]} file descriptors left"
-    assert threads <= before[2], f"threads left: {threads - before[2]}"
+    assert_released(before, "after the data-parallel client closed", bound=10,
+                    kinds=("processes", "threads", "fds"))
 
 
 @pytest.fixture(params=KINDS)
@@ -256,14 +246,11 @@ def test_a_restarted_engine_rejoins_under_its_index(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_engine_failing_to_start_fails_the_construction_cleanly(kind: str) -> None:
-    before = snapshot()
+    before = ResourceSnapshot.take()
     with pytest.raises(EngineStartupError, match="engine 1 of 2"):
         Driver(kind, engine_fault={1: Fault(point="before_ready", action="exit")},
                ready_timeout_s=BOUND_S)
-    deadline = time.monotonic() + 10
-    while snapshot()[0] - before[0] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not snapshot()[0] - before[0]
+    assert_released(before, "after the failed construction", bound=10, kinds=("processes",))
 
 
 def test_one_engine_clients_answer_call_utility_all() -> None:
