@@ -83,6 +83,7 @@ from ._engine_shared import IDLE_WAKE_S, _Control
 from ._engine_trace import EngineTrace, trace_from_env
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
 from .integrity import LinkIntegrity
+from .preload import run_preloads
 from .security import CurveConfig, TransportGuard, check_transport
 from .zmq_io import BufferPool, backend_send
 
@@ -546,14 +547,18 @@ def run_engine_core(
     makes both sockets CURVE clients of the front end (plain tcp needs
     ``allow_insecure_tcp=True``); ``limits`` bounds the input (docs/security.md).
     ``parent_lifeline``: an fd that reads EOF once the parent is gone (runtime/engine_launch.py).
-    ``proc_class``: an ``EngineCoreProc`` subclass speaking another wire (runtime/vllm_wire.py)."""
+    ``proc_class``: an ``EngineCoreProc`` subclass speaking another wire (runtime/vllm_wire.py).
+    ``ENGINEWIRE_ENGINE_PRELOAD`` names code to run first (runtime/preload.py)."""
     signals = _ShutdownSignals()
     signals.install()
-    if parent_pid is not None:
-        _watch_parent(parent_pid, parent_lifeline)
     proc: EngineCoreProc | None = None
     constructed = stopped = False
     try:
+        # First, and a start-up failure like any other: what a preload changes (the testing
+        # package patches functions) must already hold for the parent watch and the engine.
+        run_preloads()
+        if parent_pid is not None:
+            _watch_parent(parent_pid, parent_lifeline)
         proc = (proc_class or EngineCoreProc)(
             config,
             input_address=input_address,
