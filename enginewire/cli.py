@@ -285,13 +285,13 @@ def _campaign(args: argparse.Namespace) -> int:
     from .testing.campaign import run_campaign
 
     if args.mutant is not None:
-        from .runtime import _mutants
+        from .testing import mutants
 
         if args.mutants is not None:
             raise UsageError("--mutant and --mutants: give one of them")
-        if args.mutant not in _mutants.BANK:
+        if args.mutant not in mutants.BANK:
             raise UsageError(f"--mutant {args.mutant}: no such mutant; the bank has "
-                             + ", ".join(sorted(_mutants.BANK)))
+                             + ", ".join(sorted(mutants.BANK)))
     _writable_dir("--results-dir", args.results_dir)
     _check_model(args.model)
     _require("hypothesis", "enginewire campaign")

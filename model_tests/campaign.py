@@ -18,9 +18,11 @@ picks one, prints it and records it in the report, so ``--seed`` replays it; rou
 duration run uses ``seed + k`` and each client records its round seeds. A ``ci`` run without
 ``duration`` or seed is derandomized: every run replays the same examples.
 
-Mutants (``runtime/_mutants.py``) are switched on by an environment variable read at import,
-so ``run_campaign(mutant=NAME)`` re-runs itself in a child process with that variable set; the
-child's report says whether the campaign found the bug. ``mutants_all=True`` does this for the
+Mutants (``mutants.py``: seeded bugs as source patches of the clean runtime) are switched on
+by ``ENGINEWIRE_TESTING_MUTANT``: ``run_campaign(mutant=NAME)`` re-runs itself in a child
+process with that variable set, whose ``run_campaign`` applies the mutant first (and so, through
+the runtime's preload hook, every engine process the child starts); the child's report says
+whether the campaign found the bug. ``mutants_all=True`` does this for the
 whole bank and prints the detection table; a mutant none of the requested clients can show is
 "n/a" there (not run, and not counted as undetected).
 
@@ -445,8 +447,9 @@ def run_campaign(
     one kind ``client`` names, instead of the built-in ones. ``engines`` > 1 (or ``backend``
     "ray") runs the data-parallel machine (``stateful_dp.py``) on sync and async clients over
     that many engine cores (``EngineConfig.data_parallel_size``/``data_parallel_backend``)."""
-    from ..runtime import _mutants
+    from . import mutants
 
+    mutants.apply_from_env()  # a mutant child's first step (module docstring)
     if client != "all" and client not in CLIENTS:
         raise ValueError(f"client must be 'all' or one of {CLIENTS}, got {client!r}")
     if profile not in PROFILES:
@@ -465,8 +468,8 @@ def run_campaign(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not 0 <= seed < 1 << 64):
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if mutant is not None and mutant not in _mutants.BANK:
-        raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(_mutants.BANK)}")
+    if mutant is not None and mutant not in mutants.BANK:
+        raise ValueError(f"no mutant {mutant!r}; the bank has {sorted(mutants.BANK)}")
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
         raise ValueError(f"engines must be an integer >= 1, got {engines!r}")
     if backend not in DP_BACKENDS:
@@ -507,7 +510,7 @@ def run_campaign(
     if mutants_all:
         return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
                                  results_dir=out_dir)
-    if mutant is not None and _mutants.ACTIVE != mutant:
+    if mutant is not None and mutants.active() != mutant:
         row = _run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
                           model=model, results_dir=out_dir)
         if row.get("error"):
@@ -518,9 +521,10 @@ def run_campaign(
                    else "not applicable")
         print(f"mutant {mutant}: {verdict} ({row['detail']})")
         return 1 if row["detected"] else 0
-    if _mutants.ACTIVE is not None:
+    on = mutants.active()
+    if on is not None:
         # Running inside a mutant child: only the clients that can show this bug.
-        wanted = _mutants.BANK[_mutants.ACTIVE].clients
+        wanted = mutants.BANK[on].clients
         kinds = [k for k in kinds if k in wanted] or kinds
     elif seed is None and (profile == "campaign" or duration is not None):
         # A randomized run must be replayable: choose the seed here and say it.
@@ -609,10 +613,10 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                       profile: str, out_dir: Path, verbose: bool,
                       engine_log: Path | None, factory: str | None = None,
                       dp: tuple[int, str] | None = None) -> int:
-    from ..runtime import _mutants
+    from . import mutants
     from .oracle import Coverage
 
-    stop_at_first = _mutants.ACTIVE is not None
+    stop_at_first = mutants.active() is not None
     prog, _ = _progress_bar(None)
     results: list[ClientResult] = []
     coverage = Coverage()
@@ -667,13 +671,13 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
         "coverage": cov,
         "settings": {"client": client, "examples": examples, "steps": steps, "seed": seed,
                      "faults": faults, "duration": duration, "model": model,
-                     "profile": profile, "mutant": _mutants.ACTIVE, "factory": factory,
+                     "profile": profile, "mutant": mutants.active(), "factory": factory,
                      "engines": 1 if dp is None else dp[0],
                      "backend": "mp" if dp is None else dp[1]},
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }
-    prefix = "campaign" if _mutants.ACTIVE is None else f"mutant-{_mutants.ACTIVE}"
+    prefix = "campaign" if mutants.active() is None else f"mutant-{mutants.active()}"
     path = _new_report_path(out_dir, prefix)
     # Beside the JSON, which names them: the coverage page and each failure's reproducer file.
     write_reproducers(report, out_dir, path.stem)
@@ -720,19 +724,19 @@ def _new_report_path(out_dir: Path, prefix: str) -> Path:
 def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: int | None,
                 model: str, results_dir: Path) -> dict[str, Any]:
     """One campaign in a child process with the mutant switched on."""
-    from ..runtime import _mutants
+    from . import mutants
 
-    kind = _mutants.BANK[name].kind
-    wanted = [k for k in kinds if k in _mutants.BANK[name].clients]
+    kind = mutants.BANK[name].kind
+    wanted = [k for k in kinds if k in mutants.BANK[name].clients]
     if not wanted:
         return {"mutant": name, "kind": kind, "applicable": False, "detected": False,
                 "examples": None, "seconds": None, "wall_s": None,
-                "detail": f"no requested client can show it (needs {_mutants.BANK[name].clients})"}
+                "detail": f"no requested client can show it (needs {mutants.BANK[name].clients})"}
     if model == "null":  # a mutant the null model cannot show runs on the model it needs
-        model = _mutants.BANK[name].model
+        model = mutants.BANK[name].model
     report_path = results_dir / f".mutant-{name}-{os.getpid()}.json"
     report_path.unlink(missing_ok=True)
-    env = dict(os.environ, **{_mutants.ENV_VAR: name,
+    env = dict(os.environ, **{mutants.ENV_VAR: name,
                               "_ENGINEWIRE_CAMPAIGN_REPORT": str(report_path)})
     args = {"client": wanted[0] if len(wanted) == 1 else "all", "examples": examples,
             "steps": steps, "seed": seed, "faults": True, "model": model,
@@ -796,10 +800,10 @@ def _last_line(log: Path) -> str:
 
 def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int | None,
                       model: str, results_dir: Path) -> int:
-    from ..runtime import _mutants
+    from . import mutants
 
     rows = []
-    for name in _mutants.BANK:
+    for name in mutants.BANK:
         row = _run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
                           results_dir=results_dir)
         rows.append(row)

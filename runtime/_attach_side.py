@@ -23,7 +23,6 @@ from ..protocol.messages import SESSION_BYTES, AttachRequest, RequestType
 from ..spec.attach import ATTACH_DROPS_MESSAGES, AttachEvent, AttachState
 from ..spec.errors import ProtocolError
 from ..spec.machine import Lifecycle
-from . import _mutants
 from ._background import BackgroundResources, EngineProcessDied
 from .integrity import LinkIntegrity
 from .zmq_io import ZMQ_RCVMORE, recv_rest
@@ -121,7 +120,7 @@ class _AttachSide:
             marker = decode_outputs(body)
         except ProtocolError:
             return False
-        if marker.session != session and not _mutants.active("attach_marker_session_not_checked"):
+        if marker.session != session:
             return False
         if marker.refusal is not None:  # never sealed: read whatever this side's setting
             self._attach_step(AttachEvent.REFUSAL)

@@ -27,7 +27,6 @@ from typing import Any
 
 import zmq
 
-from . import _mutants
 from .ipc import IpcDir
 from .security import TransportGuard
 
@@ -148,11 +147,9 @@ class BackgroundResources:
             self.loop_blocked = False
 
     def _tear_down(self) -> None:
-        stages: list[Callable[[], None]] = [self._stop_monitor, self._stop_process]
-        if _mutants.active("context_term_before_close"):
-            stages.append(self._term_context)
-        stages += [self._close_sockets, self._close_guard, self._term_context,
-                   self._remove_ipc_dir]
+        stages: list[Callable[[], None]] = [
+            self._stop_monitor, self._stop_process, self._close_sockets, self._close_guard,
+            self._term_context, self._remove_ipc_dir]
         # Every stage runs whatever an earlier one raised: a failure in one must not leak
         # what the others hold. The first failure is raised once all ran.
         first: Exception | None = None
@@ -364,8 +361,6 @@ def _watch_engine(
 ) -> BaseException | None:
     """Block until the engine exits or goes silent or its attach marker is overdue (the
     cause), or the client stops or nothing is left to watch (None)."""
-    if proc is None and _mutants.active("attached_client_ignores_heartbeat_loss"):
-        heartbeat_timeout_s = None
     waitables: list[Any] = [stop_fd]
     if proc is not None:
         waitables.append(proc.sentinel)

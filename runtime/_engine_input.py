@@ -39,7 +39,6 @@ from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.engine import EngineState
 from ..spec.errors import ProtocolError
 from ..spec.session import SESSION_DROPS_INPUT, SessionEvent
-from . import _mutants
 from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, _Link, _reconnect, _Wakeup
 from ._engine_shared import IDLE_WAKE_S, _Control, _EngineProcState
 from .faults import FaultPoint
@@ -161,8 +160,6 @@ class _InputSide(_EngineProcState):
                 except zmq.ContextTerminated:
                     return
                 except Exception:
-                    if _mutants.active("input_thread_dies_on_malformed_frame"):
-                        raise
                     # The input thread must outlive any frame: log and keep serving.
                     logger.exception("engine input thread: dropped a frame it could not handle")
         except zmq.ContextTerminated:
@@ -234,8 +231,6 @@ class _InputSide(_EngineProcState):
                 frames = recv_rest(sock, frames, self._max_parts)
                 kind, payload = decode_input(frames, self.limits)
         except ProtocolError as e:
-            if _mutants.active("input_thread_dies_on_malformed_frame"):
-                raise
             self._reject(frames[0], e)
             return
         if self.faults is not None:
@@ -245,12 +240,6 @@ class _InputSide(_EngineProcState):
                 # An injected raise or OOM is this thread failing, not one bad frame.
                 self.input_queue.put((_Control.SHUTDOWN, e))
                 return
-        if kind is RequestType.ABORT and _mutants.active("abort_applied_before_add"):
-            with self.input_queue.mutex:  # jumps ahead of queued ADDs
-                self.input_queue.queue.appendleft((kind, payload))
-                self.input_queue.unfinished_tasks += 1
-                self.input_queue.not_empty.notify()
-            return
         if kind is RequestType.ABORT:
             # Seen by a step already running; the queued copy keeps the order behind ADDs.
             self.engine.mid_step_aborts.extend(payload)

@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Any
 
-from . import _mutants
 from ._engine_shared import _Control
 
 # One logger for the engine process, whichever of its modules logs.
@@ -92,8 +91,6 @@ class _ShutdownSignals:
 def _watch_parent(parent_pid: int, lifeline: int | None = None) -> None:
     """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed.
     ``lifeline``: an fd whose write end only the parent holds (EOF: it is gone)."""
-    if _mutants.active("engine_ignores_parent_death"):
-        return
     if sys.platform.startswith("linux"):
         # Delivered when the parent *thread* that spawned us exits, which may happen while the
         # parent process lives on: the handler checks the real parent before acting.

@@ -168,8 +168,6 @@ class _OutputSide(_EngineProcState):
         # The payload's own tracker decides when ``buf`` may be reused.
         tracker = _send_reconnecting(sock, address, link, functools.partial(
             send_frames, sock, frames, track=True), give_up)
-        if self._reuse_early:
-            sock.copy_threshold, tracker = 0, None  # zero-copy, reused at once
         pool.release(buf, tracker)
         self._last_send = time.monotonic()
 
@@ -209,9 +207,6 @@ class _OutputSide(_EngineProcState):
         encoded for the output thread. A direct sender must never block: a gone or slow
         client fills the pipe, and then only the output thread waits on it while the busy
         loop still sees a shutdown. Caller holds ``_out_lock``."""
-        if self._reuse_early:  # the mutant reuses pooled buffers on every path
-            self._send_locked(item)
-            return None
         if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
             self.faults(FaultPoint.OUTPUT_SEND)
         # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps

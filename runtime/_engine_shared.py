@@ -75,7 +75,6 @@ class _EngineProcState:
     _out_pending: int
     _out_encoder: Encoder
     _out_pool: BufferPool
-    _reuse_early: bool
     _last_send: float
     # the idle round-trip path
     _decode_call: Callable[..., Any]

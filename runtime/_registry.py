@@ -29,7 +29,6 @@ from ..spec.errors import (
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UTILITY, UtilityEvent, UtilityState
-from . import _mutants
 
 __all__ = ["_UtilityRegistry"]
 
@@ -97,10 +96,7 @@ class _UtilityRegistry:
     def give_up(self, call_id: int, event: UtilityEvent) -> bool:
         """Timeout or cancel: remove the entry; False if an outcome already arrived."""
         with self._lock:
-            if _mutants.active("timed_out_call_left_registered"):
-                entry = self._pending.get(call_id)
-            else:
-                entry = self._pending.pop(call_id, None)
+            entry = self._pending.pop(call_id, None)
             if entry is None:
                 return False
             self._forget(call_id, entry, event)

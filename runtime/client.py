@@ -65,7 +65,6 @@ from ..spec.request import (
     ClientRequestState,
 )
 from ..spec.utility import UTILITY, UtilityEvent
-from . import _mutants
 from ._utilities import SyncUtilityMethods
 from .args import (
     check_method,
@@ -215,7 +214,7 @@ class EngineCoreClient(abc.ABC):
         with self._state_lock:
             self.ensure_alive()
             lc = self._requests.get(rid)
-            if lc is None or _mutants.active("duplicate_live_id_accepted"):
+            if lc is None:
                 lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
             if not lc.can(ClientRequestEvent.SEND) or not self.lifecycle.can(
                 ClientEvent.ADD_REQUEST
@@ -466,8 +465,6 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._engine_lock:
-            if _mutants.active("add_after_shutdown_accepted") and self.is_closed:
-                return
             self._track_add(request)
             try:
                 try:
@@ -564,8 +561,6 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 raise _TimedOut(UtilityTimeoutError(method, timeout))
             if engine.has_unfinished_requests() or engine.has_pending_outputs():
                 outputs = self._step()
-                if fut.done() and _mutants.active("inproc_wait_drops_outputs_of_deferring_step"):
-                    continue
                 if outputs.outputs or outputs.finished_requests:
                     self._buffered.append(outputs)
             else:

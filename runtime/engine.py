@@ -69,7 +69,6 @@ from ..spec.engine import (
 from ..spec.errors import ClientClosedError, EngineDeadError, UtilityError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
-from . import _mutants
 from ._engine_trace import EngineTrace
 from .config import EngineConfig
 from .executor import MEMORY_TAGS, UniProcExecutor
@@ -317,23 +316,10 @@ class EngineCore:
         """End each live request with an ABORT output; unknown or finished ids are no-ops."""
         if isinstance(request_ids, str):  # a bare id would iterate per character
             request_ids = (request_ids,)
-        if _mutants.active("abort_recorded_as_error"):
-            outs = self._abort_booked_as_error(request_ids)
-        else:
-            outs = self.scheduler.abort(request_ids)
-        if outs and _mutants.active("abort_not_acknowledged"):
-            outs = []
+        outs = self.scheduler.abort(request_ids)
         if outs:
             self._pending.extend(outs)
             self._settle()
-
-    def _abort_booked_as_error(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """The seeded bug ``abort_recorded_as_error``: ABORT outputs, ERROR in the books."""
-        sched = self.scheduler
-        outs = [sched.finish(req, EngineRequestEvent.ERROR, FinishReason.ABORT)
-                for rid in request_ids if (req := sched.requests.get(rid)) is not None]
-        sched.running = [r for r in sched.running if not r.finished]
-        return outs
 
     def _abort_mid_step(
         self, reqs: list[Request], nums: list[int], tokens: list[int]
@@ -614,8 +600,6 @@ class EngineCore:
         if lc.state is S.DRAINING:
             fut: Future[Any] = Future()
             self._deferred.append((fut, then))
-            if _mutants.active("sleep_wait_replies_before_idle"):
-                return None
             return fut
         sched.drain_only = False
         if st is S.DRAINING:  # abort/keep ended a drain: the waiters' wait is over
@@ -668,7 +652,7 @@ class EngineCore:
         assert executor is not None
         if st is S.SLEEPING:
             executor.wake_up([t for t in wanted if t in MEMORY_TAGS])
-            if executor.sleeping and not _mutants.active("partial_wake_reports_awake"):
+            if executor.sleeping:
                 lc.fire(E.WAKE_UP, PARTIAL)
                 return False
         if st is S.DRAINING:
@@ -694,13 +678,11 @@ class EngineCore:
         paused or draining wakes up (every tag) into IDLE; a running one settles into IDLE."""
         self._check_alive()
         self._fail_deferred(UtilityError("deferred call", "its front end was replaced"))
-        dropped = 0 if _mutants.active("session_keeps_old_requests") else len(
-            self.scheduler.abort_all())
+        dropped = len(self.scheduler.abort_all())
         self._pending = []
         self.mid_step_aborts.clear()
         if self.lifecycle.state in REPORTS_SLEEPING:
-            if not _mutants.active("session_leaves_engine_asleep"):
-                self.wake_up()
+            self.wake_up()
         else:
             self._settle()
         self.kv.reset_prefix_cache()

@@ -73,7 +73,6 @@ from ..spec.engine import EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.session import SESSION, SessionEvent, SessionState
-from . import _mutants
 from ._engine_input import _InputSide
 from ._engine_lifeline import EngineShutdownRequested, _ShutdownSignals, _watch_parent
 from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests read it here
@@ -195,7 +194,6 @@ class EngineCoreProc(_InputSide, _OutputSide):
         self._out_pending = 0
         self._out_encoder = Encoder()
         self._out_pool = BufferPool(max_free=4)
-        self._reuse_early = _mutants.active("output_buffer_reused_before_send")
         # The idle round-trip path (``_serve_plain``): input thread only.
         self._call_decoder = Decoder(UtilityRequest, limits)
         self._decode_call = self._call_decoder.decode_unchecked
@@ -203,7 +201,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
         # Parts held per message: the payload's frames, and the integrity trailer.
         self._max_parts = limits.max_frames + 1
         self._reply_encoder = msgspec.msgpack.Encoder()
-        self._fast_calls = not integrity and not self._reuse_early
+        self._fast_calls = not integrity
         self._last_send = 0.0
         # Held by the busy loop except while it idles on the input queue: the input thread
         # may then serve a utility call itself (one thread hop less per round trip).

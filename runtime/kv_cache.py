@@ -21,8 +21,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from . import _mutants
-
 __all__ = ["KVCacheManager", "check_fits", "num_blocks_for"]
 
 
@@ -88,14 +86,6 @@ class KVCacheManager:
             return False
         ids = req.block_ids
         for _ in range(need):
-            if _mutants.active("kv_block_shared_while_live"):
-                # The bug: a block another live request holds, taken as if it were a shared
-                # prefix (its count raised), so two requests write K/V into the same slots.
-                shared = next((b for b, r in enumerate(self._ref) if r and b not in ids), None)
-                if shared is not None:
-                    self._ref[shared] += 1
-                    ids.append(shared)
-                    continue
             block = free.popitem(last=False)[0]
             h = self._hash_of[block]
             if h is not None:  # evict: its content is about to be overwritten

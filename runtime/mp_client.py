@@ -90,7 +90,6 @@ from ..spec.errors import (
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UtilityEvent
-from . import _mutants
 from ._attach_side import _MAX_PARTS, _AttachSide
 from ._background import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -527,8 +526,7 @@ class MPClient(_AttachSide, EngineCoreClient):
             return
         logger.warning("engine core died: %s", cause)
         err = self._dead_error()
-        if not _mutants.active("pending_utility_not_failed_on_death"):
-            self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
+        self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
         self._wake_waiters(_DEAD)
 
     def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
@@ -568,8 +566,6 @@ class MPClient(_AttachSide, EngineCoreClient):
             self.resources.wait_finished(grace + 30.0)
             return
         err: EngineWireError = ClientClosedError(self._closed_message)
-        if _mutants.active("spurious_dead_on_clean_shutdown"):
-            err = EngineDeadError()
         self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.CLIENT_SHUTDOWN), err)
         self._wake_waiters(_CLOSED)
         if timeout is not None:
@@ -726,8 +722,6 @@ class MPClient(_AttachSide, EngineCoreClient):
             raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
-        if _mutants.active("add_after_death_dropped") and self.is_dead:
-            return
         self._track_add(request)
         with _SigintHold():  # raised after the except below: the ADD went out whole
             try:

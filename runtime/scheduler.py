@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from ..protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent, EngineRequestState
-from . import _mutants
 from .kv_cache import KVCacheManager
 
 if TYPE_CHECKING:  # annotations only: a null-model engine never loads torch
@@ -87,8 +86,7 @@ class Request:
         self.num_cached_tokens = 0
         self.max_tokens = sp.max_tokens
         # Length at which it finishes with LENGTH: one comparison per token in update().
-        self.stop_len = min(self.num_prompt_tokens + sp.max_tokens,
-                            max_model_len + _mutants.active("length_limit_off_by_one"))
+        self.stop_len = min(self.num_prompt_tokens + sp.max_tokens, max_model_len)
         self.temperature = sp.temperature
         self.top_k = sp.top_k
         self.top_p = sp.top_p
@@ -453,8 +451,7 @@ class Scheduler:
                 self._num_draining_waiting -= 1
             if len(self._waiting) > 2 * self.num_waiting + _WAITING_SLACK:
                 self._compact_waiting()
-        if not (event is RE.ABORT and _mutants.active("abort_leaks_kv_blocks")):
-            self.kv.free(req)
+        self.kv.free(req)
         del self.requests[req.request_id]
         return EngineCoreOutput(req.request_id, new_token_ids or [], reason, stop_reason,
                                 req.num_cached_tokens, error)
@@ -465,8 +462,6 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 outs.append(self.finish(req, RE.ABORT, FinishReason.ABORT))
-            elif _mutants.active("abort_list_stops_at_unknown_id"):
-                break
         if outs:
             self.running = [r for r in self.running if not r.finished]
         return outs
@@ -804,8 +799,6 @@ class Scheduler:
 
     def _finish_on(self, req: Request, tok: int) -> EngineCoreOutput:
         """``tok`` ended ``req`` (a stop id, EOS or the length limit): finish it."""
-        if _mutants.active("stop_on_last_token_ends_length") and req.num_tokens >= req.stop_len:
-            return self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])
         if tok in req.stop_ids:
             return self.finish(req, RE.STOP, FinishReason.STOP, tok, None, [tok])
         if tok == req.eos:

@@ -26,7 +26,6 @@ from ..protocol.messages import (
     EngineCoreRequest,
 )
 from ..spec.errors import ClientClosedError
-from . import _mutants
 from ._background import _SigintHold
 from .args import (
     MAX_WAIT_SLICE_S,
@@ -409,8 +408,6 @@ class SyncMPClient(SyncClientMixin, MPClient):
         reader.start()
 
     def _wake_waiters(self, marker: object) -> None:
-        if marker is _DEAD and _mutants.active("sync_get_output_not_woken_on_kill"):
-            return
         self._outputs.put(marker)
         reader = self._reader
         if reader is not None:

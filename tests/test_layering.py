@@ -283,3 +283,32 @@ def test_the_cycle_check_counts_a_lazy_import() -> None:
                b: "def main():\n    from enginewire.cli import main as cli_main\n"}
     imports = {m: _scan(m, s, known=sources) for m, s in sources.items()}
     assert _cycles(_import_graph(imports)) == [frozenset({a, b})]
+
+
+# The layers users run hold no seeded bug, not even a switched-off branch: the testing package
+# patches the clean code from outside (model_tests/mutants.py, reaching engine processes
+# through the generic runtime/preload.py hook).
+SEEDED_BUG_FREE = ("spec", "protocol", "runtime")
+
+
+def _mentions_of_mutants(root: Path = ROOT) -> list[str]:
+    hits = []
+    for folder in SEEDED_BUG_FREE:
+        for path in sorted((root / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if "mutant" in line.lower():
+                    hits.append(f"  {path.relative_to(root).as_posix()}:{n}: {line.strip()}")
+    return hits
+
+
+def test_no_seeded_bug_lives_in_the_layers_users_run() -> None:
+    hits = _mentions_of_mutants()
+    assert not hits, ("a mutant belongs to the testing package's bank (model_tests/mutants.py),"
+                      " as a source patch of the clean code:\n" + "\n".join(hits))
+
+
+def test_the_seeded_bug_scan_sees_a_branch(tmp_path: Path) -> None:
+    for folder in SEEDED_BUG_FREE:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "runtime" / "bad.py").write_text('if _mutants.active("x"):\n    pass\n')
+    assert _mentions_of_mutants(tmp_path) == ['  runtime/bad.py:1: if _mutants.active("x"):']

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from enginewire.cli import main
-from enginewire.runtime import _mutants
 from enginewire.runtime.faults import Fault, FaultAction, FaultPoint
-from enginewire.testing import campaign, fault_matrix
+from enginewire.testing import campaign, fault_matrix, mutants
 from enginewire.testing.fault_matrix import Cell, Scenario
 
 TINY = ["campaign", "--client", "inproc", "--model", "null", "--examples", "1", "--steps", "2"]
@@ -42,9 +41,9 @@ def test_mutants_no_requested_client_can_show_are_not_applicable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     # Only the bank's mutants an inproc client cannot show, so no child campaign runs.
-    elsewhere = {k: v for k, v in _mutants.BANK.items() if "inproc" not in v.clients}
+    elsewhere = {k: v for k, v in mutants.BANK.items() if "inproc" not in v.clients}
     assert elsewhere
-    monkeypatch.setattr(_mutants, "BANK", elsewhere)
+    monkeypatch.setattr(mutants, "BANK", elsewhere)
     assert main([*TINY, "--mutants", "all", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "n/a" in out and " NO" not in out

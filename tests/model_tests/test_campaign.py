@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from enginewire.runtime import _mutants
 from enginewire.runtime.model import TINY_ARCH, null_token
 from enginewire.spec import ClientState
+from enginewire.testing import mutants
 from enginewire.testing.campaign import _reproducer, run_campaign
 from enginewire.testing.oracle import Coverage, Oracle, OracleViolation, null_tokens
 from enginewire.testing.unreached import UNREACHED, _why_unreached
@@ -134,46 +134,6 @@ def test_coverage_lists_what_was_never_reached() -> None:
     assert "client READY -ADD_REQUEST-> RUNNING" in rep["never_reached_transitions"]
 
 
-# --- the mutant switch -------------------------------------------------------------------------
-
-
-def test_mutants_are_off_and_every_branch_names_a_mutant() -> None:
-    assert _mutants.ACTIVE is None
-    assert not _mutants.active("duplicate_live_id_accepted")
-    assert len(_mutants.BANK) >= 10
-    # active() is one comparison when off, so names are checked here, statically: every
-    # branch in the runtime names a mutant of the bank, and every mutant has a branch.
-    runtime = Path(_mutants.__file__).parent
-    used = set()
-    for src in runtime.glob("*.py"):
-        if src.name == "_mutants.py":
-            continue
-        used |= set(re.findall(r'_mutants\.active\("([a-z_]+)"\)', src.read_text()))
-    assert used == set(_mutants.BANK), used ^ set(_mutants.BANK)
-
-
-def test_every_class_of_bug_has_a_mutant() -> None:
-    # Issue #30: the bank holds at least 25 seeded bugs, at least one of each class.
-    assert len(_mutants.BANK) >= 25
-    by_kind: dict[str, list[str]] = {}
-    for m in _mutants.BANK.values():
-        by_kind.setdefault(m.kind, []).append(m.name)
-    assert set(by_kind) == set(_mutants.KINDS), set(_mutants.KINDS) - set(by_kind)
-    # A row without a declared class fails where it is written, naming the classes.
-    with pytest.raises(ValueError, match="is not a class of the bank; give one of quiescence"):
-        _mutants.Mutant("x", "a bug", ("inproc",), kind="typo")
-
-
-def test_unknown_mutant_in_env_fails_the_import(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    env = dict(os.environ, **{_mutants.ENV_VAR: "bogus"})
-    proc = subprocess.run([sys.executable, "-c", "import enginewire.runtime._mutants"],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "names no mutant" in proc.stderr
-
-
 def test_reproducer_falls_back_to_the_recorded_program() -> None:
     """A flaky report prints no program; the machine's own record of the failing example is
     the reproducer then, made runnable like a shrunk one."""
@@ -214,7 +174,7 @@ def test_bounded_campaign(client: str, tmp_path: Path) -> None:
     assert report["coverage"]["transitions_reached"] > 10
 
 
-@pytest.mark.parametrize("name", sorted(_mutants.BANK))
+@pytest.mark.parametrize("name", sorted(mutants.BANK))
 def test_mutant_is_detected(name: str, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
     """The mutant table, one row per test: the campaign must find every seeded bug."""
@@ -222,7 +182,7 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
     # which need a handover of a given kind first: they get more examples. So does an abort
     # overtaking its ADD (an idle engine's input thread must win a race; 22 of 24 runs of 8
     # examples met one). The run stops at its first detection.
-    timing = _mutants.BANK[name].clients == ("standalone",) or name == "abort_applied_before_add"
+    timing = mutants.BANK[name].clients == ("standalone",) or name == "abort_applied_before_add"
     examples = 24 if timing else 8
     assert run_campaign(mutant=name, examples=examples, steps=25,
                         results_dir=str(tmp_path)) == 1, (
@@ -230,7 +190,7 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
     report = _report(tmp_path, f"mutant-{name}-*.json")
     failing = [c for c in report["clients"] if c["failure"]]
     # The attach-path mutants run on front ends taking turns on one standalone engine.
-    made = ("state = StandaloneEngineStateMachine(pool" if _mutants.BANK[name].clients ==
+    made = ("state = StandaloneEngineStateMachine(pool" if mutants.BANK[name].clients ==
             ("standalone",) else "state = EngineClientStateMachine(factory")
     assert failing and made in failing[0]["reproducer"]
     # The verdict says how long the campaign took to find it, and in which example.

@@ -4,7 +4,6 @@ quiescence"): a leak changes no output, so only a recount of the engine's books 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from typing import Any
@@ -100,8 +99,10 @@ import json
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime import make_client
 from enginewire.runtime.config import EngineConfig
+from enginewire.testing import mutants
 from enginewire.testing.oracle import audit_violations
 
+mutants.apply("abort_leaks_kv_blocks")  # here, and in the engine process it starts
 # Long enough that the abort lands before the request could end by itself.
 config = EngineConfig(model="null", max_model_len=2048)
 client = make_client(config, multiprocess={mp}, asyncio=False)
@@ -118,8 +119,7 @@ client.shutdown()
 
 @pytest.mark.parametrize("multiprocess", [False, True])
 def test_the_seeded_kv_leak_on_abort_shows_only_in_the_audit(multiprocess: bool) -> None:
-    env = {**os.environ, "ENGINEWIRE_TESTING_MUTANT": "abort_leaks_kv_blocks"}
-    done = subprocess.run([sys.executable, "-c", _LEAKY.format(mp=multiprocess)], env=env,
+    done = subprocess.run([sys.executable, "-c", _LEAKY.format(mp=multiprocess)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     problems = json.loads(done.stdout.strip().splitlines()[-1])
