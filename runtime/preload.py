@@ -3,17 +3,19 @@
 Why
 ---
 An engine runs in a process its client starts (``python -c``, runtime/engine_launch.py), in
-one ``enginewire engine`` starts, in a ``multiprocessing`` child or under a Ray actor. Code that
-must run inside every one of them (a profiler, a tracer, instrumentation; the testing package's
-seeded bugs) cannot be passed as an argument through all of those
-launchers, but an environment variable reaches each: engine processes inherit it.
+one ``enginewire engine`` starts, in a ``multiprocessing`` child or under a Ray actor. Code
+that must run inside every one of them (a profiler, a tracer, instrumentation; the testing
+package's seeded bugs) cannot be passed as an argument through all of those launchers, but an
+environment variable reaches each: engine processes inherit it.
 
 ``ENGINEWIRE_ENGINE_PRELOAD`` holds comma-separated ``module:callable`` entries (the callable
 may be dotted: ``package.module:Class.method``). ``run_engine_core`` imports and calls each,
 in order, with no arguments, before it builds the engine (and before the parent watch starts),
 once per process. An entry that cannot be imported or is not callable, or one that raises,
 fails the start with ``EngineStartupError`` naming the entry, which the launching client
-raises (or ``enginewire engine`` prints) like any other start-up failure.
+raises (or ``enginewire engine`` prints) like any other start-up failure. A Ray actor's engine
+sees the environment of Ray's workers: a local cluster the client starts inherits this
+process's; a remote one needs the variable set in its own.
 """
 
 from __future__ import annotations
