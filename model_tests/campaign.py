@@ -43,6 +43,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,9 @@ class ClientResult:
     failure: str | None = None
     # Errors rules raised before the failure (Hypothesis may report a flaky replay instead).
     errors: list[str] = field(default_factory=list)
+    # What Hypothesis raised when it reported its replay as flaky; ``failure`` is then the
+    # error that failed the example first, and ``reproducer`` that example's program.
+    flaky: str | None = None
     reproducer: str | None = None
     first_failure: tuple[int, float] | None = None
     # The Hypothesis seed of each round (None: derandomized); the last one is the failing
@@ -209,6 +213,47 @@ def _describe(e: BaseException) -> str:
     return text
 
 
+@contextlib.contextmanager
+def _seed_only_draws() -> Iterator[None]:
+    """Hypothesis' draws depend on the seed alone while this holds. Hypothesis mixes into
+    them constants it reads from the source of every local module imported so far
+    (``hypothesis.internal.conjecture.providers``), so the modules an entry point has
+    loaded (the CLI, a mutant's child, a test) or a rule imported lazily changed the
+    examples a seed gives: one derandomized in-process run found length_limit_off_by_one
+    from ``python -c`` and missed it from the ``enginewire`` script. Without that pool a
+    seed replays the same examples everywhere (Hypothesis' own constants stay)."""
+    from hypothesis.internal.conjecture import providers
+
+    original = getattr(providers, "_get_local_constants", None)
+    make_empty = getattr(providers, "Constants", None)
+    if original is None or make_empty is None:  # a Hypothesis without the pool
+        yield
+        return
+    empty = make_empty()
+    providers._get_local_constants = lambda: empty
+    providers.CONSTANTS_CACHE.cache.clear()  # it holds the pool's values per draw type
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+def _failure_of(e: BaseException, stats: Any) -> tuple[str, str | None, list[str] | None]:
+    """A failed round's headline, what Hypothesis reported instead (None unless flaky), and
+    the program to print instead of the one Hypothesis printed (None: Hypothesis' own).
+    When Hypothesis reports its replay of the failing example as flaky (``Flaky``: the
+    replay failed otherwise, not at all, or drew differently, as a timing-dependent failure
+    or an engine the failure left changed can make it), the headline is the error that
+    failed the example first, where it was raised, and that example's program."""
+    from hypothesis.errors import Flaky
+
+    if not isinstance(e, Flaky) or stats.first_error is None:
+        return _describe(e), None, None
+    where, error = stats.first_error
+    return f"{error} (in {where})", _describe(e), stats.first_program or None
+
+
 def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, faults: bool,
                 duration: float | None, model: str, profile: str, results_dir: Path,
                 shrink: bool, progress: Any,
@@ -297,9 +342,10 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     deadline = None if duration is None else time.monotonic() + duration
     start = time.monotonic()
     round_seed = seed
+    round_examples = examples
     try:
         while True:
-            sets = _settings(profile, examples, steps, round_seed, results_dir, shrink)
+            sets = _settings(profile, round_examples, steps, round_seed, results_dir, shrink)
             saved: Any = hypothesis.core.global_force_seed
             # Untyped on purpose: Hypothesis' annotations of these two differ between releases.
             core: Any = hypothesis.core
@@ -307,22 +353,30 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
             if round_seed is not None:
                 core.global_force_seed = round_seed
             result.round_seeds.append(round_seed)
+            stats.begin_round()
             try:
-                with with_reporter(lambda text: lines.append(str(text))):
+                with with_reporter(lambda text: lines.append(str(text))), _seed_only_draws():
                     runner(make, settings=sets)
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
-                result.failure = _describe(e)
+                result.failure, result.flaky, first = _failure_of(e, stats)
                 notes = [str(n) for n in getattr(e, "__notes__", [])]
-                result.reproducer = _reproducer(lines + notes, kind, model, faults,
-                                                stats.failed_program, factory, dp)
+                # A flaky report's printed steps are its replay's: the first program wins.
+                result.reproducer = _reproducer([] if first else lines + notes, kind, model,
+                                                faults, first or stats.failed_program,
+                                                factory, dp)
                 if reference is not None:
                     result.reproducer = _with_reference(result.reproducer, model, dp)
                 break
             finally:
                 hypothesis.core.global_force_seed = saved
-            if deadline is None or time.monotonic() >= deadline:
+            if deadline is None:
+                break
+            now = time.monotonic()
+            round_examples = _round_examples(examples, deadline - now, stats.examples,
+                                             now - start)
+            if not round_examples:
                 break
             # Another round, differently seeded: a duration run keeps exploring (run_campaign
             # gave it a seed, so each round can be replayed with --seed).
@@ -345,6 +399,26 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     if result.failure is not None:
         result.errors = list(stats.errors)
     return result, stats.coverage
+
+
+def _round_examples(examples: int, left_s: float, ran: int, took_s: float) -> int:
+    """The examples of a duration run's next round: ``examples``, or as many as the
+    ``left_s`` seconds hold at the pace so far (``ran`` examples in ``took_s``); 0 when not
+    one does. So a client stops within about one example of its share, where whole rounds
+    of ``examples`` overran it (a sync round is 10 examples of about 0.6 s)."""
+    if left_s <= 0:
+        return 0
+    if ran <= 0 or took_s <= 0:
+        return examples
+    return min(examples, int(left_s * ran / took_s))
+
+
+def _share(duration: float, clients: int, spent_s: float, done: int) -> float:
+    """The seconds of a duration run the next client gets: what is left of ``duration``
+    after ``spent_s``, split evenly among the ``clients - done`` still to run. A client
+    that stopped early (at a failure) or ran over leaves the others the difference, so
+    the run keeps its length and the clients after it share alike."""
+    return max(0.0, duration - spent_s) / (clients - done)
 
 
 def _with_reference(program: str, model: str, dp: tuple[int, str] | None) -> str:
@@ -400,6 +474,9 @@ def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: An
     for r in results:
         if r.failure is not None:
             w(f"\nFAILURE on {r.client}: {r.failure}\n")
+            if r.flaky:
+                w(f"  then Hypothesis reported its replay as flaky:"
+                  f" {r.flaky.splitlines()[0][:300]}\n")
             for err in r.errors:
                 w(f"  raised in {err}\n")
             if r.round_seeds and r.round_seeds[-1] is not None:
@@ -621,14 +698,15 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     results: list[ClientResult] = []
     coverage = Coverage()
     started = time.monotonic()
-    per_client = None if duration is None else duration / len(kinds)
     if prog is not None:
         prog.start()
     try:
-        for kind in kinds:
+        for i, kind in enumerate(kinds):
+            share = None if duration is None else _share(duration, len(kinds),
+                                                          time.monotonic() - started, i)
             tick = None
             if prog is not None:
-                task = prog.add_task(kind, total=None if per_client else examples * steps,
+                task = prog.add_task(kind, total=None if duration else examples * steps,
                                      rate="")
                 t0 = time.monotonic()
                 count = [0]
@@ -640,7 +718,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                         prog.update(task, completed=count[0], rate=f"{rate:.1f} steps/s")
 
             res, cov = _run_client(kind, examples=examples, steps=steps, seed=seed,
-                                   faults=faults, duration=per_client, model=model,
+                                   faults=faults, duration=share, model=model,
                                    profile=profile, results_dir=out_dir,
                                    shrink=not stop_at_first, progress=tick, factory=factory,
                                    dp=dp)
@@ -774,10 +852,10 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
             :report["clients"].index(first)])
         ff = first.get("first_failure") or [first["examples"], first.get("seconds") or 0]
         why = first["failure"]
-        if why.startswith("Flaky") and first.get("errors"):
-            # Hypothesis reported its replay as flaky (a mutant on a shared standalone engine
-            # leaves it changed for the replay): the error that failed the example says more.
-            why = f"{first['errors'][0]} (then {why.split(':')[0]})"
+        if first.get("flaky"):
+            # A mutant on a shared standalone engine leaves it changed for Hypothesis' replay;
+            # the failure is the error that failed the example, the flaky report follows.
+            why = f"{why[:120]} (then {first['flaky'].split(':')[0]})"
         detail = f"{first['client']}: {why[:160]}"
         return {"mutant": name, "kind": kind, "applicable": True, "detected": True,
                 "examples": ff[0], "seconds": round(before + float(ff[1]), 1),

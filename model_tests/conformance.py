@@ -145,6 +145,12 @@ __all__ = [
 # --- scenarios on a live client (safe on a shared, warm engine) ------------------------------
 
 
+def _expect_echo(cut: ClientUnderTest, value: Any, **kwargs: Any) -> None:
+    """``echo`` returns what it was sent (``kwargs``: the call's timeout)."""
+    got = cut.call_utility("echo", value, **kwargs)
+    assert got == value, f"echo({value!r}) returned {got!r}"
+
+
 def _expect_length(rid: str, got: Finished, n: int) -> None:
     assert got.reason is FinishReason.LENGTH and len(got.tokens) == n, (
         f"{rid!r} ended {got.reason.name} after {len(got.tokens)} tokens (error {got.error!r});"
@@ -206,8 +212,8 @@ def check_abort_half(cut: ClientUnderTest, n: int = 10, prefix: str = "abort") -
 def check_utilities(cut: ClientUnderTest) -> None:
     """echo round-trips; a raising utility and an unknown one raise UtilityError by name."""
     value = {"nested": [1, 2.5, "three", None, True], "n": -7}
-    assert cut.call_utility("echo", value) == value
-    assert cut.call_utility("echo", None) is None
+    _expect_echo(cut, value)
+    _expect_echo(cut, None)
     try:
         cut.call_utility("profile", "not-an-action")
     except UtilityError as e:
@@ -217,16 +223,19 @@ def check_utilities(cut: ClientUnderTest) -> None:
     try:
         cut.call_utility("_private_or_unknown")
     except UtilityError as e:
-        assert e.method == "_private_or_unknown"
+        assert e.method == "_private_or_unknown", (
+            f"the error names {e.method!r}, not the method called")
     else:
         raise AssertionError("an unknown utility must raise UtilityError")
     # An array result travels as an aux frame: a reply of two parts, then a plain one.
     arr = np.arange(100, dtype=np.int64)
-    assert np.array_equal(cut.call_utility("echo", arr), arr)
+    got = cut.call_utility("echo", arr)
+    assert np.array_equal(got, arr), f"echo of an array returned {got!r}"
     # The client survives failed calls.
-    assert cut.call_utility("echo", 42) == 42
+    _expect_echo(cut, 42)
     if cut.multiprocess:
-        assert cut.client.pending_utility_calls() == 0
+        assert cut.client.pending_utility_calls() == 0, (
+            f"{cut.client.pending_utility_calls()} utility calls left pending")
     check_trace(cut)
 
 
@@ -285,12 +294,13 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
     got = collect(cut, [bad])[bad]
     assert got.reason is FinishReason.ERROR and "malformed request" in (got.error or ""), got
     # Without end and below zero are both timeouts a caller may pass.
-    assert cut.call_utility("echo", 5, timeout=float("inf")) == 5
-    assert cut.call_utility("echo", 6, timeout=1e9) == 6
+    _expect_echo(cut, 5, timeout=float("inf"))
+    _expect_echo(cut, 6, timeout=1e9)
     rid = f"{prefix}-inf"
     cut.add_request(request(rid, max_tokens=1))
-    assert isinstance(call("get_output", timeout=float("inf")), EngineCoreOutputs)
-    assert isinstance(call("get_output", timeout=-1.0), EngineCoreOutputs)
+    for timeout in (float("inf"), -1.0):
+        got = call("get_output", timeout=timeout)
+        assert isinstance(got, EngineCoreOutputs), f"get_output(timeout={timeout}) returned {got!r}"
     deadline = time.monotonic() + WAIT_S
     while rid in cut.client.live_requests():
         assert time.monotonic() < deadline, f"{rid} never finished"
@@ -301,7 +311,8 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
         assert str(e).count("failed") == 1, f"the failure is said once: {e}"
     check_generate(cut, n=1, max_tokens=3, prefix=f"{prefix}-after")
     if cut.multiprocess:
-        assert cut.client.pending_utility_calls() == 0
+        assert cut.client.pending_utility_calls() == 0, (
+            f"{cut.client.pending_utility_calls()} utility calls left pending")
     check_trace(cut)
 
 
@@ -349,8 +360,9 @@ def _sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str, n: int
         collect(cut, ids)
         return
     cut.sleep(level, mode)
-    assert cut.is_sleeping()
-    assert cut.client.state is ClientState.SLEEPING
+    assert cut.is_sleeping(), "is_sleeping() is False right after sleep()"
+    assert cut.client.state is ClientState.SLEEPING, (
+        f"asleep, the client is {cut.client.state.name}")
     if mode == "abort":
         done = collect(cut, ids)
         for rid in ids:
@@ -362,8 +374,8 @@ def _sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str, n: int
         done = collect(cut, ids)
         for rid in ids:
             _expect_length(rid, done[rid], n)
-    assert cut.wake_up() is True
-    assert not cut.is_sleeping()
+    assert cut.wake_up() is True, "wake_up() of everything did not report a full wake-up"
+    assert not cut.is_sleeping(), "is_sleeping() is True after a full wake_up()"
     if mode == "keep":
         # Parked requests resume after wake-up and complete in full.
         done = collect(cut, ids)
@@ -402,7 +414,7 @@ def check_malformed_frames(cut: ClientUnderTest, prefix: str = "bad") -> None:
     done = collect(cut, [rid])
     assert done[rid].reason is FinishReason.ERROR and done[rid].error, done[rid]
     check_generate(cut, n=2, prefix=f"{prefix}-after")
-    assert cut.call_utility("echo", "still serving") == "still serving"
+    _expect_echo(cut, "still serving")
 
 
 def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "reuse") -> None:
@@ -432,8 +444,8 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
                 cut.client.send_raw_frames(frames)
         else:
             assert reject is not None
-            assert not reject(rid, "malformed request: test")
-        assert cut.call_utility("echo", "after") == "after"
+            assert not reject(rid, "malformed request: test"), f"rejecting {rid!r} failed"
+        _expect_echo(cut, "after")
     finally:
         cut._call("resume_scheduler")
     got = collect(cut, [rid])[rid]
@@ -477,9 +489,10 @@ def check_forbidden_output(cut: ClientUnderTest, prefix: str = "forbidden") -> N
     assert got == [(r1, [7], FinishReason.LENGTH), (r2, [9], None)], f"the rest: {got}"
     got = read()
     assert got == [(r2, [10], FinishReason.STOP)], f"the batch after: {got}"
-    assert client.live_requests() == []
-    assert cut.get_output(timeout=0).outputs == []  # the violation was raised once
-    assert client.queued_outputs() == 0
+    assert client.live_requests() == [], f"still live: {client.live_requests()}"
+    left = cut.get_output(timeout=0).outputs
+    assert left == [], f"the violation was raised once, yet a read returned {left}"
+    assert client.queued_outputs() == 0, f"{client.queued_outputs()} batches left queued"
 
 
 def check_prefix_caching(cut: ClientUnderTest, prefix: str = "prefix") -> None:
@@ -523,7 +536,8 @@ def check_shutdown_semantics(cut: ClientUnderTest) -> None:
         else:
             raise AssertionError("shutdown must wake a blocked get_output")
     cut.client.shutdown()
-    assert cut.client.state is ClientState.SHUTDOWN
+    assert cut.client.state is ClientState.SHUTDOWN, (
+        f"shut down, the client is {cut.client.state.name}")
     for call in (lambda: cut.add_request(request("late")),
                  lambda: cut.call_utility("echo", 1),
                  lambda: cut.get_output(timeout=0.1)):

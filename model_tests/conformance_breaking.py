@@ -60,7 +60,8 @@ def check_kill_during_get_output(factory: ClientFactory) -> None:
         else:
             raise AssertionError("add_request on a dead engine must raise EngineDeadError")
         cut.abort_requests(["x"])  # silent no-op on a dead engine
-        assert cut.client.state is ClientState.DEAD
+        assert cut.client.state is ClientState.DEAD, (
+            f"the engine died, yet the client is {cut.client.state.name}")
         check_trace(cut)
 
 
@@ -89,7 +90,8 @@ def check_kill_during_utility(factory: ClientFactory) -> None:
         killed = time.monotonic()
         for f in futs:
             _expect_dead(f, killed, "pending utility")
-        assert cut.client.pending_utility_calls() == 0
+        assert cut.client.pending_utility_calls() == 0, (
+            f"{cut.client.pending_utility_calls()} utility calls left pending")
         check_trace(cut)
 
 
@@ -163,7 +165,8 @@ def check_engine_fatal_error(factory: ClientFactory) -> None:
             # The sentinel (or, if the monitor wins the race, the exit code) is the cause.
             cause = str(e.__cause__)
             assert "sentinel" in cause or "exit code" in cause, cause
-        assert cut.client.state is ClientState.DEAD
+        assert cut.client.state is ClientState.DEAD, (
+            f"the engine died, yet the client is {cut.client.state.name}")
         check_trace(cut)
 
 

@@ -11,8 +11,9 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
                 dp: tuple[int, str] | None = None) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
     runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
-    timing-dependent failure can make it), the program the machine recorded of the last
-    failing example, not shrunk."""
+    timing-dependent failure can make it), the program the machine recorded of the
+    failing example, not shrunk (the campaign passes the first failing one for a flaky
+    report, whose printed steps are its replay's, and no lines)."""
     body = []
     for chunk in lines:
         for ln in str(chunk).splitlines():
@@ -20,7 +21,7 @@ def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
                 body.append(ln if ln.startswith("state") else f"# {ln}")
     if not any(ln.startswith("state") for ln in body) and recorded:
         body = ["# Not shrunk: Hypothesis reported its replay as flaky (the failure depends on",
-                "# timing); this is the last failing example as it ran.", *recorded]
+                "# timing); this is the failing example as it ran.", *recorded]
     head = [
         "# Reproducer printed by `enginewire campaign`; paste it into a test.",
         "from enginewire.testing.campaign import _config",

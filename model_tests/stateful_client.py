@@ -197,6 +197,12 @@ class EngineClientStateMachine(CampaignMachine):
         else:
             self.cut.client.engine.fault_hook.arm(spec)
 
+    def _echo_back(self, value: str, when: str) -> None:
+        """An echo ``when`` something that must not disturb the next reply: it comes back."""
+        got = self.cut.call_utility("echo", value)
+        if got != value:
+            raise OracleViolation(f"echo({value!r}) {when} returned {got!r}")
+
     def _engine_pid(self) -> int | None:
         """The pid of the engine process the fault rules kill or stop (None: in-process)."""
         return self.cut.engine_pid
@@ -319,7 +325,7 @@ class EngineClientStateMachine(CampaignMachine):
             self._arm(f"utility:echo:1:delay:{delay}")
             self.stats.faults["utility_delay"] += 1
             start = time.monotonic()
-            assert self.cut.call_utility("echo", "slow") == "slow"
+            self._echo_back("slow", "delayed by an armed fault")
             if time.monotonic() - start < delay * 0.9:
                 raise OracleViolation("a delayed utility replied before its delay")
 
@@ -339,7 +345,7 @@ class EngineClientStateMachine(CampaignMachine):
             if self._pending_calls() != 0:
                 raise OracleViolation(f"{self._pending_calls()} call(s) left registered after"
                                       " a timeout")
-            assert self.cut.call_utility("echo", "after") == "after"  # the late reply dropped
+            self._echo_back("after", "after a timed-out call (its late reply must be dropped)")
 
     @precondition(lambda self: self.alive and self.faults and self.kind == "async")
     @rule(failing=st.booleans())
@@ -352,7 +358,7 @@ class EngineClientStateMachine(CampaignMachine):
             self._wait_pending(1)
             fut.cancel()
             self._wait_pending(0)
-            assert self.cut.call_utility("echo", "after") == "after"
+            self._echo_back("after", "after a cancelled call (its late reply must be dropped)")
 
     # -- sleep, wake, pause -----------------------------------------------------------------
 
@@ -701,7 +707,9 @@ class EngineClientStateMachine(CampaignMachine):
                 ok = self.cut.call_utility("echo", "still serving", timeout=WAIT_S)
             except EngineDeadError:
                 raise OracleViolation(f"the engine died on malformed frames {frames!r}") from None
-            assert ok == "still serving"
+            if ok != "still serving":
+                raise OracleViolation(f"echo('still serving') after malformed frames"
+                                      f" {frames!r} returned {ok!r}")
 
     @precondition(lambda self: self.faults and self.orphan_config is not None
                   and self._orphans == 0 and self._life >= self.orphan_min_life)

@@ -219,3 +219,19 @@ def test_campaign_engines_refuses_what_does_not_apply(
     assert code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and ("--engines" in err or "--backend" in err)
+
+
+def test_a_duration_run_gives_each_client_its_share_and_rounds_that_fit_it() -> None:
+    # Three clients, 60 s: 20 s each; the first ran 4 s over, so the two left get 18 s each,
+    # and a client after the time is spent gets none (it still runs its one round).
+    assert campaign._share(60.0, 3, 0.0, 0) == 20.0
+    assert campaign._share(60.0, 3, 24.0, 1) == 18.0
+    assert campaign._share(60.0, 3, 61.0, 2) == 0.0
+    # A client that stopped early at a failure leaves its time to the one after it.
+    assert campaign._share(60.0, 3, 25.0, 2) == 35.0
+    # Rounds: --examples while they fit, then as many as fit at the pace so far, then none.
+    assert campaign._round_examples(10, 20.0, 0, 0.0) == 10
+    assert campaign._round_examples(10, 100.0, 10, 6.0) == 10
+    assert campaign._round_examples(10, 3.0, 10, 6.0) == 5
+    assert campaign._round_examples(10, 0.5, 10, 6.0) == 0
+    assert campaign._round_examples(10, -1.0, 10, 6.0) == 0

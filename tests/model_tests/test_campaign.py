@@ -5,19 +5,32 @@ nothing)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Flaky
+from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from enginewire.runtime.model import TINY_ARCH, null_token
 from enginewire.spec import ClientState
 from enginewire.testing import mutants
-from enginewire.testing.campaign import _reproducer, run_campaign
+from enginewire.testing.campaign import (
+    _failure_of,
+    _reproducer,
+    _seed_only_draws,
+    _settings,
+    run_campaign,
+)
 from enginewire.testing.oracle import Coverage, Oracle, OracleViolation, null_tokens
+from enginewire.testing.stateful import CampaignStats
 from enginewire.testing.unreached import UNREACHED, _why_unreached
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it
@@ -156,6 +169,67 @@ def test_reproducer_falls_back_to_the_recorded_program() -> None:
     assert "state = StandaloneEngineStateMachine(pool, faults=True" in lone
     assert lone.splitlines()[-1] == "pool.close()"
     compile(lone, "<reproducer>", "exec")
+
+
+class _FailsOnce(RuleBasedStateMachine):
+    """Fails in the first example that reaches its second step, and never again: Hypothesis'
+    replay of that example goes on past where it failed, and it reports the run as flaky."""
+
+    failed = False
+    stats = CampaignStats()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.program = ["state = _FailsOnce()"]
+
+    @rule(n=st.integers(0, 3))
+    def step(self, n: int) -> None:
+        self.program.append(f"state.step(n={n!r})")
+        if len(self.program) == 3 and not type(self).failed:
+            type(self).failed = True
+            err = OracleViolation("the original failure")
+            self.stats.record_failure("step", err, self.program)
+            raise err
+
+
+def test_a_flaky_replay_reports_the_original_failure_as_its_headline(tmp_path: Path) -> None:
+    stats = _FailsOnce.stats
+    stats.begin_round()
+    sets = _settings("ci", 10, 5, None, tmp_path, shrink=False)
+    with pytest.raises(Flaky) as caught:
+        run_state_machine_as_test(_FailsOnce, settings=sets)
+    failure, flaky, program = _failure_of(caught.value, stats)
+    assert failure == "OracleViolation: the original failure (in step)"
+    assert flaky is not None and flaky.startswith(type(caught.value).__name__)
+    assert program is not None and program[0] == "state = _FailsOnce()" and len(program) == 3
+    # A failure that replays is reported as Hypothesis raised it, its program Hypothesis'.
+    assert _failure_of(OracleViolation("plain"), stats) == ("OracleViolation: plain", None, None)
+
+
+def test_a_seed_draws_alike_whatever_modules_are_loaded(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypothesis mixes the constants of every local module loaded so far into its draws; in
+    a campaign a seed alone decides them, so the CLI, a mutant's child and a test replay the
+    same examples."""
+    def draws() -> list[int]:
+        seen: list[int] = []
+
+        @settings(derandomize=True, database=None, max_examples=200, phases=[Phase.generate])
+        @given(st.integers(0, 2**40))
+        def test(n: int) -> None:
+            seen.append(n)
+
+        with _seed_only_draws():
+            test()
+        return seen
+
+    before = draws()
+    module = tmp_path / "campaign_constants_probe.py"
+    module.write_text(f"VALUES = {[1_000_003 + 7_919 * i for i in range(20)]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module.stem, raising=False)
+    importlib.import_module(module.stem)
+    assert draws() == before
 
 
 # --- bounded campaigns on the real engine ------------------------------------------------------
