@@ -584,12 +584,15 @@ def run_campaign(
         # Each mutant runs only on the clients its bank entry names: "standalone" is there
         # for the attach-path mutants and for no other.
         kinds = list(CLIENTS)
+    if (mutants_all or mutant is not None) and mutants.active() is None and (
+            duration is not None and seed is None):
+        seed = _choose_seed()  # each mutant's child runs seeded rounds, replayable with it
     if mutants_all:
         return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
-                                 results_dir=out_dir)
+                                 results_dir=out_dir, duration=duration)
     if mutant is not None and mutants.active() != mutant:
         row = _run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
-                          model=model, results_dir=out_dir)
+                          model=model, results_dir=out_dir, duration=duration)
         if row.get("error"):
             print(f"mutant {mutant}: ERROR ({row['detail']})", file=sys.stderr)
             return MUTANT_ERROR
@@ -604,9 +607,7 @@ def run_campaign(
         wanted = mutants.BANK[on].clients
         kinds = [k for k in kinds if k in wanted] or kinds
     elif seed is None and (profile == "campaign" or duration is not None):
-        # A randomized run must be replayable: choose the seed here and say it.
-        seed = random.SystemRandom().randrange(2**31)
-        print(f"seed: {seed} (chosen at random; replay with --seed {seed})", flush=True)
+        seed = _choose_seed()
     elif seed is None:
         print("seed: none (ci profile: derandomized, every run replays the same examples)",
               flush=True)
@@ -637,6 +638,13 @@ def run_campaign(
         from hypothesis.configuration import set_hypothesis_home_dir
 
         set_hypothesis_home_dir(saved_home)
+
+
+def _choose_seed() -> int:
+    """A randomized run must be replayable: the seed is chosen here, and said."""
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed: {seed} (chosen at random; replay with --seed {seed})", flush=True)
+    return seed
 
 
 def _hypothesis_home(out_dir: Path) -> Path | None:
@@ -800,8 +808,11 @@ def _new_report_path(out_dir: Path, prefix: str) -> Path:
 
 
 def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: int | None,
-                model: str, results_dir: Path) -> dict[str, Any]:
-    """One campaign in a child process with the mutant switched on."""
+                model: str, results_dir: Path, duration: float | None = None
+                ) -> dict[str, Any]:
+    """One campaign in a child process with the mutant switched on: one derandomized round
+    of ``examples``, or with ``duration`` the seeded rounds of a duration run, each of its
+    clients a share (as a campaign of that length runs), stopping at its first detection."""
     from . import mutants
 
     kind = mutants.BANK[name].kind
@@ -818,7 +829,7 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
                               "_ENGINEWIRE_CAMPAIGN_REPORT": str(report_path)})
     args = {"client": wanted[0] if len(wanted) == 1 else "all", "examples": examples,
             "steps": steps, "seed": seed, "faults": True, "model": model,
-            "results_dir": str(results_dir), "profile": "ci"}
+            "results_dir": str(results_dir), "profile": "ci", "duration": duration}
     code = ("import json, sys\n"
             "from enginewire.testing.campaign import run_campaign\n"
             f"sys.exit(run_campaign(**json.loads({json.dumps(json.dumps(args))})))\n")
@@ -827,7 +838,8 @@ def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed:
     with open(log, "w") as fh:
         try:
             proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=fh,
-                                  stderr=subprocess.STDOUT, timeout=MUTANT_TIMEOUT_S)
+                                  stderr=subprocess.STDOUT,
+                                  timeout=MUTANT_TIMEOUT_S + (duration or 0.0))
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -877,13 +889,13 @@ def _last_line(log: Path) -> str:
 
 
 def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int | None,
-                      model: str, results_dir: Path) -> int:
+                      model: str, results_dir: Path, duration: float | None = None) -> int:
     from . import mutants
 
     rows = []
     for name in mutants.BANK:
         row = _run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
-                          results_dir=results_dir)
+                          results_dir=results_dir, duration=duration)
         rows.append(row)
         found = f" in {row['seconds']} s ({row['client']})" if row["detected"] else ""
         print(f"  {name:<44} {_verdict(row)}{found}", flush=True)

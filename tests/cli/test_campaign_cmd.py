@@ -235,3 +235,21 @@ def test_a_duration_run_gives_each_client_its_share_and_rounds_that_fit_it() -> 
     assert campaign._round_examples(10, 3.0, 10, 6.0) == 5
     assert campaign._round_examples(10, 0.5, 10, 6.0) == 0
     assert campaign._round_examples(10, -1.0, 10, 6.0) == 0
+
+
+def test_mutants_with_a_duration_give_each_child_that_budget_and_a_seed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    one = "duplicate_live_id_accepted"
+    monkeypatch.setattr(_mutants, "BANK", {one: _mutants.BANK[one]})
+    children: list[str] = []
+
+    def run(cmd: list[str], **kwargs: Any) -> Any:
+        children.append(cmd[-1])  # the child's program; it writes no report here
+        return campaign.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(campaign.subprocess, "run", run)
+    main([*TINY, "--mutants", "all", "--duration", "7", "--results-dir", str(tmp_path)])
+    seed = int(re.search(r"seed: (\d+)", capsys.readouterr().out).group(1))  # type: ignore[union-attr]
+    (code,) = children
+    assert '\\"duration\\": 7.0' in code and f'\\"seed\\": {seed}' in code, code
