@@ -241,7 +241,7 @@ def test_mutants_with_a_duration_give_each_child_that_budget_and_a_seed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     one = "duplicate_live_id_accepted"
-    monkeypatch.setattr(_mutants, "BANK", {one: _mutants.BANK[one]})
+    monkeypatch.setattr(mutants, "BANK", {one: mutants.BANK[one]})
     children: list[str] = []
 
     def run(cmd: list[str], **kwargs: Any) -> Any:
