@@ -13,6 +13,9 @@ Profiles: ``ci`` is small and deterministic (derandomized, no example database: 
 replays the same examples); ``campaign`` is randomized and keeps a persistent example database
 under ``results_dir`` so a long run resumes from what earlier runs found.
 
+Budget: a ``duration`` run gives each client what is left of it split among the clients
+still to run, in rounds sized to fit that share (``_share``, ``_round_examples``).
+
 Seeds: a randomized run (the ``campaign`` profile, or any ``duration`` run) without a seed
 picks one, prints it and records it in the report, so ``--seed`` replays it; round ``k`` of a
 duration run uses ``seed + k`` and each client records its round seeds. A ``ci`` run without
@@ -22,7 +25,8 @@ Mutants (``mutants.py``: seeded bugs as source patches of the clean runtime) are
 by ``ENGINEWIRE_TESTING_MUTANT``: ``run_campaign(mutant=NAME)`` re-runs itself in a child
 process with that variable set, whose ``run_campaign`` applies the mutant first (and so, through
 the runtime's preload hook, every engine process the child starts); the child's report says
-whether the campaign found the bug. ``mutants_all=True`` does this for the
+whether the campaign found the bug (one derandomized round, or with ``duration`` a seeded
+duration run of that length). ``mutants_all=True`` does this for the
 whole bank and prints the detection table; a mutant none of the requested clients can show is
 "n/a" there (not run, and not counted as undetected).
 
