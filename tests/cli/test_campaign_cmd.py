@@ -11,7 +11,7 @@ import pytest
 
 from enginewire.cli import main
 from enginewire.runtime.faults import Fault, FaultAction, FaultPoint
-from enginewire.testing import campaign, fault_matrix, mutants
+from enginewire.testing import campaign, fault_matrix, mutant_runs, mutants
 from enginewire.testing.fault_matrix import Cell, Scenario
 
 TINY = ["campaign", "--client", "inproc", "--model", "null", "--examples", "1", "--steps", "2"]
@@ -246,9 +246,9 @@ def test_mutants_with_a_duration_give_each_child_that_budget_and_a_seed(
 
     def run(cmd: list[str], **kwargs: Any) -> Any:
         children.append(cmd[-1])  # the child's program; it writes no report here
-        return campaign.subprocess.CompletedProcess(cmd, 0)
+        return mutant_runs.subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(campaign.subprocess, "run", run)
+    monkeypatch.setattr(mutant_runs.subprocess, "run", run)
     main([*TINY, "--mutants", "all", "--duration", "7", "--results-dir", str(tmp_path)])
     seed = int(re.search(r"seed: (\d+)", capsys.readouterr().out).group(1))  # type: ignore[union-attr]
     (code,) = children

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from enginewire.testing import campaign
+from enginewire.testing import campaign, mutant_runs
 
 
 def test_campaign_leaves_nothing_in_the_current_directory(tmp_path: Path) -> None:
@@ -45,4 +45,4 @@ def test_crashed_mutant_child_is_an_error_not_a_verdict(
     assert "not detected" not in out
     assert "ERROR" in err and "ModuleNotFoundError" in err
     row = {"mutant": "m", "applicable": True, "detected": False, "error": True}
-    assert campaign._verdict(row) == "ERROR"
+    assert mutant_runs._verdict(row) == "ERROR"
