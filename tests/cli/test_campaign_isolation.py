@@ -16,7 +16,7 @@ def test_campaign_leaves_nothing_in_the_current_directory(tmp_path: Path) -> Non
     cwd, results = tmp_path / "cwd", tmp_path / "results"
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_STORAGE_DIRECTORY"}
-    # Enough random draws (seeded, so every run is the same) that Hypothesis caches constants.
+    # Seeded, so every run is the same; its report, logs and Hypothesis' files go to results.
     res = subprocess.run(
         [sys.executable, "-m", "enginewire", "campaign", "--client", "inproc", "--model", "null",
          "--examples", "2", "--steps", "5", "--seed", "5", "--results-dir", str(results)],
@@ -26,7 +26,22 @@ def test_campaign_leaves_nothing_in_the_current_directory(tmp_path: Path) -> Non
     assert res.returncode in (0, 1), res.stderr[-2000:]
     assert list(results.glob("campaign-*.json"))
     assert sorted(p.name for p in cwd.iterdir()) == []
-    assert (results / ".hypothesis").is_dir()  # Hypothesis did store something: here
+
+
+def test_hypothesis_storage_points_at_the_results_dir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A campaign's draws come from its seed alone (_seed_only_draws), so Hypothesis may write
+    # nothing in a short run; where it would write is checked here instead.
+    from hypothesis.configuration import set_hypothesis_home_dir, storage_directory
+
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    previous = campaign._hypothesis_home(tmp_path)
+    try:
+        where = storage_directory("constants", intent_to_write=False).path
+        assert Path(where).is_relative_to(tmp_path / ".hypothesis"), where
+    finally:
+        set_hypothesis_home_dir(previous)
+    assert storage_directory(intent_to_write=False).home_directory == previous  # restored
 
 
 def test_crashed_mutant_child_is_an_error_not_a_verdict(
