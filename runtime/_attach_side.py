@@ -62,8 +62,14 @@ class _AttachSide:
         res.input_socket.send_multipart(
             [self.identity, *encode_input(self._encoder, RequestType.ATTACH, attach)])
 
-    def _before_marker(self, first: bytes, sock: zmq.Socket[Any]) -> None:
-        """``_on_message`` until the attach marker: only the marker and the sentinel count."""
+    def _before_marker(self, first: bytes, sock: zmq.Socket[Any]) -> bool:
+        """``_on_message`` until the attach marker: only the marker and the sentinel count.
+        False when the phase had already ended (the message is then read as any other)."""
+        if self.attach_phase.state not in ATTACH_DROPS_MESSAGES:
+            # A Ctrl-C raised into this thread between the phase's step and the stores after
+            # it left ``_attaching`` set: finish them, or every reply would be dropped.
+            self._after_attach_step()
+            return False
         frames = recv_rest(sock, [first], _MAX_PARTS) if sock.get(ZMQ_RCVMORE) else [first]
         if self._stamp_seen:
             self.resources.last_seen[0] = time.monotonic()  # a message: the engine is alive
@@ -74,17 +80,17 @@ class _AttachSide:
         session = self._attaching
         if session is not None and self._is_marker(frames, session):
             if not self._attach_step(AttachEvent.MARKER):
-                return  # the monitor found it overdue first: this client is dead already
-            self.resources.attach_deadline[0] = math.inf  # the monitor stops watching it
+                return True  # the monitor found it overdue first: this client is dead already
             if self._stale:
                 logger.info("dropped %d message(s) sent before this front end attached",
                             self._stale)
-            return
+            return True
         self._stale += 1
         self._attach_step(AttachEvent.FOREIGN_MESSAGE)
         if time.monotonic() > self.resources.attach_deadline[0]:
             # Seen here at once when the engine speaks; the monitor sees it when it does not.
             raise self._marker_overdue()
+        return True
 
     def _attach_step(self, event: AttachEvent, session: bytes | None = None) -> bool:
         """Fire ``event`` on the attach phase if the phase allows it now (False: the other
@@ -94,11 +100,27 @@ class _AttachSide:
             if not phase.can(event):
                 return False
             phase.fire(event)
-            if phase.state not in ATTACH_DROPS_MESSAGES:
-                self._attaching = None
-            elif session is not None:
+            if phase.state in ATTACH_DROPS_MESSAGES and session is not None:
                 self._attaching = session
+            self._after_attach_step()
             return True
+
+    def _after_attach_step(self) -> None:
+        """The caches the phase implies, stored after its step: no awaited session and no
+        marker deadline once it stops dropping messages. Idempotent, so whoever finds them
+        stale (an exception raised between the step and these stores) stores them again."""
+        if self.attach_phase.state not in ATTACH_DROPS_MESSAGES:
+            self._attaching = None
+            self.resources.attach_deadline[0] = math.inf  # the monitor stops watching it
+
+    def _deadline_still_due(self) -> bool:
+        """The monitor saw the marker deadline pass: whether the phase still awaits the
+        marker (else the reader took it and its store of the deadline was cut short)."""
+        with self._attach_lock:
+            if self.attach_phase.state in ATTACH_DROPS_MESSAGES:
+                return True
+            self._after_attach_step()
+            return False
 
     def _marker_overdue(self) -> ProtocolError:
         """The cause of death when the marker has not come within ``ready_timeout_s``: the

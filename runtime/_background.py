@@ -337,19 +337,28 @@ def _monitor_engine(
 
     If the watch itself fails, death could no longer be seen and every wait on the engine
     could hang: the client is told the engine is dead, with the failure as the cause."""
-    try:
-        cause = _watch_engine(proc, stop_fd, heartbeat_timeout_s, last_seen, attach_deadline)
-    except Exception as e:
-        logger.exception("engine monitor failed")
-        cause = EngineProcessDied(f"the engine monitor failed ({e!r}): death can no longer"
-                                  " be detected, so the engine is treated as dead")
-    if cause is None:
-        return
-    client = client_ref()
-    if client is not None:
+    while True:
+        try:
+            cause = _watch_engine(proc, stop_fd, heartbeat_timeout_s, last_seen,
+                                  attach_deadline)
+        except Exception as e:
+            logger.exception("engine monitor failed")
+            cause = EngineProcessDied(f"the engine monitor failed ({e!r}): death can no"
+                                      " longer be detected, so the engine is treated as dead")
+        if cause is None:
+            return
+        client = client_ref()
+        if client is None:
+            return
         if isinstance(cause, _MarkerOverdue):
+            if not client._deadline_still_due():
+                # The reader took the marker, but an exception raised into its thread cut
+                # short its store of the deadline (now done): keep watching.
+                del client
+                continue
             cause = client._marker_overdue()
         client._on_engine_dead(cause)
+        return
 
 
 def _watch_engine(

@@ -873,8 +873,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         follows. A part that a one-frame message should not have arrives as a message of its
         own and fails to decode there: the engine is then declared dead, as for any frame
         that does not decode."""
-        if self._attaching is not None:
-            self._before_marker(first, sock)
+        if self._attaching is not None and self._before_marker(first, sock):
             return None
         if self._integrity is None:
             if len(first) <= _PLAIN_REPLY_BYTES:

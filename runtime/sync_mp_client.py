@@ -83,6 +83,11 @@ class _SyncCall:
         return self._result
 
 
+# How often a caller waiting out the attach phase looks again (the background reader's routing
+# of the marker wakes it at once; this bounds a wake-up lost to an interrupted wait).
+_ATTACH_WAIT_S = 0.05
+
+
 class _SyncReader:
     """Reads the output socket of a ``SyncMPClient``; whoever is waiting does the reading.
 
@@ -127,6 +132,9 @@ class _SyncReader:
         self._closing = False
         self._stopped = False  # death seen on the wire: nothing more is read
         self._rcvtimeo = -1  # the socket's RCVTIMEO as last set (ms; -1 blocks)
+        # A message read whose routing an exception (Ctrl-C) interrupted: routed first by
+        # the next reader, which holds the socket as this one did.
+        self._held: bytes | None = None
         self._token = os.urandom(16)
         address = f"inproc://enginewire-wake-{self._token.hex()}"
         out.bind(address)
@@ -165,12 +173,16 @@ class _SyncReader:
         if ms != self._rcvtimeo:
             out.setsockopt(zmq.RCVTIMEO, ms)
             self._rcvtimeo = ms
-        try:
-            first = out.recv()
-        except zmq.Again:
-            return
-        if first == self._token:
-            return
+        first = self._held
+        if first is not None:
+            self._held = None
+        else:
+            try:
+                first = out.recv()
+            except zmq.Again:
+                return
+            if first == self._token:
+                return
         client = self._client_ref()
         if client is None:
             self._stopped = True
@@ -181,6 +193,14 @@ class _SyncReader:
             self._stopped = True
             client._on_engine_dead(e)
             return
+        except BaseException:
+            # Interrupted (Ctrl-C) while routing what it read: the next reader routes it
+            # again, so no message is lost, the attach marker included (without it every
+            # later reply would be dropped). Routing again is safe: decoding changes
+            # nothing, a reply already settled is dropped as late, a marker already taken
+            # reads as a heartbeat.
+            self._held = first
+            raise
         if batch is not None:
             self._outputs.put(batch)
 
@@ -218,11 +238,18 @@ class _SyncReader:
                     # Nothing more is read; the death/close path resolves and notifies.
                     cv.wait(0.1 if remaining is None else min(remaining, 0.1))
                     continue
+                attaching = self._attaching()
                 if self._reading:
-                    if self._bg_reading and not self._kicked:
+                    if self._bg_reading and not self._kicked and not attaching:
                         self._kicked = True
                         self._kick_locked()
                     cv.wait(None if remaining is None else min(remaining, MAX_WAIT_SLICE_S))
+                    continue
+                if attaching:
+                    # Until the attach marker only the background thread reads (below).
+                    self._bg_cv.notify()
+                    cv.wait(_ATTACH_WAIT_S if remaining is None else min(remaining,
+                                                                         _ATTACH_WAIT_S))
                     continue
                 self._reading = holding = True
                 self._holder = threading.get_ident()
@@ -267,7 +294,8 @@ class _SyncReader:
         self._drop_leaked_levels()
         with lock:
             self._reclaim_stale()
-            if self._reading or self._callers or self._closing or self._stopped:
+            if (self._reading or self._callers or self._closing or self._stopped
+                    or self._attaching()):
                 solo = False
             else:
                 solo = True
@@ -292,6 +320,14 @@ class _SyncReader:
                 self._give_back(caller=True)
         if not call._done:
             self.wait_for(call.done, None)  # shared, closing or dead: wait there
+
+    def _attaching(self) -> bool:
+        """Whether the client still awaits its attach marker. Until then only the background
+        thread reads: a signal handler's exception (Ctrl-C) can land in a caller's thread
+        between a receive and its result, and a marker lost there would leave every later
+        reply dropped as a previous front end's; no handler runs on the background thread."""
+        client = self._client_ref()
+        return client is not None and client._attaching is not None
 
     def _drop_leaked_levels(self) -> None:
         """A caller never holds ``cv`` between calls: levels this thread holds on entry were
@@ -335,8 +371,9 @@ class _SyncReader:
                         # Callers that read keep the socket; none read for a whole idle
                         # period means none will (a caller count left behind by an
                         # interrupted call must not stop the reading for good).
-                        if not self._reading and self._caller_reads == seen and (
-                                not self._callers or self._bg_idle_checks >= 2):
+                        if not self._reading and (self._attaching() or (
+                                self._caller_reads == seen and (
+                                    not self._callers or self._bg_idle_checks >= 2))):
                             self._bg_idle_checks = 0
                             break
                         if self._caller_reads == seen and not self._reading:
