@@ -18,7 +18,7 @@ LAYERS = ("protocol", "runtime", "model_tests", "enginewire")
 
 # (file, literal) -> why that literal is not a state or event of the spec.
 NOT_SPEC_NAMES: dict[tuple[str, str], str] = {
-    ("model_tests/campaign.py", "ERROR"): "the mutant table's verdict for a crashed child run",
+    ("model_tests/mutant_runs.py", "ERROR"): "the mutant table's verdict for a crashed child run",
 }
 
 
