@@ -589,12 +589,16 @@ class CampaignMachine(RuleBasedStateMachine):
             if not self.multiprocess:
                 # The in-process abort reaches the engine before its next step: only ABORT can
                 # end a request that was live when it went.
-                for rid in live:
-                    m = self.oracle.requests[rid]
-                    if m.finish is not None and m.finish is not FinishReason.ABORT:
-                        raise OracleViolation(
-                            f"{rid!r} was aborted mid-generation (in {batch}) yet ended"
-                            f" {m.finish.name} after {len(m.tokens)} tokens: the abort was lost")
+                self._expect_aborted(live, f"mid-generation (in {batch})", "the abort was lost")
+
+    def _expect_aborted(self, ids: list[str], when: str, meaning: str) -> None:
+        """Each of ``ids``, aborted ``when`` so that the abort must win, ended ABORT (or has not
+        ended yet); any other ending is an OracleViolation that says what it means."""
+        for rid in ids:
+            m = self.oracle.requests[rid]
+            if m.finish is not None and m.finish is not FinishReason.ABORT:
+                raise OracleViolation(f"{rid!r} was aborted {when} yet ended {m.finish.name}"
+                                      f" after {len(m.tokens)} tokens: {meaning}")
 
     def _closed_read_refused(self) -> bool:
         """On a shut-down client a read raises ClientClosedError: True when that was judged."""

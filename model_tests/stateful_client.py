@@ -299,12 +299,7 @@ class EngineClientStateMachine(CampaignMachine):
             if gap > ABORT_GAP_S:
                 _note(f"add_then_abort: {gap * 1000:.1f} ms between the sends; not judged")
                 return
-            for rid in ids:
-                m = self.oracle.requests[rid]
-                if m.finish is not None and m.finish is not FinishReason.ABORT:
-                    raise OracleViolation(
-                        f"{rid!r} was aborted right after its ADD yet ended {m.finish.name}"
-                        f" after {len(m.tokens)} tokens: the abort overtook its ADD")
+            self._expect_aborted(ids, "right after its ADD", "the abort overtook its ADD")
 
     # -- utilities --------------------------------------------------------------------------
 
