@@ -38,6 +38,7 @@ from enginewire.spec import (
     TraceEntry,
     validate_trace,
 )
+from enginewire.testing._harness import wait_until
 
 CONFIG = EngineConfig(model="null", device="cpu")
 BOUND_S = 10.0
@@ -84,10 +85,8 @@ def _send(push: Any, outputs: EngineCoreOutputs) -> None:
 
 
 def _wait_phase(client: Any, state: AttachState) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while client.attach_phase.state is not state and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert client.attach_phase.state is state, client.attach_phase
+    wait_until(lambda: client.attach_phase.state is state, BOUND_S,
+               f"the attach phase reaching {state.name} (it is {client.attach_phase.state.name})")
 
 
 def test_messages_before_the_marker_loop_then_the_marker_attaches(tmp_path: Path) -> None:
