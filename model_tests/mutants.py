@@ -173,8 +173,8 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "aborting a live request ends it silently, without an ABORT output", _ALL,
            kind="abort", patches=(_in(
                "engine:EngineCore.abort_requests",
-               ("outs = self.scheduler.abort(request_ids)",
-                "outs = self.scheduler.abort(request_ids)\nouts = []")),)),
+               ("outs = self._abort(request_ids)",
+                "outs = self._abort(request_ids)\nouts = []")),)),
     Mutant("abort_leaks_kv_blocks",
            "an aborted request's KV blocks are never freed (no output changes: only the"
            " quiescence audit of the engine's accounting sees it)", _ALL, kind="quiescence",
@@ -253,7 +253,7 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            " request FINISHED_ERROR (its books, logs and metrics disagree with what it sent)",
            _ALL, kind="engine_side", patches=(_in(
                "engine:EngineCore.abort_requests",
-               ("outs = self.scheduler.abort(request_ids)",
+               ("outs = self._abort(request_ids)",
                 "sched = self.scheduler\n"
                 "outs = [sched.finish(req, EngineRequestEvent.ERROR, FinishReason.ABORT)\n"
                 "        for rid in request_ids if (req := sched.requests.get(rid)) is not"
@@ -266,10 +266,8 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            " after it are never aborted (they run to their end)", _ALL, kind="abort",
            patches=(_in(
                "scheduler:Scheduler.abort",
-               ("if req is not None:\n"
-                "    outs.append(self.finish(req, RE.ABORT, FinishReason.ABORT))",
-                "if req is not None:\n"
-                "    outs.append(self.finish(req, RE.ABORT, FinishReason.ABORT))\n"
+               ("elif unknown is not None:\n"
+                "    unknown.append(rid)",
                 "else:\n"
                 "    break")),)),
     # vLLM's executor cleared is_sleeping on any wake_up before tags existed (PR #15500);

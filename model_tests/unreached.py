@@ -17,7 +17,6 @@ from typing import Any
 from ..spec import (
     ATTACH,
     CLIENT,
-    CLIENT_REQUEST,
     ENGINE,
     ENGINE_REQUEST,
     MEMBERSHIP,
@@ -42,12 +41,6 @@ __all__ = ["UNREACHED"]
 # Every spec transition a campaign never reaches, and why: exact (machine, source, event,
 # target) keys, checked against the spec machines by tests/model_tests/test_campaign.py. A
 # transition missing from a report and from this table is a gap: a rule should reach it.
-_FORGOTTEN_CLIENT = ("unreachable by this runtime: the client forgets a request once it"
-                     " finished (a reused id starts a new lifecycle in UNKNOWN) and never tracks"
-                     " an unknown id, so sends, aborts and deaths fire only on live requests")
-_FORGOTTEN_ENGINE = ("unreachable by this runtime: the scheduler forgets a request once it"
-                     " finished (a reused id starts a new lifecycle in UNKNOWN), so an ADD, a"
-                     " rejection or an abort of a finished or unknown id fires nothing")
 _IN_ENGINE_PROCESS = ("not observable: only a subprocess engine takes it, and it ends the engine"
                       " before the loop serves the next drain_trace (the trace of an engine"
                       " process reaches its client only through that utility)")
@@ -68,10 +61,6 @@ def _key(machine: Machine[Any, Any], source: Enum, event: Enum, target: Enum
     return machine.name, source.name, event.name, target.name
 
 
-_C_FINISHED = (_CRS.FINISHED_STOPPED, _CRS.FINISHED_LENGTH, _CRS.FINISHED_ABORTED,
-               _CRS.FINISHED_ERROR)
-_E_FINISHED = (_ERS.FINISHED_STOPPED, _ERS.FINISHED_LENGTH, _ERS.FINISHED_ABORTED,
-               _ERS.FINISHED_ERROR)
 UNREACHED: dict[tuple[str, str, str, str], str] = {
     _key(CLIENT, _CS.CONSTRUCTING, _CE.ENGINE_DIED, _CS.DEAD):
         "covered by conformance, not by campaign rules (which start from a ready client): the"
@@ -80,11 +69,6 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
         "a race no rule forces (reached in some 10-minute runs, not all): a death notice"
         " landing after shutdown() marked the client SHUTDOWN and before its monitor stopped"
         " (the client absorbs it)",
-    **{_key(CLIENT_REQUEST, f, e, f): _FORGOTTEN_CLIENT
-       for f in _C_FINISHED for e in (_CRE.ABORT_SENT, _CRE.ENGINE_DIED)},
-    **{_key(CLIENT_REQUEST, f, _CRE.SEND, _CRS.SENT): _FORGOTTEN_CLIENT for f in _C_FINISHED},
-    _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ABORT_SENT, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
-    _key(CLIENT_REQUEST, _CRS.UNKNOWN, _CRE.ENGINE_DIED, _CRS.UNKNOWN): _FORGOTTEN_CLIENT,
     _key(ENGINE, _ES.READY, _EE.FATAL_ERROR, _ES.DEAD):
         _IN_ENGINE_PROCESS + " (a fault between the handshake and the loop's start)",
     _key(ENGINE, _ES.READY, _EE.SHUTDOWN, _ES.SHUTDOWN):
@@ -100,10 +84,6 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
         " at once (DRAINED), so a wake-up never finds it DRAINING with no request left",
     _key(ENGINE, _ES.SHUTDOWN, _EE.SHUTDOWN, _ES.SHUTDOWN):
         "unreachable by this runtime: EngineCore.shutdown() returns early once shut down",
-    **{_key(ENGINE_REQUEST, f, e, t): _FORGOTTEN_ENGINE for f in _E_FINISHED
-       for e, t in ((_ERE.ADD, _ERS.WAITING), (_ERE.REJECT, _ERS.FINISHED_ERROR),
-                    (_ERE.ABORT, f))},
-    _key(ENGINE_REQUEST, _ERS.UNKNOWN, _ERE.ABORT, _ERS.UNKNOWN): _FORGOTTEN_ENGINE,
     _key(ATTACH, _AS.AWAITING_MARKER, _AE.FOREIGN_MESSAGE, _AS.AWAITING_MARKER):
         "only a standalone engine has a previous front end whose messages a new one drops"
         " (--client standalone reaches it: handover_mid_stream, every time)",

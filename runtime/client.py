@@ -241,13 +241,19 @@ class EngineCoreClient(abc.ABC):
             self._streaming.discard(request_id)
 
     def _track_abort(self, request_ids: list[str]) -> list[str]:
-        """Ids whose abort is worth sending; fires ABORT_SENT on the live ones."""
+        """Ids whose abort is worth sending; fires ABORT_SENT on the live ones.
+
+        An id this client does not track (unknown, or finished and so forgotten) takes the
+        spec's no-op UNKNOWN loop, on a throwaway instance that only a trace needs."""
         with self._state_lock:
+            trace = self.trace
             for rid in request_ids:
                 lc = self._requests.get(rid)
                 if lc is not None:
                     lc.fire(ClientRequestEvent.ABORT_SENT)
                     self._note(rid, lc)
+                elif trace is not None:
+                    CLIENT_REQUEST.lifecycle(trace=trace).fire(ClientRequestEvent.ABORT_SENT)
         return list(request_ids)
 
     def _track_outputs(self, outputs: EngineCoreOutputs) -> None:

@@ -456,12 +456,17 @@ class Scheduler:
         return EngineCoreOutput(req.request_id, new_token_ids or [], reason, stop_reason,
                                 req.num_cached_tokens, error)
 
-    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+    def abort(self, request_ids: Iterable[str], unknown: list[str] | None = None
+              ) -> list[EngineCoreOutput]:
+        """ABORT outputs for the live ids; ``unknown`` collects the others (in order: a
+        repeated id is unknown by its second turn)."""
         outs = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
                 outs.append(self.finish(req, RE.ABORT, FinishReason.ABORT))
+            elif unknown is not None:
+                unknown.append(rid)
         if outs:
             self.running = [r for r in self.running if not r.finished]
         return outs

@@ -79,8 +79,8 @@ class _FrontEndActions(_Model):
         if s.w[UTIL] == U_PENDING and self.bug != "forget_pending_on_death":
             s.fire(UTIL, self.t_util, UE.ENGINE_DIED)
             s.w[UTIL_ENDS] += 1
-        # Unconditional: for a finished request the table makes the notice a no-op.
-        s.fire(CREQ, self.t_creq, QE.ENGINE_DIED)
+        if s.w[CREQ] in Q_LIVE:  # an id that is not live has nothing to fail
+            s.fire(CREQ, self.t_creq, QE.ENGINE_DIED)
         s.w[POWER_PENDING] = 0  # pending sleep/wake calls fail with EngineDeadError
 
     def _owner_may_call(self, w: World) -> bool:

@@ -156,6 +156,9 @@ class _Table:
         self.rows = {
             (_ix(t.source), _ix(t.event), t.guard): _ix(t.target) for t in machine.transitions
         }
+        # Machine.forgets: an event on a forgotten instance is one of a new instance.
+        self.forgotten = frozenset(_ix(st) for st in machine.forgets)
+        self.initial = _ix(machine.initial)
         machine.compiled()  # gives every member its ``_ix``
 
 
@@ -180,7 +183,10 @@ class StepBase:
         self.w = list(world)
 
     def fire(self, field: int, table: _Table, event: Enum, guard: str | None = None) -> None:
-        key = (self.w[field], event._ix, guard)  # type: ignore[attr-defined]
+        src = self.w[field]
+        if src in table.forgotten:  # the runtime dropped that instance (Machine.model_source)
+            src = table.initial
+        key = (src, event._ix, guard)  # type: ignore[attr-defined]
         new = table.rows.get(key)
         if new is None:
             self.flag(self.CONFORMANCE)

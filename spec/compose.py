@@ -179,10 +179,6 @@ UNEXERCISED: dict[tuple[str, str], str] = {
     ("engine", "SHUTDOWN --SHUTDOWN--> SHUTDOWN"):
         "in-process only: the engine process exits on its first shutdown",
     ("engine_request", "UNKNOWN --REJECT--> FINISHED_ERROR"): _REJECT,
-    ("engine_request", "FINISHED_STOPPED --REJECT--> FINISHED_ERROR"): _REJECT,
-    ("engine_request", "FINISHED_LENGTH --REJECT--> FINISHED_ERROR"): _REJECT,
-    ("engine_request", "FINISHED_ABORTED --REJECT--> FINISHED_ERROR"): _REJECT,
-    ("engine_request", "FINISHED_ERROR --REJECT--> FINISHED_ERROR"): _REJECT,
     ("engine_request", "WAITING --ERROR--> FINISHED_ERROR"):
         "not modelled: a step error hits a scheduled (RUNNING) request only",
     ("engine_request", "PREEMPTED --ERROR--> FINISHED_ERROR"):

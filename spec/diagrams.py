@@ -62,7 +62,7 @@ def render_mermaid(machine: Machine[Any, Any]) -> str:
     for src, dst, label in edges(machine):
         lines.append(f"    {src} --> {dst}: {label}")
     for s in machine.state_members():
-        if s in machine.terminal:
+        if s in machine.terminal or s in machine.forgets:
             lines.append(f"    {s.name} --> [*]")
     return "\n".join(lines) + "\n"
 
@@ -78,7 +78,7 @@ def render_dot(machine: Machine[Any, Any]) -> str:
         '    __start [shape=point, label=""];',
     ]
     for s in machine.state_members():
-        extra = ", peripheries=2" if s in machine.terminal else ""
+        extra = ", peripheries=2" if s in machine.terminal or s in machine.forgets else ""
         lines.append(f'    "{s.name}" [label="{s.name}"{extra}];')
     lines.append(f'    __start -> "{machine.initial.name}";')
     for src, dst, label in edges(machine):
@@ -174,6 +174,10 @@ def render_spec_page(
             out.append(f"| {t.source.name} | {t.event.name}{guard} | {t.target.name} | {t.note} |")
         terminal = ", ".join(s.name for s in mach.state_members() if s in mach.terminal) or "none"
         out += ["", f"Sticky (terminal) states: {terminal}.", ""]
+        if mach.forgets:
+            gone = ", ".join(s.name for s in mach.state_members() if s in mach.forgets)
+            out[-1:] = [f"Forgotten states (the instance is over; a later event on its name is"
+                        f" one of a new instance in {mach.initial.name}): {gone}.", ""]
     out += ["## The composed model", "", _theory(composition_doc), "", "Bounds: " + ", ".join(
         f"`{k}` = {v}" for k, v in bounds.items()) + ".", ""]
     out += ["## Properties", "", _theory(properties_doc), ""]

@@ -98,6 +98,11 @@ class Machine(Generic[S, E]):
     transitions: tuple[Transition[S, E], ...]
     # States that never lead back to a live state (dead and shutdown are sticky).
     terminal: frozenset[S] = field(default_factory=frozenset)
+    # States where the instance is over and forgotten: no transition leaves them, and a later
+    # event on the same name (a reused request id, an abort of a finished one) is an event of
+    # a new instance in ``initial``. The runtime drops the instance there; models apply the
+    # rule in ``model_source``.
+    forgets: frozenset[S] = field(default_factory=frozenset)
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -119,6 +124,15 @@ class Machine(Generic[S, E]):
         for t in self.transitions:
             if t.source in self.terminal and t.target not in self.terminal:
                 raise ValueError(f"{self.name}: terminal {t.source.name} leaves to {t.target.name}")
+            if t.source in self.forgets:
+                raise ValueError(f"{self.name}: forgotten {t.source.name} has a transition"
+                                 f" ({t.event.name}); its next event starts a new instance")
+        if self.initial in self.forgets:
+            raise ValueError(f"{self.name}: the initial state cannot be forgotten")
+
+    def model_source(self, state: S) -> S:
+        """The state a model fires the next event from: ``initial`` for a forgotten one."""
+        return self.initial if state in self.forgets else state
 
     def state_members(self) -> tuple[S, ...]:
         """States in declaration order (their ``_ix`` order)."""
@@ -152,6 +166,8 @@ class Machine(Generic[S, E]):
             "events " + " ".join(e.name for e in self.events),
             "terminal " + " ".join(sorted(s.name for s in self.terminal)),
         ]
+        if self.forgets:  # only when declared: older stamps stay valid
+            lines.append("forgets " + " ".join(sorted(s.name for s in self.forgets)))
         lines += sorted(
             f"{t.source.name} {t.event.name} {t.guard or '-'} {t.target.name}"
             for t in self.transitions

@@ -100,10 +100,13 @@ def _table_init(mach: Machine[Any, Any], var: str | None = None) -> list[str]:
         key=lambda t: (mach.state_members().index(t.source),
                        mach.event_members().index(t.event), t.guard or ""),
     )
+    # Machine.forgets: a forgotten state reads the initial state's rows (a new instance).
+    sources = {mach.initial: [mach.initial, *sorted(mach.forgets, key=lambda st: st.name)]}
     for t in rows:
-        cell = f"{p}_S_{t.source.name} * {n_ev} + {p}_E_{t.event.name}"
-        ix = f"({cell}) * {n_g} + {_guard_id(t.guard)}"
-        lines.append(f"  {var}_next[{ix}] = {p}_S_{t.target.name};")
+        for src in sources.get(t.source, (t.source,)):
+            cell = f"{p}_S_{src.name} * {n_ev} + {p}_E_{t.event.name}"
+            ix = f"({cell}) * {n_g} + {_guard_id(t.guard)}"
+            lines.append(f"  {var}_next[{ix}] = {p}_S_{t.target.name};")
     return lines
 
 
@@ -201,7 +204,7 @@ inline on_death() {
   if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_ENGINE_DIED, G_NONE); util_ends++
      :: else -> skip fi;
 #endif
-  fire_creq(CLIENT_REQUEST_E_ENGINE_DIED, G_NONE);
+  if :: creq_live -> fire_creq(CLIENT_REQUEST_E_ENGINE_DIED, G_NONE) :: else -> skip fi;
   power_pending = 0
 }
 

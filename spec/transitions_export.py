@@ -179,7 +179,8 @@ def to_transitions(
         cls = _refusing_machine()
     out = cls(
         model=cls.self_literal if model is None else model,
-        states=[{"name": s.value, "final": s in machine.terminal} for s in machine.states],
+        states=[{"name": s.value, "final": s in machine.terminal or s in machine.forgets}
+                for s in machine.states],
         initial=start.value,
         auto_transitions=False,
         ignore_invalid_triggers=False,

@@ -76,7 +76,8 @@ def test_states_triggers_rows_and_finals_are_read_from_the_declaration(
     assert list(m.states) == [s.value for s in mach.states]
     assert list(m.events) == [e.value for e in mach.events]
     assert m.state == mach.initial.value
-    assert {n for n, s in m.states.items() if s.final} == {s.value for s in mach.terminal}
+    assert {n for n, s in m.states.items() if s.final} == {
+        s.value for s in mach.terminal | mach.forgets}
     rows = sorted(
         (src, name, tr.dest, cond.func.guard or "")  # type: ignore[union-attr]
         for name, ev in m.events.items()
