@@ -335,6 +335,7 @@ def _campaign(args: argparse.Namespace) -> int:
         factory=args.factory,
         engines=args.engines,
         backend=args.backend,
+        model_coverage=args.model_coverage,
     ))
 
 
@@ -487,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     camp.add_argument("--verbose", action="store_true",
                       help="also print every transition never reached, with its reason (the"
                       " JSON report always lists them)")
+    camp.add_argument(
+        "--model-coverage", action="store_true",
+        help="also measure coverage against the transitions the composed model reaches (one"
+        " exhaustive exploration, tens of seconds; in the JSON as coverage.composed_model)")
     camp.add_argument(
         "--mutants",
         choices=("all",),

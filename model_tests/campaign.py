@@ -470,6 +470,14 @@ def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: An
         w(f"never reached: {len(missing)} transitions ({len(missing) - gaps} with a declared"
           f" reason, {gaps} not reached in this run); each with its reason in the report,"
           " or with --verbose\n")
+    model = coverage.get("composed_model")
+    if model is not None:
+        w(f"against the {model['model']} composed model: {model['reached']}/{model['reaches']}"
+          f" of the transitions it reaches ({model['percent']} %); {len(model['missed'])}"
+          f" missed, {len(model['beyond_model'])} reached beyond its bounds\n")
+        if verbose:
+            for item in model["missed"]:
+                w(f"  missed {item['transition']}  -- {item['why']}\n")
     for r in results:
         if r.failure is not None:
             w(f"\nFAILURE on {r.client}: {r.failure}\n")
@@ -515,6 +523,7 @@ def run_campaign(
     factory: str | None = None,
     engines: int = 1,
     backend: str = "mp",
+    model_coverage: bool = False,
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
     ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
@@ -522,7 +531,9 @@ def run_campaign(
     ``factory`` (``module:function``) drives clients a factory of the user's builds, of the
     one kind ``client`` names, instead of the built-in ones. ``engines`` > 1 (or ``backend``
     "ray") runs the data-parallel machine (``stateful_dp.py``) on sync and async clients over
-    that many engine cores (``EngineConfig.data_parallel_size``/``data_parallel_backend``)."""
+    that many engine cores (``EngineConfig.data_parallel_size``/``data_parallel_backend``).
+    ``model_coverage`` adds the coverage of what the composed model reaches to the report
+    (model_coverage.py; one exploration, tens of seconds)."""
     from . import mutants
 
     mutants.apply_from_env()  # a mutant child's first step (module docstring)
@@ -560,6 +571,8 @@ def run_campaign(
             raise ValueError(f"engines={engines}, backend={backend!r}: the data-parallel"
                              " machine runs the built-in clients without the mutant bank:"
                              " drop the factory or the mutants")
+    if model_coverage and (mutant is not None or mutants_all):
+        raise ValueError("model_coverage: a mutant run reports detections, not coverage")
     if factory is not None:
         if client not in CLIENTS or client == "standalone":
             raise ValueError(f"a factory builds clients of one kind: give client as one of"
@@ -630,7 +643,7 @@ def run_campaign(
             return _run_kinds(kinds, client=client, examples=examples, steps=steps,
                               seed=seed, faults=faults, duration=duration, model=model,
                               profile=profile, out_dir=out_dir, verbose=verbose,
-                              factory=factory, dp=dp)
+                              factory=factory, dp=dp, model_coverage=model_coverage)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -661,7 +674,7 @@ def _hypothesis_home(out_dir: Path) -> Path | None:
 def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
                faults: bool, duration: float | None, model: str, profile: str,
                out_dir: Path, verbose: bool = False, factory: str | None = None,
-               dp: tuple[int, str] | None = None) -> int:
+               dp: tuple[int, str] | None = None, model_coverage: bool = False) -> int:
     from ..runtime._engine_trace import ENGINE_TRACE_ENV
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
@@ -683,7 +696,8 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
         return _run_kinds_logged(kinds, client=client, examples=examples, steps=steps,
                                  seed=seed, faults=faults, duration=duration, model=model,
                                  profile=profile, out_dir=out_dir, verbose=verbose,
-                                 engine_log=engine_log, factory=factory, dp=dp)
+                                 engine_log=engine_log, factory=factory, dp=dp,
+                                 model_coverage=model_coverage)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -696,7 +710,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                       seed: int | None, faults: bool, duration: float | None, model: str,
                       profile: str, out_dir: Path, verbose: bool,
                       engine_log: Path | None, factory: str | None = None,
-                      dp: tuple[int, str] | None = None) -> int:
+                      dp: tuple[int, str] | None = None, model_coverage: bool = False) -> int:
     from . import mutants
     from .oracle import Coverage
 
@@ -749,6 +763,10 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     # Hits per transition reached (the HTML page colours each by its count).
     cov["transition_counts"] = {"{} {} -{}-> {}".format(*k): n
                                 for k, n in sorted(coverage.seen.items())}
+    if model_coverage:
+        from .model_coverage import compare_with_model
+
+        cov["composed_model"] = compare_with_model(cov, data_parallel=dp is not None)
     _print_report(results, cov, sys.stdout, verbose=verbose)
     report = {
         "clients": [dict(r.__dict__, steps_per_s=round(r.steps_per_s, 2),

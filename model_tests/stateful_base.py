@@ -5,13 +5,13 @@
 ``CampaignMachine`` holds the plumbing (a rule counted, timed and written to the example's
 program; ids, prompts and requests; reads judged by the oracle; drains), the rules both
 machines run with the same strategies (``add_duplicate``, ``abort``, ``add_at_limit``,
-``abort_mid_generation``, ``drain``, ``poll``, ``echo``, ``sleep``, ``pause``, ``wake_up``,
-``sleep_then_wake``, ``resume``, ``call_after_end``), and the teardown's liveness
-obligations. Where the two differ, a rule calls a hook its machine overrides (``_check_*``,
-``_read_queued``, ``_drain_context``, ``_unexpected_death``). Hypothesis orders rules by name,
-wherever they are defined, so a rule here draws as it did in its machine's own file. The
-theory of operation is ``stateful_client.py``'s; the data-parallel differences are
-``stateful_dp.py``'s.
+``abort_mid_generation``, ``abort_while_paused``, ``drain``, ``poll``, ``echo``, ``sleep``,
+``pause``, ``wake_up``, ``sleep_then_wake``, ``resume``, ``call_after_end``), and the
+teardown's liveness obligations. Where the two differ, a rule calls a hook its machine
+overrides (``_check_*``, ``_read_queued``, ``_drain_context``, ``_unexpected_death``).
+Hypothesis orders rules by name, wherever they are defined, so a rule here draws as it did in
+its machine's own file. The theory of operation is ``stateful_client.py``'s; the
+data-parallel differences are ``stateful_dp.py``'s.
 """
 
 from __future__ import annotations
@@ -424,9 +424,10 @@ class CampaignMachine(RuleBasedStateMachine):
         if early:
             raise OracleViolation(f"sleep/pause(wait) replied before {early} finished")
 
-    def _read_queued(self) -> None:
-        """After a wait-mode pause's reply: read the outputs it waited for, which arrived
-        before it and are queued, and no more (reading on would let a late drain catch up)."""
+    def _read_queued(self) -> bool:
+        """After a pause's reply: read the outputs that arrived before it and are queued, and
+        no more (reading on would let a late drain catch up). True when exactly those were
+        read; False when the client's queue cannot be seen and a short window was read."""
         raise NotImplementedError
 
     def _record_trace(self) -> None:
@@ -557,28 +558,8 @@ class CampaignMachine(RuleBasedStateMachine):
         with self._rule("abort_mid_generation", locals()):
             if self._full("abort_mid_generation", k):
                 return
-            ids = []
-            for i in range(k):
-                rid = self._fresh_id()
-                req, expected, _ = self._request(rid, self._prompt(4, 5, 6),
-                                                 self.limits.long_tokens, 7 + i, None, True)
-                self._send(req, expected, None)
-                ids.append(rid)
-            deadline = time.monotonic() + WAIT_S
-            while any(not (m := self.oracle.requests[r]).tokens and not m.finished
-                      for r in ids):  # a step scheduled each: its blocks are allocated
-                if time.monotonic() > deadline:
-                    raise OracleViolation(f"abort_mid_generation: {ids} produced no token"
-                                          f" within {WAIT_S} s")
-                self._poll(0.2)
-            batch = list(ids)
-            if mix != "live":
-                # The ids the engine does not know come first: a list that stops at one of
-                # them (a `break` for a `continue`) leaves the live ones after it running.
-                # In both mixed lists, so two draws in three judge it (one left it to luck).
-                batch = [*self.oracle.finished_ids[:1], f"never-sent-{k}", *batch]
-            if mix == "repeated":
-                batch += ids[::-1]
+            ids = self._generating("abort_mid_generation", k)
+            batch = self._abort_list(ids, k, mix)
             # Live when the abort goes (a small max_model_len can end one in the poll above).
             live = [r for r in ids if not self.oracle.requests[r].finished]
             self.cut.abort_requests(batch)
@@ -590,6 +571,61 @@ class CampaignMachine(RuleBasedStateMachine):
                 # The in-process abort reaches the engine before its next step: only ABORT can
                 # end a request that was live when it went.
                 self._expect_aborted(live, f"mid-generation (in {batch})", "the abort was lost")
+
+    @precondition(lambda self: self.alive and not self.oracle.paused)
+    @rule(k=st.integers(1, 3), mix=st.sampled_from(["mixed", "repeated"]))
+    def abort_while_paused(self, k: int, mix: str) -> None:
+        """A mixed abort list sent while the scheduler is paused (keep mode): no step can end
+        a request between the send and the engine reading the list, so on every client each
+        request still live once the pause's reply was read must end ABORT; then a resume."""
+        with self._rule("abort_while_paused", locals()):
+            if self._full("abort_while_paused", k):
+                return
+            ids = self._generating("abort_while_paused", k)
+            self.cut._call("pause_scheduler", "keep")
+            self._after_pause("keep", None)
+            # Outputs of the steps before the pause arrived before its reply: read them, so
+            # that what is live now is what the engine holds.
+            exact = self._read_queued()
+            live = [r for r in ids if not self.oracle.requests[r].finished]
+            batch = self._abort_list(ids, k, mix)
+            self.cut.abort_requests(batch)
+            self.oracle.abort(batch)
+            self.cut._call("resume_scheduler")
+            self.oracle.resume()
+            self._drain(ids)
+            self._audit()
+            if exact:  # a user's client whose queue cannot be read judges only the drain
+                self._expect_aborted(live, f"while the scheduler was paused (in {batch})",
+                                     "the abort was lost")
+
+    def _generating(self, rule: str, k: int) -> list[str]:
+        """``k`` long requests, returned once each produced a token (so each holds blocks)."""
+        ids = []
+        for i in range(k):
+            rid = self._fresh_id()
+            req, expected, _ = self._request(rid, self._prompt(4, 5, 6),
+                                             self.limits.long_tokens, 7 + i, None, True)
+            self._send(req, expected, None)
+            ids.append(rid)
+        deadline = time.monotonic() + WAIT_S
+        while any(not (m := self.oracle.requests[r]).tokens and not m.finished for r in ids):
+            if time.monotonic() > deadline:
+                raise OracleViolation(f"{rule}: {ids} produced no token within {WAIT_S} s")
+            self._poll(0.2)
+        return ids
+
+    def _abort_list(self, ids: list[str], k: int, mix: str) -> list[str]:
+        """The list an abort rule sends for ``ids``: "live" (them alone), "mixed" (a finished
+        and an unknown id first), "repeated" (mixed, then ``ids`` again, reversed)."""
+        batch = list(ids)
+        if mix != "live":
+            # The ids the engine does not know come first: a list that stops at one of them
+            # (a `break` for a `continue`) leaves the live ones after it running.
+            batch = [*self.oracle.finished_ids[:1], f"never-sent-{k}", *batch]
+        if mix == "repeated":
+            batch += ids[::-1]
+        return batch
 
     def _expect_aborted(self, ids: list[str], when: str, meaning: str) -> None:
         """Each of ``ids``, aborted ``when`` so that the abort must win, ended ABORT (or has not

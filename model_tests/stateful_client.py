@@ -357,7 +357,7 @@ class EngineClientStateMachine(CampaignMachine):
 
     # -- sleep, wake, pause -----------------------------------------------------------------
 
-    def _read_queued(self) -> None:
+    def _read_queued(self) -> bool:
         # The reply means "idle": the outputs it waited for arrived before it, so they are
         # already queued. Read exactly those (reading on would let a late drain catch up).
         # In-process they are the batches stepped while the call drove the drain.
@@ -372,6 +372,7 @@ class EngineClientStateMachine(CampaignMachine):
                     pass
             for _ in range(queued or 0):
                 self._poll(WAIT_S)
+        return queued is not None
 
     @precondition(lambda self: self.alive and not self.oracle.paused)
     @rule(level=st.sampled_from([None, 0, 1, 2]))

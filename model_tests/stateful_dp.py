@@ -317,13 +317,14 @@ class DataParallelStateMachine(CampaignMachine):
 
     # -- broadcast: sleep, wake, pause, resume ----------------------------------------------
 
-    def _read_queued(self) -> None:
+    def _read_queued(self) -> bool:
         # Every engine replied once idle, after the outputs it drained: those are queued in
         # the members now, and nothing more comes while they are paused. Read them all.
         deadline = time.monotonic() + WAIT_S
         with contextlib.suppress(EngineDeadError):
             while self.cut.client.queued_outputs() and time.monotonic() < deadline:
                 self._poll(0.05)
+        return True
 
     def _check_asleep(self) -> None:
         members = [self.cut.client.engine_client(i) for i in self.oracle.serving()]

@@ -16,8 +16,10 @@ nothing to the front end, so a drain carries no timestamps. A caller that gave t
 list of its own (an in-process client in trace mode) still gets every entry there, as
 before; this object only keeps a bounded copy for ``drain_trace`` beside it.
 
-A subprocess engine records when its program starts with ``ENGINEWIRE_ENGINE_TRACE`` set
-(see ``trace_from_env``); an in-process one whenever its client records a trace.
+An engine records when its config asks (``EngineConfig.engine_trace_records``), and a
+subprocess one also when its program starts with ``ENGINEWIRE_ENGINE_TRACE`` set (see
+``trace_from_env``; the harness sets it for engines it does not configure); an in-process one
+also whenever its client records a trace.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 
 from ..spec.machine import TraceEntry
 
-__all__ = ["ENGINE_TRACE_ENV", "TRACE_BOUND", "EngineTrace", "trace_from_env"]
+__all__ = ["ENGINE_TRACE_ENV", "TRACE_BOUND", "EngineTrace", "engine_trace_for",
+           "trace_from_env"]
 
 # A launched engine records its trace when this is set: a positive number of records to keep
 # between two drains, or "1"/"on" for ``TRACE_BOUND``. Read by the engine program at start.
@@ -118,3 +121,13 @@ def trace_from_env() -> EngineTrace | None:
         raise ValueError(f"{ENGINE_TRACE_ENV}={raw!r}: must be a positive number of records,"
                          " or 1/on for the default bound")
     return EngineTrace(bound)
+
+
+def engine_trace_for(config: Any) -> EngineTrace | None:
+    """The trace a launched engine records: the environment's choice when set, else its
+    config's ``engine_trace_records`` (0: none)."""
+    from_env = trace_from_env()
+    if from_env is not None:
+        return from_env
+    records = getattr(config, "engine_trace_records", 0)
+    return EngineTrace(records) if records else None

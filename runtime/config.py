@@ -27,6 +27,8 @@ SCHEDULING_POLICIES = ("priority", "fcfs")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 # One client drives at most this many engine cores (each has its own sockets and process).
 MAX_DATA_PARALLEL_SIZE = 256
+# A bound on the engine trace's records between drains (about 100 bytes each).
+MAX_ENGINE_TRACE_RECORDS = 10_000_000
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +59,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # drives, and where they run: "mp" subprocesses of this host, "ray" Ray actors.
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
+    # The engine's own trace (runtime/_engine_trace.py), for the ``drain_trace`` utility: 0
+    # keeps none (unless ENGINEWIRE_ENGINE_TRACE asks, for engines a harness launches); N > 0
+    # keeps up to N records between two drains, in-process or in an engine process alike.
+    engine_trace_records: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -112,6 +118,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(self.data_parallel_backend, str) or (
                 self.data_parallel_backend not in DATA_PARALLEL_BACKENDS):
             raise bad("data_parallel_backend", f"must be one of {DATA_PARALLEL_BACKENDS}")
+        if not is_int(self.engine_trace_records) or not (
+                0 <= self.engine_trace_records <= MAX_ENGINE_TRACE_RECORDS):
+            raise bad("engine_trace_records",
+                      f"must be an integer in [0, {MAX_ENGINE_TRACE_RECORDS}] (0: no trace)")
 
     def resolved_device(self) -> str:
         """The concrete device: ``auto`` picks CUDA when one is visible (the null model, which

@@ -69,7 +69,7 @@ from ..spec.engine import (
 from ..spec.errors import ClientClosedError, EngineDeadError, UtilityError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent
-from ._engine_trace import EngineTrace
+from ._engine_trace import TRACE_BOUND, EngineTrace
 from .config import EngineConfig
 from .executor import MEMORY_TAGS, UniProcExecutor
 from .fault_points import FaultPoint
@@ -129,10 +129,13 @@ class EngineCore:
         self.config = config
         self.trace = trace
         # What drain_trace hands out: the lifecycles record through it (a caller's own list
-        # still gets every entry). None: this engine records no trace.
+        # still gets every entry). None: this engine records no trace (neither its caller
+        # nor config.engine_trace_records asked for one).
+        records = getattr(config, "engine_trace_records", 0)
         self.engine_trace: EngineTrace | None = (
-            None if trace is None else trace if isinstance(trace, EngineTrace)
-            else EngineTrace(sink=trace))
+            trace if isinstance(trace, EngineTrace)
+            else None if trace is None and not records
+            else EngineTrace(records or TRACE_BOUND, sink=trace))
         self._trace_source = f"{os.getpid()}.{next(_ENGINE_SERIAL)}"
         # Plain decode outputs as the wire's columns (EngineCoreOutputs.stream_ids/_tokens)
         # instead of one struct each: the process wrapper asks for it, in-process callers
@@ -316,17 +319,28 @@ class EngineCore:
         """End each live request with an ABORT output; unknown or finished ids are no-ops."""
         if isinstance(request_ids, str):  # a bare id would iterate per character
             request_ids = (request_ids,)
-        outs = self.scheduler.abort(request_ids)
+        outs = self._abort(request_ids)
         if outs:
             self._pending.extend(outs)
             self._settle()
+
+    def _abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """The scheduler's aborts; with a trace, an id it does not hold (unknown, or finished
+        and so forgotten) records the spec's no-op UNKNOWN loop under its name."""
+        if self.engine_trace is None:
+            return self.scheduler.abort(request_ids)
+        unknown: list[str] = []
+        outs = self.scheduler.abort(request_ids, unknown)
+        for rid in unknown:
+            ENGINE_REQUEST.lifecycle(trace=self._request_trace(rid)).fire(EngineRequestEvent.ABORT)
+        return outs
 
     def _abort_mid_step(
         self, reqs: list[Request], nums: list[int], tokens: list[int]
     ) -> tuple[list[Request], list[int], list[int], list[EngineCoreOutput]]:
         pop = self.mid_step_aborts.popleft
         ids = [pop() for _ in range(len(self.mid_step_aborts))]
-        aborted = self.scheduler.abort(ids)
+        aborted = self._abort(ids)
         if not aborted:
             return reqs, nums, tokens, []
         keep = [i for i, r in enumerate(reqs) if not r.finished]

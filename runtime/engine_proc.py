@@ -79,7 +79,7 @@ from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests rea
 from ._engine_link import _Link
 from ._engine_output import _STOP, OUTPUT_FLUSH_S, _is_marker, _OutputSide
 from ._engine_shared import IDLE_WAKE_S, _Control
-from ._engine_trace import EngineTrace, trace_from_env
+from ._engine_trace import TRACE_BOUND, EngineTrace, engine_trace_for
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
 from .integrity import LinkIntegrity
 from .preload import run_preloads
@@ -172,8 +172,11 @@ class EngineCoreProc(_InputSide, _OutputSide):
         self._session: bytes | None = None
         # The session and the engine core record into one bounded trace, which drain_trace
         # hands out (runtime/_engine_trace.py); a plain list given here still gets each entry.
+        records: int = getattr(config, "engine_trace_records", 0)
         if trace is not None and not isinstance(trace, EngineTrace):
-            trace = EngineTrace(sink=trace)
+            trace = EngineTrace(records or TRACE_BOUND, sink=trace)
+        elif trace is None and records:
+            trace = EngineTrace(records)  # EngineConfig.engine_trace_records asks for one
         # Which front end this engine serves (spec/session.py): the input thread's alone, as
         # it sees every ATTACH and integrity failure first. ``_refused`` caches whether the
         # state drops input (SESSION_DROPS_INPUT), its per-message test.
@@ -667,7 +670,7 @@ def serve_launched(config: Any, kwargs: dict[str, Any], *,
     try:
         if "trace" not in kwargs:
             # Trace mode for a launched engine: its lifecycles' records, for drain_trace.
-            kwargs = {**kwargs, "trace": trace_from_env()}
+            kwargs = {**kwargs, "trace": engine_trace_for(config)}
         code = run_engine_core(config, **kwargs, raise_startup_errors=report is not None,
                                parent_lifeline=lifeline)
     except Exception as e:

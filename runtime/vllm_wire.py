@@ -442,14 +442,14 @@ def run_vllm_engine(config: Any, *, input_address: str, output_address: str,
                     fault: Any = None, heartbeat_interval_s: float | None = None) -> int:
     """``engine_proc.run_engine_core`` with the vLLM wire's engine process. Returns the exit
     status."""
-    from ._engine_trace import trace_from_env
+    from ._engine_trace import engine_trace_for
 
     # Trace mode as for any launched engine (ENGINEWIRE_ENGINE_TRACE): the harness drains the
     # engine's own lifecycle records through vLLM's call_utility and judges its side too.
     return run_engine_core(config, input_address=input_address, output_address=output_address,
                            parent_pid=parent_pid, startup_delay_s=startup_delay_s, fault=fault,
                            heartbeat_interval_s=heartbeat_interval_s,
-                           proc_class=VllmWireEngineProc, trace=trace_from_env())
+                           proc_class=VllmWireEngineProc, trace=engine_trace_for(config))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -181,3 +181,64 @@ def test_a_data_parallel_client_drains_each_engine(monkeypatch: pytest.MonkeyPat
         assert len({r["source"] for r in replies}) == 2
         for r in replies:
             assert ("engine", "READY", "LOOP_STARTED", "IDLE", "") in _records(r)
+
+
+# --- the config option (EngineConfig.engine_trace_records) ----------------------------------
+
+
+@pytest.mark.parametrize("records", [-1, True, 1.5, 10_000_001])
+def test_a_bad_trace_records_setting_is_refused(records: Any) -> None:
+    with pytest.raises(ValueError, match="engine_trace_records"):
+        EngineConfig(model="null", device="cpu", engine_trace_records=records)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_the_config_asks_for_a_bounded_trace_without_the_environment(
+        monkeypatch: pytest.MonkeyPatch, multiprocess: bool) -> None:
+    monkeypatch.delenv(ENGINE_TRACE_ENV, raising=False)
+    cfg = EngineConfig(model="null", device="cpu", engine_trace_records=4)
+    with make_client(cfg, multiprocess=multiprocess, asyncio=False) as client:
+        _run(client, "a")
+        first = client.drain_trace(timeout=30)
+        assert first["bound"] == 4 and len(first["machine"]) == 4 and first["dropped"] > 0
+        _run(client, "b")
+        recs = _records(client.drain_trace(timeout=30))
+        assert recs[0] == ("engine_request", "UNKNOWN", "ADD", "WAITING", "b")
+
+
+def test_the_environment_still_wins_over_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENGINE_TRACE_ENV, "7")
+    cfg = EngineConfig(model="null", device="cpu", engine_trace_records=4)
+    with make_client(cfg, multiprocess=True, asyncio=False) as client:
+        assert client.drain_trace(timeout=30)["bound"] == 7
+
+
+# --- the no-op abort of an id nobody holds (spec/request.py, rule 2) --------------------------
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_an_abort_of_a_finished_or_unknown_id_records_the_unknown_loop_on_both_sides(
+        monkeypatch: pytest.MonkeyPatch, multiprocess: bool) -> None:
+    monkeypatch.setenv(ENGINE_TRACE_ENV, "on")
+    trace: list[TraceEntry] = []
+    with make_client(NULL, multiprocess=multiprocess, asyncio=False, trace=trace) as client:
+        _run(client, "done")
+        client.drain_trace(timeout=30)
+        del trace[:]
+        # The drain below travels behind the abort on the same input path.
+        client.abort_requests(["done", "never-sent", "done"])
+        client_loops = [e[:4] for e in trace if e[0] == "client_request"]
+        assert client_loops == [("client_request", "UNKNOWN", "ABORT_SENT", "UNKNOWN")] * 3
+        recs = [r for r in _records(client.drain_trace(timeout=30))
+                if r[0] == "engine_request"]
+        assert recs == [("engine_request", "UNKNOWN", "ABORT", "UNKNOWN", rid)
+                        for rid in ("done", "never-sent", "done")]
+        # A reused id starts a new instance in UNKNOWN on both sides.
+        _run(client, "done")
+        assert ("client_request", "UNKNOWN", "SEND", "SENT") in [e[:4] for e in trace]
+
+
+def test_without_a_trace_an_unknown_abort_costs_no_lifecycle() -> None:
+    with make_client(NULL, multiprocess=False, asyncio=False) as client:
+        client.abort_requests(["never-sent"])  # nothing to record, nothing raised
+        assert client.get_output().outputs == []
