@@ -222,14 +222,14 @@ class _InputSide(_EngineProcState):
                 return
         try:
             try:
-                kind, payload = decode_input(frames, self.limits)
+                kind, payload = decode_input(frames, self.limits, self._vocab_size)
             except ProtocolError:
                 # Only now is the more flag read: a payload that refers to aux frames
                 # fails alone; with them it may decode. A message without more fails as is.
                 if self._integrity is not None or not sock.get(ZMQ_RCVMORE):
                     raise
                 frames = recv_rest(sock, frames, self._max_parts)
-                kind, payload = decode_input(frames, self.limits)
+                kind, payload = decode_input(frames, self.limits, self._vocab_size)
         except ProtocolError as e:
             self._reject(frames[0], e)
             return

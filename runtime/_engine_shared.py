@@ -82,6 +82,7 @@ class _EngineProcState:
     _max_parts: int
     _reply_encoder: msgspec.msgpack.Encoder
     _fast_calls: bool
+    _vocab_size: int | None
 
     if TYPE_CHECKING:
         # The busy loop's (EngineCoreProc) and the output half's, called by the input half.

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ..protocol.codec import DEFAULT_LIMITS
+from ..protocol.codec import DEFAULT_LIMITS, checked_request_type
 from ..protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -165,6 +165,9 @@ class EngineCore:
             self.lifecycle.fire(E.FATAL_ERROR)
             raise
         self.arch = self.executor.arch
+        # What an engine process decodes ADDs into: token ids checked against this vocabulary
+        # as they were built, lists nobody else holds (codec.checked_request_type).
+        self._checked_request = checked_request_type(self.arch.vocab_size)
         self.kv = KVCacheManager(self.num_gpu_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -233,7 +236,9 @@ class EngineCore:
         vocab = self.arch.vocab_size
         if not ids:
             return "prompt_token_ids is empty"
-        if min(ids) < 0 or max(ids) >= vocab:
+        # A decoded ADD's ids were range-checked by its decoder: the scan is half the work of
+        # admitting a request (10 µs for 512 ids).
+        if type(req) is not self._checked_request and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(t for t in ids if not 0 <= t < vocab)
             return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
         if len(ids) > self.config.max_model_len:
@@ -292,7 +297,8 @@ class EngineCore:
         default_seed = (self.config.seed * 1_000_003 + seq) & 0x7FFF_FFFF
         self.scheduler.add(Request(req, seq, self.arch.eos_token_id, default_seed,
                                    self.config.max_model_len,
-                                   self._request_trace(req.request_id)))
+                                   self._request_trace(req.request_id),
+                                   own_ids=type(req) is self._checked_request))
         if self.lifecycle.state in ACCEPTS_WORK:
             self.lifecycle.fire(E.WORK_ARRIVED)
 

@@ -205,6 +205,9 @@ class EngineCoreProc(_InputSide, _OutputSide):
         self._max_parts = limits.max_frames + 1
         self._reply_encoder = msgspec.msgpack.Encoder()
         self._fast_calls = not integrity
+        # The engine's vocabulary once it is built: ADDs decode with their token ids checked
+        # against it (codec.checked_request_type), which spares the busy loop that scan.
+        self._vocab_size: int | None = None
         self._last_send = 0.0
         # Held by the busy loop except while it idles on the input queue: the input thread
         # may then serve a utility call itself (one thread hop less per round trip).
@@ -216,6 +219,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
                 time.sleep(startup_delay_s)
             self.engine = EngineCore(config, inproc=False, trace=trace, stream_outputs=True)
             self._overlap = bool(getattr(self.engine.executor, "forward_releases_gil", True))
+            self._vocab_size = self.engine.arch.vocab_size
             plan = as_plan(fault)
             if plan is not None:
                 self._arm_faults(FaultInjector(plan, device=str(self.engine.device)))

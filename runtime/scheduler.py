@@ -69,6 +69,8 @@ class Request:
         default_seed: int,
         max_model_len: int,
         trace: list[TraceEntry] | None,
+        *,
+        own_ids: bool = False,
     ) -> None:
         sp = req.sampling_params
         self.request_id = req.request_id
@@ -77,7 +79,9 @@ class Request:
         self.arrival_time = req.arrival_time
         # The rank (module docstring). ``seq`` is unique, so a heap never compares Requests.
         self.sort_key = (req.priority, req.arrival_time, seq)
-        self.all_token_ids = list(req.prompt_token_ids)
+        # ``own_ids``: the list is the engine's already (a decoded ADD's) and becomes the
+        # history as it is; a caller's is copied, as tokens are appended to it.
+        self.all_token_ids = req.prompt_token_ids if own_ids else list(req.prompt_token_ids)
         # len(all_token_ids), kept beside the hot fields: the scheduler and the model read the
         # length of every running request each step without touching the (cold) list.
         self.num_tokens = len(self.all_token_ids)

@@ -24,6 +24,7 @@ from enginewire.protocol import (
     ProtocolError,
     ReadyResponse,
     RequestType,
+    SamplingParams,
     StructResult,
     UtilityOutput,
     UtilityRequest,
@@ -286,6 +287,39 @@ def test_wrong_payload_for_type_byte_is_refused() -> None:
         decode_input(_msg(RequestType.ADD.value, abort))
     with pytest.raises(ProtocolError, match="UtilityRequest"):
         decode_input([zmq.Frame(RequestType.UTILITY.value + abort[0])])
+
+
+def test_an_engines_adds_decode_with_their_token_ids_range_checked() -> None:
+    """With ``vocab_size`` an ADD whose ids are in range decodes to the checked subclass (the
+    engine then skips its own scan); any other decodes as without it: the same value, or
+    the same ProtocolError."""
+    checked = codec.checked_request_type(512)
+    assert codec.checked_request_type(512) is checked and issubclass(checked, EngineCoreRequest)
+    assert msgspec.structs.fields(checked) != msgspec.structs.fields(EngineCoreRequest)
+    assert [f.name for f in msgspec.structs.fields(checked)] == list(
+        EngineCoreRequest.__struct_fields__)
+    enc = Encoder()
+    ok = EngineCoreRequest("r", [0, 5, 511], SamplingParams(max_tokens=2), 1.5)
+    kind, got = decode_input(encode_input(enc, RequestType.ADD, ok), vocab_size=512)
+    assert kind is RequestType.ADD and type(got) is checked
+    assert msgspec.structs.asdict(got) == msgspec.structs.asdict(ok)
+    for ids in ([0, 512], [-1, 5]):
+        bad = EngineCoreRequest("r", ids)
+        _, got = decode_input(encode_input(enc, RequestType.ADD, bad), vocab_size=512)
+        assert type(got) is EngineCoreRequest and got == bad, ids
+    malformed = _msg(RequestType.ADD.value, enc.encode(["r", [1, "x"]]))
+    with pytest.raises(ProtocolError) as plain:
+        decode_input(malformed)
+    with pytest.raises(ProtocolError) as vocab:
+        decode_input(malformed, vocab_size=512)
+    assert str(vocab.value) == str(plain.value)
+    # Only an ADD has token ids; other messages decode as they always do.
+    assert decode_input(encode_input(enc, RequestType.ABORT, ["a"]), vocab_size=512) == (
+        RequestType.ABORT, ["a"])
+    with pytest.raises(TypeError, match="EngineCoreRequest only"):
+        Decoder(UtilityRequest, vocab_size=512)
+    with pytest.raises(ValueError, match="vocab_size=0"):
+        codec.checked_request_type(0)
 
 
 def test_module_level_decoders_are_safe_across_threads() -> None:

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from enginewire.protocol.codec import checked_request_type
 from enginewire.protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -232,6 +233,22 @@ def test_invalid_requests_finish_with_error_and_engine_keeps_serving() -> None:
     check_trace(trace)
     with pytest.raises(TypeError, match="request_id must be str"):
         eng.add_request(EngineCoreRequest(7, [5]))  # type: ignore[arg-type]
+
+
+def test_a_decoded_adds_ids_become_the_history_and_a_callers_are_copied() -> None:
+    """An engine process's ADD (codec.checked_request_type: decoded, its ids range-checked)
+    keeps its list as the request's history; a caller's request is never written to."""
+    eng = EngineCore(NULL)
+    checked = checked_request_type(eng.arch.vocab_size)
+    mine = req("mine", [5, 6], max_tokens=3)
+    wired = checked("wired", [5, 6], SamplingParams(max_tokens=3))
+    eng.add_request(mine)
+    eng.add_request(wired)
+    assert eng.scheduler.requests["wired"].all_token_ids is wired.prompt_token_ids
+    assert eng.scheduler.requests["mine"].all_token_ids is not mine.prompt_token_ids
+    toks, fin = drain(eng)
+    assert len(toks["mine"]) == len(toks["wired"]) == 3 and fin["wired"].finished
+    assert mine.prompt_token_ids == [5, 6]
 
 
 def test_abort_ends_live_requests_with_abort_output_and_ignores_others() -> None:

@@ -31,9 +31,11 @@ from enginewire.protocol.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     FinishReason,
     ReadyResponse,
     RequestType,
+    SamplingParams,
     UtilityOutput,
     UtilityRequest,
 )
@@ -155,6 +157,27 @@ def test_abort_right_after_add_is_never_lost(served: Any) -> None:
             if o.finish_reason is not None:
                 done[o.request_id] = o.finish_reason
     assert done == {f"r{i}": FinishReason.ABORT for i in range(5)}
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_over_the_wire_as_in_process(
+        served: Any) -> None:
+    """The input thread's decoder checks ADDs' ids against the vocabulary (the busy loop then
+    skips its scan); one outside it still ends with the same ERROR, and the engine serves on."""
+    peer, proc, _trace = served
+    vocab = proc.engine.arch.vocab_size
+    peer.send(RequestType.ADD, EngineCoreRequest("oov", [1, vocab], SamplingParams(max_tokens=2)))
+    peer.send(RequestType.ADD, EngineCoreRequest("neg", [-1, 1], SamplingParams(max_tokens=2)))
+    peer.send(RequestType.ADD, EngineCoreRequest("top", [0, vocab - 1],
+                                                 SamplingParams(max_tokens=2)))
+    done: dict[str, EngineCoreOutput] = {}
+    deadline = time.monotonic() + BOUND_S
+    while len(done) < 3 and time.monotonic() < deadline:
+        done.update((o.request_id, o) for o in peer.recv().outputs if o.finished)
+    assert done["oov"].finish_reason is FinishReason.ERROR
+    assert f"token id {vocab} is outside the vocabulary" in (done["oov"].error or "")
+    assert done["neg"].finish_reason is FinishReason.ERROR
+    assert "token id -1 is outside the vocabulary" in (done["neg"].error or "")
+    assert done["top"].finish_reason is FinishReason.LENGTH
 
 
 def test_aborts_to_an_idle_engine_are_not_kept_for_a_step(served: Any) -> None:
