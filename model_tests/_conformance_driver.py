@@ -291,6 +291,18 @@ class Declared(enum.StrEnum):
     # Frames are vLLM 0.33's (reference §2.3-§2.5), not enginewire's: the interposer reads
     # their kinds by vLLM's layout.
     VLLM_WIRE = "vllm_wire"
+    # One error for a dead and a shut-down client: after its own shutdown() a call may raise
+    # EngineDeadError where ClientClosedError is owed (a call that returns is still a
+    # failure), calls blocked at shutdown may end with it, and the campaign judges a shut-down
+    # client's aborts and reads as a dead one's (an abort is a no-op, a read owes the error).
+    CLOSED_IS_DEAD = "closed_is_dead"
+    # The client does not refuse a live request id (the layer above it makes ids unique):
+    # the campaign never sends one (its duplicate-id rule is off).
+    NO_DUPLICATE_ID_CHECK = "no_duplicate_id_check"
+    # get_output raises EngineDeadError once, then blocks: once a read got it, the campaign
+    # expects no second one; it reads with a short bound instead and fails a read
+    # that returns outputs after the death (stateful_base.py, READ_AFTER_DEATH_S).
+    DEAD_DELIVERED_ONCE = "dead_delivered_once"
 
 
 # What an open libzmq context holds: an eventpoll and a mailbox eventfd per io thread and

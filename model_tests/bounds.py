@@ -25,6 +25,12 @@ DEATH_BOUND_S = 1.0
 RULE_DEATH_BOUND_S = DEATH_BOUND_S + 1.0
 # Ordinary waits: a drain, a utility reply (null-model drains take milliseconds).
 WAIT_S = 10.0
+# A client whose factory declares DEAD_DELIVERED_ONCE owes no second EngineDeadError once a
+# read had one, and its read would then block for good: the machines read this long instead,
+# and fail outputs (nothing follows a death). Whatever is queued is read at once; this only
+# bounds the wait for more (the same 50 ms each read of the "queued, then the error" loop
+# waits on a dead client).
+READ_AFTER_DEATH_S = 0.05
 # The conformance suite's upper bound on the same waits. It judges a user's client and engine
 # (a real model's generation, a slow CI host), where only a hang must fail, so it allows six
 # times the campaign's bound; the campaign keeps the short one, to fail fast mid-program.

@@ -150,6 +150,9 @@ class Oracle:
         self.engine_unjudged: set[str] = set()
         self.engine_sides: dict[int, _EngineSide] = {}
         self.trace_incomplete = 0  # records the engines dropped past their bound
+        # A read raised EngineDeadError (``death_read``): the death reached the caller. Where
+        # the factory declares DEAD_DELIVERED_ONCE, no later read owes it again.
+        self.death_delivered = False
 
     # -- what the test did -----------------------------------------------------------------
 
@@ -234,6 +237,10 @@ class Oracle:
         for m in self.requests.values():
             if not m.finished:
                 m.ended_by_death = True
+
+    def death_read(self) -> None:
+        """A read raised EngineDeadError (observed, not done: it may come after ``died``)."""
+        self.death_delivered = True
 
     def closed(self) -> None:
         self.engine_pending.clear()

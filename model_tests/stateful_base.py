@@ -19,8 +19,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import time
+import types
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
@@ -34,7 +35,15 @@ from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReas
 from ..runtime.engine import WAKE_TAGS
 from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation, UtilityError
 from . import conformance as cf
-from .bounds import MAX_LIVE, RULE_DEATH_BOUND_S, WAIT_MODE_TOKENS, WAIT_S, RuleLimits
+from ._conformance_driver import Declared
+from .bounds import (
+    MAX_LIVE,
+    READ_AFTER_DEATH_S,
+    RULE_DEATH_BOUND_S,
+    WAIT_MODE_TOKENS,
+    WAIT_S,
+    RuleLimits,
+)
 from .oracle import (
     Coverage,
     Oracle,
@@ -47,6 +56,11 @@ from .oracle import (
 
 if TYPE_CHECKING:
     from .reference import DifferentialOracle
+
+
+def _names(kinds: tuple[type[BaseException], ...]) -> str:
+    """``kinds`` as a message says them: ``ClientClosedError or EngineDeadError``."""
+    return " or ".join(k.__name__ for k in kinds)
 
 
 def _note(text: str) -> None:
@@ -164,6 +178,10 @@ class CampaignMachine(RuleBasedStateMachine):
     # Set by whoever builds the machine (the campaign, for a real model): every finished
     # greedy request is compared with its lone run (reference.py). None: not compared.
     reference: DifferentialOracle | None = None
+    # What the client's factory declares where its contract differs from enginewire's
+    # (``Declared``, _conformance_driver.py): the judgements that read it say so. The
+    # built-in clients declare nothing.
+    contract: Mapping[str, str] = types.MappingProxyType({})
 
     def __init__(self, *, kind: str, kinds: tuple[str, ...], faults: bool, vocab_size: int,
                  stats: CampaignStats, min_life: int) -> None:
@@ -191,6 +209,9 @@ class CampaignMachine(RuleBasedStateMachine):
         # The model whose engine trace was drained last (``_check_engine_trace``): a new one
         # (a new example, client or front end) first drains what came before it, unjudged.
         self._trace_oracle: Oracle | None = None
+        # Reads left blocked (``_submit_read``) not yet judged: a death one of them delivers
+        # counts as delivered (``Oracle.death_read``).
+        self._blocked_reads: list[concurrent.futures.Future[Any]] = []
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -203,6 +224,13 @@ class CampaignMachine(RuleBasedStateMachine):
     @property
     def alive(self) -> bool:
         return self.live is not None and self.oracle.phase is Phase.ALIVE
+
+    @property
+    def client_checks_ids(self) -> bool:
+        """Whether the client refuses a live request id itself. One whose factory declares
+        NO_DUPLICATE_ID_CHECK relies on the layer above it, which never sends one: neither
+        does this machine."""
+        return Declared.NO_DUPLICATE_ID_CHECK not in self.contract
 
     @contextlib.contextmanager
     def _rule(self, name: str, args: dict[str, Any]) -> Iterator[None]:
@@ -258,9 +286,21 @@ class CampaignMachine(RuleBasedStateMachine):
         _note(f"{rule}: {MAX_LIVE} requests live already; skipped")
         return True
 
-    def _refusal(self) -> type[BaseException]:
+    def _closed_refusal(self) -> tuple[type[BaseException], ...]:
+        """What a call owes the caller once the client was shut: ClientClosedError, or
+        EngineDeadError too where the factory declares CLOSED_IS_DEAD."""
+        if Declared.CLOSED_IS_DEAD in self.contract:
+            return (ClientClosedError, EngineDeadError)
+        return (ClientClosedError,)
+
+    def _refusal(self) -> tuple[type[BaseException], ...]:
         """What every call owes the caller once the engine died or the client was shut."""
-        return EngineDeadError if self.oracle.phase is Phase.DEAD else ClientClosedError
+        return (EngineDeadError,) if self.oracle.phase is Phase.DEAD else self._closed_refusal()
+
+    def _closed_as_dead(self) -> bool:
+        """A shut-down client whose factory declares CLOSED_IS_DEAD: its aborts and reads are
+        judged as a dead one's."""
+        return self.oracle.phase is Phase.CLOSED and Declared.CLOSED_IS_DEAD in self.contract
 
     def _expect_raises(self, kinds: type[BaseException] | tuple[type[BaseException], ...],
                        fn: Callable[[], Any], what: str) -> BaseException:
@@ -276,18 +316,20 @@ class CampaignMachine(RuleBasedStateMachine):
     def _expect_closed(self, futs: list[concurrent.futures.Future[Any]], what: str, *,
                        returned_ok: bool = False) -> None:
         """Each of ``futs``, ``what`` (calls blocked as the client went), ends with
-        ClientClosedError within the bound; with ``returned_ok`` a value that beat the
-        shutdown is allowed too (and judged, when it is a batch of outputs)."""
+        ClientClosedError (``_closed_refusal``) within the bound; with ``returned_ok`` a value
+        that beat the shutdown is allowed too (and judged, when it is a batch of outputs)."""
+        closed = self._closed_refusal()
         for fut in futs:
             try:
                 got = fut.result(timeout=RULE_DEATH_BOUND_S + 3)
-            except ClientClosedError:
+            except closed:
+                self._read_ended(fut)
                 continue
             except concurrent.futures.TimeoutError:
                 raise OracleViolation(f"{what} was never woken") from None
             except BaseException as e:
                 raise OracleViolation(f"{what} raised {type(e).__name__}: {e}, not"
-                                      " ClientClosedError") from e
+                                      f" {_names(closed)}") from e
             if not returned_ok:
                 raise OracleViolation(f"{what} returned a value")
             if isinstance(got, EngineCoreOutputs):
@@ -329,9 +371,28 @@ class CampaignMachine(RuleBasedStateMachine):
             self.stats.seconds["(differential oracle)"] += time.monotonic() - start
 
     def _poll(self, timeout: float) -> EngineCoreOutputs:
-        batch = self.cut.get_output(timeout=timeout)
+        try:
+            batch = self.cut.get_output(timeout=timeout)
+        except EngineDeadError:
+            self.oracle.death_read()
+            raise
         self._observe(batch)
         return batch
+
+    def _submit_read(self) -> concurrent.futures.Future[Any]:
+        """A get_output left blocked; whoever judges its end calls ``_read_ended``."""
+        fut = self.cut.submit("get_output")
+        self._blocked_reads.append(fut)
+        return fut
+
+    def _read_ended(self, fut: concurrent.futures.Future[Any]) -> None:
+        """``fut`` ended: if it is a read of ``_submit_read`` that raised EngineDeadError,
+        the death reached the caller (what DEAD_DELIVERED_ONCE counts)."""
+        if fut not in self._blocked_reads:
+            return
+        self._blocked_reads.remove(fut)
+        if fut.done() and not fut.cancelled() and isinstance(fut.exception(), EngineDeadError):
+            self.oracle.death_read()
 
     def _drain(self, ids: list[str] | None = None, bound: float = WAIT_S) -> None:
         """Read outputs until every request that must finish did (or the death is seen)."""
@@ -456,7 +517,7 @@ class CampaignMachine(RuleBasedStateMachine):
 
     # -- requests ---------------------------------------------------------------------------
 
-    @precondition(lambda self: self.alive)
+    @precondition(lambda self: self.alive and self.client_checks_ids)
     @rule(pick=st.integers(0, MAX_LIVE - 1))
     def add_duplicate(self, pick: int) -> None:
         with self._rule("add_duplicate", locals()):
@@ -637,9 +698,15 @@ class CampaignMachine(RuleBasedStateMachine):
                                       f" after {len(m.tokens)} tokens: {meaning}")
 
     def _closed_read_refused(self) -> bool:
-        """On a shut-down client a read raises ClientClosedError: True when that was judged."""
+        """On a shut-down client a read raises ClientClosedError: True when that was judged.
+        Where the factory declares CLOSED_IS_DEAD it is read as a dead client is (``poll``):
+        what was queued, or the error; ``_check_calls_refused`` judges that the error comes."""
         if self.oracle.phase is not Phase.CLOSED:
             return False
+        if self._closed_as_dead():
+            with contextlib.suppress(*self._refusal()):
+                self._poll(0.01)
+            return True
         self._expect_raises(ClientClosedError, lambda: self.cut.get_output(timeout=0.01),
                             "get_output after shutdown")
         return True
@@ -854,8 +921,12 @@ class CampaignMachine(RuleBasedStateMachine):
             self._check_calls_refused()
 
     def _check_calls_refused(self) -> None:
-        """``call_after_end``'s checks (also run by every rule that ended the client)."""
+        """``call_after_end``'s checks (also run by every rule that ended the client). A
+        client whose factory declares CLOSED_IS_DEAD has its aborts and reads after shutdown
+        judged as a dead one's; one that declares DEAD_DELIVERED_ONCE owes no second
+        EngineDeadError once a read had one (``_read_after_delivered_death``)."""
         closed = self.oracle.phase is Phase.CLOSED
+        as_dead = not closed or self._closed_as_dead()
         refusal = self._refusal()
         end = "closed" if closed else "dead"
         calls: dict[str, Callable[[], Any]] = {
@@ -868,24 +939,52 @@ class CampaignMachine(RuleBasedStateMachine):
         }
         for name, call in calls.items():
             self._expect_raises(refusal, call, f"{name} on a {end} client")
-        if closed:
+        if not as_dead:
             self._expect_raises(refusal, lambda: self.cut.abort_requests(["x"]),
                                 "abort on a closed client")
+        elif closed:  # CLOSED_IS_DEAD: the no-op it is on a dead engine, or refused
+            with contextlib.suppress(*refusal):
+                self.cut.abort_requests(["x"])
         else:
             self.cut.abort_requests([*self.oracle.live_ids(), "x"])  # silent
+        if self.oracle.death_delivered and Declared.DEAD_DELIVERED_ONCE in self.contract:
+            self._read_after_delivered_death(end, refusal)
+            return
+        with_outputs = 0
         for _ in range(1000):  # the batches queued before the death, then the error
             try:
-                self._poll(0.05)
+                batch = self._poll(0.05)
             except refusal:
                 return
             except BaseException as e:
                 raise OracleViolation(f"get_output on a {end} client: raised"
                                       f" {type(e).__name__}: {e}; expected"
-                                      f" {refusal.__name__}") from e
-            if closed:
+                                      f" {_names(refusal)}") from e
+            if not as_dead:
                 raise OracleViolation("get_output on a closed client: returned a batch")
+            with_outputs += bool(batch.outputs)
         raise OracleViolation(f"get_output on a {end} client: still returning batches"
-                              " after 1000 reads")
+                              f" after 1000 reads ({with_outputs} with outputs), none"
+                              f" raised {_names(refusal)}")
+
+    def _read_after_delivered_death(self, end: str,
+                                    refusal: tuple[type[BaseException], ...]) -> None:
+        """DEAD_DELIVERED_ONCE, and a read already had the EngineDeadError: no second one is
+        owed, and the client's read would block for good. One read bounded by
+        READ_AFTER_DEATH_S returns no outputs (nothing follows a death), or raises again."""
+        try:
+            batch = self.cut.get_output(timeout=READ_AFTER_DEATH_S)
+        except refusal:
+            return
+        except BaseException as e:
+            raise OracleViolation(f"get_output on a {end} client, its death delivered: raised"
+                                  f" {type(e).__name__}: {e}; expected nothing or"
+                                  f" {_names(refusal)}") from e
+        if batch.outputs:
+            raise OracleViolation(
+                f"get_output on a {end} client returned outputs for"
+                f" {sorted({o.request_id for o in batch.outputs})} after its death was"
+                " delivered")
 
     # -- teardown ---------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from ..spec.errors import (
     UtilityTimeoutError,
 )
 from . import conformance as cf
+from ._conformance_driver import declared_contract
 from ._harness import wait_until
 from .bounds import (
     ABORT_GAP_S,
@@ -122,6 +123,7 @@ class EngineClientStateMachine(CampaignMachine):
                          min_life=min_life)
         self.pool = pool if pool is not None else ClientPool(factory, self.stats)
         self._own_pool = pool is None
+        self.contract = declared_contract(factory)
         self.orphan_config = orphan_config
         try:
             self.live = self.pool.acquire()
@@ -214,7 +216,7 @@ class EngineClientStateMachine(CampaignMachine):
             try:
                 fut.result(timeout=self.death_bound_s + 3)
             except EngineDeadError:
-                pass
+                self._read_ended(fut)
             except concurrent.futures.TimeoutError:
                 raise OracleViolation(
                     f"{what}: a blocked call was not woken by the engine's death") from None
@@ -633,7 +635,7 @@ class EngineClientStateMachine(CampaignMachine):
         observers = observers or how in ("sigkill", "sigstop")
         if observers and self.multiprocess:
             self._quiesce()  # no output may satisfy the blocked read
-            blocked.append(self.cut.submit("get_output"))
+            blocked.append(self._submit_read())
             # The read is waiting once a round trip issued after it has completed.
             self.cut.call_utility("echo", 0)
         if how.startswith("step"):
@@ -724,12 +726,13 @@ class EngineClientStateMachine(CampaignMachine):
                   and self._life >= 2 * self.min_life)
     @rule(with_pending=st.booleans())
     def shutdown(self, with_pending: bool) -> None:
-        """Shutdown is clean: blocked calls fail with ClientClosedError, never EngineDeadError;
-        it is bounded and releases everything. ``with_pending`` blocks a read and, only when
-        faults are on, a utility call held pending by a SIGSTOPped engine. With faults on
-        every shutdown has them: a shutdown runs about once per client in a short run, and
-        a coin flip left the pending case (what shows a shutdown that fails calls with the
-        wrong error) to the luck of the derandomized draw."""
+        """Shutdown is clean: blocked calls fail with ClientClosedError, never EngineDeadError
+        (either, where the factory declares CLOSED_IS_DEAD); it is bounded and releases
+        everything. ``with_pending`` blocks a read and, only when faults are on, a utility
+        call held pending by a SIGSTOPped engine. With faults on every shutdown has them: a
+        shutdown runs about once per client in a short run, and a coin flip left the pending
+        case (what shows a shutdown that fails calls with the wrong error) to the luck of
+        the derandomized draw."""
         with_pending = with_pending or self.faults
         with self._rule("shutdown", locals()):
             pending: list[concurrent.futures.Future[Any]] = []
@@ -737,7 +740,7 @@ class EngineClientStateMachine(CampaignMachine):
             stopped = False
             if with_pending and self.alive and self.multiprocess:
                 self._quiesce()
-                pending.append(self.cut.submit("get_output"))
+                pending.append(self._submit_read())
                 self.cut.call_utility("echo", 0)
             if pending and self.faults:
                 assert pid is not None

@@ -81,19 +81,22 @@ __all__ = ["VLLM_CONTRACT", "VllmClientAdapter", "VllmFactory", "vllm_async", "v
 # Where vLLM 0.33's contract differs from enginewire's. Each key names the difference; the
 # value says vLLM's side (reference section) and who follows it. The ``Declared`` names are
 # read by the harness itself (``Declared``, _conformance_driver.py: the fault matrix, the
-# interposer, the campaign's release check); the others by this module's adapter, which
-# plays the layer vLLM puts above its client. Findings that are only these are not bugs
+# interposer, the release checks, the campaign machines' judgements); the others say what
+# this module's adapter does where vLLM has no equivalent (a timeout that only stops
+# waiting) or that a difference passes through. Findings that are only these are not bugs
 # (docs/vllm.md).
 VLLM_CONTRACT: dict[str, str] = {
-    "closed_is_dead": "vLLM has one error for a dead and a shut-down client (EngineDeadError"
-                      " from ensure_alive, §1.4/§3.6): after the adapter's own shutdown() it"
-                      " is reported as ClientClosedError",
-    "duplicate_ids": "the client does not check request ids; vLLM's InputProcessor makes"
-                     " them unique above it (§6.15): the adapter refuses a live id with"
-                     " SpecViolation, as that layer would never send one",
-    "dead_delivered_once": "get_output raises EngineDeadError once, then blocks; AsyncLLM"
-                           " keeps the death (errored) above the client: after the adapter"
-                           " has delivered one EngineDeadError every later read raises it",
+    Declared.CLOSED_IS_DEAD.value:
+        "vLLM has one error for a dead and a shut-down client (EngineDeadError from"
+        " ensure_alive, §1.4/§3.6; shutdown sets engine_dead): after shutdown() calls raise"
+        " EngineDeadError, an abort is a no-op and a read gets what a dead client's does",
+    Declared.NO_DUPLICATE_ID_CHECK.value:
+        "the client does not check request ids; vLLM's InputProcessor makes them unique"
+        " above it (§6.15): the campaign sends no live id, as that layer never would",
+    Declared.DEAD_DELIVERED_ONCE.value:
+        "get_output raises EngineDeadError once (the one item its receiver queues), then"
+        " blocks; AsyncLLM keeps the death (errored) above the client: the campaign expects"
+        " no second EngineDeadError and reads with a bound instead",
     "no_utility_timeout": "call_utility takes no timeout (§1.5, §8): the adapter's timeout"
                           " only stops waiting; the call stays registered in vLLM until its"
                           " late reply, and is not counted as pending by the adapter",

@@ -32,6 +32,7 @@ MODEL_ONLY = frozenset({
     "self.oracle.requests",  # the requests the rules added (whether any: not how far)
     "self.faults", "self.kind", "self.multiprocess", "self.restarts",  # settings, draws
     "self.limits.prefix_prompt_len",  # the client's config
+    "self.client_checks_ids",  # what the factory declares (``contract``): fixed for the run
     "self._life", "self.min_life", "self._orphans", "self.orphan_min_life",
     "self.orphan_config", "self._deaths",  # counted by the rules themselves
 })
