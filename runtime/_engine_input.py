@@ -30,13 +30,14 @@ from ..protocol.codec import (
 from ..protocol.messages import (
     AttachRequest,
     EngineCoreOutputs,
+    EngineCoreRequest,
     ReadyResponse,
     RequestType,
     UtilityOutput,
     UtilityRequest,
 )
 from ..protocol.utilities import LOOP_THREAD_METHODS
-from ..spec.engine import EngineState
+from ..spec.engine import IN_LOOP, SCHEDULING, EngineState
 from ..spec.errors import ProtocolError
 from ..spec.session import SESSION_DROPS_INPUT, SessionEvent
 from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, _Link, _reconnect, _Wakeup
@@ -246,6 +247,8 @@ class _InputSide(_EngineProcState):
         elif kind is RequestType.UTILITY and self._serve_idle_call(
                 cast(UtilityRequest, payload)):
             return
+        elif kind is RequestType.ADD and self._admit_parked(cast(EngineCoreRequest, payload)):
+            return
         self.input_queue.put((kind, payload))
 
     def _accept_attach(self, frames: list[Any]) -> None:
@@ -304,6 +307,34 @@ class _InputSide(_EngineProcState):
                 self._flush_replies()
             if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
                 self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
+            return True
+        finally:
+            lock.release()
+
+    def _admit_parked(self, request: EngineCoreRequest) -> bool:
+        """Admit an ADD on this thread while the busy loop is parked (idle, or backing off
+        over requests a paused scheduler holds) with an empty queue, so nothing is
+        reordered; False when the loop must take it. A burst of adds to a parked engine
+        then costs no wake-up of the loop each. The loop is woken only when the engine can
+        schedule the request now; a paused or sleeping one keeps it until its resume (a
+        call, which wakes the loop)."""
+        lock = self._engine_lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            if self.input_queue.queue or self.engine.lifecycle.state not in IN_LOOP:
+                return False  # keep the order; the loop's own checks past its end
+            try:
+                self._add(request)
+            except Exception as e:
+                # The engine died admitting it: the loop's error to raise, not this thread's
+                # (which must outlive anything it receives).
+                self.input_queue.put((_Control.FATAL, e))
+                return True
+            if self._replies:
+                self._flush_replies()
+            if self.engine.lifecycle.state in SCHEDULING:
+                self.input_queue.put((_Control.WAKE, None))  # the loop has a step to run
             return True
         finally:
             lock.release()

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from ..protocol.codec import Encoder, Limits
-from ..protocol.messages import UtilityOutput, UtilityRequest
+from ..protocol.messages import EngineCoreRequest, UtilityOutput, UtilityRequest
 from ..spec.machine import Lifecycle
 from ..spec.session import SessionEvent, SessionState
 from .faults import FaultInjector, FaultPoint
@@ -42,6 +42,7 @@ class _Control(enum.Enum):
     REJECT_ADD = "reject_add"  # (request id, error): a malformed ADD, answered in order
     WAKE = "wake"  # the input thread served a call that left the loop work to do
     END_SESSION = "end_session"  # the front end's link failed the integrity check
+    FATAL = "fatal"  # an error the input thread met running the engine: the loop raises it
 
 
 class _EngineProcState:
@@ -90,6 +91,7 @@ class _EngineProcState:
         def _has_work(self) -> bool: ...
         def _flush_replies(self) -> bool: ...
         def _call_utility(self, call: UtilityRequest) -> None: ...
+        def _add(self, request: EngineCoreRequest) -> None: ...
         def _reply_to(self, call: UtilityRequest, result: Any) -> UtilityOutput | None: ...
         def _emit_utility(self, out: UtilityOutput) -> None: ...
         def _send_encoded(self, payload: bytes) -> None: ...

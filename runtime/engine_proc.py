@@ -63,6 +63,7 @@ from ..protocol.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     FinishReason,
     ReadyResponse,
     RequestType,
@@ -296,9 +297,12 @@ class EngineCoreProc(_InputSide, _OutputSide):
                 if item is None:
                     return not self._stop_requested()
             elif idle_rounds > 2:
-                # Work exists but steps produce nothing (e.g. parked requests): back off
-                # instead of spinning, while still reacting to input at once.
-                item = self.input_queue.get(timeout=min(0.05, 0.001 * idle_rounds))
+                # Work exists but steps produce nothing (e.g. a paused scheduler's requests):
+                # back off instead of spinning, while still reacting to input at once. The
+                # loop is parked as when idle: the input thread may admit and serve meanwhile.
+                item = self._wait_input(min(0.05, 0.001 * idle_rounds))
+                if item is None:
+                    return True
             else:
                 item = self.input_queue.get_nowait()
         except queue.Empty:
@@ -312,14 +316,14 @@ class EngineCoreProc(_InputSide, _OutputSide):
             except queue.Empty:
                 return True
 
-    def _wait_input(self) -> tuple[Any, Any] | None:
-        # Idle: block on the queue. The wait is sliced because CPython runs signal handlers
+    def _wait_input(self, timeout: float = IDLE_WAKE_S) -> tuple[Any, Any] | None:
+        # Parked: block on the queue. The wait is sliced because CPython runs signal handlers
         # only on the main thread, and a signal the kernel hands to another thread (zmq's,
         # torch's) does not interrupt this wait: every IDLE_WAKE_S the main thread looks.
         lock = self._engine_lock
-        lock.release()  # the input thread may serve calls while we wait
+        lock.release()  # the input thread may admit requests and serve calls while we wait
         try:
-            return self.input_queue.get(timeout=IDLE_WAKE_S)
+            return self.input_queue.get(timeout=timeout)
         except queue.Empty:
             return None
         finally:
@@ -335,6 +339,8 @@ class EngineCoreProc(_InputSide, _OutputSide):
             return False
         if kind is _Control.WAKE:
             pass
+        elif kind is _Control.FATAL:
+            raise payload  # met by the input thread while it ran the engine for the loop
         elif kind is _Control.END_SESSION:
             self._end_session(payload)
         elif kind is _Control.REJECT_ADD:
@@ -345,15 +351,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
             else:
                 self._emit(payload)
         elif kind is RequestType.ADD:
-            try:
-                self.engine.add_request(payload)
-            except Exception as e:
-                if self.engine.lifecycle.state is EngineState.DEAD:
-                    raise
-                # Request-scoped: this request fails, the engine serves on.
-                logger.exception("engine refused request %.80r", payload.request_id)
-                self._emit(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                    payload.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}")]))
+            self._add(payload)
         elif kind is RequestType.ABORT:
             self.engine.abort_requests(list(payload))
             # The input thread put these ids there too, for a step that might be running;
@@ -367,6 +365,19 @@ class EngineCoreProc(_InputSide, _OutputSide):
         else:
             logger.error("engine: unknown input kind %r dropped", kind)
         return True
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        """Admit ``request`` (the loop's, or the input thread's while the loop is parked:
+        ``_admit_parked``); one the engine refuses ends with ERROR, and it serves on."""
+        try:
+            self.engine.add_request(request)
+        except Exception as e:
+            if self.engine.lifecycle.state is EngineState.DEAD:
+                raise
+            # Request-scoped: this request fails, the engine serves on.
+            logger.exception("engine refused request %.80r", request.request_id)
+            self._emit(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                request.request_id, [], FinishReason.ERROR, error=f"{type(e).__name__}: {e}")]))
 
     def _attach(self, session: bytes) -> None:
         """A front end attaches: a new session ends what came before it; then the marker,

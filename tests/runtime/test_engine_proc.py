@@ -58,6 +58,8 @@ from enginewire.spec import (
     UtilityError,
     validate_trace,
 )
+from enginewire.spec.engine import EngineEvent
+from enginewire.testing._harness import wait_until
 from enginewire.testing.conformance import open_client, request
 
 torch.set_num_threads(1)
@@ -959,3 +961,93 @@ def test_run_engine_core_refuses_wrong_types_by_name(kw: dict[str, Any], says: s
     with pytest.raises(TypeError, match=says):
         run_engine_core(args.pop("config"), input_address=f"ipc://{tmp_path}/i",
                         output_address=f"ipc://{tmp_path}/o", raise_startup_errors=True, **args)
+
+
+def _admitted_on(proc: EngineCoreProc, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """request id -> the name of the thread that admitted it (the busy loop's or the input
+    thread's), recorded around EngineCoreProc._add."""
+    threads: dict[str, str] = {}
+    add = proc._add
+
+    def recording(req: EngineCoreRequest) -> None:
+        threads[req.request_id] = threading.current_thread().name
+        add(req)
+
+    monkeypatch.setattr(proc, "_add", recording)
+    return threads
+
+
+def test_a_parked_loop_leaves_adds_to_the_input_thread_and_wakes_for_work(
+        served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the busy loop is parked (idle, or over a paused scheduler's requests) with
+    nothing queued, the input thread admits an ADD itself; the loop is woken when the engine
+    can schedule it and not before; nothing is reordered or lost either way."""
+    peer, proc, _trace = served
+    admitted = _admitted_on(proc, monkeypatch)
+    # Idle: admitted (most likely by the input thread) and run at once.
+    for i in range(3):
+        peer.send(RequestType.ADD, request(f"idle{i}", 3))
+        [last] = [o for o in peer.until(_finished(f"idle{i}"))[-1].outputs
+                  if o.request_id == f"idle{i}"]
+        assert last.finish_reason is FinishReason.LENGTH
+    # Paused: admitted, held, and run only after the resume, in order.
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 1, "pause_scheduler", ["keep"]))
+    peer.until(lambda b: b.utility_output is not None)
+    ids = [f"held{i}" for i in range(6)]
+    for rid in ids:
+        peer.send(RequestType.ADD, request(rid, 3))
+        time.sleep(0.02)  # the loop parks between them
+    peer.send(RequestType.ABORT, [ids[-1]])  # right behind its ADD: never lost
+    wait_until(lambda: ids[-1] not in proc.engine.scheduler.requests, BOUND_S)
+    assert len(proc.engine.scheduler.requests) == len(ids) - 1
+    assert not peer.pull.poll(200) or all(
+        o.request_id == ids[-1] for o in peer.recv().outputs), "a paused engine ran a request"
+    peer.send(RequestType.UTILITY, UtilityRequest(0, 2, "resume_scheduler", []))
+    fin: dict[str, FinishReason] = {}
+    deadline = time.monotonic() + BOUND_S
+    while len(fin) < len(ids) - 1:
+        batch = peer.recv(max(0.01, deadline - time.monotonic()))
+        fin.update((o.request_id, o.finish_reason) for o in batch.outputs
+                   if o.finish_reason is not None and o.request_id != ids[-1])
+    assert fin == {rid: FinishReason.LENGTH for rid in ids[:-1]}
+    assert set(admitted) == {f"idle{i}" for i in range(3)} | set(ids)
+    # The loop's lock is free in either wait, so the input thread took (nearly) all.
+    assert sum(name == "EngineCoreInputThread" for name in admitted.values()) >= 5, admitted
+    assert all(t.is_alive() for t in proc._threads)
+
+
+def test_an_engine_that_dies_admitting_on_the_input_thread_dies_by_its_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fatal error while the input thread admits for the parked loop is the loop's to
+    raise (the engine then dies as it would have in the loop); the input thread lives."""
+    peer = Peer(tmp_path)
+    proc = EngineCoreProc(CONFIG, input_address=peer.input_address,
+                          output_address=peer.output_address)
+    try:
+        peer.router.recv_multipart()  # the ready
+        raised: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                proc.run_busy_loop()
+            except BaseException as e:
+                raised.append(e)
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        admitted = _admitted_on(proc, monkeypatch)
+
+        def dying(req: EngineCoreRequest) -> None:
+            proc.engine.lifecycle.fire(EngineEvent.FATAL_ERROR)
+            raise RuntimeError("simulated death while admitting")
+
+        monkeypatch.setattr(proc.engine, "add_request", dying)
+        peer.send(RequestType.ADD, request("fatal", 3))
+        thread.join(BOUND_S)
+        assert not thread.is_alive()
+        assert [str(e) for e in raised] == ["simulated death while admitting"]
+        assert admitted == {"fatal": "EngineCoreInputThread"}
+        assert all(t.is_alive() for t in proc._threads if t.name == "EngineCoreInputThread")
+    finally:
+        proc.close()
+        peer.close()
