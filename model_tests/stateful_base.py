@@ -951,6 +951,7 @@ class CampaignMachine(RuleBasedStateMachine):
             self._read_after_delivered_death(end, refusal)
             return
         with_outputs = 0
+        silent_since: float | None = None
         for _ in range(1000):  # the batches queued before the death, then the error
             try:
                 batch = self._poll(0.05)
@@ -963,6 +964,16 @@ class CampaignMachine(RuleBasedStateMachine):
             if not as_dead:
                 raise OracleViolation("get_output on a closed client: returned a batch")
             with_outputs += bool(batch.outputs)
+            # Queued batches come at once; reads that find nothing for longer than a death
+            # may take to be seen are a read that blocks where the error is owed.
+            now = time.monotonic()
+            if batch.outputs or silent_since is None:
+                silent_since = None if batch.outputs else now
+            elif now - silent_since > RULE_DEATH_BOUND_S + 3:
+                raise OracleViolation(
+                    f"get_output on a {end} client: no outputs and no error for"
+                    f" {now - silent_since:.1f} s ({with_outputs} batches with outputs"
+                    f" before); expected {_names(refusal)}: the read blocks")
         raise OracleViolation(f"get_output on a {end} client: still returning batches"
                               f" after 1000 reads ({with_outputs} with outputs), none"
                               f" raised {_names(refusal)}")

@@ -16,10 +16,11 @@ enginewire's, ``VLLM_CONTRACT`` names the difference, and the factories carry it
 ``contract``. The names of ``Declared`` (_conformance_driver.py) are followed by the
 harness itself (the fault matrix leaves out an option vLLM lacks and reports the cells only
 it could judge as not applicable; the interposer reads vLLM's frames; the release check
-excuses the zmq context vLLM leaves open); the others by the adapter, playing the layer
-vLLM puts above its client (``InputProcessor``, ``AsyncLLM.errored``). Anything not
-declared is passed through as vLLM does it, so the campaign and the fault matrix judge
-vLLM's behaviour by enginewire's spec.
+excuses the zmq context vLLM leaves open; the campaign machines judge a shut-down client as a
+dead one, send no live id, and owe no second death); the others say where the adapter gives
+vLLM's call a bound it lacks, or what passes through. Anything not declared is passed
+through as vLLM does it, so the campaign and the fault matrix judge vLLM's behaviour by
+enginewire's spec.
 
 Options (the ``ClientFactory`` contract and the matrix's): ``config``, ``engine_fault``,
 ``engine_startup_delay_s``, ``engine_heartbeat_interval_s``, ``ready_timeout_s`` (vLLM's
@@ -63,15 +64,12 @@ from ..protocol.messages import (
 )
 from ..spec.client import ClientState
 from ..spec.errors import (
-    ClientClosedError,
     EngineDeadError,
     EngineStartupError,
     ProtocolError,
-    SpecViolation,
     UtilityError,
     UtilityTimeoutError,
 )
-from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
 from ._conformance_driver import ClientUnderTest, Declared, NotApplicable, _LoopThread
 from .bounds import RULE_DEATH_BOUND_S
 
@@ -281,7 +279,6 @@ class VllmClientAdapter:
         self._loop = loop
         self._closed = False
         self._asleep = False
-        self._dead_delivered = False
         self._dead_seen_at: float | None = None
         self._closed_at: float | None = None
         self._live: set[str] = set()
@@ -392,10 +389,8 @@ class VllmClientAdapter:
         from vllm.v1.engine.exceptions import EngineDeadError as VDead
 
         if isinstance(e, VDead):
-            if self._closed:  # VLLM_CONTRACT["closed_is_dead"]
-                out: BaseException = ClientClosedError("the client was shut down")
-            else:
-                out = EngineDeadError()
+            # Also after shutdown: Declared.CLOSED_IS_DEAD, which the campaign follows.
+            out: BaseException = EngineDeadError()
         elif method is not None and type(e) is Exception:  # a utility's failure_message
             out = UtilityError(method, str(e))
         elif isinstance(e, msgspec.DecodeError | msgspec.ValidationError):
@@ -417,24 +412,10 @@ class VllmClientAdapter:
         since = self._closed_at if self._closed_at is not None else self._dead_seen_at
         return now - since > ABANDON_S
 
-    def _refuse_if_ended(self) -> None:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
-        if self._dead_delivered:  # VLLM_CONTRACT["dead_delivered_once"]
-            raise EngineDeadError()
-
     # -- requests ---------------------------------------------------------------------------
 
-    def _check_add(self, req: EngineCoreRequest) -> Any:
-        if req.request_id in self._live and not self._closed and \
-                not self._vc.resources.engine_dead:  # VLLM_CONTRACT["duplicate_ids"]
-            # As our client's refusal reads: SEND is not allowed on a live request.
-            raise SpecViolation(CLIENT_REQUEST.name, ClientRequestState.SENT.name,
-                                ClientRequestEvent.SEND.name, None)
-        return _to_vllm_request(req)
-
     def add_request(self, req: EngineCoreRequest) -> None:
-        v = self._check_add(req)
+        v = _to_vllm_request(req)  # a live id passes: Declared.NO_DUPLICATE_ID_CHECK
         try:
             self._vc.add_request(v)
         except Exception as e:
@@ -442,7 +423,7 @@ class VllmClientAdapter:
         self._live.add(req.request_id)
 
     async def add_request_async(self, req: EngineCoreRequest) -> None:
-        v = self._check_add(req)
+        v = _to_vllm_request(req)  # a live id passes: Declared.NO_DUPLICATE_ID_CHECK
         try:
             await self._vc.add_request_async(v)
         except Exception as e:
@@ -450,16 +431,12 @@ class VllmClientAdapter:
         self._live.add(req.request_id)
 
     def abort_requests(self, ids: list[str]) -> None:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
         try:
             self._vc.abort_requests(list(ids))
         except Exception as e:
             raise self._error(e) from None
 
     async def abort_requests_async(self, ids: list[str]) -> None:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
         try:
             await self._vc.abort_requests_async(list(ids))
         except Exception as e:
@@ -467,10 +444,7 @@ class VllmClientAdapter:
 
     def _took(self, item: Any) -> EngineCoreOutputs:
         if isinstance(item, Exception):
-            err = self._error(self._vc._format_exception(item))
-            if isinstance(err, EngineDeadError):
-                self._dead_delivered = True
-            raise err
+            raise self._error(self._vc._format_exception(item))
         if item.wave_complete is not None:  # SyncMPClient.get_output's own bookkeeping
             self._vc.engines_running = False
         out = _from_vllm_outputs(item)
@@ -480,7 +454,8 @@ class VllmClientAdapter:
         return out
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        self._refuse_if_ended()
+        # After a delivered death or shutdown vLLM's read blocks (Declared.DEAD_DELIVERED_ONCE,
+        # CLOSED_IS_DEAD): a bounded one returns nothing, an unbounded one is abandoned.
         # VLLM_CONTRACT["no_get_output_timeout"]: SyncMPClient.get_output is
         # ``outputs_queue.get()`` and its checks; the same, with a bound.
         q = self._vc.outputs_queue
@@ -499,7 +474,6 @@ class VllmClientAdapter:
             return self._took(item)
 
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
-        self._refuse_if_ended()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
@@ -513,17 +487,12 @@ class VllmClientAdapter:
                                     " client died or was shut down") from None
                 continue
             except Exception as e:
-                err = self._error(e)
-                if isinstance(err, EngineDeadError):
-                    self._dead_delivered = True
-                raise err from None
+                raise self._error(e) from None
             return self._took(item)
 
     # -- utilities --------------------------------------------------------------------------
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
         before = set(self._vc.utility_results)
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
@@ -556,8 +525,6 @@ class VllmClientAdapter:
 
     async def call_utility_async(self, method: str, *args: Any,
                                  timeout: float | None = None) -> Any:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
         before = set(self._vc.utility_results)
         task = asyncio.ensure_future(self._vc.call_utility_async(method, *args))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -588,8 +555,6 @@ class VllmClientAdapter:
         return [self.call_utility(method, *args)]
 
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
         try:
             return list(await self._vc.call_utility_all_async(method, *args))
         except Exception as e:
@@ -645,8 +610,6 @@ class VllmClientAdapter:
         self._asleep = False
 
     async def _typed_async(self, method: str, fn: Any, *args: Any) -> Any:
-        if self._closed:
-            raise ClientClosedError("the client was shut down")
         try:
             return await fn(*args)
         except Exception as e:

@@ -7,12 +7,14 @@ proxy (``_Declaring``), so none of this needs vLLM."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs
+from enginewire.spec.client import ClientState
 from enginewire.spec.errors import ClientClosedError, EngineDeadError
 from enginewire.testing import conformance as cf
 from enginewire.testing._conformance_driver import Declared
@@ -33,7 +35,8 @@ class _Declaring:
     (after shutdown EngineDeadError for ClientClosedError, an abort a no-op),
     ``dead_once`` (get_output raises the death once, then returns nothing, as a bounded
     read of a blocked queue does); ``accepts_add`` breaks the spec even so (an add after
-    shutdown returns), ``ghost`` too (a read after the delivered death returns outputs)."""
+    shutdown returns), ``ghost`` too (a read after the delivered death returns outputs), and
+    ``closed_blocks`` (a read after shutdown blocks, as vLLM's does: no error is ever queued)."""
 
     def __init__(self, inner: Any, plays: frozenset[str]) -> None:
         self._inner = inner
@@ -46,6 +49,10 @@ class _Declaring:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "get_output" and "closed_blocks" in self._plays and \
+                    self._inner.state is ClientState.SHUTDOWN:
+                time.sleep(kwargs.get("timeout") or 0.05)  # vLLM's read after its shutdown
+                return EngineCoreOutputs()
             if name == "get_output" and self._death_delivered and "dead_once" in self._plays:
                 if "ghost" in self._plays:
                     return EngineCoreOutputs(outputs=[EngineCoreOutput("ghost", [3])])
@@ -152,3 +159,15 @@ def test_dead_delivered_once_still_fails_outputs_after_the_death(machine: Any) -
     with pytest.raises(OracleViolation, match=r"returned outputs for \['ghost'\] after its"
                                               " death was delivered"):
         state.crash(how="step_raise", observers=False)
+
+
+def test_closed_is_dead_still_fails_a_read_that_blocks_after_shutdown(machine: Any) -> None:
+    """A shut-down client judged as a dead one owes its reads the error; one whose reads only
+    time out (vLLM's: nothing is queued at shutdown) fails within the death bound's margin,
+    not after a thousand reads."""
+    state = machine(_declares(Declared.CLOSED_IS_DEAD), "closed_is_dead", "closed_blocks")
+    start = time.monotonic()
+    with pytest.raises(OracleViolation, match="get_output on a closed client: no outputs and"
+                                              r" no error for .* the read blocks"):
+        state.shutdown(with_pending=False)
+    assert time.monotonic() - start < 20
