@@ -219,11 +219,20 @@ def collect(quick: bool, only: list[str] | None = None, engines: int = 2
                 if "compute" in sel:
                     comp = make_client(null_config(k_max, 0.005), multiprocess=True, asyncio=False)
                     stack.callback(comp.shutdown)
+                columnar = None
+                if "delivery" in sel:
+                    # The opt-in columnar view (issue 31): the same engine and rounds, read by
+                    # columns; no bar (the floor's caller walks one struct per token).
+                    columnar = make_client(null_config(k_max), multiprocess=True, asyncio=False,
+                                           columnar_outputs=True)
+                    stack.callback(columnar.shutdown)
                 freeze_heap()  # after start-up, as vLLM does; the peers freeze their own
                 if "echo" in sel:
                     rows += bench_echo(sync, floor, *p["echo"])
                 if "delivery" in sel:
                     rows += bench_delivery(sync, floor["pipeline"], ks, p["reps"])
+                    rows += bench_delivery(columnar, floor["pipeline"], ks, p["reps"],
+                                           label="sync_columnar")
                 if "echo" in sel or ("delivery" in sel and p["async_ks"]):
                     rows += bench_async(
                         null_config(k_max),

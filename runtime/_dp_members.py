@@ -75,7 +75,8 @@ class SyncMember(_MemberMixin, SyncMPClient):
 
     def take(self) -> EngineCoreOutputs | None:
         out = self.get_output(0)
-        return out if out.outputs or out.scheduler_stats or out.finished_requests else None
+        return out if (out.outputs or out.stream_ids or out.scheduler_stats
+                       or out.finished_requests) else None
 
 
 class AsyncMember(_MemberMixin, AsyncMPClient):

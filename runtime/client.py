@@ -107,6 +107,11 @@ _finish_reason = operator.attrgetter("finish_reason")
 class EngineCoreClient(abc.ABC):
     """What every client shares: lifecycles, error mapping, utility wrappers."""
 
+    # ``columnar_outputs``: batches reach the caller as they came, token-only outputs still
+    # in the ``stream_ids``/``stream_tokens`` columns (no struct and list per token); off,
+    # every batch is ``expanded()`` first and ``outputs`` is all a caller reads.
+    _columnar: bool = False
+
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None) -> None:
         if not isinstance(config, EngineConfig):
             # Refused here, not as an AttributeError in a spawned engine that then fails its
@@ -347,7 +352,7 @@ class EngineCoreClient(abc.ABC):
             stream_ids=[r for i, r in enumerate(sids) if i not in skip_s],
             stream_tokens=[t for i, t in enumerate(outputs.stream_tokens) if i not in skip_s])
         if rest.outputs or rest.stream_ids or rest.finished_requests or rest.scheduler_stats:
-            self._redeliver.append(rest.expanded())
+            self._redeliver.append(rest if self._columnar else rest.expanded())
         # In the order the caller would have read them (``expanded``: columns first).
         rids = [sids[i] for i, _ in bad_sids] + [outs[i].request_id for i, _ in bad_outs]
         first = (bad_sids or bad_outs)[0][1]
@@ -429,12 +434,18 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     multiprocess = False
 
-    def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None) -> None:
+    def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
+                 columnar_outputs: bool = False) -> None:
+        if not isinstance(columnar_outputs, bool):
+            raise ValueError(f"columnar_outputs={columnar_outputs!r}: must be True or False")
         super().__init__(config, trace=trace)
         from .engine import EngineCore
 
+        self._columnar = columnar_outputs
         try:
-            self.engine = EngineCore(config, inproc=True, trace=trace)
+            # Columnar: the engine emits token-only outputs as columns, as a process does.
+            self.engine = EngineCore(config, inproc=True, trace=trace,
+                                     stream_outputs=columnar_outputs)
         except Exception as e:
             self._mark_closed()
             raise EngineStartupError(f"engine core initialization failed: {e}") from e
@@ -567,7 +578,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 raise _TimedOut(UtilityTimeoutError(method, timeout))
             if engine.has_unfinished_requests() or engine.has_pending_outputs():
                 outputs = self._step()
-                if outputs.outputs or outputs.finished_requests:
+                if outputs.outputs or outputs.stream_ids or outputs.finished_requests:
                     self._buffered.append(outputs)
             else:
                 concurrent.futures.wait([fut], timeout=_IDLE_POLL_S if left is None

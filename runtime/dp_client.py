@@ -192,6 +192,12 @@ class _DPClient(EngineCoreClient):
         else:
             self._faults = dict.fromkeys(range(self.data_parallel_size), faults)
         self._options = kw
+        # Read here too (members pass batches through as they come): checked here, so a
+        # wrong value is the ValueError a single client raises, not an engine's start-up.
+        columnar = kw.get("columnar_outputs", False)
+        if not isinstance(columnar, bool):
+            raise ValueError(f"columnar_outputs={columnar!r}: must be True or False")
+        self._columnar = columnar
         self._abandon = threading.Event()
         self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
         self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to

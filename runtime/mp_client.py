@@ -230,6 +230,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         override it); all checked before anything is created."""
         opts = ClientOptions.of(options, kwargs)
         self.options = opts
+        self._columnar = opts.columnar_outputs
         ready_timeout = opts.ready_timeout
         self._ready_timeout = ready_timeout
         engine_index, client_index = opts.engine_index, opts.client_index
@@ -785,7 +786,7 @@ class MPClient(_AttachSide, EngineCoreClient):
             if item is _CLOSED or self.is_closed:
                 raise ClientClosedError(self._closed_message)
             raise self._dead_error()
-        out: EngineCoreOutputs = item.expanded()
+        out: EngineCoreOutputs = item if self._columnar else item.expanded()
         return out
 
     def _new_call(self) -> Any:

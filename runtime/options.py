@@ -53,6 +53,9 @@ class ClientOptions:
     engine_connect: tuple[str, str] | None = None
     # seq/ack/CRC trailer on every message; a launched engine is told (runtime/integrity.py)
     frame_integrity: bool = False
+    # get_output returns batches with token-only outputs left in their columns
+    # (EngineCoreOutputs.stream_ids/stream_tokens) instead of one struct per token.
+    columnar_outputs: bool = False
     shutdown_timeout_s: float | None = None
     transport: str = "ipc"
     curve: CurveConfig | None = None
@@ -80,7 +83,7 @@ class ClientOptions:
         # Parsed here, not first in the spawned engine: a typo is a ValueError from the
         # constructor instead of an engine that dies while starting.
         put("engine_fault", as_plan(self.engine_fault))
-        for name in ("launch_engine", "frame_integrity", "allow_insecure_tcp"):
+        for name in ("launch_engine", "frame_integrity", "allow_insecure_tcp", "columnar_outputs"):
             # A str for a bool used to read as True.
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")

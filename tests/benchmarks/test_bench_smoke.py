@@ -176,3 +176,27 @@ def test_dp_rows() -> None:
     assert rows[0]["key"] == "dp_scaling_2" and rows[0]["speedup"] > 0
     with pytest.raises(ValueError, match="at least 2"):
         bench_dp(1)
+
+
+def test_columnar_ab_rows() -> None:
+    from enginewire.benchmarks import columnar
+
+    rows = columnar.ab_rounds((8,), reps=2, contended=None)
+    assert [r["k"] for r in rows] == [8]
+    r = rows[0]
+    assert r["per_output"] > 0 and r["columnar"] > 0 and r["reps"] == 2
+    lo, hi = r["ratio_range"]
+    assert 0 < lo <= r["ratio"] <= hi and math.isfinite(hi)
+
+
+def test_delivery_reads_a_columnar_client_by_its_columns(rig: dict[str, Any]) -> None:
+    """A columnar client's round counts its column tokens too (walking only ``outputs``
+    would count the finishing tokens alone)."""
+    client = make_client(_CONFIG, multiprocess=True, asyncio=False, columnar_outputs=True)
+    try:
+        k = 8
+        r = ipc.ours_round(client, k, ipc._prompts(k, k), "col")
+        assert r["steps"] == ipc.MAX_TOKENS - 1
+        assert r["tok_s"] * r["window_s"] == pytest.approx(k * (ipc.MAX_TOKENS - 1))
+    finally:
+        client.shutdown()
