@@ -289,35 +289,19 @@ class _Round:
         self.done = 0
         self.steps = 0
 
-    def take(self, outputs: list[Any], stamp: float) -> None:
-        """One batch at the caller; ``stamp`` is the engine's ``time.monotonic()`` on it."""
+    def take(self, outputs: list[Any], stamp: float, columns: int = 0) -> None:
+        """One batch at the caller; ``stamp`` is the engine's ``time.monotonic()`` on it.
+        ``columns``: its tokens still in the stream columns (a ``columnar_outputs`` client's
+        batch), counted as they are; the outputs are walked."""
         # The same per-request walk on both sides, as any real caller does per batch.
-        if not outputs:
+        if not (outputs or columns):
             return
         now = time.monotonic()
         if not self.steps:
             self.first = stamp
         else:
-            n = 0
+            n = columns
             for o in outputs:
-                n += len(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.done += 1
-            self.tokens += n
-        self.steps += 1
-        self.last = now
-
-    def take_columnar(self, batch: Any) -> None:
-        """A batch of a ``columnar_outputs`` client: its token-only outputs counted from the
-        columns (one token per id), the rest walked as ``take`` walks every output."""
-        if not (batch.stream_ids or batch.outputs):
-            return
-        now = time.monotonic()
-        if not self.steps:
-            self.first = batch.timestamp
-        else:
-            n = len(batch.stream_tokens)
-            for o in batch.outputs:
                 n += len(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.done += 1
@@ -359,20 +343,16 @@ def ours_round(client: Any, k: int, prompts: list[list[int]], tag: str) -> dict[
     """Gate with pause(keep)/resume so all K are live before the first step (perf-floor
     §3.1's GO). ``call_utility`` directly: the wrappers' extra ``is_sleeping`` round trip
     would land inside the window. A client built with ``columnar_outputs`` is read by its
-    columns (``_Round.take_columnar``)."""
+    columns (``_Round.take``'s ``columns``)."""
     client.call_utility("pause_scheduler", "keep", timeout=_TIMEOUT_S)
     for req in _our_requests(k, prompts, tag):
         client.add_request(req)
     client.call_utility("resume_scheduler", timeout=_TIMEOUT_S)
     r = _Round()
     deadline = time.monotonic() + _TIMEOUT_S
-    columnar = getattr(getattr(client, "options", None), "columnar_outputs", False)
     while r.done < k:
         batch = client.get_output(timeout=1.0)
-        if columnar:
-            r.take_columnar(batch)
-        else:
-            r.take(batch.outputs, batch.timestamp)
+        r.take(batch.outputs, batch.timestamp, len(batch.stream_tokens))
         if time.monotonic() > deadline:
             raise TimeoutError(f"delivery round {tag}: {r.done}/{k} finished")
     return r.result()
