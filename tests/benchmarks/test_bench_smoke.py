@@ -35,7 +35,10 @@ def _check(rows: list[dict[str, Any]], section: str, n: int) -> None:
             # median: then ours, and the ratio, are a legitimate 0 (seen once in a full run).
             ok_zero = row["unit"] == "%" and row["ours"] == 0
             assert math.isfinite(row["ratio"]) and (row["ratio"] > 0 or ok_zero), row
-            assert row["floor"] is not None and row["floor"] > 0, row
+            # The floor's share is clipped alike (seen under load: the sleep measured at a
+            # busy moment, the floor's steps then shorter).
+            floor_zero = row["unit"] == "%" and row["floor"] == 0
+            assert row["floor"] is not None and (row["floor"] > 0 or floor_zero), row
 
 
 @pytest.fixture(scope="module")
