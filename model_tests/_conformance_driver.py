@@ -145,7 +145,7 @@ class ClientUnderTest:
         call = getattr(self.client, name)
         if name == "get_output":
             def call(*a: Any, _read: Any = call, **k: Any) -> Any:
-                return _read(*a, **k).expanded()
+                return _expanded_batch(_read(*a, **k))
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="conformance")
         fut = pool.submit(call, *args, **kw)
         pool.shutdown(wait=False)
@@ -159,10 +159,9 @@ class ClientUnderTest:
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         bound = None if timeout is None else timeout + WAIT_S
-        out: EngineCoreOutputs = self._call("get_output", _wait=bound, timeout=timeout)
-        # A client built with columnar_outputs leaves token-only outputs in the columns; the
-        # harness judges outputs, so it reads every batch expanded (itself when it has none).
-        return out.expanded()
+        out: EngineCoreOutputs = _expanded_batch(
+            self._call("get_output", _wait=bound, timeout=timeout))
+        return out
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         return self._call("call_utility", method, *args, timeout=timeout)
@@ -193,10 +192,17 @@ class ClientUnderTest:
         self.shutdown()
 
 
-async def _expanded(read: Any) -> EngineCoreOutputs:
-    """An async client's read, its batch expanded (see ``ClientUnderTest.get_output``)."""
-    out: EngineCoreOutputs = await read
-    return out.expanded()
+def _expanded_batch(out: Any) -> Any:
+    """A client built with columnar_outputs leaves token-only outputs in the columns; the
+    harness judges ``outputs``, so it reads every batch expanded (itself when it has no
+    columns; a batch of a duck-typed client's own type as it is)."""
+    expand = getattr(out, "expanded", None)
+    return out if expand is None else expand()
+
+
+async def _expanded(read: Any) -> Any:
+    """An async client's read, its batch expanded (see ``_expanded_batch``)."""
+    return _expanded_batch(await read)
 
 
 class Injector(Protocol):
