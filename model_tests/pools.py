@@ -18,9 +18,9 @@ from . import conformance as cf
 from ._conformance_driver import Declared, declared_contract, left_behind_as_declared
 from ._harness import describe_leaks, exited, wait_until
 from .bounds import WAIT_S, check_shutdown_took
+from .campaign_stats import CampaignStats
 from .conformance_breaking import _ORPHAN_SCRIPT
 from .oracle import OracleViolation, ResourceSnapshot, check_released
-from .stateful_base import CampaignStats
 
 ClientFactory = Callable[..., cf.ClientUnderTest]
 

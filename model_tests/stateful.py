@@ -9,8 +9,10 @@ reproducers and docs that import from here keep working:
   engine, with its theory of operation;
 - ``stateful_standalone.py``: ``StandaloneEngine``, ``AttachPool`` and
   ``StandaloneEngineStateMachine``, front ends attached one after another to one engine;
-- ``stateful_base.py``: ``CampaignStats`` and ``CampaignMachine``, what every campaign
-  machine shares (``stateful_dp.py``'s data-parallel one too);
+- ``stateful_base.py``: ``CampaignMachine``, what every campaign machine shares
+  (``stateful_dp.py``'s data-parallel one too), and ``_after_end.py``, how it judges a
+  client after its end;
+- ``campaign_stats.py``: ``CampaignStats``, the counters a campaign's machines share;
 - ``pools.py``: ``builtin_factory``, the warm-up, ``ClientPool`` and ``close_and_check``;
 - ``bounds.py``: the time bounds and request sizes, and ``RuleLimits``.
 """
@@ -33,6 +35,7 @@ from .bounds import (
     WAIT_S,
     RuleLimits,
 )
+from .campaign_stats import CampaignStats
 from .pools import _WARMED as _WARMED  # re-exported: tests/model_tests/test_process_warm_up.py
 from .pools import (
     ClientFactory,
@@ -42,7 +45,6 @@ from .pools import (
     warm_up_engine,
     warm_up_process,
 )
-from .stateful_base import CampaignStats
 from .stateful_client import EngineClientStateMachine
 from .stateful_standalone import (
     ATTACH_KINDS,

@@ -1,6 +1,7 @@
-"""What every campaign machine shares: ``CampaignStats``, the counters of a campaign, and
-``CampaignMachine``, the base of ``EngineClientStateMachine`` (one engine) and
-``DataParallelStateMachine`` (N engines).
+"""What every campaign machine shares: ``CampaignStats`` (campaign_stats.py),
+the counters of a campaign, and ``CampaignMachine``, the base of ``EngineClientStateMachine``
+(one engine) and ``DataParallelStateMachine`` (N engines); how it judges a client after its
+end is ``_after_end.py``.
 
 ``CampaignMachine`` holds the plumbing (a rule counted, timed and written to the example's
 program; ids, prompts and requests; reads judged by the oracle; drains), the rules both
@@ -20,9 +21,7 @@ import concurrent.futures
 import contextlib
 import time
 import types
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
 import msgspec
@@ -35,17 +34,18 @@ from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReas
 from ..runtime.engine import WAKE_TAGS
 from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation, UtilityError
 from . import conformance as cf
+from ._after_end import check_calls_refused
+from ._after_end import names as _names
 from ._conformance_driver import Declared
 from .bounds import (
     MAX_LIVE,
-    READ_AFTER_DEATH_S,
     RULE_DEATH_BOUND_S,
     WAIT_MODE_TOKENS,
     WAIT_S,
     RuleLimits,
 )
+from .campaign_stats import CampaignStats
 from .oracle import (
-    Coverage,
     Oracle,
     OracleViolation,
     Phase,
@@ -58,81 +58,11 @@ if TYPE_CHECKING:
     from .reference import DifferentialOracle
 
 
-def _names(kinds: tuple[type[BaseException], ...]) -> str:
-    """``kinds`` as a message says them: ``ClientClosedError or EngineDeadError``."""
-    return " or ".join(k.__name__ for k in kinds)
-
-
 def _note(text: str) -> None:
     """``hypothesis.note`` inside a test; nothing when a reproducer runs as a plain program
     (where ``note`` raises)."""
     with contextlib.suppress(InvalidArgument):
         note(text)
-
-
-@dataclass
-class CampaignStats:
-    """Counters shared by every machine of a campaign (one process, one thread)."""
-
-    steps: int = 0
-    examples: int = 0
-    engines_started: int = 0
-    faults: Counter[str] = field(default_factory=Counter)
-    rules: Counter[str] = field(default_factory=Counter)
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # rule -> s
-    coverage: Coverage = field(default_factory=Coverage)
-    max_in_flight: int = 0
-    on_step: Callable[[], None] | None = None
-    started: float = field(default_factory=time.monotonic)
-    # (examples run, seconds since start) when the first failure was seen.
-    first_failure: tuple[int, float] | None = None
-    # The last few errors a rule or teardown raised, as "rule: Type: message". Hypothesis may
-    # report a flaky replay (FlakyStrategyDefinition) instead of the error that ended it; the
-    # campaign report shows these so the real failure is not lost.
-    errors: list[str] = field(default_factory=list)
-    # The program of the last example that failed, one ``state.rule(...)`` line per step: the
-    # reproducer when Hypothesis reports a flaky replay instead of printing a shrunk one.
-    failed_program: list[str] = field(default_factory=list)
-    # The first error of this round, as (where, "Type: message"), and its example's program:
-    # the campaign's headline when Hypothesis reports its replay of that example as flaky
-    # (the replay failed otherwise, or not at all). ``begin_round`` clears them.
-    first_error: tuple[str, str] | None = None
-    first_program: list[str] = field(default_factory=list)
-    # How the engine config narrowed the rules (RuleLimits.notes), once per distinct note.
-    limits_notes: list[str] = field(default_factory=list)
-    # Finished greedy requests the differential oracle compared with their lone run, and of
-    # those, how many it judged only up to a near-tie (reference.py, Rule 2).
-    reference_compared: int = 0
-    reference_ties: int = 0
-    # The engines' own traces (drain_trace, judged by Oracle.judge_engine_traces): drains
-    # judged, records they dropped past their bound, and whether the engines refuse to
-    # drain (they record no trace: the cross-checks are off for this client kind).
-    engine_drains: int = 0
-    engine_records_dropped: int = 0
-    engine_untraced: bool = False
-
-    def record_failure(self, where: str = "", error: BaseException | None = None,
-                       program: list[str] | None = None) -> None:
-        if self.first_failure is None:
-            self.first_failure = (self.examples, time.monotonic() - self.started)
-        if error is not None:
-            self.errors = [*self.errors[-4:], f"{where}: {type(error).__name__}: {error}"]
-            if self.first_error is None:
-                self.first_error = (where, f"{type(error).__name__}: {error}")
-                self.first_program = list(program or [])
-        if program is not None:
-            self.failed_program = list(program)
-
-    def begin_round(self) -> None:
-        """A new Hypothesis run (a round) starts: its first error is yet to come."""
-        self.first_error = None
-        self.first_program = []
-
-    def step(self, name: str) -> None:
-        self.steps += 1
-        self.rules[name] += 1
-        if self.on_step is not None:
-            self.on_step()
 
 
 _JSONISH = st.recursive(
@@ -921,81 +851,8 @@ class CampaignMachine(RuleBasedStateMachine):
             self._check_calls_refused()
 
     def _check_calls_refused(self) -> None:
-        """``call_after_end``'s checks (also run by every rule that ended the client). A
-        client whose factory declares CLOSED_IS_DEAD has its aborts and reads after shutdown
-        judged as a dead one's; one that declares DEAD_DELIVERED_ONCE owes no second
-        EngineDeadError once a read had one (``_read_after_delivered_death``)."""
-        closed = self.oracle.phase is Phase.CLOSED
-        as_dead = not closed or self._closed_as_dead()
-        refusal = self._refusal()
-        end = "closed" if closed else "dead"
-        calls: dict[str, Callable[[], Any]] = {
-            "add": lambda: self.cut.add_request(EngineCoreRequest(
-                self._fresh_id(), [3, 4], SamplingParams(max_tokens=2))),
-            "pause": lambda: self.cut._call("pause_scheduler", "abort"),
-            "resume": lambda: self.cut._call("resume_scheduler"),
-            "is_sleeping": lambda: self.cut.is_sleeping(),
-            "call_utility_all": lambda: self.cut._call("call_utility_all", "echo", 1),
-        }
-        for name, call in calls.items():
-            self._expect_raises(refusal, call, f"{name} on a {end} client")
-        if not as_dead:
-            self._expect_raises(refusal, lambda: self.cut.abort_requests(["x"]),
-                                "abort on a closed client")
-        elif closed:  # CLOSED_IS_DEAD: the no-op it is on a dead engine, or refused
-            with contextlib.suppress(*refusal):
-                self.cut.abort_requests(["x"])
-        else:
-            self.cut.abort_requests([*self.oracle.live_ids(), "x"])  # silent
-        if self.oracle.death_delivered and Declared.DEAD_DELIVERED_ONCE in self.contract:
-            self._read_after_delivered_death(end, refusal)
-            return
-        with_outputs = 0
-        silent_since: float | None = None
-        for _ in range(1000):  # the batches queued before the death, then the error
-            try:
-                batch = self._poll(0.05)
-            except refusal:
-                return
-            except BaseException as e:
-                raise OracleViolation(f"get_output on a {end} client: raised"
-                                      f" {type(e).__name__}: {e}; expected"
-                                      f" {_names(refusal)}") from e
-            if not as_dead:
-                raise OracleViolation("get_output on a closed client: returned a batch")
-            with_outputs += bool(batch.outputs)
-            # Queued batches come at once; reads that find nothing for longer than a death
-            # may take to be seen are a read that blocks where the error is owed.
-            now = time.monotonic()
-            if batch.outputs or silent_since is None:
-                silent_since = None if batch.outputs else now
-            elif now - silent_since > RULE_DEATH_BOUND_S + 3:
-                raise OracleViolation(
-                    f"get_output on a {end} client: no outputs and no error for"
-                    f" {now - silent_since:.1f} s ({with_outputs} batches with outputs"
-                    f" before); expected {_names(refusal)}: the read blocks")
-        raise OracleViolation(f"get_output on a {end} client: still returning batches"
-                              f" after 1000 reads ({with_outputs} with outputs), none"
-                              f" raised {_names(refusal)}")
-
-    def _read_after_delivered_death(self, end: str,
-                                    refusal: tuple[type[BaseException], ...]) -> None:
-        """DEAD_DELIVERED_ONCE, and a read already had the EngineDeadError: no second one is
-        owed, and the client's read would block for good. One read bounded by
-        READ_AFTER_DEATH_S returns no outputs (nothing follows a death), or raises again."""
-        try:
-            batch = self.cut.get_output(timeout=READ_AFTER_DEATH_S)
-        except refusal:
-            return
-        except BaseException as e:
-            raise OracleViolation(f"get_output on a {end} client, its death delivered: raised"
-                                  f" {type(e).__name__}: {e}; expected nothing or"
-                                  f" {_names(refusal)}") from e
-        if batch.outputs:
-            raise OracleViolation(
-                f"get_output on a {end} client returned outputs for"
-                f" {sorted({o.request_id for o in batch.outputs})} after its death was"
-                " delivered")
+        """``call_after_end``'s checks, also run by every rule that ended the client."""
+        check_calls_refused(self)
 
     # -- teardown ---------------------------------------------------------------------------
 

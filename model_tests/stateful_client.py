@@ -71,6 +71,7 @@ from .bounds import (
     RuleLimits,
     check_shutdown_took,
 )
+from .campaign_stats import CampaignStats
 from .oracle import (
     Oracle,
     OracleViolation,
@@ -80,7 +81,7 @@ from .oracle import (
     null_tokens,
 )
 from .pools import ClientFactory, ClientPool, _check_orphan_exits, _Live, close_and_check
-from .stateful_base import _ADD_DRAWS, CampaignMachine, CampaignStats, _note
+from .stateful_base import _ADD_DRAWS, CampaignMachine, _note
 
 __all__ = ["EngineClientStateMachine"]
 

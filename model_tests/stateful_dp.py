@@ -59,9 +59,10 @@ from ..spec.membership import MembershipState
 from . import conformance as cf
 from ._harness import wait_until
 from .bounds import MAX_LIVE, RULE_DEATH_BOUND_S, WAIT_S, RuleLimits, check_shutdown_took
+from .campaign_stats import CampaignStats
 from .oracle import DPOracle, OracleViolation, Phase, ResourceSnapshot, check_reaped, check_released
 from .pools import ensure_resource_tracker
-from .stateful_base import _ADD_DRAWS, CampaignMachine, CampaignStats
+from .stateful_base import _ADD_DRAWS, CampaignMachine
 
 __all__ = ["DPClientPool", "DataParallelStateMachine", "dp_factory"]
 

@@ -25,9 +25,10 @@ from ..spec.engine import EngineState
 from ..spec.errors import ClientClosedError, EngineDeadError
 from . import conformance as cf
 from .bounds import LONG_MAX_TOKENS, MAX_LIVE, RULE_DEATH_BOUND_S, SHUTDOWN_BOUND_S, WAIT_S
+from .campaign_stats import CampaignStats
 from .oracle import Oracle, OracleViolation, ResourceSnapshot, check_released
 from .pools import ClientPool, _Live, close_and_check, ensure_resource_tracker
-from .stateful_base import CampaignStats, _note
+from .stateful_base import _note
 from .stateful_client import _MALFORMED, EngineClientStateMachine
 
 __all__ = ["AttachPool", "StandaloneEngine", "StandaloneEngineStateMachine"]

@@ -60,6 +60,14 @@ def check_option_seconds(value: Any, name: str, *, allow_zero: bool = False) -> 
     return seconds
 
 
+def check_option_flag(value: Any, name: str) -> bool:
+    """A client option that is a flag: True or False, nothing that merely reads as one (a
+    str "no" is truthy); ``ValueError`` naming the option otherwise."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be True or False")
+    return value
+
+
 def check_request_ids(request_ids: Any, what: str = "abort_requests") -> list[str]:
     """A list of request ids, each a str; a bare str is refused (iterating it would abort
     one-letter ids), and so is any other element, before anything is sent."""

@@ -68,6 +68,7 @@ from ..spec.utility import UTILITY, UtilityEvent
 from ._utilities import SyncUtilityMethods
 from .args import (
     check_method,
+    check_option_flag,
     check_request_ids,
     check_sleep_args,
     check_timeout,
@@ -436,12 +437,11 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
                  columnar_outputs: bool = False) -> None:
-        if not isinstance(columnar_outputs, bool):
-            raise ValueError(f"columnar_outputs={columnar_outputs!r}: must be True or False")
+        columnar = check_option_flag(columnar_outputs, "columnar_outputs")
         super().__init__(config, trace=trace)
         from .engine import EngineCore
 
-        self._columnar = columnar_outputs
+        self._columnar = columnar
         try:
             # Columnar: the engine emits token-only outputs as columns, as a process does.
             self.engine = EngineCore(config, inproc=True, trace=trace,

@@ -73,7 +73,13 @@ from ..spec.membership import (
 from ..spec.utility import UtilityEvent
 from ._dp_members import AsyncMember, SyncMember
 from ._utilities import AsyncUtilityMethods
-from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
+from .args import (
+    MAX_WAIT_SLICE_S,
+    check_method,
+    check_option_flag,
+    check_request_ids,
+    check_timeout,
+)
 from .async_mp_client import call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
@@ -158,9 +164,7 @@ class _DPClient(EngineCoreClient):
         if options is not None and not isinstance(options, ClientOptions):
             raise TypeError(f"options={options!r}: expected a ClientOptions")
         kw: dict[str, Any] = {**(options.given() if options is not None else {}), **kwargs}
-        if not isinstance(restart_dead_engines, bool):
-            raise ValueError(f"restart_dead_engines={restart_dead_engines!r}: must be True or"
-                             " False")
+        check_option_flag(restart_dead_engines, "restart_dead_engines")
         for name in _ASSIGNED:
             if name in kw:
                 raise ValueError(
@@ -194,10 +198,8 @@ class _DPClient(EngineCoreClient):
         self._options = kw
         # Read here too (members pass batches through as they come): checked here, so a
         # wrong value is the ValueError a single client raises, not an engine's start-up.
-        columnar = kw.get("columnar_outputs", False)
-        if not isinstance(columnar, bool):
-            raise ValueError(f"columnar_outputs={columnar!r}: must be True or False")
-        self._columnar = columnar
+        self._columnar = check_option_flag(kw.get("columnar_outputs", False),
+                                           "columnar_outputs")
         self._abandon = threading.Event()
         self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
         self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to

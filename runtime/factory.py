@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .args import check_option_flag
 from .async_mp_client import AsyncMPClient
 from .client import EngineCoreClient, InprocClient
 from .dp_client import AsyncDPClient, SyncDPClient
@@ -21,8 +22,7 @@ def make_client(
 ) -> EngineCoreClient:
     """The client for a transport: in-process, or a subprocess driven sync or async."""
     for name, flag in (("multiprocess", multiprocess), ("asyncio", asyncio)):
-        if not isinstance(flag, bool):  # "no" would read as True and pick another client
-            raise ValueError(f"{name}={flag!r}: must be True or False")
+        check_option_flag(flag, name)  # "no" would read as True and pick another client
     if asyncio and not multiprocess:
         raise NotImplementedError(
             "asyncio=True needs multiprocess=True: the engine core steps synchronously, so"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.limits import Limits
-from .args import check_option_seconds
+from .args import check_option_flag, check_option_seconds
 from .faults import as_plan
 from .security import CurveConfig
 
@@ -84,9 +84,7 @@ class ClientOptions:
         # constructor instead of an engine that dies while starting.
         put("engine_fault", as_plan(self.engine_fault))
         for name in ("launch_engine", "frame_integrity", "allow_insecure_tcp", "columnar_outputs"):
-            # A str for a bool used to read as True.
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+            check_option_flag(getattr(self, name), name)  # a str for a bool read as True
         for name in ("input_address", "output_address"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
