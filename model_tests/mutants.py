@@ -202,14 +202,14 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            " shared prefix block), so both write their K/V into it", _ALL,
            model="tiny", kind="kv_content", patches=(_in(
                "kv_cache:KVCacheManager.allocate",
-               ("block = free.popitem(last=False)[0]",
-                "shared = next((b for b, r in enumerate(self._ref) if r and b not in ids),"
+               ("new = self._pool.take(need)",
+                "shared = next((b for b in self.blocks_in_use() if b not in req.block_ids),"
                 " None)\n"
                 "if shared is not None:\n"
                 "    self._ref[shared] += 1\n"
-                "    ids.append(shared)\n"
-                "    continue\n"
-                "block = free.popitem(last=False)[0]")),)),
+                "    req.block_ids.append(shared)\n"
+                "    need -= 1\n"
+                "new = self._pool.take(need)")),)),
     # The attach/handover path: only a standalone engine outlives a front end, so only the
     # standalone campaign (front ends taking turns on one engine) can show these.
     Mutant("attach_marker_session_not_checked",

@@ -46,6 +46,15 @@ DIRECT_SEND_MAX_OUTPUTS = 64
 _STOP = object()  # output-queue item: flush and exit
 
 
+class _Retired:
+    """Output-queue item: finished requests for the output thread to drop (not sent)."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.requests = requests
+
+
 def _is_marker(item: Any) -> bool:
     """The attach marker, or a session's end: a session's control message, which fault
     points on the output path leave alone (runtime/integrity.py)."""
@@ -121,11 +130,15 @@ class _OutputSide(_EngineProcState):
                     continue
                 if item is _STOP:
                     return
+                if type(item) is _Retired:
+                    item = None  # their teardown, here, while the next step computes
+                    continue
                 with self._out_lock:
                     self._out_pending -= 1
                     self._send_locked(item)
                 if isinstance(item, bytes):  # the engine-dead sentinel: nothing follows it
                     return
+                item = None  # a sent batch is freed now, not when the next one comes
         except zmq.ContextTerminated:
             return
         except _SendAbandoned:
@@ -249,6 +262,16 @@ class _OutputSide(_EngineProcState):
                               timestamp=EngineCoreOutputs.now()),
             direct=True,
         )
+
+    def _retire(self, ended: list[Any]) -> None:
+        """Have the requests a step finished torn down (a thousand of them take
+        milliseconds) on the output thread behind their batch, while the next step computes,
+        when the batch went to that thread and the step releases the GIL; here otherwise."""
+        if not self._overlap:
+            return
+        with self._out_lock:
+            if self._out_pending:
+                self.output_queue.put(_Retired(ended))
 
     def _emit(self, outputs: EngineCoreOutputs | None) -> bool:
         if outputs is None:

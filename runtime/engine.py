@@ -375,6 +375,8 @@ class EngineCore:
         # what is left from before the step started is stale: kept, it would abort a later
         # request that reuses the id (found by the campaign: a reused id ended ABORT).
         self.mid_step_aborts.clear()
+        if self.scheduler.ended:  # the last step's, not taken (see take_ended)
+            self.scheduler.ended = []
         outs = self._pending
         finished: list[str] | None = None
         stream: tuple[list[str], list[int]] | None = ([], []) if self.stream_outputs else None
@@ -730,6 +732,13 @@ class EngineCore:
         if self.executor is not None:
             self.executor.shutdown()
         self.lifecycle.fire(E.SHUTDOWN)
+
+    def take_ended(self) -> list[Any]:
+        """The requests the last step finished in its batch, which this engine would
+        otherwise tear down inside ``step()`` (before their outputs leave): the caller drops
+        them where that costs least. The next step drops any not taken."""
+        ended, self.scheduler.ended = self.scheduler.ended, []
+        return ended
 
     def take_final_outputs(self) -> EngineCoreOutputs | None:
         """Outputs produced by ``shutdown()`` (ABORTs of live requests), a batch of at most

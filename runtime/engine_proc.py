@@ -275,6 +275,9 @@ class EngineCoreProc(_InputSide, _OutputSide):
                 continue
             outputs = self.engine.step()
             progressed = self._emit(outputs) | self._flush_replies()
+            ended = self.engine.take_ended()
+            if ended:
+                self._retire(ended)
             idle_rounds = 0 if progressed else idle_rounds + 1
 
     def _flush_replies(self) -> bool:

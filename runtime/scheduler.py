@@ -201,14 +201,22 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.reqs)
 
-    def flush_rows(self, rows: list[int]) -> None:
-        """Write rows ``rows`` back to their requests."""
+    def flush_rows(self, rows: list[int], *, history: bool = True) -> None:
+        """Write rows ``rows`` back to their requests. ``history=False`` writes the counters
+        only: for rows that finish now, whose token history nobody reads again (their full
+        blocks were registered as they filled), a burst's end spares 64 x K ints."""
         if not rows:
             return
         ntoks = self.ntok[rows]
+        reqs = self.reqs
+        if not history:
+            for i, ntok in zip(rows, ntoks.tolist(), strict=True):
+                req = reqs[i]
+                req.num_tokens = ntok
+                req.num_computed_tokens = ntok - 1
+            return
         pending = (ntoks - self.base[rows]).tolist()
         hist = self.buf[:max(pending), rows].T.tolist()
-        reqs = self.reqs
         for i, ntok, k, toks in zip(rows, ntoks.tolist(), pending, hist, strict=True):
             req = reqs[i]
             if k:
@@ -377,7 +385,12 @@ class Scheduler:
         if decode_batch:
             import numpy  # noqa: F401  (now, not in the first steady step: ~0.1 s)
         self._batch: DecodeBatch | None = None
-        self._in_batch_update = False
+        # While ``update_decode`` finishes rows: the requests whose blocks it frees together.
+        self._batch_freed: list[Request] | None = None
+        # The requests the last ``update_decode`` finished, kept alive past it: tearing down
+        # a thousand requests' token lists takes milliseconds, and the engine process does
+        # it after their outputs are sent (``take_ended``), not before.
+        self.ended: list[Request] = []
         self.step_batch: DecodeBatch | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -441,7 +454,7 @@ class Scheduler:
                stop_reason: int | str | None = None, error: str | None = None,
                new_token_ids: list[int] | None = None) -> EngineCoreOutput:
         """End ``req`` (firing ``event``), free its blocks, return its finishing output."""
-        if self._batch is not None and not self._in_batch_update:
+        if self._batch is not None and self._batch_freed is None:
             self.release_batch()
         self._decode_ready = None
         req.lifecycle.fire(event)
@@ -455,7 +468,10 @@ class Scheduler:
                 self._num_draining_waiting -= 1
             if len(self._waiting) > 2 * self.num_waiting + _WAITING_SLACK:
                 self._compact_waiting()
-        self.kv.free(req)
+        if self._batch_freed is None:
+            self.kv.free(req)
+        else:  # freed with the rest of its batch (KVCacheManager.free_many)
+            self._batch_freed.append(req)
         del self.requests[req.request_id]
         return EngineCoreOutput(req.request_id, new_token_ids or [], reason, stop_reason,
                                 req.num_cached_tokens, error)
@@ -770,8 +786,8 @@ class Scheduler:
                 toks_list = toks.tolist()
             finset = set(fin_rows)
             special = sorted(finset.union(batch.cached_rows))
-            batch.flush_rows(fin_rows)
-            self._in_batch_update = True
+            batch.flush_rows(fin_rows, history=False)
+            freed = self._batch_freed = []
             try:
                 for i in special:
                     req, tok = reqs[i], toks_list[i]
@@ -784,7 +800,9 @@ class Scheduler:
                         outs.append(EngineCoreOutput(req.request_id, [tok], None, None,
                                                      req.num_cached_tokens))
             finally:
-                self._in_batch_update = False
+                self._batch_freed = None
+                self.kv.free_many(freed)
+                self.ended = freed
         if fin_rows:
             keep = ~fin
             smask = keep if batch.stream_mask is None else keep & batch.stream_mask

@@ -669,3 +669,30 @@ def test_abort_of_a_bare_string_is_that_one_id() -> None:
     assert {rid: o.finish_reason for rid, o in fin.items()} == {
         "a": FinishReason.ABORT, "b": FinishReason.ABORT}
     eng.shutdown()
+
+
+def test_a_decode_batch_finishing_together_frees_its_blocks_and_hands_over_its_requests(
+) -> None:
+    """The requests a steady-decode step finishes are freed in one KV call and kept (not
+    torn down inside the step) until the caller takes them, or the next step drops them;
+    a finished request's counters are written back, as ``_finish_on`` reads them."""
+    config = EngineConfig(model="null", max_num_seqs=32, max_num_batched_tokens=4096)
+    e = EngineCore(config, inproc=True, stream_outputs=True)
+    total = e.kv.num_free_blocks
+    for rnd in range(2):
+        for i in range(32):
+            e.add_request(EngineCoreRequest(f"{rnd}-{i}", [3 + i, 4, 5, 6, 7],
+                                            SamplingParams(max_tokens=20, ignore_eos=True)))
+        ended: list[object] = []
+        while e.has_unfinished_requests():
+            out = e.step()
+            if out.finished_requests:
+                assert len(out.finished_requests) == 32  # one batch, one step
+                ended = e.take_ended() if rnd == 0 else list(e.scheduler.ended)
+        assert {r.request_id for r in ended} == {f"{rnd}-{i}" for i in range(32)}
+        assert all(r.block_ids == [] and r.num_tokens == 25 for r in ended)
+        assert e.kv.num_free_blocks == total and e.kv.audit()["total_refs"] == 0
+        assert len(e.scheduler.ended) == (0 if rnd == 0 else 32)  # taken, or still held
+    e.add_request(EngineCoreRequest("next", [3], SamplingParams(max_tokens=2)))
+    e.step()
+    assert e.scheduler.ended == []  # the step dropped what nobody took

@@ -40,6 +40,7 @@ from enginewire.protocol.messages import (
     UtilityRequest,
 )
 from enginewire.runtime import IpcDir, cleanup_stale_dirs, make_client
+from enginewire.runtime._engine_output import _Retired
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine_proc import (
     EngineCoreProc,
@@ -384,6 +385,61 @@ def test_big_batches_use_the_output_thread_only_when_a_step_leaves_it_time(
             assert any(n > 64 for n in queued), queued
         else:
             assert queued == [], "batches went through the output thread"
+    finally:
+        proc.input_queue.put((_Control.SHUTDOWN, None))
+        loop.join(BOUND_S)
+        proc.close()
+        peer.close()
+
+
+@pytest.mark.parametrize(("delay_s", "via_thread"), [(0.0, False), (0.002, True)])
+def test_finished_requests_are_torn_down_behind_their_batch(
+        tmp_path: Path, delay_s: float, via_thread: bool) -> None:
+    """A batch that finishes many requests leaves their teardown (milliseconds for a
+    thousand) to the output thread, queued behind the batch that carries their finishes, so
+    their outputs are sent first; the thread drops them without sending anything. Without a
+    step that releases the GIL there is nothing to overlap and nothing is queued."""
+    config = EngineConfig(model="null", max_num_seqs=256, max_num_batched_tokens=8192,
+                          null_step_delay_s=delay_s)
+    peer = Peer(tmp_path)
+    proc = EngineCoreProc(config, input_address=peer.input_address,
+                          output_address=peer.output_address)
+    peer.router.recv_multipart()
+    items: list[Any] = []
+    put = proc.output_queue.put
+
+    def spy(item: Any, *args: Any, **kwargs: Any) -> None:
+        items.append(item)
+        put(item, *args, **kwargs)
+
+    proc.output_queue.put = spy  # type: ignore[method-assign]
+    loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
+    loop.start()
+    try:
+        # Held until all are in, so they decode as one batch and finish in one step.
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 1, "pause_scheduler", ["keep"]))
+        for i in range(200):
+            peer.send(RequestType.ADD, request(f"r{i}", 8))
+        wait_until(lambda: proc.engine.num_live_requests() == 200, BOUND_S)
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 2, "resume_scheduler", []))
+        finished: list[str] = []
+        deadline = time.monotonic() + BOUND_S
+        while len(finished) < 200 and time.monotonic() < deadline:
+            finished.extend(o.request_id for o in peer.recv().outputs if o.finished)
+        assert sorted(finished) == sorted(f"r{i}" for i in range(200))
+        retired = [(n, item) for n, item in enumerate(items) if type(item) is _Retired]
+        if not via_thread:
+            assert retired == []
+            return
+        assert retired, "no teardown reached the output thread"
+        for n, item in retired:  # behind the batch that finished them
+            ahead = items[n - 1]
+            assert isinstance(ahead, EngineCoreOutputs)
+            assert {r.request_id for r in item.requests} <= set(ahead.finished_requests or ())
+        # The thread took them off its queue (sending nothing: the peer saw only batches),
+        # and the engine keeps none of them.
+        wait_until(lambda: proc.output_queue.qsize() == 0, BOUND_S, "the queue drained")
+        assert proc.engine.scheduler.ended == [] and proc.engine.num_live_requests() == 0
     finally:
         proc.input_queue.put((_Control.SHUTDOWN, None))
         loop.join(BOUND_S)

@@ -97,3 +97,73 @@ def test_check_fits_names_the_numbers() -> None:
     check_fits(4, 16, 64, 100, 400, "budget")
     with pytest.raises(ValueError, match=r"max_model_len=65 needs 5 blocks.*gives 4 blocks"):
         check_fits(4, 16, 65, 100, 400, "budget")
+
+
+def _order(kv: KVCacheManager) -> list[int]:
+    """The pool's hand-out order: every free block taken, then given back as it was."""
+    return list(kv._pool)
+
+
+def _sequential_twin(caching: bool, build: list[tuple[list[int], int]]) -> tuple[
+        KVCacheManager, KVCacheManager, list[Req], list[Req]]:
+    """Two managers with the same history: requests allocated (and registered) alike."""
+    pair = []
+    for _ in range(2):
+        kv = KVCacheManager(num_blocks=24, block_size=2, enable_prefix_caching=caching)
+        reqs = []
+        for tokens, n in build:
+            r = Req(list(tokens))
+            kv.claim_cached_prefix(r)
+            assert kv.allocate(r, n)
+            r.num_computed_tokens = n
+            kv.register_full_blocks(r)
+            reqs.append(r)
+        pair.append((kv, reqs))
+    (a, ra), (b, rb) = pair
+    return a, b, ra, rb
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_free_many_is_one_free_after_another(caching: bool) -> None:
+    # With caching, the second and third requests share the first one's prefix blocks, and
+    # two sharers end in the same batch: a shared block returns once, from its last holder.
+    build = [([1, 2, 3, 4, 5], 5), ([1, 2, 3, 4, 9, 9], 6), ([1, 2, 3, 4, 7], 5),
+             ([8, 8, 8], 3)]
+    one, bulk, one_reqs, bulk_reqs = _sequential_twin(caching, build)
+    if caching:
+        assert one_reqs[1].block_ids[:2] == one_reqs[0].block_ids[:2]  # really shared
+    for batch in ([0], [1, 2], [3]):  # [1, 2]: both sharers of the prefix end together
+        for i in batch:
+            one.free(one_reqs[i])
+        bulk.free_many([bulk_reqs[i] for i in batch])
+        assert _order(one) == _order(bulk)
+        assert one.audit() == bulk.audit()
+    audit = bulk.audit()
+    assert audit["num_free_blocks"] == 24 and audit["total_refs"] == 0
+    assert audit["unaccounted"] == audit["negative_refs"] == audit["free_and_referenced"] == 0
+    assert all(r.block_ids == [] and r.num_registered_blocks == 0 for r in bulk_reqs)
+
+
+def test_fifo_pool_hands_out_the_oldest_freed_and_refuses_a_claim() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=1, enable_prefix_caching=False)
+    a, b = Req([1, 2]), Req([3, 4])
+    kv.allocate(a, 2)
+    kv.allocate(b, 2)
+    kv.free_many([a, b])  # tail first within each request
+    assert _order(kv)[-4:] == [1, 0, 3, 2]
+    c = Req([5] * 6)
+    assert kv.allocate(c, 6) and c.block_ids == [4, 5, 1, 0, 3, 2]
+    with pytest.raises(RuntimeError, match="FIFO pool"):
+        kv._pool.remove(0)
+
+
+def test_a_double_free_shows_in_the_audit() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    a = Req([1, 2, 3])
+    kv.allocate(a, 3)
+    held = list(a.block_ids)
+    kv.free_many([a])
+    a.block_ids = held  # a bug hands the same blocks back again
+    kv.free_many([a])
+    audit = kv.audit()
+    assert audit["negative_refs"] == 2 and kv.num_free_blocks == 4
