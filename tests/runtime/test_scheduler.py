@@ -489,3 +489,26 @@ def test_requests_aborted_before_they_run_leave_the_waiting_heap() -> None:
     eng.add_request(req("after", [5], max_tokens=2, ignore_eos=True))
     toks, order = run(eng)
     assert order[-1] == "after" and len(toks["after"]) == 2
+
+
+def test_rows_to_grow_follow_the_block_boundaries_through_steps_and_keeps() -> None:
+    """DecodeBatch.rows_to_grow (dict lookups, no NumPy before the forward) names exactly
+    the rows with (ntok - 1) % block_size == 0, step after step and after rows leave."""
+    import numpy as np
+
+    from enginewire.runtime.scheduler import DecodeBatch
+
+    class Row:
+        def __init__(self, i: int, n: int) -> None:
+            self.request_id, self.num_tokens, self.stop_len, self.eos = f"r{i}", n, 10**6, -1
+            self.all_token_ids, self.stop_ids, self.num_cached_tokens = [7] * n, (), 0
+
+    rng = np.random.default_rng(5)
+    batch = DecodeBatch([Row(i, int(n)) for i, n in enumerate(rng.integers(1, 70, 600))])
+    for step in range(200):
+        bs = 5 if step > 150 else 16  # a new block size regroups
+        expect = np.flatnonzero((batch.ntok - 1) % bs == 0).tolist()
+        assert sorted(batch.rows_to_grow(bs)) == expect, (step, bs)
+        batch.record(np.full(len(batch), 3, np.int64))
+        if step % 37 == 36:
+            batch.keep(rng.random(len(batch)) < 0.8)
