@@ -297,7 +297,7 @@ class _InputSide(_EngineProcState):
         if not lock.acquire(blocking=False):
             return False
         try:
-            if self.input_queue.queue:  # something is queued ahead of it: keep the order
+            if not self.input_queue.empty():  # something is queued ahead of it: keep the order
                 return False
             if plain:
                 self._answer_plain(call)
@@ -322,7 +322,7 @@ class _InputSide(_EngineProcState):
         if not lock.acquire(blocking=False):
             return False
         try:
-            if self.input_queue.queue or self.engine.lifecycle.state not in IN_LOOP:
+            if not self.input_queue.empty() or self.engine.lifecycle.state not in IN_LOOP:
                 return False  # keep the order; the loop's own checks past its end
             try:
                 self._add(request)

@@ -147,8 +147,8 @@ class EngineCoreProc(_InputSide, _OutputSide):
             raise ValueError(f"engine_index={engine_index!r}: must be an integer in [0, 65535]")
         self.engine_index = engine_index
         self.identity = engine_index.to_bytes(2, "little")
-        self.input_queue: queue.Queue[tuple[Any, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.input_queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.heartbeat_interval_s = heartbeat_interval_s
         self._signals = signals
         check_transport((input_address, output_address), curve, allow_insecure_tcp)
@@ -273,11 +273,11 @@ class EngineCoreProc(_InputSide, _OutputSide):
             if not self._has_work():
                 self._flush_replies()  # a deferred reply whose future just completed
                 continue
-            outputs = self.engine.step()
-            progressed = self._emit(outputs) | self._flush_replies()
-            ended = self.engine.take_ended()
-            if ended:
-                self._retire(ended)
+            # No local outlives its iteration: a name still bound to the last batch or to the
+            # requests it finished would free them when rebound, after the next step (its
+            # burst's end: milliseconds), or only once the next burst's first step is done.
+            progressed = self._emit(self.engine.step()) | self._flush_replies()
+            self._retire(self.engine.take_ended())
             idle_rounds = 0 if progressed else idle_rounds + 1
 
     def _flush_replies(self) -> bool:

@@ -148,9 +148,9 @@ class DecodeBatch:
     write the fields back; the scheduler calls them before anything reads a request.
     """
 
-    __slots__ = ("_grow", "_records", "base", "buf", "cached_rows", "col", "cols", "eos",
-                 "has_eos", "ids", "last", "np", "ntok", "reqs", "rows", "stop_len",
-                 "stop_rows", "stream_ids", "stream_mask")
+    __slots__ = ("_grow", "_len_at", "_pending", "_records", "base", "buf", "cached_rows",
+                 "col", "cols", "eos", "has_eos", "ids", "last", "np", "ntok", "reqs", "rows",
+                 "stop_len", "stop_rows", "stream_ids", "stream_mask")
 
     def __init__(self, reqs: list[Request]) -> None:
         import numpy as np  # here: an engine that never batches never loads numpy
@@ -187,6 +187,20 @@ class DecodeBatch:
         # Steps recorded, and the rows grouped by when they need a block (rows_to_grow).
         self._records = 0
         self._grow: tuple[int, dict[int, list[int]]] | None = None
+        # Tokens every row has in the columns, while that is the same for all (None once a
+        # partial write-back made them differ): a step then writes one contiguous column.
+        self._pending: int | None = 0
+        self._len_at = 0
+        self._next_length_finish()
+
+    def _next_length_finish(self) -> None:
+        """The first step count at which a row can reach its length limit: every row gains
+        one token a step, so until then no step needs to compare the whole batch."""
+        left = self.stop_len - self.ntok
+        self._len_at = self._records + (int(left.min()) if len(left) else 0)
+
+    def length_finish_possible(self) -> bool:
+        return self._records >= self._len_at
 
     def _index_rows(self, stop_rows: list[int], cached_rows: list[int]) -> None:
         self.stop_rows = stop_rows
@@ -218,6 +232,8 @@ class DecodeBatch:
                 req.num_tokens = ntok
                 req.num_computed_tokens = ntok - 1
             return
+        # Every row written back: each has nothing left in the columns.
+        self._pending = 0 if len(rows) == len(reqs) else None
         pending = (ntoks - self.base[rows]).tolist()
         hist = self.buf[:max(pending), rows].T.tolist()
         for i, ntok, k, toks in zip(rows, ntoks.tolist(), pending, hist, strict=True):
@@ -232,12 +248,18 @@ class DecodeBatch:
         """Write every row back; the batch stays usable (its columns start empty)."""
         self.flush_rows(self.rows.tolist())
         self.col = 0
+        self._pending = 0
 
     def record(self, toks: Any) -> None:
         """This step's sampled tokens, one per row, go into the columns."""
         if self.col == _BATCH_COLUMNS:
             self.flush()
-        self.buf[self.ntok - self.base, self.rows] = toks
+        pending = self._pending
+        if pending is not None:
+            self.buf[pending] = toks
+            self._pending = pending + 1
+        else:
+            self.buf[self.ntok - self.base, self.rows] = toks
         self.col += 1
         self.ntok += 1
         self._records += 1
@@ -280,6 +302,7 @@ class DecodeBatch:
         self.cols = {k: v[idx] for k, v in self.cols.items()}
         self.rows = np.arange(len(rows))
         self._grow = None  # the rows were renumbered
+        self._next_length_finish()
         self.has_eos = bool((self.eos >= 0).any())
         stop_rows, cached_rows = self.stop_rows, self.cached_rows
         if stop_rows or cached_rows:
@@ -787,14 +810,18 @@ class Scheduler:
         np = batch.np
         batch.record(toks)
         ntok, reqs = batch.ntok, batch.reqs
-        fin = ntok >= batch.stop_len
+        # A step where no row can reach its length, with no EOS or stop ids to look for,
+        # compares nothing (most steps: this runs cold, after the forward).
+        fin: Any = ntok >= batch.stop_len if batch.length_finish_possible() else None
         if batch.has_eos:
-            fin |= toks == batch.eos
+            fin = toks == batch.eos if fin is None else fin | (toks == batch.eos)
         toks_list: list[int] | None = None
         if batch.stop_rows:
             toks_list = toks.tolist()
             for i in batch.stop_rows:
                 if toks_list[i] in reqs[i].stop_ids:
+                    if fin is None:
+                        fin = np.zeros(len(reqs), bool)
                     fin[i] = True
         if self.kv.enable_prefix_caching:
             register = self.kv.register_full_blocks
@@ -802,7 +829,7 @@ class Scheduler:
             batch.flush_rows(full)  # it hashes the block from the token list
             for i in full:
                 register(reqs[i])
-        fin_rows: list[int] = np.flatnonzero(fin).tolist()
+        fin_rows: list[int] = [] if fin is None else np.flatnonzero(fin).tolist()
         outs: list[EngineCoreOutput] = []
         finished: list[str] | None = None
         if fin_rows or batch.cached_rows:

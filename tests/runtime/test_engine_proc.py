@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -317,19 +318,32 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
     assert reply.call_id == 99 and np.array_equal(reply.result, arr)
 
 
+class _SpyQueue:
+    """Stands in for an engine's output queue (a C ``SimpleQueue``, whose methods cannot be
+    replaced): every item put goes to ``on_put`` first."""
+
+    def __init__(self, inner: Any, on_put: Any) -> None:
+        self._inner, self._on_put = inner, on_put
+
+    def put(self, item: Any) -> None:
+        self._on_put(item)
+        self._inner.put(item)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _spy_output(proc: Any, on_put: Any) -> None:
+    proc.output_queue = _SpyQueue(proc.output_queue, on_put)
+
+
 def test_replies_to_a_client_that_stops_reading_arrive_in_order(served: Any) -> None:
     """Direct sends never block: once the pipe to a client that stopped reading is full, the
     idle-call path hands encoded replies to the output thread, and the client still gets
     every reply, once, in order, when it reads again."""
     peer, proc, _trace = served
     handed_over: list[str] = []
-    put = proc.output_queue.put
-
-    def spy(item: Any, *args: Any, **kwargs: Any) -> None:
-        handed_over.append(type(item).__name__)
-        put(item, *args, **kwargs)
-
-    proc.output_queue.put = spy  # type: ignore[method-assign]
+    _spy_output(proc, lambda item: handed_over.append(type(item).__name__))
     payload = b"p" * 1024
     n = 4000  # 4 MiB of replies: more than zmq's 1000-message queues and the socket buffers
     for call_id in range(1, n + 1):
@@ -362,14 +376,12 @@ def test_big_batches_use_the_output_thread_only_when_a_step_leaves_it_time(
                           output_address=peer.output_address)
     peer.router.recv_multipart()
     queued: list[int] = []
-    put = proc.output_queue.put
 
-    def spy(item: Any, *args: Any, **kwargs: Any) -> None:
+    def spy(item: Any) -> None:
         if isinstance(item, EngineCoreOutputs):
             queued.append(len(item.outputs) + len(item.stream_ids))
-        put(item, *args, **kwargs)
 
-    proc.output_queue.put = spy  # type: ignore[method-assign]
+    _spy_output(proc, spy)
     loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
     loop.start()
     try:
@@ -405,14 +417,9 @@ def test_finished_requests_are_torn_down_behind_their_batch(
     proc = EngineCoreProc(config, input_address=peer.input_address,
                           output_address=peer.output_address)
     peer.router.recv_multipart()
-    items: list[Any] = []
-    put = proc.output_queue.put
-
-    def spy(item: Any, *args: Any, **kwargs: Any) -> None:
-        items.append(item)
-        put(item, *args, **kwargs)
-
-    proc.output_queue.put = spy  # type: ignore[method-assign]
+    items: list[Any] = []  # a teardown as the ids it carried: holding it would keep them
+    _spy_output(proc, lambda item: items.append(
+        [r.request_id for r in item.requests] if type(item) is _Retired else item))
     loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
     loop.start()
     try:
@@ -421,13 +428,18 @@ def test_finished_requests_are_torn_down_behind_their_batch(
         for i in range(200):
             peer.send(RequestType.ADD, request(f"r{i}", 8))
         wait_until(lambda: proc.engine.num_live_requests() == 200, BOUND_S)
+        held = list(proc.engine.scheduler.requests.values())
         peer.send(RequestType.UTILITY, UtilityRequest(0, 2, "resume_scheduler", []))
         finished: list[str] = []
         deadline = time.monotonic() + BOUND_S
         while len(finished) < 200 and time.monotonic() < deadline:
             finished.extend(o.request_id for o in peer.recv().outputs if o.finished)
         assert sorted(finished) == sorted(f"r{i}" for i in range(200))
-        retired = [(n, item) for n, item in enumerate(items) if type(item) is _Retired]
+        # Once idle, nothing but this test holds them: a busy loop's local still bound to
+        # them would tear them down only after the next burst's first step.
+        wait_until(lambda: max(sys.getrefcount(r) for r in held) == 3, BOUND_S,
+                   "the finished requests were released")
+        retired = [(n, item) for n, item in enumerate(items) if type(item) is list]
         if not via_thread:
             assert retired == []
             return
@@ -435,7 +447,7 @@ def test_finished_requests_are_torn_down_behind_their_batch(
         for n, item in retired:  # behind the batch that finished them
             ahead = items[n - 1]
             assert isinstance(ahead, EngineCoreOutputs)
-            assert {r.request_id for r in item.requests} <= set(ahead.finished_requests or ())
+            assert set(item) <= set(ahead.finished_requests or ())
         # The thread took them off its queue (sending nothing: the peer saw only batches),
         # and the engine keeps none of them.
         wait_until(lambda: proc.output_queue.qsize() == 0, BOUND_S, "the queue drained")

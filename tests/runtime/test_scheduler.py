@@ -512,3 +512,45 @@ def test_rows_to_grow_follow_the_block_boundaries_through_steps_and_keeps() -> N
         batch.record(np.full(len(batch), 3, np.int64))
         if step % 37 == 36:
             batch.keep(rng.random(len(batch)) < 0.8)
+
+
+def test_a_decode_batch_compares_lengths_only_when_a_row_can_reach_its_limit() -> None:
+    """DecodeBatch.length_finish_possible skips the whole-batch length check on most steps;
+    it must never skip a step where a row reaches its limit. And the token history a batch
+    writes back (one contiguous column a step while the rows are aligned, an indexed write
+    once a partial write-back misaligned them) is every token recorded, in order."""
+    import numpy as np
+
+    from enginewire.runtime.scheduler import DecodeBatch
+
+    class Row:
+        def __init__(self, i: int, n: int, stop: int) -> None:
+            self.request_id, self.num_tokens, self.stop_len, self.eos = f"r{i}", n, stop, -1
+            self.all_token_ids, self.stop_ids, self.num_cached_tokens = [7] * n, (), 0
+            self.num_computed_tokens = n - 1
+
+    rng = np.random.default_rng(9)
+    sizes = rng.integers(1, 40, 300)
+    rows = [Row(i, int(n), int(n + rng.integers(1, 400))) for i, n in enumerate(sizes)]
+    expect = {r.request_id: list(r.all_token_ids) for r in rows}
+    batch = DecodeBatch(rows)
+    checked = 0
+    for step in range(500):
+        if not len(batch):
+            break
+        toks = rng.integers(0, 1000, len(batch))
+        batch.record(toks)
+        for rid, t in zip(batch.ids, toks.tolist(), strict=True):
+            expect[rid].append(t)
+        at_limit = batch.ntok >= batch.stop_len
+        if at_limit.any():
+            assert batch.length_finish_possible(), step
+        checked += batch.length_finish_possible()
+        if step % 7 == 3:  # a partial write-back (what prefix caching does each block)
+            batch.flush_rows(np.flatnonzero(rng.random(len(batch)) < 0.3).tolist())
+        if at_limit.any():
+            batch.flush_rows(np.flatnonzero(at_limit).tolist())
+            batch.keep(~at_limit)
+    assert not len(batch) and checked < 300  # skipped most steps, finished every row
+    for r in rows:
+        assert r.all_token_ids == expect[r.request_id], r.request_id
