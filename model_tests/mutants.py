@@ -129,10 +129,12 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
                "_engine_input:_InputSide._accept",
                ("if kind is RequestType.ABORT:",
                 "if kind is RequestType.ABORT:\n"
-                "    with self.input_queue.mutex:  # jumps ahead of queued ADDs\n"
-                "        self.input_queue.queue.appendleft((kind, payload))\n"
-                "        self.input_queue.unfinished_tasks += 1\n"
-                "        self.input_queue.not_empty.notify()\n"
+                "    queued = []  # jumps ahead of queued ADDs\n"
+                "    while not self.input_queue.empty():\n"
+                "        queued.append(self.input_queue.get_nowait())\n"
+                "    self.input_queue.put((kind, payload))\n"
+                "    for item in queued:\n"
+                "        self.input_queue.put(item)\n"
                 "    return\n"
                 "if kind is RequestType.ABORT:")),)),
     Mutant("duplicate_live_id_accepted",

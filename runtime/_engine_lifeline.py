@@ -53,7 +53,7 @@ class _ShutdownSignals:
 
     def __init__(self) -> None:
         self.requested = threading.Event()
-        self._armed: queue.Queue[Any] | None = None
+        self._armed: queue.SimpleQueue[Any] | None = None
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -68,7 +68,7 @@ class _ShutdownSignals:
                 signal.signal(sig, prev)
         self._previous.clear()
 
-    def arm(self, input_queue: queue.Queue[Any]) -> None:
+    def arm(self, input_queue: queue.SimpleQueue[Any]) -> None:
         self._armed = input_queue
         threading.Thread(target=self._waker, name="EngineSignalWaker", daemon=True).start()
         if self.requested.is_set():

@@ -51,8 +51,8 @@ class _EngineProcState:
 
     engine_index: int
     identity: bytes
-    input_queue: queue.Queue[tuple[Any, Any]]
-    output_queue: queue.Queue[Any]
+    input_queue: queue.SimpleQueue[tuple[Any, Any]]
+    output_queue: queue.SimpleQueue[Any]
     heartbeat_interval_s: float | None
     limits: Limits
     engine: Any
