@@ -91,7 +91,7 @@ def test_async_rows(rig: dict[str, Any]) -> None:
     rows = ipc.bench_async(
         _CONFIG, floor["raw_echo"], floor["pipeline"], echo=(20, 10, 5), ks=(8,), reps=1
     )
-    _check([r for r in rows if r["section"] == "echo"], "echo", 2)
+    _check([r for r in rows if r["section"] == "echo"], "echo", 4)  # raw, raw asyncio
     _check([r for r in rows if r["section"] == "delivery"], "delivery", 1)
 
 
