@@ -148,7 +148,7 @@ class DecodeBatch:
     write the fields back; the scheduler calls them before anything reads a request.
     """
 
-    __slots__ = ("_grow", "_len_at", "_pending", "_records", "base", "buf", "cached_rows",
+    __slots__ = ("_aligned", "_grow", "_len_at", "_records", "base", "buf", "cached_rows",
                  "col", "cols", "eos", "has_eos", "ids", "last", "np", "ntok", "reqs", "rows",
                  "stop_len", "stop_rows", "stream_ids", "stream_mask")
 
@@ -187,10 +187,9 @@ class DecodeBatch:
         # Steps recorded, and the rows grouped by when they need a block (rows_to_grow).
         self._records = 0
         self._grow: tuple[int, dict[int, list[int]]] | None = None
-        # Tokens every row has in the columns, while that is the same for all (None once a
-        # partial write-back made them differ): a step then writes one contiguous column.
-        self._pending: int | None = 0
-        self._len_at = 0
+        # Every row has ``col`` tokens in the columns (until a partial write-back): a step
+        # then writes one contiguous column.
+        self._aligned = True
         self._next_length_finish()
 
     def _next_length_finish(self) -> None:
@@ -232,8 +231,9 @@ class DecodeBatch:
                 req.num_tokens = ntok
                 req.num_computed_tokens = ntok - 1
             return
-        # Every row written back: each has nothing left in the columns.
-        self._pending = 0 if len(rows) == len(reqs) else None
+        self._aligned = len(rows) == len(reqs)
+        if self._aligned:  # every row written back: the columns start empty
+            self.col = 0
         pending = (ntoks - self.base[rows]).tolist()
         hist = self.buf[:max(pending), rows].T.tolist()
         for i, ntok, k, toks in zip(rows, ntoks.tolist(), pending, hist, strict=True):
@@ -247,17 +247,14 @@ class DecodeBatch:
     def flush(self) -> None:
         """Write every row back; the batch stays usable (its columns start empty)."""
         self.flush_rows(self.rows.tolist())
-        self.col = 0
-        self._pending = 0
+        self.col = 0  # also with no rows, which flush_rows leaves as they are
 
     def record(self, toks: Any) -> None:
         """This step's sampled tokens, one per row, go into the columns."""
         if self.col == _BATCH_COLUMNS:
             self.flush()
-        pending = self._pending
-        if pending is not None:
-            self.buf[pending] = toks
-            self._pending = pending + 1
+        if self._aligned:
+            self.buf[self.col] = toks
         else:
             self.buf[self.ntok - self.base, self.rows] = toks
         self.col += 1
