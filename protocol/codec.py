@@ -356,6 +356,16 @@ class Decoder(Generic[T]):
             self._check(obj, self.limits)
         return obj
 
+    def checked(self, payload: bytes, obj: T) -> T:
+        """``decode_payload(payload)`` for a payload that ``decode_unchecked`` already turned
+        into ``obj``: the size bound and the post-check applied to it, without decoding it
+        again (a hot path that tried the unchecked decode first keeps its result)."""
+        if len(payload) > self._max_payload:
+            return self.decode([payload])
+        if self._check is not None:
+            self._check(obj, self.limits)
+        return obj
+
     def _check_frames(self, seq: Sequence[Frame]) -> None:
         limits = self.limits
         n = len(seq)

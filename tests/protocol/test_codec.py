@@ -652,3 +652,20 @@ def test_sender_and_engine_agree_at_exactly_max_call_bytes() -> None:
         check_sendable(RequestType.UTILITY, frames, under)
     with pytest.raises(ProtocolError, match="max_call_bytes"):
         decode_input(frames, under)
+
+
+def test_checked_bounds_what_the_unchecked_decode_let_through() -> None:
+    """``Decoder.checked`` gives what ``decode_payload`` gives for a payload already decoded
+    by ``decode_unchecked``: the same batch, the same refusals, without decoding it twice."""
+    dec = Decoder(EngineCoreOutputs)
+    ok = msgspec.msgpack.encode(EngineCoreOutputs(stream_ids=["a", "b"], stream_tokens=[1, 2]))
+    assert dec.checked(ok, dec.decode_unchecked(ok)) == dec.decode_payload(ok)
+    uneven = msgspec.msgpack.encode(EngineCoreOutputs(stream_ids=["a", "b"], stream_tokens=[1]))
+    obj = dec.decode_unchecked(uneven)  # msgspec alone takes it
+    with pytest.raises(ProtocolError, match="as many stream tokens as stream ids"):
+        dec.checked(uneven, obj)
+    small = Decoder(EngineCoreOutputs, Limits(max_batch=3))
+    over = msgspec.msgpack.encode(EngineCoreOutputs(
+        outputs=[EngineCoreOutput("r", [1])] * 4))
+    with pytest.raises(ProtocolError, match="at most 3"):
+        small.checked(over, small.decode_unchecked(over))

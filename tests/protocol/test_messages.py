@@ -417,6 +417,22 @@ def test_stream_columns_round_trip_and_expand_in_order() -> None:
     assert plain.expanded() is plain
 
 
+@pytest.mark.parametrize(("ids", "tokens"), [(["a", "b"], [1]), (["a"], [1, 2])])
+def test_expanding_columns_of_different_lengths_raises_rather_than_dropping(
+    ids: list[str], tokens: list[int]
+) -> None:
+    # Built in memory (an in-process engine's batch), so no decoder's post-check ran.
+    with pytest.raises(ValueError, match="stream ids but"):
+        EngineCoreOutputs(stream_ids=ids, stream_tokens=tokens).expanded()
+
+
+def test_each_expanded_output_has_a_token_list_of_its_own() -> None:
+    got = EngineCoreOutputs(stream_ids=["a", "b"], stream_tokens=[5, 5]).expanded().outputs
+    got[0].new_token_ids.append(6)
+    assert got[1].new_token_ids == [5]
+    assert all(type(o.new_token_ids) is list for o in got)
+
+
 @pytest.mark.parametrize(("ids", "tokens"), [(["a", "b"], [1]), (["a"], [1, 2]), ([], [3])])
 def test_stream_columns_of_different_lengths_are_a_protocol_error(
     ids: list[str], tokens: list[int]
