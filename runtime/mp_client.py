@@ -136,9 +136,8 @@ _UTILITY_BYTE = RequestType.UTILITY.value
 _ABORT_LINGER_MS = 1000
 
 
-# Replies up to this size may take the short decode (``MPClient._on_message``).
+# Messages up to this size take one unchecked decode first (``MPClient._on_message``).
 _PLAIN_REPLY_BYTES = 1 << 16
-
 _DEAD = object()  # output-queue marker: the engine died
 _CLOSED = object()  # output-queue marker: the client was shut down
 
@@ -838,8 +837,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         ``decoded``: a one-frame message's payload, decoded and checked already."""
         if self._stamp_seen:
             self.resources.last_seen[0] = time.monotonic()
-        # One frame and no integrity trailer is the common shape (every reply, every batch
-        # without arrays): it is checked and decoded in fewer steps.
+        # One frame, no integrity trailer: the common shape, checked and decoded in fewer steps.
         single = len(frames) == 1 and self._integrity is None
         if frames[0] == ENGINE_DEAD_SENTINEL if single else is_dead_sentinel(frames):
             raise EngineProcessDied(
@@ -869,27 +867,23 @@ class MPClient(_AttachSide, EngineCoreClient):
         return None  # heartbeat
 
     def _on_message(self, first: bytes, sock: zmq.Socket[Any]) -> EngineCoreOutputs | None:
-        """``_on_frames`` for a message whose first frame was received as plain bytes.
-
-        A plain receive costs 1.6 µs less than one that yields a ``Frame`` and its more
-        flag, and nearly every message is one frame. So the rest of a message is read only
-        when there is a rest: when a one-frame decode fails (it referenced aux frames) and
-        libzmq's more flag says parts follow, or under frame integrity, whose trailer always
-        follows. A part that a one-frame message should not have arrives as a message of its
-        own and fails to decode there: the engine is then declared dead, as for any frame
-        that does not decode."""
+        """``_on_frames`` for a message whose first frame was received as plain bytes (1.6 µs
+        less than a ``Frame`` and its more flag; nearly every message is one frame). The rest
+        is read only when there is one: a one-frame decode failed (aux frames) and the more
+        flag says parts follow, or frame integrity's trailer. A part a one-frame message
+        should not have arrives as a message of its own and fails to decode: death."""
         if self._attaching is not None and self._before_marker(first, sock):
             return None
         if self._integrity is None:
+            # One unchecked decode: a plain utility reply (nothing beside it for the post-check
+            # to bound) is settled at once; a batch goes on checked, not decoded again; what
+            # did not decode (the sentinel, aux frames, garbage) takes the general path.
+            outputs: EngineCoreOutputs | None = None
             if len(first) <= _PLAIN_REPLY_BYTES:
-                # A utility reply, the round trip's own message, in the fewest steps: it
-                # carries nothing for the post-check to bound (no outputs, stream ids or
-                # finished ids). Anything else (a batch, the sentinel, a frame that does not
-                # decode) takes the general path.
                 try:
-                    outputs: EngineCoreOutputs | None = self._decode_reply(first)
+                    outputs = self._decode_reply(first)
                 except Exception:
-                    outputs = None
+                    pass
                 if (outputs is not None and outputs.utility_output is not None
                         and not outputs.outputs and not outputs.stream_ids
                         and not outputs.finished_requests):
@@ -897,13 +891,8 @@ class MPClient(_AttachSide, EngineCoreClient):
                         self.resources.last_seen[0] = time.monotonic()
                     self._utilities.settle(outputs.utility_output)
                     return None
-            else:
-                outputs = None
             try:
                 if outputs is not None:
-                    # A batch (or anything else) that decoded here is checked, not decoded a
-                    # second time: at K = 1024 that second decode was a tenth of the
-                    # client's time per batch.
                     return self._on_frames([first], self._out_decoder.checked(first, outputs))
                 return self._on_frames([first])
             except ProtocolError:
