@@ -96,7 +96,9 @@ UTILITIES: tuple[Utility, ...] = (
         wire="method, list(args), dict(kwargs or {})", example=("report_memory",)),
     Utility("profile", (
         Param("is_start", "bool", "True"), Param("path", "str | None", "None"),
-    ), "str | None", "Start the engine's profiler, or stop it and get the trace file's path.",
+    ), "str | None", "Start the engine's profiler, or stop it and get the trace file's path;"
+        " without a path, traces go to a 0700 directory of the engine's user, and a directory"
+        " another user owns or can write is refused (docs/security.md).",
         wire="*profile_args(is_start, path)",
         convert="None if result is None else str(result)", example=None, loop_thread=True,
         every_engine="first"),

@@ -34,6 +34,7 @@ import itertools
 import logging
 import math
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -97,15 +98,89 @@ def _describe_tensor(value: object) -> str:
 
 
 
-def _writable_dir(path: object) -> str:
-    """``path`` as a directory this process can write into (made if missing), or a typed error
-    naming it."""
+# What a refused trace directory's error tells its user to do (docs/security.md says the same).
+PROFILE_DIR_REMEDY = ("remove it (or fix its owner and mode), or pass profile(path=...) a"
+                      " directory only this user can write; see docs/security.md, 'Profiler"
+                      " traces'")
+
+
+def default_profile_dir() -> str:
+    """Where ``profile`` writes without a path: ``<temp dir>/enginewire-profile-<uid>``.
+
+    Per user, so users never share it; the name is predictable, so one another user made
+    first is refused by ``_private_dir``, never used."""
+    return os.path.join(tempfile.gettempdir(), f"enginewire-profile-{os.geteuid()}")
+
+
+def _refusal(st: os.stat_result, uid: int, *, parent: bool) -> str | None:
+    """Why another user could read or replace what a directory (``st`` its lstat, or stat
+    for a parent) holds, or None.
+
+    A parent may also be root's (/tmp, /var), and writable by others when sticky (/tmp):
+    others can then add names to it but not rename or remove ours."""
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(mode):
+        return "is not a directory"
+    if st.st_uid != uid and not (parent and st.st_uid == 0):
+        return f"is owned by uid {st.st_uid}, not by this engine's uid {uid}"
+    if mode & 0o022 and not (parent and mode & stat.S_ISVTX):
+        return f"is writable by its group or others (mode {stat.S_IMODE(mode):04o})"
+    return None
+
+
+def _refuse_unless_private(path: str, st: os.stat_result, uid: int) -> None:
+    why = _refusal(st, uid, parent=False)
+    if why is not None:
+        raise PermissionError(f"profile directory {path!r} {why}: traces there could be read"
+                              f" or replaced by another user; {PROFILE_DIR_REMEDY}")
+
+
+def _private_dir(path: object) -> str:
+    """``path`` as a directory only this user can write into, or a PermissionError naming it
+    and ``PROFILE_DIR_REMEDY``; nothing is created when it is refused.
+
+    An existing ``path`` must be a real directory (not a symlink) of this uid that its group
+    and others cannot write. Its parent (the nearest existing ancestor when levels are
+    missing) must be this uid's or root's and not writable by others unless sticky, or
+    another user could rename ``path`` away and put their own in its place. Missing levels
+    are made 0700."""
     if not isinstance(path, str) or not path:
         raise TypeError(f"a directory path (str) is required, got {path!r}")
-    os.makedirs(path, exist_ok=True)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"directory {path!r} is not writable")
-    return path
+    target = os.path.abspath(path)
+    uid = os.geteuid()
+    missing: list[str] = []
+    here = target
+    while True:
+        try:
+            st = os.lstat(here)
+            break
+        except FileNotFoundError:
+            if os.path.dirname(here) == here:
+                raise
+            missing.append(here)
+            here = os.path.dirname(here)
+    if not missing:
+        _refuse_unless_private(target, st, uid)
+    parent = here if missing else os.path.dirname(target)
+    # Judged where it leads (os.stat): a symlinked ancestor (/var/run) is common, and only
+    # its target's owner and mode decide who could replace what is in it.
+    why = _refusal(os.stat(parent), uid, parent=True)
+    if why is not None:
+        raise PermissionError(f"profile directory {target!r}: its parent {parent!r} {why}, so"
+                              " another user could replace it and read or replace the traces"
+                              f" in it; {PROFILE_DIR_REMEDY}")
+    for level in reversed(missing):
+        try:
+            os.mkdir(level, 0o700)  # mkdir's mode is masked by umask; chmod makes it exact
+        except FileExistsError:  # another engine of a data-parallel group made it first
+            _refuse_unless_private(level, os.lstat(level), uid)
+            continue
+        os.chmod(level, 0o700)
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise PermissionError(f"profile directory {target!r} is not writable")
+    return target
 
 
 class EngineCore:
@@ -520,14 +595,15 @@ class EngineCore:
     def profile(self, action: str, path: str | None = None) -> str | None:
         """``start`` a torch profiler, or ``stop`` it and write a Chrome trace; returns its path.
 
-        The trace directory is made and checked writable before the profiler starts or stops,
-        so a bad path is refused with the session intact (a stopped profiler cannot resume).
+        The trace directory (``path``, else the one given at start, else
+        ``default_profile_dir()``) is made private and checked by ``_private_dir`` before the
+        profiler starts or stops, so a bad or unsafe one is refused with the session intact
+        (a stopped profiler cannot resume) and nothing started.
         """
         if action == "start":
             if self._profiler is not None:
                 raise RuntimeError("profiler already running")
-            if path is not None:
-                _writable_dir(path)
+            out_dir = _private_dir(default_profile_dir() if path is None else path)
             import torch  # here, not at the top: a null-model engine never loads torch
 
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -535,13 +611,13 @@ class EngineCore:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=acts)
             self._profiler.start()
-            self._profile_dir = path
+            self._profile_dir = out_dir
             return None
         if action == "stop":
             if self._profiler is None:
                 raise RuntimeError("profiler is not running")
-            out_dir = _writable_dir(path or self._profile_dir or os.path.join(
-                tempfile.gettempdir(), "enginewire-profile"))
+            # Checked again: the directory may have changed hands since the start.
+            out_dir = _private_dir(path or self._profile_dir or default_profile_dir())
             prof, self._profiler = self._profiler, None
             prof.stop()
             self._profile_count += 1
