@@ -173,6 +173,7 @@ def _finish_all(client: Any, ids: set[str]) -> set[str]:
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signals reach the main thread only")
 @pytest.mark.parametrize("part", ["last", "first"])
+@pytest.mark.usefixtures("default_sigint")  # a batch job starts pytest with SIGINT ignored
 def test_ctrl_c_during_an_add_leaves_the_request_live_and_the_client_whole(
         part: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real SIGINT landing while add_request sends: the ADD goes out whole, then the
@@ -289,6 +290,7 @@ def test_an_inproc_shutdown_from_another_thread_ends_a_driven_wait() -> None:
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signals reach the main thread only")
+@pytest.mark.usefixtures("default_sigint")  # a batch job starts pytest with SIGINT ignored
 def test_ctrl_c_after_get_output_took_a_batch_loses_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A real SIGINT landing after get_output took and tracked a batch: the caller gets its
