@@ -156,6 +156,30 @@ def test_an_explicit_path_whose_parent_others_can_write_is_refused(
     assert not any(shared.iterdir())
 
 
+@pytest.mark.parametrize("mode", [0o700, 0o777])
+def test_a_directory_made_between_the_check_and_the_mkdir_is_judged_as_found(
+        client: InprocClient, tmp_root: Path, monkeypatch: pytest.MonkeyPatch,
+        mode: int) -> None:
+    """Engines of a data-parallel group start their profilers at once: a sibling's directory
+    (0700) is used; one made writable by all in that window is refused."""
+    made = _default(tmp_root)
+    real_mkdir = os.mkdir
+
+    def raced(path: str, *args: object, **kwargs: object) -> None:
+        real_mkdir(path)
+        os.chmod(path, mode)
+        raise FileExistsError(path)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "mkdir", raced)
+        if mode == 0o777:
+            _assert_refused(client, None, made, "writable by its group or others")
+            return
+        client.profile(True)
+    out = client.profile(False)
+    assert out is not None and Path(out).parent == made and _mode(made) == 0o700
+
+
 @needs_root
 def test_a_directory_that_changed_hands_since_the_start_is_refused_at_the_stop(
         client: InprocClient, tmp_root: Path) -> None:
