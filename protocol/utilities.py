@@ -75,14 +75,14 @@ class Utility:
     timeout_positional: bool = False  # echo(value, timeout): kept as it always was
     # On a data-parallel client (runtime/dp_client.py): None goes to one serving engine; a
     # name sends it to every serving engine and combines the replies (in index order) as
-    # ``COMBINERS`` says: "all" their truth, "none" nothing, "first" the first one, "each"
-    # the list of them.
+    # ``COMBINERS`` says: "all" their truth, "any" whether one is true, "none" nothing,
+    # "first" the first one, "each" the list of them.
     every_engine: str | None = None
     example: tuple[object, ...] | None = ()  # arguments safe on any engine; None: none are
 
 
 # How a reply per engine becomes one (see ``Utility.every_engine``).
-COMBINERS: frozenset[str] = frozenset({"all", "none", "first", "each"})
+COMBINERS: frozenset[str] = frozenset({"all", "any", "none", "first", "each"})
 
 UTILITIES: tuple[Utility, ...] = (
     Utility("echo", (Param("value", "Any"),), "Any",
@@ -135,7 +135,8 @@ UTILITIES: tuple[Utility, ...] = (
             example=(None,), every_engine="all"),
     Utility("is_sleeping", (), "bool",
             "Whether the engine is paused, draining for a pause, or any memory is asleep.",
-            convert="bool(result)", every_engine="all"),
+            # A data-parallel client sleeps while any serving engine does (CLIENT_ASLEEP).
+            convert="bool(result)", every_engine="any"),
 )
 
 BY_NAME: dict[str, Utility] = {u.name: u for u in UTILITIES}

@@ -1,5 +1,6 @@
 """A data-parallel client's members (dp_client.py): one-engine clients that tell their
-owner when anything arrives in their output queue and when their engine dies."""
+owner when anything arrives in their output queue, when their engine dies and when a power
+reply (sleep, wake-up, pause, resume: in time or late) moved their lifecycle."""
 
 from __future__ import annotations
 
@@ -47,15 +48,28 @@ class _MemberMixin:
 
     _dp_notify: Callable[[], None]
     _dp_died: Callable[[MPClient, BaseException], None]
+    _dp_power: Callable[[], None]
     _abandon: threading.Event | None
+    # Every batch of this (dead) incarnation was taken: the owner reads it no more. A flag on
+    # the incarnation itself, not an id() in the owner: ids are reused once it is freed.
+    read_to_end: bool
 
     def __init__(self, config: Any, *, notify: Callable[[], None],
-                 died: Callable[[MPClient, BaseException], None], abandon: threading.Event,
-                 **options: Any) -> None:
+                 died: Callable[[MPClient, BaseException], None], power: Callable[[], None],
+                 abandon: threading.Event, **options: Any) -> None:
         # Set before the one-engine client starts: its output queue and death hook use them.
-        self._dp_notify, self._dp_died = notify, died
+        self._dp_notify, self._dp_died, self._dp_power = notify, died, power
         self._abandon = abandon
+        self.read_to_end = False
         super().__init__(config, **options)  # type: ignore[call-arg]
+
+    def _on_power_reply(self, method: str, result: Any) -> None:
+        # The owner's power state is derived from its members' (dp_client.py): told after
+        # every reply that moved this one, a late one too, whatever this one's outcome.
+        try:
+            super()._on_power_reply(method, result)  # type: ignore[misc]
+        finally:
+            self._dp_power()
 
     def _mark_dead(self, cause: BaseException | None) -> bool:
         # Told before the engine's calls fail: a caller whose call raised EngineDeadError

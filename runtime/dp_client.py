@@ -54,7 +54,7 @@ import msgspec
 from ..protocol.codec import check_no_dataclass
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
-from ..spec.client import ClientEvent
+from ..spec.client import CLIENT_ASLEEP, CLIENT_LIVE, RESUMED, SLEPT, ClientEvent
 from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -108,10 +108,25 @@ _UTILITY_OUTCOME: dict[type[BaseException], UtilityEvent] = {
 }
 
 
+# A crash loop's bound: an incarnation that dies within RESTART_STABLE_S of its handshake died
+# "at once". Each such death in a row waits RESTART_BACKOFF_S, doubled per death up to
+# RESTART_BACKOFF_MAX_S, before the next start; after ``restart_limit`` of them in a row the
+# index stays DEAD (membership's DEAD: no RESTART is fired) and its cause says why.
+RESTART_STABLE_S = 5.0
+RESTART_BACKOFF_S = 0.25
+RESTART_BACKOFF_MAX_S = 4.0
+DEFAULT_RESTART_LIMIT = 5
+# How long a dead incarnation's process may take to go after SIGKILL before its replacement is
+# refused: two engines under one index would share a device and (on Ray) an actor.
+GONE_BOUND_S = 10.0
+
+
 def _combine(how: str, results: list[Any]) -> Any:
     """One reply from one per engine, as ``Utility.every_engine`` declares."""
     if how == "all":
         return all(results)
+    if how == "any":
+        return any(results)
     if how == "none":
         return None
     if how == "each":
@@ -126,11 +141,17 @@ class _Member:
         self.index = index
         self.lifecycle: Lifecycle[MembershipState, MembershipEvent] = MEMBERSHIP.lifecycle(
             trace=trace)
-        self.client: Any = None  # SyncMember | AsyncMember; None while restarting
-        # Dead incarnations whose queued batches are still to be read (then ERROR outputs).
+        # SyncMember | AsyncMember; None while restarting. Changed only under the client's
+        # state lock: a path that uses it takes it once, under that lock, and keeps that value
+        # (a restart may set None at any moment outside it).
+        self.client: Any = None
+        # Dead incarnations whose queued batches are still to be read (then ERROR outputs):
+        # all a dead incarnation still owes. Read to its end, it is shut down and forgotten.
         self.retired: list[Any] = []
         self.cause: BaseException | None = None
         self.restarts = 0
+        self.serving_since = 0.0  # monotonic time of the current incarnation's handshake
+        self.quick_deaths = 0  # consecutive incarnations that died within RESTART_STABLE_S
         self.waiting = 0  # the engine's last report
         self.running = 0
         self.sent_since_report = 0
@@ -146,8 +167,28 @@ class _Member:
 
     def load(self) -> tuple[int, int]:
         # In flight: the engine's own client tracks each live request it was sent.
-        n = 0 if self.client is None else len(self.client._requests)
+        client = self.client
+        n = 0 if client is None else len(client._requests)
         return 4 * min(self.waiting + self.sent_since_report, n) + min(self.running, n), n
+
+
+def _ensure_gone(dead: Any, index: int) -> None:
+    """Kill dead incarnation ``dead``'s engine process and wait (bounded) until it is gone;
+    ``EngineStartupError`` if it outlives the bound. An attached engine is not ours to kill."""
+    proc = dead.resources.proc
+    if proc is None:
+        return
+    try:
+        if proc.is_alive():
+            proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+            proc.join(GONE_BOUND_S)
+        alive = proc.is_alive()
+    except ValueError:  # closed: its reaper shut the incarnation down, process included
+        return
+    if alive:
+        raise EngineStartupError(
+            f"engine {index}'s previous process (pid {proc.pid}) was still alive"
+            f" {GONE_BOUND_S:g} s after SIGKILL; no replacement is started beside it")
 
 
 class _DPClient(EngineCoreClient):
@@ -157,14 +198,18 @@ class _DPClient(EngineCoreClient):
     _member_type: type[SyncMember] | type[AsyncMember]
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
-                 restart_dead_engines: bool = False, options: ClientOptions | None = None,
-                 **kwargs: Any) -> None:
+                 restart_dead_engines: bool = False, restart_limit: int = DEFAULT_RESTART_LIMIT,
+                 options: ClientOptions | None = None, **kwargs: Any) -> None:
         # Each engine's client checks its own options; a ClientOptions object given whole is
         # spread into the keywords (which override it) so per-engine ones can be split off.
         if options is not None and not isinstance(options, ClientOptions):
             raise TypeError(f"options={options!r}: expected a ClientOptions")
         kw: dict[str, Any] = {**(options.given() if options is not None else {}), **kwargs}
         check_option_flag(restart_dead_engines, "restart_dead_engines")
+        if isinstance(restart_limit, bool) or not isinstance(restart_limit, int) or (
+                restart_limit < 1):
+            raise ValueError(f"restart_limit={restart_limit!r}: the number of replacements of"
+                             " one engine that may die at once in a row, an int >= 1")
         for name in _ASSIGNED:
             if name in kw:
                 raise ValueError(
@@ -185,6 +230,7 @@ class _DPClient(EngineCoreClient):
         super().__init__(config, trace=trace)
         self.data_parallel_size: int = config.data_parallel_size
         self._restart = restart_dead_engines
+        self._restart_limit = restart_limit
         faults = kw.pop("engine_fault", None)
         if isinstance(faults, dict):
             bad = [k for k in faults if not isinstance(k, int) or isinstance(k, bool)
@@ -204,13 +250,13 @@ class _DPClient(EngineCoreClient):
         self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
         self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to
         self._failed: list[EngineCoreOutputs] = []  # ERROR batches not yet returned
-        self._drained: set[int] = set()  # id() of dead member clients read to their end
         self._turn = 0  # where the routing's round robin starts
         self._turn_out = 0  # the member get_output looks at first
         self._last_routed = 0
         self._utility_turn = 0
-        self._threads: set[threading.Thread] = set()  # restarts and reaps in progress
-        self._spent: list[Any] = []  # dead incarnations read to their end (shut down)
+        # Restarts and reaps in progress: teardown joins them, so a dead incarnation being
+        # shut down is waited for without being kept once it is gone.
+        self._threads: set[threading.Thread] = set()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._placement: Any = None  # RayEngines for the "ray" backend
         ref = weakref.ref(self)
@@ -225,7 +271,12 @@ class _DPClient(EngineCoreClient):
             if client is not None:
                 client._member_died(member, cause)
 
-        self._notify_cb, self._died_cb = notify, died
+        def power() -> None:
+            client = ref()
+            if client is not None:
+                client._follow_members_power()
+
+        self._notify_cb, self._died_cb, self._power_cb = notify, died, power
         try:
             if config.data_parallel_backend == "ray":
                 from .ray_backend import RayEngines
@@ -250,7 +301,8 @@ class _DPClient(EngineCoreClient):
             options.setdefault("transport", "tcp")  # across hosts: tcp, CURVE on by default
             options["engine_launcher"] = self._placement.launcher(index)
         return self._member_type(
-            self.config, notify=self._notify_cb, died=self._died_cb, abandon=self._abandon,
+            self.config, notify=self._notify_cb, died=self._died_cb, power=self._power_cb,
+            abandon=self._abandon,
             engine_index=index, engine_fault=self._faults.get(index), **options)
 
     def _start_all(self) -> None:
@@ -280,8 +332,10 @@ class _DPClient(EngineCoreClient):
                     raise EngineStartupError(
                         f"engine {m.index} of {n} died while the others started: {cause}"
                     ) from cause
+            now = time.monotonic()
             for m in self._members:
                 m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
+                m.serving_since = now
             self._apply_ready(self._members[0].client.ready_response)
             self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
 
@@ -296,27 +350,48 @@ class _DPClient(EngineCoreClient):
                 return  # a retired incarnation, a second notice, or a shutdown
             m.lifecycle.fire(MembershipEvent.DIED)
             m.cause = cause
-            left = [x.index for x in self._members if x.lifecycle.state in MEMBER_LEFT]
-            logger.warning("engine %d died (%s); engines left: %s", m.index, cause, left)
-            if self._restart and not self.is_closed:
+            restart = self._restart and not self.is_closed
+            if restart:
+                quick = time.monotonic() - m.serving_since < RESTART_STABLE_S
+                m.quick_deaths = m.quick_deaths + 1 if quick else 0
+                if m.quick_deaths > self._restart_limit:
+                    restart = False
+                    m.cause = EngineDeadError(
+                        f"engine {m.index} is not restarted again: {m.quick_deaths}"
+                        f" incarnations in a row died within {RESTART_STABLE_S:g} s of their"
+                        f" start (restart_limit={self._restart_limit}); last: {cause}")
+                    m.cause.__cause__ = cause
+            if restart:
                 m.lifecycle.fire(MembershipEvent.RESTART)
                 m.retired.append(client)
                 m.client = None
                 m.reset_load()
-                thread = threading.Thread(target=self._restart_member, args=(m,),
+                delay = 0.0 if not m.quick_deaths else min(
+                    RESTART_BACKOFF_S * 2 ** (m.quick_deaths - 1), RESTART_BACKOFF_MAX_S)
+                thread = threading.Thread(target=self._restart_member, args=(m, client, delay),
                                           name=f"EngineCoreRestart_{m.index}", daemon=True)
                 self._threads.add(thread)
                 thread.start()
-            elif not left:
+            left = [x.index for x in self._members if x.lifecycle.state in MEMBER_LEFT]
+            logger.warning("engine %d died (%s); engines left: %s", m.index, m.cause, left)
+            if not left:
                 self._mark_dead(self._all_dead_cause())
+            self._follow_members_power()
         self._notify()
 
     def _all_dead_cause(self) -> BaseException:
         causes = ", ".join(f"engine {m.index}: {m.cause}" for m in self._members)
         return EngineDeadError(f"every engine core of this client is dead ({causes})")
 
-    def _restart_member(self, m: _Member) -> None:
+    def _restart_member(self, m: _Member, dead: Any, delay: float) -> None:
+        """Start a replacement for ``dead`` under index ``m.index``, once ``dead``'s process
+        is gone (killed here: a hung engine declared dead by its heartbeat is still alive,
+        and on Ray its actor runs one engine at a time) and after ``delay`` (a crash loop's
+        backoff; a shutdown ends the wait)."""
         try:
+            if delay and self._abandon.wait(delay):
+                raise ClientClosedError("the client was shut down during the restart backoff")
+            _ensure_gone(dead, m.index)
             client = self._build(m.index)
         except BaseException as e:  # reported as the member's death
             with self._state_lock:
@@ -337,14 +412,36 @@ class _DPClient(EngineCoreClient):
             if keep:
                 m.client = client
                 m.restarts += 1
+                m.serving_since = time.monotonic()
                 m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
                 logger.info("engine %d restarted (pid %s)", m.index, client.engine_pid)
+                self._follow_members_power()
         if not keep:
             client.shutdown()
         self._notify()
 
     def _serving(self) -> list[_Member]:
         return [m for m in self._members if m.routable]
+
+    def _follow_members_power(self) -> None:
+        """The client's power state is its serving engines': in ``CLIENT_ASLEEP`` while any
+        serving engine's client is (a sleep that took on some engines only, a reply that came
+        after its caller gave up), awake once none is (a wake-up, or the last sleeping engine
+        lost). Each member follows its own engine's replies, late ones included, and calls
+        this after each; so do deaths and restarts. The client never claims a state its
+        engines are not in, so the next power reply always has its row."""
+        with self._state_lock:
+            lc = self.lifecycle
+            if lc.state not in CLIENT_LIVE:
+                return
+            clients = [m.client for m in self._members if m.routable]
+            if not clients:
+                return
+            asleep = any(c.lifecycle.state in CLIENT_ASLEEP for c in clients)
+            if asleep == (lc.state in CLIENT_ASLEEP):
+                return
+            event, guard = (SLEPT if asleep else RESUMED).resolve(None)
+            lc.fire(event, guard)
 
     def _no_engine(self) -> EngineDeadError:
         self.ensure_alive()
@@ -449,7 +546,7 @@ class _DPClient(EngineCoreClient):
             for k in range(n):
                 m = self._members[(self._turn_out + k) % n]
                 for client in (*m.retired, m.client):
-                    if client is None or id(client) in self._drained or not client.has_output():
+                    if client is None or client.read_to_end or not client.has_output():
                         continue
                     try:
                         out = client.take()
@@ -483,12 +580,12 @@ class _DPClient(EngineCoreClient):
     def _drain_done(self, m: _Member, client: Any) -> None:
         """Every batch of dead ``client`` was returned: its requests still live here end
         with ERROR (one batch), unless no engine is left (the client is then DEAD)."""
-        self._drained.add(id(client))
+        client.read_to_end = True
         if client in m.retired:
             # Read to its end: its process, sockets and reader go now, off this lock (a
-            # dead engine's teardown may wait out a grace), and teardown waits for them.
+            # dead engine's teardown may wait out a grace), and teardown waits for the
+            # reaper; once it is done nothing here refers to the incarnation.
             m.retired.remove(client)
-            self._spent.append(client)
             reaper = threading.Thread(target=self._reap, args=(client,),
                                       name=f"EngineCoreReap_{m.index}", daemon=True)
             self._threads.add(reaper)
@@ -529,7 +626,10 @@ class _DPClient(EngineCoreClient):
 
     # -- utilities --------------------------------------------------------------------------
 
-    def _utility_member(self) -> _Member:
+    def _utility_member(self) -> tuple[_Member, Any]:
+        """The next serving engine in turn and its client, taken together under the lock:
+        the caller uses that client (a death and restart may set ``m.client`` to None the
+        moment the lock is released; the client taken then raises EngineDeadError)."""
         with self._state_lock:
             self.ensure_alive()
             serving = self._serving()
@@ -537,9 +637,10 @@ class _DPClient(EngineCoreClient):
                 raise self._no_engine()
             m = serving[self._utility_turn % len(serving)]
             self._utility_turn += 1
-            return m
+            return m, m.client
 
-    def _targets(self, method: str, args: Sequence[Any]) -> list[_Member]:
+    def _targets(self, method: str, args: Sequence[Any]) -> list[tuple[_Member, Any]]:
+        """Every serving engine with its client, taken under the lock (``_utility_member``)."""
         check_method(method)
         check_no_dataclass(tuple(args))
         with self._state_lock:
@@ -547,7 +648,7 @@ class _DPClient(EngineCoreClient):
             serving = self._serving()
             if not serving:
                 raise self._no_engine()
-            return serving
+            return [(m, m.client) for m in serving]
 
     @contextlib.contextmanager
     def _utility_lifecycle(self) -> Iterator[Lifecycle[Any, UtilityEvent]]:
@@ -566,19 +667,17 @@ class _DPClient(EngineCoreClient):
             raise
 
     def _after_all(self, method: str, results: list[Any]) -> Any:
-        """The combined reply of a call every engine answered; the lifecycle follows it."""
+        """The combined reply of a call every engine answered. A power call's effect on the
+        lifecycle was followed already, engine by engine (``_follow_members_power``)."""
         decl = UTILITY_DECLARATIONS[method]
         assert decl.every_engine is not None
-        combined = _combine(decl.every_engine, results)
-        if decl.power is not None:
-            self._on_power_reply(method, combined)
-        return combined
+        return _combine(decl.every_engine, results)
 
-    def _outcomes(self, targets: list[_Member], outcomes: Iterator[tuple[bool, Any]]
-                  ) -> list[Any]:
+    def _outcomes(self, targets: list[tuple[_Member, Any]],
+                  outcomes: Iterator[tuple[bool, Any]]) -> list[Any]:
         results: list[Any] = []
         error: BaseException | None = None
-        for m, (ok, value) in zip(targets, outcomes, strict=True):
+        for (m, _), (ok, value) in zip(targets, outcomes, strict=True):
             if ok:
                 results.append(value)
             elif error is None:
@@ -606,7 +705,8 @@ class _DPClient(EngineCoreClient):
     @property
     def engine_pids(self) -> list[int | None]:
         with self._state_lock:
-            return [None if m.client is None else m.client.engine_pid for m in self._members]
+            clients = [m.client for m in self._members]
+        return [None if c is None else c.engine_pid for c in clients]
 
     def send_raw_frames(self, frames: list[bytes], engine_index: int | None = None) -> None:
         """``MPClient.send_raw_frames`` to engine ``engine_index`` (default: the engine the
@@ -624,15 +724,16 @@ class _DPClient(EngineCoreClient):
         return self._members[index].client
 
     def pending_utility_calls(self) -> int:
-        return sum(m.client.pending_utility_calls() for m in self._members
-                   if m.client is not None)
+        with self._state_lock:
+            clients = [c for m in self._members for c in (m.client,) if c is not None]
+        return sum(c.pending_utility_calls() for c in clients)
 
     def queued_outputs(self) -> int:
         with self._state_lock:
             n = len(self._failed) + len(self._redeliver)
             for m in self._members:
                 for c in (*m.retired, m.client):
-                    if c is not None and id(c) not in self._drained:
+                    if c is not None and not c.read_to_end:
                         n += c.queued_outputs()
             return n
 
@@ -650,7 +751,7 @@ class _DPClient(EngineCoreClient):
         self._abandon.set()
         with self._state_lock:
             clients = [c for m in self._members for c in (*m.retired, m.client)
-                       if c is not None] + self._spent
+                       if c is not None]
             for m in self._members:
                 if m.lifecycle.can(MembershipEvent.SHUTDOWN):
                     m.lifecycle.fire(MembershipEvent.SHUTDOWN)
@@ -730,9 +831,9 @@ class SyncDPClient(SyncClientMixin, _DPClient):
             if decl is not None and decl.every_engine is not None:
                 result = self._after_all(method, self._call_all(method, args, timeout))
             else:
-                m = self._utility_member()
+                m, client = self._utility_member()
                 try:
-                    result = m.client.call_utility(method, *args, timeout=timeout)
+                    result = client.call_utility(method, *args, timeout=timeout)
                 except EngineDeadError as e:
                     raise self._engine_died(m, e) from None
             lc.fire(UtilityEvent.REPLY_OK)
@@ -752,16 +853,17 @@ class SyncDPClient(SyncClientMixin, _DPClient):
                   ) -> list[Any]:
         targets = self._targets(method, args)
         if len(targets) == 1:
+            only = targets[0][1]
             calls: list[Callable[[], Any]] = [
-                lambda: targets[0].client.call_utility(method, *args, timeout=timeout)]
+                lambda: only.call_utility(method, *args, timeout=timeout)]
             return self._outcomes(targets, map(_attempt, calls))
         with self._state_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self.data_parallel_size, thread_name_prefix="EngineCoreUtility")
             pool = self._pool
-        futures = [pool.submit(m.client.call_utility, method, *args, timeout=timeout)
-                   for m in targets]
+        futures = [pool.submit(client.call_utility, method, *args, timeout=timeout)
+                   for _, client in targets]
         return self._outcomes(targets, (_result(f) for f in futures))
 
 
@@ -799,16 +901,17 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
         loop = asyncio.get_running_loop()
         if self.is_closed:
             raise ClientClosedError(self._closed_message)
+        with self._state_lock:  # each member's clients taken once, under the lock
+            clients = [c for m in self._members for c in (*m.retired, m.client)
+                       if c is not None]
         if self._loop is not loop:
-            for m in self._members:
-                for c in (*m.retired, m.client):
-                    if c is not None and not c.is_closed:
-                        c._ensure_reader()
+            for c in clients:
+                if not c.is_closed:
+                    c._ensure_reader()
             self._loop, self._arrived = loop, asyncio.Event()
         else:
-            for m in self._members:
-                c = m.client
-                if c is not None and c._loop is not loop and not c.is_closed:
+            for c in clients:
+                if c._loop is not loop and not c.is_closed:
                     c._ensure_reader()  # a replacement, built off the loop
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
@@ -855,9 +958,9 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
                 result = self._after_all(method, await self._call_all_async(method, args,
                                                                             timeout))
             else:
-                m = self._utility_member()
+                m, client = self._utility_member()
                 try:
-                    result = await m.client.call_utility_async(method, *args, timeout=timeout)
+                    result = await client.call_utility_async(method, *args, timeout=timeout)
                 except EngineDeadError as e:
                     raise self._engine_died(m, e) from None
             lc.fire(UtilityEvent.REPLY_OK)
@@ -877,7 +980,7 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
                               timeout: float | None) -> list[Any]:
         targets = self._targets(method, args)
         got = await asyncio.gather(
-            *(m.client.call_utility_async(method, *args, timeout=timeout) for m in targets),
+            *(client.call_utility_async(method, *args, timeout=timeout) for _, client in targets),
             return_exceptions=True)
         outcomes = ((not isinstance(g, BaseException), g) for g in got)
         for g in got:  # a cancellation is the caller's, not an engine's outcome

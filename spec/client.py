@@ -26,6 +26,7 @@ from .machine import Machine, Transition
 
 __all__ = [
     "CLIENT",
+    "CLIENT_ASLEEP",
     "CLIENT_LIVE",
     "FULLY_AWAKE",
     "PARTIALLY_AWAKE",
@@ -63,6 +64,10 @@ FULLY_AWAKE, PARTIALLY_AWAKE = "fully_awake", "partially_awake"
 _LIVE = (S.READY, S.RUNNING, S.SLEEPING)
 CLIENT_LIVE: frozenset[ClientState] = frozenset(_LIVE)
 """Constructed and neither dead nor shut down: calls are served."""
+CLIENT_ASLEEP: frozenset[ClientState] = frozenset({S.SLEEPING})
+"""The engine is asleep or paused, as far as the client knows. A data-parallel client is in it
+while any of its serving engines' clients is (runtime/dp_client.py): until woken, it cannot
+serve every request it takes."""
 
 CLIENT: Machine[ClientState, ClientEvent] = Machine(
     name="client",
