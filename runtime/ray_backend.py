@@ -14,7 +14,15 @@ which returns the engine's exit code, and raises once the actor (or its node) is
 way the handle's ``exitcode`` is set and its sentinel becomes readable, so the client's own
 monitor reports the death; nothing in the client knows about Ray.
 
-Rule 2: no plaintext crosses hosts. An engine placed on another host is refused an ipc
+Rule 2: one engine per actor, and a relaunch ends the previous one. The data-parallel client
+relaunches an index only after its incarnation was declared dead (exit, sentinel, heartbeat
+deadline, a bad frame), and such an engine may still run: stopped, hung, or talking. So a
+launch SIGKILLs the actor's previous engine and waits, bounded, until the nanny has reaped it
+before it starts the next (``EngineStartupError`` if it will not die): two generations never
+run at once, and the replacement has a channel of its own (fresh addresses and CURVE keys,
+made by its new client) that nothing of the old one reaches.
+
+Rule 3: no plaintext crosses hosts. An engine placed on another host is refused an ipc
 address, a loopback address or plain tcp (``EngineStartupError`` before it is spawned), so
 its traffic crosses hosts only under CURVE. The engine's key pair (fresh per launch, made by
 the client) travels in the launch, over Ray's own channel: where that channel is not trusted,
@@ -67,6 +75,10 @@ _WATCH_POLL_S = 0.25
 _CALL_S = 10.0
 _JOIN_S = 5.0
 _KILL_ESCALATE_S = 2.0
+# How long a launch waits for the actor's previous engine to be reaped after its SIGKILL
+# (Rule 2): SIGKILL ends even a stopped process at once; only one stuck in the kernel (a
+# hung mount, a GPU driver) outlasts this, and then no second engine joins it.
+_PREVIOUS_GONE_S = 5.0
 # A locally started Ray holds only launches and exit codes in its object store: the least
 # Ray accepts is 75 MiB; a default (30% of memory) would just be taken from the engines.
 _LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -89,10 +101,11 @@ def import_ray() -> Any:
 class EngineNanny:
     """Runs on the engine's node as a threaded Ray actor (``max_concurrency`` >= 2, so a
     blocked ``wait`` never holds up ``terminate``). Each ``start`` is one engine, named by a
-    generation number; at most one runs at a time."""
+    generation number; at most one runs at a time: a ``start`` ends the previous one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # one launch at a time, its kill included
         self._next = 0
         self._procs: dict[int, Any] = {}  # generation -> EngineSubprocess
         self._reports: dict[int, Any] = {}  # generation -> its StartupReport
@@ -106,30 +119,51 @@ class EngineNanny:
 
     def start(self, config_type: type, config_bytes: bytes, kwargs: dict[str, Any],
               name: str) -> tuple[int, int]:
-        """Spawn the engine here; (generation, engine pid)."""
+        """Spawn the engine here; (generation, engine pid). A previous engine still running
+        is killed and reaped first (Rule 2)."""
         from .engine_launch import StartupReport, launch_engine_process
 
-        with self._lock:
-            for gen, proc in self._procs.items():
-                if proc.is_alive():
-                    raise RuntimeError(
-                        f"this Ray actor already runs an engine (pid {proc.pid}, launch {gen});"
-                        " shut its client down before launching another")
-            report_r, report_w = os.pipe()
-            kwargs = {**kwargs, "parent_pid": os.getpid(), "startup_report": report_w}
+        with self._start_lock:
+            self._end_previous()
+            with self._lock:
+                report_r, report_w = os.pipe()
+                kwargs = {**kwargs, "parent_pid": os.getpid(), "startup_report": report_w}
+                try:
+                    proc = launch_engine_process(config_type, config_bytes, kwargs, name)
+                except BaseException:
+                    os.close(report_r)
+                    raise
+                finally:
+                    os.close(report_w)  # the engine has its own copy: EOF once it exits
+                gen = self._next
+                self._next += 1
+                self._procs[gen] = proc
+                self._reports[gen] = StartupReport(report_r)
+                assert proc.pid is not None
+                return gen, proc.pid
+
+    def _end_previous(self) -> None:
+        """SIGKILL every engine of this actor still alive and wait until each is reaped.
+        Only a relaunch finds one: its client declared it dead, so nothing it still says
+        may be heard, and a stopped or hung one would never leave on its own."""
+        with self._lock:  # wait() closes a reaped one under it: kill only what is open
+            previous = [(gen, proc) for gen, proc in self._procs.items() if proc.is_alive()]
+            for gen, proc in previous:
+                logger.warning("engine %s (pid %s, launch %d) of this actor is still alive at"
+                               " a relaunch: killing it", proc.name, proc.pid, gen)
+                proc.kill()  # SIGKILL: a stopped process dies too, no SIGCONT needed
+        deadline = time.monotonic() + _PREVIOUS_GONE_S
+        for gen, proc in previous:
             try:
-                proc = launch_engine_process(config_type, config_bytes, kwargs, name)
-            except BaseException:
-                os.close(report_r)
-                raise
-            finally:
-                os.close(report_w)  # the engine has its own copy: EOF once it exits
-            gen = self._next
-            self._next += 1
-            self._procs[gen] = proc
-            self._reports[gen] = StartupReport(report_r)
-            assert proc.pid is not None
-            return gen, proc.pid
+                proc.join(max(0.0, deadline - time.monotonic()))
+                alive = proc.is_alive()
+            except ValueError:  # closed by wait(): reaped already
+                alive = False
+            if alive:
+                raise EngineStartupError(
+                    f"this Ray actor's previous engine (pid {proc.pid}, launch {gen}) is"
+                    f" still alive {_PREVIOUS_GONE_S:g} s after its SIGKILL (stuck in the"
+                    " kernel?); no replacement is started beside it")
 
     def wait(self, gen: int) -> tuple[int, str | None]:
         """Block until engine ``gen`` exits: (exit code, the start-up failure it reported)."""
@@ -534,9 +568,11 @@ class RayEngines:
                     gen, pid = ray.get(self._actors[index].start.remote(
                         config_type, config_bytes, kwargs, name), timeout=_CALL_S)
             except ray.exceptions.RayError as e:
+                # A failure raised in the actor, said as itself, not as Ray's traceback.
+                why = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
                 raise EngineStartupError(
                     f"the Ray actor for engine {index} on node {node_id} could not start it:"
-                    f" {e}") from e
+                    f" {why}") from e
             handle = RayEngineProcess(ray, self._actors[index], gen, pid, node_id, report, name)
         except BaseException:
             if report is not None:
@@ -595,7 +631,7 @@ _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
 def _check_reach(kwargs: Mapping[str, Any], node_ip: str, here_ip: str, name: str) -> None:
-    """Refuse what an engine on another host could not reach, or should not be sent (Rule 2)."""
+    """Refuse what an engine on another host could not reach, or should not be sent (Rule 3)."""
     if node_ip == here_ip:
         return  # the same host: loopback and ipc reach it
     for key in ("input_address", "output_address"):
