@@ -28,6 +28,10 @@ its traffic crosses hosts only under CURVE. The engine's key pair (fresh per lau
 the client) travels in the launch, over Ray's own channel: where that channel is not trusted,
 turn on Ray's TLS (``RAY_USE_TLS``).
 
+A Ray this module starts itself (no cluster to join) is this host's only: its node, GCS,
+raylet, object manager and workers bind and advertise 127.0.0.1 (``_start_ray``), with no
+dashboard. A cluster the caller joins keeps the addresses the caller chose.
+
 Ray is an optional extra (``pip install 'enginewire[ray]'``); it is imported when
 ``RayEngines`` is built, never by importing this module.
 """
@@ -35,6 +39,7 @@ Ray is an optional extra (``pip install 'enginewire[ray]'``); it is imported whe
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -55,6 +60,8 @@ Strategy = Literal["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"]
 STRATEGIES: tuple[str, ...] = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 
 INSTALL_HINT = "pip install 'enginewire[ray]'"
+# Where a Ray started here (no cluster to join) puts its node: reachable from this host only.
+LOCAL_RAY_IP = "127.0.0.1"
 
 # What the handle reports as the exit code when the actor died before telling one: the
 # actor's process is gone (ray.kill SIGKILLs it; a lost node is as good as killed), and the
@@ -375,7 +382,7 @@ class RayEngines:
     """``n`` engine nannies as Ray actors in one placement group, one bundle each.
 
     If Ray is not initialized, connects to ``address`` (or ``RAY_ADDRESS``) when given, else
-    starts a local instance on 127.0.0.1 (no dashboard); ``close()`` shuts down only a Ray
+    starts a local instance on loopback only (no dashboard); ``close()`` shuts down only a Ray
     this object initialized. ``resources_per_engine`` is one bundle (default a hundredth of
     a CPU; ask ``{"GPU": 1}`` for a GPU engine). ``strategy`` is the placement group's."""
 
@@ -585,23 +592,80 @@ class RayEngines:
 
 
 def _start_ray(ray: Any, address: str | None) -> tuple[Any, Any] | None:
-    """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray on 127.0.0.1, unless
-    one is initialized here already (then None). Returns the SIGTERM handlers before and
-    after ``ray.init``, for ``_stop_ray``."""
+    """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray on loopback only,
+    unless one is initialized here already (then None). Returns the SIGTERM handlers before
+    and after ``ray.init``, for ``_stop_ray``."""
     if ray.is_initialized():
         return None
     address = address or os.environ.get("RAY_ADDRESS") or None
     before = signal.getsignal(signal.SIGTERM)
     if address is None:
         # "local": a new instance even if a `ray start` cluster runs on this host.
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False,
-                 object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
-    else:
+        with _loopback_node(ray):
+            ray.init(address="local", _node_ip_address=LOCAL_RAY_IP, include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=False,
+                     object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
+        try:
+            _check_loopback(ray)
+        except BaseException:
+            _stop_ray(ray, (before, signal.getsignal(signal.SIGTERM)))
+            raise
+    else:  # the caller's cluster: its addresses are the caller's choice
         ray.init(address=address, logging_level=logging.WARNING)
     # ray.init installs a SIGTERM handler in this process (sys.exit) that ray.shutdown
     # leaves behind: _stop_ray puts the caller's back.
     return before, signal.getsignal(signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _loopback_node(ray: Any) -> Iterator[None]:
+    """Keep ``_node_ip_address="127.0.0.1"`` what it says while ``ray.init`` starts a node.
+    ray.init turns a loopback node address into this host's network address ("remotely
+    reachable": services.resolve_ip_for_localhost) unless Ray is in its single-host mode
+    (``ray_constants.ENABLE_RAY_CLUSTER`` false, as on macOS and Windows, where it keeps
+    loopback). A node on 127.0.0.1 has its GCS, raylet, object manager, agents and workers
+    listen there only; started on the host's address, they listened on every interface.
+    The flag is read at each resolution, so it is set for the call only; its subprocesses
+    are told the node address and resolve nothing."""
+    constants = ray._private.ray_constants
+    saved = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _check_loopback(ray: Any) -> None:
+    """A local Ray's addresses, each a loopback one, or ``EngineStartupError``: checked,
+    since the way to keep them there is not a public Ray option and may change."""
+    found = {f"node {n['NodeManagerAddress']}" for n in ray.nodes()}
+    found.add(f"GCS {ray.get_runtime_context().gcs_address}")
+    found.add(f"driver {ray.util.get_node_ip_address()}")
+    off = sorted(f for f in found if not is_loopback(f.split(" ", 1)[1]))
+    if off:
+        raise EngineStartupError(
+            f"the local Ray (ray {getattr(ray, '__version__', '?')}) came up off loopback"
+            f" ({', '.join(off)}), reachable from other hosts; start a Ray of your own and"
+            " join it (ray_address=, RAY_ADDRESS or ray.init before the client)")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a host or ``host:port`` (``[v6]:port``) is a loopback address."""
+    host = address.strip()
+    if host.startswith("["):
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host == "localhost" or host.startswith("localhost."):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    # ::ffff:127.0.0.1 is how a dual-stack socket shows an IPv4 loopback bind.
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool((mapped or ip).is_loopback)
 
 
 def _stop_ray(ray: Any, sigterm: tuple[Any, Any]) -> None:
@@ -627,9 +691,6 @@ def ray_session(address: str | None = None) -> Iterator[Any]:
             _stop_ray(ray, started)
 
 
-_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
-
-
 def _check_reach(kwargs: Mapping[str, Any], node_ip: str, here_ip: str, name: str) -> None:
     """Refuse what an engine on another host could not reach, or should not be sent (Rule 3)."""
     if node_ip == here_ip:
@@ -641,7 +702,7 @@ def _check_reach(kwargs: Mapping[str, Any], node_ip: str, here_ip: str, name: st
             raise EngineStartupError(f"{where}: ipc does not cross hosts ({key}={address!r});"
                                      " use transport='tcp' bound to an address it can reach")
         host = address.removeprefix("tcp://").rsplit(":", 1)[0]
-        if host.startswith(_LOOPBACK):
+        if is_loopback(host):
             raise EngineStartupError(f"{where}: {key}={address!r} is this host's loopback;"
                                      " bind the client to an address that node can reach")
     if kwargs.get("curve") is None:
@@ -652,9 +713,11 @@ def _check_reach(kwargs: Mapping[str, Any], node_ip: str, here_ip: str, name: st
 __all__ = [
     "ACTOR_DIED_EXITCODE",
     "INSTALL_HINT",
+    "LOCAL_RAY_IP",
     "EngineNanny",
     "RayEngineProcess",
     "RayEngines",
     "import_ray",
+    "is_loopback",
     "ray_session",
 ]

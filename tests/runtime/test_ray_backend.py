@@ -1,9 +1,11 @@
 """The Ray backend (runtime/ray_backend.py): engines as Ray actors, on a local cluster and on a
 two-node cluster on this host; an actor's death is an engine death; Ray missing says how to
-install it. All traffic stays on 127.0.0.1: Ray nodes and engines bind there only."""
+install it. All traffic stays on 127.0.0.1: Ray nodes and engines bind there only, and the
+tests check every address and listening socket of the Ray they run on."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -18,8 +20,9 @@ import psutil
 import pytest
 
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
+from enginewire.runtime import ray_backend
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.ray_backend import INSTALL_HINT, RayEngines, _check_reach
+from enginewire.runtime.ray_backend import INSTALL_HINT, RayEngines, _check_reach, is_loopback
 from enginewire.runtime.sync_mp_client import SyncMPClient
 from enginewire.spec import EngineDeadError, EngineStartupError
 
@@ -62,6 +65,31 @@ def gone(pid: int, bound: float = BOUND_S) -> bool:
     return False
 
 
+def assert_on_loopback(ray: Any, engines: RayEngines) -> None:
+    """Every address of the Ray this test runs on is loopback: each node (as the GCS knows
+    it), the GCS, the driver, each engine actor (as it sees itself), and every inet socket
+    that this process and its descendants (Ray's GCS, raylets, agents, workers; the engines)
+    listen on or talk over."""
+    addresses = {f"node {n['NodeManagerAddress']}" for n in ray.nodes() if n["Alive"]}
+    addresses.add(f"gcs {ray.get_runtime_context().gcs_address}")
+    addresses.add(f"driver {ray.util.get_node_ip_address()}")
+    for i in range(engines.n):
+        _, ip, _ = ray.get(engines.actor(i).where.remote(), timeout=BOUND_S)
+        addresses.add(f"actor {i} {ip}")
+    off = sorted(a for a in addresses if not is_loopback(a.rsplit(" ", 1)[1]))
+    assert not off, f"Ray addresses off loopback: {off}"
+    me = psutil.Process()
+    sockets = []
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            name = proc.name()
+            sockets += [(name, c) for c in proc.net_connections(kind="inet")]
+    assert any(c.status == psutil.CONN_LISTEN for _, c in sockets), "no Ray socket found"
+    off = sorted({f"{name}: {c.status} {c.laddr} -> {c.raddr or '-'}" for name, c in sockets
+                  if not is_loopback(c.laddr.ip) or (c.raddr and not is_loopback(c.raddr.ip))})
+    assert not off, f"sockets off loopback: {off}"
+
+
 def client_on(engines: RayEngines, index: int) -> SyncMPClient:
     return SyncMPClient(NULL, transport="tcp", engine_launcher=engines.launcher(index),
                         engine_index=index, ready_timeout_s=BOUND_S)
@@ -86,6 +114,43 @@ def test_an_engine_on_another_host_gets_no_loopback_no_ipc_no_plaintext() -> Non
                      ({"curve": None}, "plain tcp is refused")):
         with pytest.raises(EngineStartupError, match=why):
             _check_reach({**ok, **bad}, there, here, "e")
+
+
+def test_a_local_ray_is_reachable_from_this_host_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no cluster to join, the Ray the client starts is on loopback: ray.init alone
+    turned its 127.0.0.1 into this host's network address, where every Ray service listened
+    on all interfaces."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("needs Ray not initialized here (RayEngines starts its own)")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    engines = RayEngines(1, ready_timeout_s=BOUND_S)
+    try:
+        client = client_on(engines, 0)  # an engine and its tcp channel too
+        try:
+            serve_one(client, "r0")
+            assert_on_loopback(ray, engines)
+        finally:
+            client.shutdown()
+    finally:
+        engines.close()
+    assert not ray.is_initialized()
+
+
+def test_a_local_ray_off_loopback_is_refused_and_stopped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should Ray ever put its node on the host's address despite us (the single-host mode
+    that keeps it on 127.0.0.1 is not a public option), the client refuses to use it."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("needs Ray not initialized here (RayEngines starts its own)")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_backend, "_loopback_node", lambda ray: contextlib.nullcontext())
+    sigterm = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(EngineStartupError, match=r"came up off loopback \(.*node "):
+        RayEngines(1, ready_timeout_s=BOUND_S)
+    assert not ray.is_initialized()
+    assert signal.getsignal(signal.SIGTERM) is sigterm
 
 
 def test_local_cluster_serves_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +239,7 @@ def test_strict_spread_places_engines_apart_and_one_death_spares_the_other(
         clients = [client_on(engines, i) for i in range(2)]
         for i, client in enumerate(clients):
             serve_one(client, f"warm{i}")
+        assert_on_loopback(ray, engines)
         dead_pid = clients[0].engine_pid
         assert dead_pid is not None
 
