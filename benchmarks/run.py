@@ -21,8 +21,8 @@ from typing import Any
 
 from .._command import MissingError, Parser, UsageError, require, run_handler, writable_file
 
-__all__ = ["SECTIONS", "TARGETS", "add_arguments", "bench_command", "collect", "main",
-           "run_bench"]
+__all__ = ["DP_ENGINES", "SECTIONS", "TARGETS", "add_arguments", "bench_command", "collect",
+           "main", "run_bench"]
 
 SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model", "dp")
 
@@ -180,9 +180,27 @@ def _model_rows(quick: bool) -> list[dict[str, Any]]:
     ]
 
 
-def collect(quick: bool, only: list[str] | None = None, engines: int = 2
+DP_ENGINES = 2  # the dp section's engines when none are named: the full run's, as issue 29's bar
+
+
+def _selection(only: list[str] | None, engines: int) -> set[str]:
+    """The sections ``only`` selects (all when None), each one's arguments checked before
+    anything is measured: a section refusing them at its turn would lose the run before it
+    (the dp section once refused the CLI's default ``--engines 1`` after 13 s of measuring)."""
+    sel = set(SECTIONS if not only else only)
+    unknown = sel - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown benchmark sections {sorted(unknown)}; known: {SECTIONS}")
+    if "dp" in sel and (isinstance(engines, bool) or not isinstance(engines, int)
+                        or engines < 2):
+        raise ValueError(f"engines={engines!r}: the dp section compares N >= 2 engines with one")
+    return sel
+
+
+def collect(quick: bool, only: list[str] | None = None, engines: int = DP_ENGINES
             ) -> list[dict[str, Any]]:
-    """Run the selected sections; return their rows, not yet judged."""
+    """Run the selected sections; return their rows, not yet judged. ``engines``: the dp
+    section's (ValueError below 2, before anything runs)."""
     from .floor import freeze_heap
     from .ipc import (
         bench_async,
@@ -195,10 +213,7 @@ def collect(quick: bool, only: list[str] | None = None, engines: int = 2
         peers,
     )
 
-    sel = set(SECTIONS if not only else only)
-    unknown = sel - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"unknown benchmark sections {sorted(unknown)}; known: {SECTIONS}")
+    sel = _selection(only, engines)
     p = _params(quick)
     ks: tuple[int, ...] = p["ks"]
     k_max = max(ks)
@@ -412,7 +427,7 @@ def run_bench(
     json_out: str | None = None,
     plot_out: str | None = None,
     only: list[str] | None = None,
-    engines: int = 2,
+    engines: int = DP_ENGINES,
     contended: int | None = None,
 ) -> int:
     """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed.
@@ -422,7 +437,9 @@ def run_bench(
 
     The output paths (and matplotlib, for a plot) are checked before anything runs: ValueError
     for a path that cannot be written, ImportError without matplotlib, FileNotFoundError when
-    ``only`` names the model section and the SmolLM2 weights are not installed."""
+    ``only`` names the model section and the SmolLM2 weights are not installed, ValueError
+    for an unknown section or fewer than 2 ``engines`` for the dp section."""
+    _selection(only, engines)
     for path in (json_out, plot_out):
         if path:
             _check_output(path)
@@ -492,9 +509,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", metavar="SECTIONS",
                         help="comma-separated subset of: " + ", ".join(SECTIONS))
     parser.add_argument(
-        "--engines", type=int, default=1, metavar="N",
-        help="data parallel: N engines' tokens/s over one engine's on compute-bound steps, and "
-        "the routing cost per request (alone, the dp section only; the full run uses 2)")
+        "--engines", type=int, metavar="N",
+        help="data parallel: N >= 2 engines' tokens/s over one engine's on compute-bound steps,"
+        " and the routing cost per request (alone: the dp section only; the full and quick"
+        f" runs' dp section uses {DP_ENGINES})")
     parser.add_argument(
         "--contended", type=int, nargs="?", const=0, default=None, metavar="N",
         help="run beside N CPU-bound processes (default: one per core), as a serving host's"
@@ -548,14 +566,16 @@ def bench_command(args: argparse.Namespace) -> int:
         missing = _model_missing()
         if missing is not None:
             raise MissingError(f"--only model: {missing}")
-    if args.engines < 1:
-        raise UsageError(f"--engines {args.engines}: must be at least 1")
-    if args.engines > 1 and not only:
-        only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
-    elif only and "dp" in only and args.engines == 1:
-        args.engines = 2
+    engines = DP_ENGINES
+    if args.engines is not None:
+        if args.engines < 2:
+            raise UsageError(f"--engines {args.engines}: the dp section compares N engines with"
+                             " one; give N >= 2")
+        engines = args.engines
+        if not only:
+            only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
     return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only,
-                         engines=args.engines, contended=contended))
+                         engines=engines, contended=contended))
 
 
 def main(argv: list[str] | None = None) -> int:
