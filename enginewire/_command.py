@@ -130,7 +130,8 @@ def writable_file(flag: str, path: str) -> None:
 
 def run_handler(handler: Handler, args: argparse.Namespace, prog: str) -> int:
     """``handler(args)``'s exit status; what it raised, as the exit codes say (cli.py's
-    docstring), with one line on stderr that starts ``<prog>: error:``."""
+    docstring), with one line on stderr that starts ``<prog>: error:``; any exception not
+    named below is exit 1 with that line (``_unexpected``), never a traceback."""
     try:
         return handler(args)
     except UsageError as exc:
@@ -142,7 +143,7 @@ def run_handler(handler: Handler, args: argparse.Namespace, prog: str) -> int:
     except ModuleNotFoundError as exc:
         # The safety net behind require: an optional package a job reached for late.
         if exc.name is None or exc.name.partition(".")[0] not in EXTRAS:
-            raise
+            return _unexpected(prog, exc)
         print(f"{prog}: error: {missing_line(exc.name.partition('.')[0], 'this command')}",
               file=sys.stderr)
         return EXIT_ENV
@@ -155,3 +156,30 @@ def run_handler(handler: Handler, args: argparse.Namespace, prog: str) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended
+    except Exception as exc:
+        return _unexpected(prog, exc)
+
+
+def _unexpected(prog: str, exc: BaseException) -> int:
+    """An exception no handler expected (a bug, ours or a dependency's): one line that names
+    it and where its traceback went, and exit 1, the job failed. The exit codes are the
+    contract a script or CI reads, and a traceback on stderr is not one; the traceback goes to
+    a private file (mkstemp: 0600, a name no other user can predict) for the bug report."""
+    import tempfile
+    import traceback
+
+    text = " ".join(str(exc).split())  # one line, whatever the message holds
+    if len(text) > 300:
+        text = text[:297] + "..."
+    where = "its traceback could not be saved"
+    try:
+        fd, path = tempfile.mkstemp(prefix="enginewire-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"{prog}\n")
+            traceback.print_exception(exc, file=f)
+        where = f"traceback in {path}"
+    except OSError:
+        pass
+    print(f"{prog}: error: unexpected {type(exc).__name__}"
+          f"{': ' + text if text else ''} (a bug: please report it; {where})", file=sys.stderr)
+    return EXIT_FAILED

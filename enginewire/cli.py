@@ -2,8 +2,10 @@
 
 Exit codes mean the same thing everywhere:
 0 the job ran and everything it checked held; 1 a check failed (a property, a campaign, a
-fault cell, a benchmark bar); 2 bad usage; 3 the environment is missing something (a tool,
-a model file); 130 interrupted; 141 stdout's reader went away (`| head`), quietly.
+fault cell, a benchmark bar) or the job stopped on an error nothing expected (a bug: one line
+naming it and the private file holding its traceback, never the traceback itself); 2 bad
+usage; 3 the environment is missing something (a tool, a model file); 130 interrupted; 141
+stdout's reader went away (`| head`), quietly.
 Each subcommand imports its machinery lazily so ``--help`` stays instant.
 
 Bad usage is one line on stderr that names the flag, and exit status 2: a value out of range,
@@ -384,9 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
             "model-check the spec, run campaigns and fault matrices against a real engine, "
             "benchmark the IPC layer, or serve an engine."
         ),
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage (one line on stderr: a bad value, "
-        "an unknown name, an output path that cannot be written), 3 missing tool or file, "
-        "130 interrupted, 141 stdout closed by its reader.",
+        epilog="Exit codes: 0 ok, 1 a check failed, or an unexpected error (one line on stderr "
+        "naming it and the file holding its traceback), 2 bad usage (one line on stderr: a bad "
+        "value, an unknown name, an output path that cannot be written), 3 missing tool or "
+        "file, 130 interrupted, 141 stdout closed by its reader.",
     )
     parser.add_argument("--version", action="version", version=f"enginewire {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
