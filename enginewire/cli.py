@@ -455,8 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--client",
         choices=("inproc", "sync", "async", "standalone", "all"),
         default="all",
-        help="which client to drive (default: all: inproc, sync and async); standalone: sync"
-        " and async front ends taking turns on one engine started on its own",
+        help="which client to drive (default: all). standalone: sync and async front ends"
+        " taking turns on one engine started on its own. all: every kind, the time split"
+        " evenly: inproc, sync, async and standalone on one engine each, then dp-sync and"
+        " dp-async, the data-parallel clients on 2 engines (the fewest with a membership to"
+        " lose one of; about half of a short run's time on 2 cores); with --engines N only"
+        " the data-parallel clients, on N; with --mutant/--mutants the one-engine kinds",
     )
     camp.add_argument("--examples", type=_int_in(1), default=10,
                       help="Hypothesis examples per client (>= 1)")
@@ -494,7 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     camp.add_argument(
         "--model-coverage", action="store_true",
         help="also measure coverage against the transitions the composed model reaches (one"
-        " exhaustive exploration, tens of seconds; in the JSON as coverage.composed_model)")
+        " exhaustive exploration, tens of seconds; --client all, whose kinds run on one engine"
+        " and on two, against what either model reaches: two; in the JSON as"
+        " coverage.composed_model)")
     camp.add_argument(
         "--mutants",
         choices=("all",),
@@ -513,8 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     camp.add_argument(
         "--engines", type=_int_in(1), default=1, metavar="N",
-        help="engine cores per client (default 1); N > 1 runs the data-parallel machine (kill"
-        " one of N, restarts, broadcast utilities) on the sync and async clients",
+        help="engine cores per client (default 1; --client all adds the data-parallel clients"
+        " on 2); N > 1 runs only the data-parallel machine (kill one of N, restarts,"
+        " broadcast utilities) on the sync and async clients",
     )
     camp.add_argument(
         "--backend", choices=("mp", "ray"), default="mp",

@@ -66,22 +66,27 @@ __all__ = [
 ]
 
 # "standalone": sync and async front ends taking turns on one engine started on its own
-# (stateful.StandaloneEngineStateMachine). Not in "all": a duration run splits its time
-# between the clients. A handover costs a client start and an attach (the engine answers
-# at the new connection's handshake, about 10 ms after the bind). The mutants of the attach
-# path name it alone (only an engine that outlives its front end can show them), so mutant
-# runs on "all" include it for them.
+# (stateful.StandaloneEngineStateMachine). A handover costs a client start and an attach (the
+# engine answers at the new connection's handshake, about 10 ms after the bind). The mutants
+# of the attach path name it alone (only an engine that outlives its front end can show them).
 CLIENTS = ("inproc", "sync", "async", "standalone")
-ALL_CLIENTS = ("inproc", "sync", "async")
 PROFILES = ("ci", "campaign")
 # The data-parallel machine (stateful_dp.py): its clients, and the backends that place engines.
 DP_CLIENTS = ("sync", "async")
 DP_BACKENDS = ("mp", "ray")
+# "all" is every client kind: a bug that shows only on an engine started on its own (its
+# heartbeat, its hand-over) or only over several engines (membership, a broadcast) must be
+# in the campaign a user runs by default. The data-parallel clients get 2 engines: the
+# fewest that have a membership to lose one of, and what 2 cores run without queueing; they
+# add about half to the README's quick run (29 of 60 s on the tiny model, 2 cores).
+ALL_DP_ENGINES = 2
+ALL_CLIENTS = (*CLIENTS, *(f"dp-{k}" for k in DP_CLIENTS))
 _THREADS_ENV = "ENGINEWIRE_ENGINE_THREADS"
 
 @dataclass
 class ClientResult:
     client: str
+    engine_cores: int = 1  # per client: more than one on the data-parallel machine
     examples: int = 0
     steps: int = 0
     seconds: float = 0.0
@@ -400,6 +405,15 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     return result, stats.coverage
 
 
+def _kind_of(label: str, dp: tuple[int, str] | None) -> tuple[str, tuple[int, str] | None]:
+    """The client kind and the data-parallel setting (engines, backend; None: one engine) a
+    run's entry drives: ``dp-sync`` and ``dp-async`` (``all``'s) are the data-parallel clients
+    on ``ALL_DP_ENGINES`` local engines; any other kind runs as the whole run does (``dp``)."""
+    if label.startswith("dp-"):
+        return label.removeprefix("dp-"), (ALL_DP_ENGINES, "mp")
+    return label, dp
+
+
 def _round_examples(examples: int, left_s: float, ran: int, took_s: float) -> int:
     """The examples of a duration run's next round: ``examples``, or as many as the
     ``left_s`` seconds hold at the pace so far (``ran`` examples in ``took_s``); 0 when not
@@ -472,7 +486,9 @@ def _print_report(results: list[ClientResult], coverage: dict[str, Any], out: An
           " or with --verbose\n")
     model = coverage.get("composed_model")
     if model is not None:
-        w(f"against the {model['model']} composed model: {model['reached']}/{model['reaches']}"
+        models = "models" if " and " in model["model"] else "model"
+        w(f"against the {model['model']} composed {models}:"
+          f" {model['reached']}/{model['reaches']}"
           f" of the transitions it reaches ({model['percent']} %); {len(model['missed'])}"
           f" missed, {len(model['beyond_model'])} reached beyond its bounds\n")
         if verbose:
@@ -592,9 +608,9 @@ def run_campaign(
         if client == "all":
             print(f"data parallel: {engines} engines ({backend}) on sync and async; inproc"
                   " does not apply (one engine in this process)", flush=True)
-    if client == "all" and (mutants_all or mutant is not None):
-        # Each mutant runs only on the clients its bank entry names: "standalone" is there
-        # for the attach-path mutants and for no other.
+    if client == "all" and (mutants_all or mutant is not None or mutants.active()):
+        # Each mutant runs only on the clients its bank entry names, all of them one-engine
+        # kinds (the bank seeds bugs in the one-engine clients and the attach path).
         kinds = list(CLIENTS)
     if (mutants_all or mutant is not None) and mutants.active() is None and (
             duration is not None and seed is None):
@@ -738,11 +754,13 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                         rate = count[0] / max(1e-9, time.monotonic() - t0)
                         prog.update(task, completed=count[0], rate=f"{rate:.1f} steps/s")
 
-            res, cov = _run_client(kind, examples=examples, steps=steps, seed=seed,
+            machine_kind, kind_dp = _kind_of(kind, dp)
+            res, cov = _run_client(machine_kind, examples=examples, steps=steps, seed=seed,
                                    faults=faults, duration=share, model=model,
                                    profile=profile, results_dir=out_dir,
                                    shrink=not stop_at_first, progress=tick, factory=factory,
-                                   dp=dp)
+                                   dp=kind_dp)
+            res.client, res.engine_cores = kind, 1 if kind_dp is None else kind_dp[0]
             results.append(res)
             coverage.merge(cov)
             if stop_at_first and res.failure is not None:
@@ -756,8 +774,9 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     cov = coverage.report()
     # An engine-side machine is observed where a drained engine trace had any step of it.
     observed = frozenset(k[0] for k in coverage.seen)
+    data_parallel = [_kind_of(r.client, dp)[1] is not None for r in results]
     never = [{"transition": t,
-              "why": _why_unreached(t, observed=observed, data_parallel=dp is not None)}
+              "why": _why_unreached(t, observed=observed, data_parallel=any(data_parallel))}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
     # Hits per transition reached (the HTML page colours each by its count).
@@ -766,7 +785,11 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     if model_coverage:
         from .model_coverage import compare_with_model
 
-        cov["composed_model"] = compare_with_model(cov, data_parallel=dp is not None)
+        # A run of one-engine and data-parallel clients ("all") is measured against what
+        # either model reaches (None), as each kind drives only its own model's rows.
+        cov["composed_model"] = compare_with_model(
+            cov, data_parallel=(None if any(data_parallel) and not all(data_parallel)
+                                else any(data_parallel)))
     _print_report(results, cov, sys.stdout, verbose=verbose)
     report = {
         "clients": [dict(r.__dict__, steps_per_s=round(r.steps_per_s, 2),

@@ -33,17 +33,25 @@ def model_reach(data_parallel: bool = False) -> tuple[frozenset[str], float]:
     return frozenset(names), time.perf_counter() - t0
 
 
-def compare_with_model(coverage: dict[str, Any], *, data_parallel: bool = False
+def compare_with_model(coverage: dict[str, Any], *, data_parallel: bool | None = False
                        ) -> dict[str, Any]:
     """The report's ``composed_model`` section: how much of what the model reaches this run
     reached, each missed row with the reason the report gives it, and the rows the run
-    reached beyond the model's bounds."""
-    model, seconds = model_reach(data_parallel)
+    reached beyond the model's bounds. ``data_parallel`` None: a run of one-engine and
+    data-parallel clients (``--client all``), measured against what either model reaches
+    (two explorations)."""
+    if data_parallel is None:
+        one, one_s = model_reach(False)
+        two, two_s = model_reach(True)
+        model, seconds, name = one | two, one_s + two_s, "one-engine and two-engine"
+    else:
+        model, seconds = model_reach(data_parallel)
+        name = "two-engine" if data_parallel else "one-engine"
     reached = set(coverage["transition_counts"])
     why = {item["transition"]: item["why"] for item in coverage["never_reached"]}
     hit = model & reached
     return {
-        "model": "two-engine" if data_parallel else "one-engine",
+        "model": name,
         "reaches": len(model),
         "reached": len(hit),
         "percent": round(100 * len(hit) / len(model), 1) if model else 100.0,
