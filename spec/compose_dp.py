@@ -8,10 +8,10 @@ the machine tables of this package, and an event the tables forbid is a violatio
 (``membership.py``), and the client reads its named sets (``MEMBER_ROUTABLE``,
 ``MEMBER_LEFT``) exactly as the runtime does.
 Rule 2: this model is about what data parallelism adds, so everything one engine already
-does is left to the one-engine model: no power calls, aborts, attach, hangs or corrupt
-frames here. It is bounded: ``N`` engines, ``REQS`` request slots (ids, reusable once
-finished), one utility call, ``BUDGET`` owner actions, ``FAULTS`` engine deaths, channels of
-``IN_CAP`` and ``OUT_CAP`` frames.
+does is left to the one-engine model: no aborts, attach, hangs or corrupt frames here, and of
+power only what a group adds (below). It is bounded: ``N`` engines, ``REQS`` request slots
+(ids, reusable once finished), one utility call, one power call, ``BUDGET`` owner actions,
+``FAULTS`` engine deaths, channels of ``IN_CAP`` and ``OUT_CAP`` frames.
 
 The owner constructs the client with or without restarts (``restart_dead_engines``). The
 constructor waits for every engine's handshake; an engine lost before then fails the
@@ -29,6 +29,17 @@ when no member is in ``MEMBER_LEFT``. shutdown() ends every member at once (an e
 after it loops in SHUT_DOWN), kills every engine and fails what is still live; a second
 shutdown() changes nothing.
 
+Power (sleep and wake-up, pause and resume alike): the owner's power call goes to every
+serving engine; each engine sleeps, or wakes fully or partly (some memory still asleep), and
+replies. Each member's client follows its own engine's replies, a late one too (``mslp``:
+that client is in ``CLIENT_ASLEEP``); the owner may stop waiting (its timeout) while replies
+are in flight, and a target may die first. The group's client state is derived, after every
+reply, death and restart, from its serving members: in ``CLIENT_ASLEEP`` while any of them
+is, awake (WAKE_ACKED, fully) once none is; a replacement starts awake. So the client never
+claims a state its engines are not in, and no power reply can find the client in a state
+with no row for it (``dp_power_follows_engines``, ``dp_spec_conformance``). Requests are
+stepped whatever the power state: what sleeping does to them is the one-engine model's.
+
 Every frame carries the incarnation of the engine it was sent to or by, so the model can
 tell a frame meant for a predecessor from one meant for its replacement
 (``dp_fresh_channel``). Negative controls (``BUGS``) are one-line deviations, carried by the
@@ -42,7 +53,15 @@ from enum import Enum
 from typing import Any
 
 from ._compose_world import StepBase
-from .client import CLIENT, CLIENT_LIVE, ClientEvent, ClientState
+from .client import (
+    CLIENT,
+    CLIENT_ASLEEP,
+    CLIENT_LIVE,
+    FULLY_AWAKE,
+    PARTIALLY_AWAKE,
+    ClientEvent,
+    ClientState,
+)
 from .compose import Action, _ix, _Table
 from .engine import ENGINE, EngineEvent, EngineState
 from .membership import (
@@ -83,10 +102,13 @@ IN_CAP = 2
 OUT_CAP = 2
 
 # ---- frames: kind in the low 3 bits, request slot in bit 3, incarnation above ---------------
-IN_MSGS = ("ADD", "UTIL")
-OUT_MSGS = ("HS", "FIN", "UREPLY", "DEAD")
-I_ADD, I_UTIL = 1, 2
-O_HS, O_FIN, O_UREPLY, O_DEAD = 1, 2, 3, 4
+IN_MSGS = ("ADD", "UTIL", "SLEEP", "WAKE")
+OUT_MSGS = ("HS", "FIN", "UREPLY", "DEAD", "SLEPT", "WOKE")
+I_ADD, I_UTIL, I_SLEEP, I_WAKE = 1, 2, 3, 4
+O_HS, O_FIN, O_UREPLY, O_DEAD, O_SLEPT, O_WOKE = 1, 2, 3, 4, 5, 6
+# The owner's power call: none, a sleep or a wake-up (the frame's slot bit, on a WOKE reply,
+# says whether that engine is fully awake).
+P_NONE, P_SLEEP, P_WAKE = 0, 1, 2
 
 
 def frame(kind: int, slot: int, gen: int) -> int:
@@ -95,9 +117,9 @@ def frame(kind: int, slot: int, gen: int) -> int:
 
 # ---- world layout ----------------------------------------------------------------------------
 _GLOBAL = ("client", "started", "restart_on", "util", "uown", "ugen", "closing", "budget",
-           "faults")
+           "faults", "pcall", "pmask", "ppart", "pfail")
 _PER_REQ = ("creq", "own", "ogen", "ereq")  # own/ogen: the engine and incarnation it went to
-_PER_ENGINE = ("mem", "eng", "gen", "inq", "outq", "exited", "seen")
+_PER_ENGINE = ("mem", "eng", "gen", "inq", "outq", "exited", "seen", "asleep", "mslp")
 FIELDS: tuple[str, ...] = (
     *_GLOBAL,
     *(f"{name}{r}" for name in _PER_REQ for r in range(REQS)),
@@ -105,14 +127,19 @@ FIELDS: tuple[str, ...] = (
     "bad",
 )
 _AT = {name: i for i, name in enumerate(FIELDS)}
-C, STARTED, RESTART_ON, UTIL, UOWN, UGEN, CLOSING, BUDGET_LEFT, FAULTS_LEFT = (
-    _AT[n] for n in _GLOBAL)
+(C, STARTED, RESTART_ON, UTIL, UOWN, UGEN, CLOSING, BUDGET_LEFT, FAULTS_LEFT, PCALL, PMASK,
+ PPART, PFAIL) = (_AT[n] for n in _GLOBAL)
 CREQ, OWN, OGEN, EREQ = (tuple(_AT[f"{n}{r}"] for r in range(REQS)) for n in _PER_REQ)
-MEM, ENG, GEN, INQ, OUTQ, EXITED, SEEN = (tuple(_AT[f"{n}{i}"] for i in range(N))
-                                          for n in _PER_ENGINE)
+MEM, ENG, GEN, INQ, OUTQ, EXITED, SEEN, ASLEEP, MSLP = (
+    tuple(_AT[f"{n}{i}"] for i in range(N)) for n in _PER_ENGINE)
 BAD = _AT["bad"]
 # started: the owner has constructed the client (choosing restarts or not); seen: the monitor
-# reported the exit of this incarnation.
+# reported the exit of this incarnation; asleep: the engine sleeps (some memory asleep);
+# mslp: the member's client believes it does (it followed a power reply of this incarnation's).
+# pcall: the owner's power call in progress (P_*), pmask: the engines it still waits for (a
+# bit each); under the negative control power_follows_combined_reply only (nothing else reads
+# them, so SPIN keeps them out of its state vector elsewhere): ppart, one of them woke only
+# partly; pfail, one died before replying or the owner stopped waiting.
 NO_UTIL = -1
 World = tuple[Any, ...]
 
@@ -126,6 +153,7 @@ BUGS = (
     "client_dies_with_first_member",
     "replacement_unmonitored",
     "reader_forgets_replacement",
+    "power_follows_combined_reply",
 )
 
 # The machines whose every row this model must exercise (the others are the one-engine
@@ -142,6 +170,7 @@ US, UE = UtilityState, UtilityEvent
 
 C_CONSTRUCTING, C_DEAD, C_SHUTDOWN = _ix(CS.CONSTRUCTING), _ix(CS.DEAD), _ix(CS.SHUTDOWN)
 C_LIVE = frozenset(_ix(s) for s in CLIENT_LIVE)
+C_ASLEEP = frozenset(_ix(s) for s in CLIENT_ASLEEP)
 M_STARTING, M_SERVING, M_DEAD, M_RESTARTING, M_SHUT_DOWN = (_ix(s) for s in MS)
 M_ROUTABLE = frozenset(_ix(s) for s in MEMBER_ROUTABLE)
 M_LEFT = frozenset(_ix(s) for s in MEMBER_LEFT)
@@ -226,6 +255,47 @@ class DPComposition:
                                                     and s.w[UGEN] == s.w[GEN[i]])):
             self._fail_call(s, i)
 
+    def _derive_power(self, s: _Step) -> None:
+        """The group's client state from its serving members' (the runtime's
+        ``_DPClient._follow_members_power``): asleep while any is, awake once none is."""
+        if self.bug == "power_follows_combined_reply" or s.w[C] not in C_LIVE:
+            return
+        serving = [i for i in range(N) if s.w[MEM[i]] in M_ROUTABLE]
+        if not serving:
+            return
+        asleep = any(s.w[MSLP[i]] for i in serving)
+        if asleep and s.w[C] not in C_ASLEEP:
+            s.fire(C, self.t_client, CE.SLEEP_ACKED)
+        elif not asleep and s.w[C] in C_ASLEEP:
+            s.fire(C, self.t_client, CE.WAKE_ACKED, FULLY_AWAKE)
+
+    def _power_settled(self, s: _Step, i: int, *, partial: bool = False,
+                       died: bool = False) -> None:
+        """Engine ``i`` answered the owner's power call, or died before it did."""
+        bit = 1 << i
+        if not s.w[PMASK] & bit:
+            return  # a late reply, or an engine the call did not go to
+        s.w[PMASK] &= ~bit
+        if self.bug == "power_follows_combined_reply":  # only its combined reply reads them
+            s.w[PPART] |= partial
+            s.w[PFAIL] |= died
+        if not s.w[PMASK]:
+            self._power_ends(s)
+
+    def _power_ends(self, s: _Step) -> None:
+        """The owner's power call returns (every target answered or died, or it gave up).
+        BUG power_follows_combined_reply: the client moves only on a call every target
+        answered in time, by their combined reply (as the runtime did before issue 44)."""
+        if (self.bug == "power_follows_combined_reply" and not s.w[PFAIL]
+                and s.w[C] in C_LIVE):
+            if s.w[PCALL] == P_SLEEP:
+                s.fire(C, self.t_client, CE.SLEEP_ACKED)
+            else:
+                s.fire(C, self.t_client, CE.WAKE_ACKED,
+                       PARTIALLY_AWAKE if s.w[PPART] else FULLY_AWAKE)
+        s.w[PCALL] = P_NONE
+        s.w[PMASK] = s.w[PPART] = s.w[PFAIL] = 0
+
     def _close_channel(self, s: _Step, i: int) -> None:
         if self.bug != "restart_reuses_channel":
             s.w[INQ[i]] = s.w[OUTQ[i]] = ()
@@ -246,18 +316,21 @@ class DPComposition:
             return
         if bug != "fail_only_when_client_dies":
             self._fail_owned(s, i, everyone=bug == "death_fails_every_engine")
+        self._power_settled(s, i, died=True)
         self._close_channel(s, i)
         if before == M_SERVING and s.w[RESTART_ON]:
             s.fire(MEM[i], self.t_mem, ME.RESTART)
             s.w[GEN[i]] += 1  # a new incarnation: a new process with a fresh channel
             s.w[ENG[i]] = E_CONSTRUCTING
             s.w[EXITED[i]] = s.w[SEEN[i]] = 0
+            s.w[ASLEEP[i]] = s.w[MSLP[i]] = 0  # it starts awake, and its client with it
         left = any(s.w[MEM[j]] in M_LEFT for j in range(N))
         if not left or (bug == "client_dies_with_first_member" and s.w[C] != C_DEAD):
             s.fire(C, self.t_client, CE.ENGINE_DIED)
             if bug == "fail_only_when_client_dies":  # the one-engine client's death path
                 for j in range(N):
                     self._fail_owned(s, j)
+        self._derive_power(s)
 
     def _engine_exits(self, s: _Step, i: int) -> None:
         """The process is gone, and every request it held with it."""
@@ -309,7 +382,7 @@ class DPComposition:
         for i in range(N):
             def add_request(w: World, i: int = i) -> Iterator[tuple[str, World]]:
                 if not (owner_may_call(w) and w[C] in C_LIVE and routable(w, i)
-                        and len(w[INQ[i]]) < IN_CAP):
+                        and w[PCALL] == P_NONE and len(w[INQ[i]]) < IN_CAP):
                     return
                 free = [r for r in range(REQS) if w[CREQ[r]] in Q_FREE]
                 if not free:
@@ -324,7 +397,8 @@ class DPComposition:
                 yield f"add_request_{i}", s.freeze()
 
             def call_utility(w: World, i: int = i) -> Iterator[tuple[str, World]]:
-                if not (owner_may_call(w) and w[UTIL] == NO_UTIL and w[C] in C_LIVE
+                if not (owner_may_call(w) and w[UTIL] == NO_UTIL and w[PCALL] == P_NONE
+                        and w[C] in C_LIVE
                         and routable(w, i) and len(w[INQ[i]]) < IN_CAP):
                     return
                 s = _Step(self, w)
@@ -335,6 +409,41 @@ class DPComposition:
 
             add("user", f"add_request_{i}", add_request)
             add("user", f"call_utility_{i}", call_utility)
+
+        def power_call(w: World) -> Iterator[tuple[str, World]]:
+            # One call of the owner's at a time, none while a request is live (bounds: what
+            # the model must show is a power call against deaths, restarts, late replies and
+            # its own timeout; requests beside a sleep are the one-engine model's).
+            if not (owner_may_call(w) and w[PCALL] == P_NONE and w[UTIL] == NO_UTIL
+                    and w[C] in C_LIVE and not any(w[q] in Q_LIVE for q in CREQ)):
+                return
+            targets = [i for i in range(N) if routable(w, i)]
+            if not targets or any(len(w[INQ[i]]) >= IN_CAP for i in targets):
+                return
+            # As its client's state says, the owner sleeps an awake client and wakes a sleeping
+            # one (the other calls are loops the one-engine model has).
+            asleep = w[C] in C_ASLEEP
+            for call, kind, label in ((P_SLEEP, I_SLEEP, "sleep"), (P_WAKE, I_WAKE, "wake_up")):
+                if (call == P_WAKE) != asleep:
+                    continue
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.w[PCALL] = call
+                for i in targets:
+                    s.w[PMASK] |= 1 << i
+                    route(s, i, kind, 0)
+                yield label, s.freeze()
+
+        def power_gives_up(w: World) -> Iterator[tuple[str, World]]:
+            if w[PCALL] != P_NONE and w[PMASK]:
+                s = _Step(self, w)  # its timeout: the replies still due come late
+                if self.bug == "power_follows_combined_reply":
+                    s.w[PFAIL] = 1
+                self._power_ends(s)
+                yield "power_call_times_out", s.freeze()
+
+        add("user", "power_call", power_call)
+        add("user", "power_call_times_out", power_gives_up)
 
         def shutdown(w: World) -> Iterator[tuple[str, World]]:
             if owner_may_call(w) and (w[C] in C_LIVE or w[C] == C_DEAD):
@@ -373,6 +482,8 @@ class DPComposition:
                         s.fire(CREQ[r], self.t_creq, QE.FINISH_ERROR)
                 if s.w[UTIL] == U_PENDING:
                     s.fire(UTIL, self.t_util, UE.CLIENT_SHUTDOWN)
+                s.w[PCALL] = P_NONE
+                s.w[PMASK] = s.w[PPART] = s.w[PFAIL] = 0
                 yield "shutdown_finish", s.freeze()
 
         add("client", "shutdown_finish", finish)
@@ -396,6 +507,7 @@ class DPComposition:
                         s.fire(C, self.t_client, CE.HANDSHAKE_OK)
                     if bug == "replay_on_restart":
                         self._replay(s, i)
+                    self._derive_power(s)
                 elif kind == O_FIN:
                     if s.w[CREQ[r]] in Q_LIVE and owns(s.w, r, i):
                         s.fire(CREQ[r], self.t_creq, QE.FINISH_STOP)
@@ -406,6 +518,12 @@ class DPComposition:
                         s.fire(UTIL, self.t_util, UE.REPLY_OK)
                     else:
                         s.flag("dp_request_ends_once")
+                elif kind in (O_SLEPT, O_WOKE):
+                    # The member's client follows its engine, in time or late; then the group.
+                    full = kind == O_WOKE and r == 1
+                    s.w[MSLP[i]] = 0 if full else 1
+                    self._power_settled(s, i, partial=kind == O_WOKE and not full)
+                    self._derive_power(s)
                 else:  # O_DEAD, the sentinel
                     self._notice(s, i)
                 yield f"receive_output_{i}", s.freeze()
@@ -438,18 +556,29 @@ class DPComposition:
                 if not (not w[EXITED[i]] and w[INQ[i]] and w[ENG[i]] in E_LOOP
                         and len(w[OUTQ[i]]) < OUT_CAP):
                     return
-                s = _Step(self, w)
-                msg, s.w[INQ[i]] = s.w[INQ[i]][0], s.w[INQ[i]][1:]
+                msg = w[INQ[i]][0]
                 kind, r = msg & 7, (msg >> 3) & 1
-                if msg >> 4 != s.w[GEN[i]]:
-                    s.flag("dp_fresh_channel")  # a frame sent to the predecessor
-                elif kind == I_ADD:
-                    s.fire(EREQ[r], self.t_ereq, RE.ADD)
-                    if s.w[ENG[i]] == E_IDLE:
-                        s.fire(ENG[i], self.t_engine, EE.WORK_ARRIVED)
-                else:  # I_UTIL
-                    s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_UREPLY, 0, s.w[GEN[i]]))
-                yield f"engine_receive_{i}", s.freeze()
+                # A wake-up of a sleeping engine may leave some memory asleep (a partial one).
+                for partial in ((False, True) if kind == I_WAKE and w[ASLEEP[i]] else (False,)):
+                    s = _Step(self, w)
+                    s.w[INQ[i]] = s.w[INQ[i]][1:]
+                    if msg >> 4 != s.w[GEN[i]]:
+                        s.flag("dp_fresh_channel")  # a frame sent to the predecessor
+                    elif kind == I_ADD:
+                        s.fire(EREQ[r], self.t_ereq, RE.ADD)
+                        if s.w[ENG[i]] == E_IDLE:
+                            s.fire(ENG[i], self.t_engine, EE.WORK_ARRIVED)
+                    elif kind == I_UTIL:
+                        s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_UREPLY, 0, s.w[GEN[i]]))
+                    elif kind == I_SLEEP:
+                        s.w[ASLEEP[i]] = 1
+                        s.w[OUTQ[i]] = (*s.w[OUTQ[i]], frame(O_SLEPT, 0, s.w[GEN[i]]))
+                    else:  # I_WAKE
+                        s.w[ASLEEP[i]] = int(partial)
+                        s.w[OUTQ[i]] = (*s.w[OUTQ[i]],
+                                        frame(O_WOKE, int(not partial), s.w[GEN[i]]))
+                    yield (f"engine_receive_{i}" if not partial
+                           else f"engine_wakes_partly_{i}"), s.freeze()
 
             def step(w: World, i: int = i) -> Iterator[tuple[str, World]]:
                 if not (not w[EXITED[i]] and w[ENG[i]] == E_RUNNING
@@ -511,6 +640,8 @@ def describe_world(world: World) -> dict[str, object]:
             v = list(enums[base])[v].name
         elif name == "util":
             v = "none" if v == NO_UTIL else list(UtilityState)[v].name
+        elif name == "pcall":
+            v = ("none", "sleep", "wake_up")[v]
         elif base in ("inq", "outq"):
             names = IN_MSGS if base == "inq" else OUT_MSGS
             v = [f"{names[(m & 7) - 1]}(slot {(m >> 3) & 1}, gen {m >> 4})" for m in v]

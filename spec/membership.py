@@ -16,7 +16,15 @@ and its pending calls raise ``EngineDeadError`` naming it; nothing it owned move
 engine. Where restarts are enabled, a dead engine is RESTARTING while a replacement under the
 same index starts; its handshake makes it SERVING again, a failed start leaves it DEAD. The
 replacement has a channel of its own: nothing meant for its predecessor can reach it, and
-nothing sent to the predecessor is replayed. SHUTDOWN ends every member, whatever its state.
+nothing sent to the predecessor is replayed; the predecessor's process is killed, and gone,
+before the replacement starts. A crash loop is bounded: an incarnation that dies within
+seconds of its handshake is restarted after a growing backoff, and after the client's
+``restart_limit`` such deaths in a row no RESTART is fired: the member stays DEAD.
+SHUTDOWN ends every member, whatever its state.
+
+The client's power state (``client.py``) is its serving members': in ``CLIENT_ASLEEP`` while
+any serving engine's client is, awake once none is (spec/compose_dp.py checks it against
+late replies, a target lost mid-call and replacements, which start awake).
 """
 
 from __future__ import annotations
@@ -68,7 +76,8 @@ MEMBERSHIP: Machine[MembershipState, MembershipEvent] = Machine(
         Transition(S.STARTING, E.DIED, S.DEAD, note="failed to start"),
         Transition(S.SERVING, E.DIED, S.DEAD, note="its live requests end with ERROR"),
         Transition(S.DEAD, E.DIED, S.DEAD, note="second notice"),
-        Transition(S.DEAD, E.RESTART, S.RESTARTING, note="only with restart_dead_engines"),
+        Transition(S.DEAD, E.RESTART, S.RESTARTING,
+                   note="only with restart_dead_engines, within restart_limit"),
         Transition(S.RESTARTING, E.HANDSHAKE_OK, S.SERVING, note="same index, a new channel"),
         Transition(S.RESTARTING, E.DIED, S.DEAD, note="the replacement failed to start"),
         *(Transition(s, E.SHUTDOWN, S.SHUT_DOWN)

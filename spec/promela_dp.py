@@ -67,6 +67,9 @@ def _constants() -> list[str]:
         f"#define IN_CAP {dp.IN_CAP}",
         f"#define OUT_CAP {dp.OUT_CAP}",
         f"#define NO_UTIL {dp.NO_UTIL}",
+        f"#define P_NONE {dp.P_NONE}",
+        f"#define P_SLEEP {dp.P_SLEEP}",
+        f"#define P_WAKE {dp.P_WAKE}",
     ]
     out += [f"#define I_{name} {i + 1}" for i, name in enumerate(dp.IN_MSGS)]
     out += [f"#define O_{name} {i + 1}" for i, name in enumerate(dp.OUT_MSGS)]
@@ -81,12 +84,18 @@ def _constants() -> list[str]:
         "#define left_state(x) (" + " || ".join(
             f"x == {i}" for i in sorted(dp.M_LEFT)) + ")",
         _set_macro("client_live", "client", dp.C_LIVE),
+        _set_macro("client_asleep", "client", dp.C_ASLEEP),
         "#define owns(r, i) (own[r] == i && ogen[r] == gen[i])",
         "#define calls(i) (uown == i && ugen == gen[i])",
         "#define all_routable (" + " && ".join(
             f"member_routable({i})" for i in range(dp.N)) + ")",
         "#define any_left (" + " || ".join(f"member_left({i})" for i in range(dp.N)) + ")",
         "#define any_free (" + " || ".join(f"creq_free({r})" for r in range(dp.REQS)) + ")",
+        "#define any_live (" + " || ".join(f"creq_live({r})" for r in range(dp.REQS)) + ")",
+        "#define any_serving (" + " || ".join(
+            f"member_routable({i})" for i in range(dp.N)) + ")",
+        "#define any_serving_asleep (" + " || ".join(
+            f"(member_routable({i}) && mslp[{i}])" for i in range(dp.N)) + ")",
         "#define mine(r, i) (owns(r, i) && ereq[r] == ENGINE_REQUEST_S_WAITING)",
         "#define any_mine(i) (" + " || ".join(f"mine({r}, i)" for r in range(dp.REQS)) + ")",
         "#define busy(i) (" + " || ".join(
@@ -119,12 +128,13 @@ byte client = CLIENT_S_CONSTRUCTING;
 bit started; bit restart_on;
 short util = NO_UTIL; byte uown; byte ugen;
 bit closing; byte budget = BUDGET; byte faults = FAULTS;
+byte pcall = P_NONE; byte pmask; bit ppart; bit pfail;
 byte creq[REQS]; byte own[REQS]; byte ogen[REQS]; byte ereq[REQS];
 byte mem[N]; byte eng[N]; byte gen[N];
 chan inq[N] = [IN_CAP] of { byte };
 chan outq[N] = [OUT_CAP + 2] of { byte }; /* the sentinel, and a replacement's handshake
                                               behind a reused channel, go past the cap */
-bit exited[N]; bit seen[N];
+bit exited[N]; bit seen[N]; bit asleep[N]; bit mslp[N];
 /* safety flags set by the model where a property is a statement about one step */
 bit v_dp_spec_conformance; bit v_dp_death_fails_its_own; bit v_dp_routes_to_serving;
 bit v_dp_request_ends_once; bit v_dp_fresh_channel;
@@ -175,6 +185,44 @@ $fail_owned
      :: else -> skip fi
 }
 
+/* the group's client state from its serving members' (dp_client._follow_members_power) */
+inline derive_power() {
+#ifndef BUG_POWER_FOLLOWS_COMBINED_REPLY
+  if :: client_live && any_serving ->
+        if :: any_serving_asleep && !client_asleep -> fire_client(CLIENT_E_SLEEP_ACKED, G_NONE)
+           :: !any_serving_asleep && client_asleep ->
+              fire_client(CLIENT_E_WAKE_ACKED, G_FULLY_AWAKE)
+           :: else -> skip fi
+     :: else -> skip fi;
+#endif
+  skip
+}
+
+/* the owner's power call returns; under the bug only a call all answered moves the client */
+inline power_ends() {
+#ifdef BUG_POWER_FOLLOWS_COMBINED_REPLY
+  if :: !pfail && client_live ->
+        if :: pcall == P_SLEEP -> fire_client(CLIENT_E_SLEEP_ACKED, G_NONE)
+           :: pcall == P_WAKE && ppart -> fire_client(CLIENT_E_WAKE_ACKED, G_PARTIALLY_AWAKE)
+           :: pcall == P_WAKE && !ppart -> fire_client(CLIENT_E_WAKE_ACKED, G_FULLY_AWAKE)
+        fi
+     :: else -> skip fi;
+#endif
+  pcall = P_NONE; pmask = 0; ppart = 0; pfail = 0
+}
+
+/* engine x answered the owner's power call (part: only partly awake), or died first */
+inline power_settled(x, part, died) {
+  if :: (pmask & (1 << x)) != 0 ->
+        pmask = pmask & (~(1 << x));
+#ifdef BUG_POWER_FOLLOWS_COMBINED_REPLY
+        if :: part -> ppart = 1 :: else -> skip fi;
+        if :: died -> pfail = 1 :: else -> skip fi;
+#endif
+        if :: pmask == 0 -> power_ends() :: else -> skip fi
+     :: else -> skip fi
+}
+
 inline drain(ch) { do :: ch?msg :: empty(ch) -> break od; msg = 0 }
 
 inline close_channel(i) {
@@ -200,10 +248,12 @@ $construction_failed
 #ifndef BUG_FAIL_ONLY_WHEN_CLIENT_DIES
         fail_owned(i);
 #endif
+        power_settled(i, 0, 1);
         close_channel(i);
         if :: before == MEMBERSHIP_S_SERVING && restart_on ->
               fire_mem(i, MEMBERSHIP_E_RESTART, G_NONE); gen[i]++;
-              eng[i] = ENGINE_S_CONSTRUCTING; exited[i] = 0; seen[i] = 0
+              eng[i] = ENGINE_S_CONSTRUCTING; exited[i] = 0; seen[i] = 0;
+              asleep[i] = 0; mslp[i] = 0
            :: else -> skip fi;
         if :: !any_left || DIES_EARLY ->
               fire_client(CLIENT_E_ENGINE_DIED, G_NONE);
@@ -211,7 +261,8 @@ $construction_failed
 $fail_everyone
 #endif
               skip
-           :: else -> skip fi
+           :: else -> skip fi;
+        derive_power()
      fi
   fi;
   before = 0
@@ -233,6 +284,16 @@ end: do
   :: atomic { !started -> started = 1 }
   :: atomic { !started -> started = 1; restart_on = 1 }
 $user_per_engine
+  :: atomic { OWNER_MAY_CALL && pcall == P_NONE && util == NO_UTIL && client_live && !any_live
+              && $any_target && $targets_have_room ->
+       budget--;
+       if :: client_asleep -> pcall = P_WAKE :: else -> pcall = P_SLEEP fi;
+$power_route }
+#ifdef BUG_POWER_FOLLOWS_COMBINED_REPLY
+  :: atomic { pcall != P_NONE && pmask != 0 -> pfail = 1; power_ends() } /* its timeout */
+#else
+  :: atomic { pcall != P_NONE && pmask != 0 -> power_ends() } /* its timeout */
+#endif
   :: atomic { OWNER_MAY_CALL && (client_live || client == CLIENT_S_DEAD) ->
        budget--; closing = 1;
 $members_shutdown }
@@ -249,7 +310,8 @@ $kills
        fire_client(CLIENT_E_SHUTDOWN, G_NONE);
 $finish_requests;
        if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_CLIENT_SHUTDOWN, G_NONE)
-          :: else -> skip fi }
+          :: else -> skip fi;
+       pcall = P_NONE; pmask = 0; ppart = 0; pfail = 0 }
   od
 }
 
@@ -270,7 +332,7 @@ end: do
 #ifdef BUG_REPLAY_ON_RESTART
 $replay
 #endif
-             skip
+             derive_power()
           :: kind == O_FIN ->
              if :: creq_live(slot) && owns(slot, i) ->
                    fire_creq(slot, CLIENT_REQUEST_E_FINISH_STOP, G_NONE)
@@ -278,6 +340,11 @@ $replay
           :: kind == O_UREPLY ->
              if :: util == UTILITY_S_PENDING && uown == i -> fire_util(UTILITY_E_REPLY_OK, G_NONE)
                 :: else -> v_dp_request_ends_once = 1 fi
+          :: kind == O_SLEPT || kind == O_WOKE ->
+             /* the member's client follows its engine, in time or late; then the group */
+             if :: kind == O_WOKE && slot == 1 -> mslp[i] = 0 :: else -> mslp[i] = 1 fi;
+             power_settled(i, (kind == O_WOKE && slot == 0), 0);
+             derive_power()
           :: kind == O_DEAD -> notice(i)
           fi
        fi;
@@ -305,7 +372,13 @@ end: do
                 fire_ereq(slot, ENGINE_REQUEST_E_ADD, G_NONE);
                 if :: eng[i] == ENGINE_S_IDLE -> fire_eng(i, ENGINE_E_WORK_ARRIVED, G_NONE)
                    :: else -> skip fi
-             :: else -> outq[i]!FRAME(O_UREPLY, 0, gen[i]) fi
+             :: kind == I_UTIL -> outq[i]!FRAME(O_UREPLY, 0, gen[i])
+             :: kind == I_SLEEP -> asleep[i] = 1; outq[i]!FRAME(O_SLEPT, 0, gen[i])
+             :: kind == I_WAKE ->
+                if :: asleep[i] -> outq[i]!FRAME(O_WOKE, 0, gen[i]) /* partly: some still asleep */
+                   :: true -> asleep[i] = 0; outq[i]!FRAME(O_WOKE, 1, gen[i])
+                fi
+             fi
        fi;
        msg = 0; kind = 0; slot = 0 }
   :: atomic { !exited[i] && eng[i] == ENGINE_S_RUNNING && len(outq[i]) < OUT_CAP && any_mine(i) ->
@@ -341,13 +414,13 @@ $ltl
 """)
 
 _USER = r"""  :: atomic { OWNER_MAY_CALL && client_live && ROUTABLE({i}) && len(inq[{i}]) < IN_CAP
-              && any_free ->
+              && any_free && pcall == P_NONE ->
        {first_free};
        budget--; fire_client(CLIENT_E_ADD_REQUEST, G_NONE);
        fire_creq(rr, CLIENT_REQUEST_E_SEND, G_NONE); own[rr] = {i}; ogen[rr] = gen[{i}];
        route({i}, I_ADD, rr); rr = 0 }
-  :: atomic { OWNER_MAY_CALL && util == NO_UTIL && client_live && ROUTABLE({i})
-              && len(inq[{i}]) < IN_CAP ->
+  :: atomic { OWNER_MAY_CALL && util == NO_UTIL && pcall == P_NONE && client_live
+              && ROUTABLE({i}) && len(inq[{i}]) < IN_CAP ->
        budget--; util = UTILITY_S_PENDING; uown = {i}; ugen = gen[{i}]; route({i}, I_UTIL, 0) }"""
 
 _FAULT = r"""  :: atomic {{ started && faults > 0 && !closing && !exited[{i}] ->
@@ -387,6 +460,13 @@ def render_promela_dp() -> str:
         "reset_ereq": _per_req(
             "  if :: owns({r}, i) -> ereq[{r}] = ENGINE_REQUEST_S_UNKNOWN :: else -> skip fi"),
         "user_per_engine": user,
+        "any_target": "(" + " || ".join(f"ROUTABLE({i})" for i in range(dp.N)) + ")",
+        "targets_have_room": "(" + " && ".join(
+            f"(!ROUTABLE({i}) || len(inq[{i}]) < IN_CAP)" for i in range(dp.N)) + ")",
+        "power_route": ";\n".join(
+            f"       if :: ROUTABLE({i}) -> pmask = pmask | {1 << i};"
+            f" route({i}, (pcall == P_SLEEP -> I_SLEEP : I_WAKE), 0) :: else -> skip fi"
+            for i in range(dp.N)),
         "members_shutdown": _per_engine(
             "       fire_mem({i}, MEMBERSHIP_E_SHUTDOWN, G_NONE)"),
         "kills": "\n".join(

@@ -307,6 +307,17 @@ _DP_ANY_LIVE = _each("creq_live({i})", dp.REQS, "||")
 _DP_ANY_RESTARTING = _each("mem[{i}] == MEMBERSHIP_S_RESTARTING", dp.N, "||")
 
 
+def _power_follows(w: World) -> bool:
+    serving = [i for i in range(dp.N) if w[dp.MEM[i]] in dp.M_ROUTABLE]
+    if w[dp.C] not in dp.C_LIVE or not serving:
+        return True
+    return (w[dp.C] in dp.C_ASLEEP) == any(w[dp.MSLP[i]] for i in serving)
+
+
+_DP_ANY_SERVING_ASLEEP = _each("(member_routable({i}) && mslp[{i}])", dp.N, "||")
+_DP_ANY_SERVING = _each("member_routable({i})", dp.N, "||")
+
+
 def _dp_flag(name: str) -> Callable[[World], bool]:
     return _flag(name, dp.BAD)
 
@@ -364,6 +375,15 @@ DP_SAFETY: tuple[Property, ...] = (
         f"|| {_DP_ANY_LEFT})",
         lambda w: (w[dp.C] != dp.C_DEAD or not _any_left(w))
         and (w[dp.C] not in dp.C_LIVE or bool(w[dp.CLOSING]) or _any_left(w)),
+    ),
+    _safety(
+        "dp_power_follows_engines",
+        "A live client with a serving engine is asleep (CLIENT_ASLEEP) exactly while one of "
+        "its serving engines' clients is, whatever became of its power calls (a reply after "
+        "the caller gave up, a target lost during the call, a replacement that starts awake).",
+        ("power_follows_combined_reply",),
+        f"(!client_live || !{_DP_ANY_SERVING} || (client_asleep == {_DP_ANY_SERVING_ASLEEP}))",
+        _power_follows,
     ),
 )
 
