@@ -609,9 +609,9 @@ def run_campaign(
             print(f"data parallel: {engines} engines ({backend}) on sync and async; inproc"
                   " does not apply (one engine in this process)", flush=True)
     if client == "all" and (mutants_all or mutant is not None or mutants.active()):
-        # Each mutant runs only on the clients its bank entry names, all of them one-engine
-        # kinds (the bank seeds bugs in the one-engine clients and the attach path).
-        kinds = list(CLIENTS)
+        # Each mutant runs only on the clients its bank entry names: the one-engine kinds for
+        # most, the data-parallel ones (dp-sync, dp-async) for the membership class.
+        kinds = list(ALL_CLIENTS)
     if (mutants_all or mutant is not None) and mutants.active() is None and (
             duration is not None and seed is None):
         seed = _choose_seed()  # each mutant's child runs seeded rounds, replayable with it

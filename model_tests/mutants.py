@@ -54,6 +54,8 @@ KINDS: dict[str, str] = {
     "engine_side": "the engine's side of the spec (its own trace)",
     "faults": "wire and process faults (garbage frames, buffer reuse, shutdown order, orphans)",
     "requests": "a request's own protocol (a live id sent twice)",
+    "membership": "data-parallel membership (a death and restart racing the client's own"
+                  " paths: a member's state read outside the lock, a power state left behind)",
 }
 
 
@@ -86,6 +88,7 @@ def _in(target: str, *edits: tuple[str, str]) -> SourcePatch:
 _MP = ("sync", "async")
 _ALL = ("inproc", *_MP)
 _LONE = ("standalone",)
+_DP = ("dp-sync", "dp-async")  # the data-parallel clients, on 2 engines (campaign.py)
 BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("pending_utility_not_failed_on_death",
            "utility futures pending when the engine dies are never failed (they hang)", _MP,
@@ -298,6 +301,43 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
                 "if req.num_tokens >= req.stop_len:\n"
                 "    return self.finish(req, RE.LENGTH, FinishReason.LENGTH, None, None, [tok])\n"
                 "if tok in req.stop_ids:")),)),
+    # Issue 44, item 2: the engine picked under the lock, its client read again after it
+    # (a restart sets it to None in between): AttributeError instead of EngineDeadError.
+    Mutant("dp_member_client_read_outside_lock",
+           "a data-parallel utility call reads its engine's client again after the pick, outside"
+           " the lock: a death and restart in between raise AttributeError (not EngineDeadError"
+           " naming the engine) and leave the call's UTILITY lifecycle without its outcome",
+           _DP, kind="membership", patches=(
+               _in("dp_client:SyncDPClient.call_utility",
+                   ("result = client.call_utility(method, *args, timeout=timeout)",
+                    "result = m.client.call_utility(method, *args, timeout=timeout)")),
+               _in("dp_client:AsyncDPClient.call_utility_async",
+                   ("result = await client.call_utility_async(method, *args, timeout=timeout)",
+                    "result = await m.client.call_utility_async(method, *args,"
+                    " timeout=timeout)")),
+               _in("dp_client:SyncDPClient._call_all",
+                   ("for _, client in targets]", "for m, _ in targets for client in"
+                    " (m.client,)]")),
+               _in("dp_client:AsyncDPClient._call_all_async",
+                   ("for _, client in targets)", "for m, _ in targets for client in"
+                    " (m.client,))")),
+           )),
+    # Issue 44, item 8: the group's power state moved only by a call every engine answered
+    # in time (the combined reply), never by a late reply or one lost with its engine.
+    Mutant("dp_power_follows_combined_reply",
+           "a data-parallel client's power state follows only a power call every engine"
+           " answered in time: a sleep that timed out on one engine (which slept late) or lost"
+           " one leaves the client READY while its engines sleep, and the next partial"
+           " wake-up is a SpecViolation", _DP, kind="membership", patches=(
+               _in("dp_client:_DPClient._follow_members_power",
+                   ("if lc.state not in CLIENT_LIVE:", "if True:")),
+               _in("dp_client:_DPClient._after_all",
+                   ("return _combine(decl.every_engine, results)",
+                    "combined = _combine(decl.every_engine, results)\n"
+                    "if decl.power is not None:\n"
+                    "    self._on_power_reply(method, combined)\n"
+                    "return combined")),
+           )),
 )}
 
 # The one mutant applied in this process: its name, its patches, and the environment

@@ -54,7 +54,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from ..protocol.messages import EngineCoreRequest
 from ..spec.client import ClientState
-from ..spec.errors import EngineDeadError, UtilityError
+from ..spec.errors import EngineDeadError, UtilityError, UtilityTimeoutError
 from ..spec.membership import MembershipState
 from . import conformance as cf
 from ._harness import wait_until
@@ -230,7 +230,9 @@ class DataParallelStateMachine(CampaignMachine):
 
     # -- the client -------------------------------------------------------------------------
 
-    @initialize(restarts=st.booleans())
+    # Restarts first: a derandomized run leans to the first choice, and the races of a death
+    # with the client's own paths (kill_engine's after_pick) show on a restarting client.
+    @initialize(restarts=st.sampled_from([True, False]))
     def start(self, restarts: bool) -> None:
         """Take a client (from the pool): ``restarts`` says whether it restarts dead engines."""
         self._program.append(f"state.start(restarts={restarts!r})")
@@ -344,13 +346,27 @@ class DataParallelStateMachine(CampaignMachine):
                   # a replacement comes up awake: the model keeps one pause state for all
                   and not (self.restarts and self.oracle.paused))
     @rule(pick=st.integers(0, 3), observers=st.booleans(),
-          how=st.sampled_from(["sigkill", "sigstop"]))
+          # after_pick twice: the race it draws shows only on a client that restarts engines
+          # (half the examples), and only there finds a member read outside the lock.
+          how=st.sampled_from(["sigkill", "sigstop", "after_pick", "after_pick",
+                               "sleep_then_kill", "sleep_then_resume"]))
     def kill_engine(self, pick: int, observers: bool, how: str = "sigkill") -> None:
         """SIGKILL one serving engine, or SIGSTOP it and leave it stopped (alive, silent:
         only the heartbeat deadline, ``STOP_HEARTBEAT_TIMEOUT_S``, reveals it). With
         ``observers`` a ``call_utility_all`` is held pending on it (SIGSTOP first): it must
         raise EngineDeadError naming the engine. A long request pinned to it first is live
-        when it dies: it must end with ERROR."""
+        when it dies: it must end with ERROR. The races of issue 44: ``after_pick`` kills the
+        engine a utility call (``observers``: a broadcast) just chose, before the send
+        (``_utility_races_a_death``); ``sleep_then_*`` stops it during a sleep, then kills it
+        or lets it sleep late (``_sleep_races_a_stop``)."""
+        if how == "after_pick":
+            self._utility_races_a_death(observers)
+            return
+        if how.startswith("sleep_then_"):
+            if not self.oracle.paused:
+                self._sleep_races_a_stop(pick, how.removeprefix("sleep_then_"))
+                return
+            how = "sigkill"  # asleep already: a plain kill
         with self._rule("kill_engine", locals()):
             serving = self.oracle.serving()
             k = serving[pick % len(serving)]
@@ -448,6 +464,151 @@ class DataParallelStateMachine(CampaignMachine):
                                       f" {RESTART_BOUND_S} s ({self._states()})")
             with contextlib.suppress(EngineDeadError):
                 self._poll(0.02)
+
+    # -- deaths racing the client's own paths (issue 44) ------------------------------------
+
+    def _death_after_pick(self, broadcast: bool
+                          ) -> tuple[list[tuple[int, int]], Callable[[], None]]:
+        """Arrange for the next utility call's first chosen engine to be SIGKILLed right after
+        the pick and before the send, returning only once the client took it off (with
+        restarts: RESTARTING, no client held for it). The window a member's state read outside
+        the client's lock falls into. Returns where ``(index, old pid)`` will be recorded, and
+        the undo of the arrangement (the client's own pick wrapped on the instance)."""
+        client = self.cut.client
+        name = "_targets" if broadcast else "_utility_member"
+        pick = getattr(client, name)
+        hit: list[tuple[int, int]] = []
+
+        def picked(*args: Any) -> Any:
+            got = pick(*args)
+            first = got[0] if broadcast else got
+            member = first[0] if isinstance(first, tuple) else first
+            k = member.index
+            member_client = client.engine_client(k)
+            pid = member_client.engine_pid
+            hit.append((k, pid))
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: client.engine_client(k) is not member_client, RULE_DEATH_BOUND_S)
+            return got
+
+        setattr(client, name, picked)
+
+        def undo() -> None:
+            with contextlib.suppress(AttributeError):
+                delattr(client, name)
+
+        return hit, undo
+
+    def _utility_races_a_death(self, broadcast: bool) -> None:
+        """A utility call (one engine's, or ``call_utility_all``) whose engine is SIGKILLed
+        and taken off (for a restart, where restarts are on) between the pick and the send
+        raises EngineDeadError naming it (never another error: a member's client read outside
+        the lock is None by then); a replacement then serves."""
+        with self._rule("kill_engine", {"pick": 0, "observers": broadcast, "how": "after_pick"}):
+            client = self.cut.client
+            hit, undo = self._death_after_pick(broadcast)
+            start = time.monotonic()
+            try:
+                call = ("call_utility_all" if broadcast else "call_utility")
+                try:
+                    got = self.cut._call(call, "echo", "raced")
+                except EngineDeadError as e:
+                    if not hit:
+                        raise OracleViolation(f"{call} raised {e!r} with no engine killed"
+                                              ) from None
+                    k = hit[0][0]
+                    if f"engine {k} of {self.engines}" not in str(e):
+                        raise OracleViolation(f"{call} whose engine {k} died after the pick"
+                                              f" raised EngineDeadError not naming it: {e}"
+                                              ) from None
+                else:
+                    raise OracleViolation(f"{call} returned {got!r} although its engine"
+                                          f" {hit[0][0] if hit else '?'} was killed after the"
+                                          " pick and before the send")
+            finally:
+                undo()
+            k, old = hit[0]
+            self.stats.faults["engine_sigkill_after_pick"] += 1
+            self.oracle.engine_died(k, restarted=self.restarts)
+            assert self.live is not None
+            if not self.restarts:
+                self.live.dead.add(k)
+            bound = RULE_DEATH_BOUND_S + 3
+            self._await_membership(k, start, old, bound)
+            self.live.note_pids()
+            if self.restarts:
+                self.stats.engines_started += 1
+            elif self.oracle.phase is Phase.DEAD and not client.is_dead:
+                raise OracleViolation("every engine is dead, yet the client is"
+                                      f" {client.state.name}")
+            if self.oracle.phase is Phase.ALIVE and client.pending_utility_calls():
+                raise OracleViolation(f"{client.pending_utility_calls()} utility calls left"
+                                      " pending after the raced call ended")
+            self._drain(sorted(self.oracle.doomed), bound=bound)
+            self._drain()
+
+    def _sleep_races_a_stop(self, pick: int, then: str) -> None:
+        """``sleep(1)`` while one engine is stopped: it times out, the others sleep. Then the
+        stopped engine resumes and sleeps late, or is killed (restarted where restarts are
+        on, and a replacement starts awake). Either way the client's power state is its
+        serving engines': SLEEPING while one sleeps, and a partial wake-up (weights only)
+        is then legal and answered False; a full one wakes everyone."""
+        with self._rule("kill_engine", {"pick": pick, "observers": False,
+                                        "how": f"sleep_then_{then}"}):
+            client = self.cut.client
+            serving = self.oracle.serving()
+            k = serving[pick % len(serving)]
+            old = client.engine_client(k).engine_pid
+            assert old is not None
+            self._work_in_flight("abort")
+            cf.stop_process(old)
+            try:
+                self._expect_raises((UtilityTimeoutError, EngineDeadError),
+                                    lambda: self.cut._call("sleep", 1, "abort", timeout=0.3),
+                                    "sleep with one engine stopped")
+            finally:
+                if then == "resume":
+                    os.kill(old, signal.SIGCONT)
+                else:
+                    os.kill(old, signal.SIGKILL)
+            self.stats.faults[f"sleep_then_{then}"] += 1
+            self._after_pause("abort", 1)  # the model: asleep, every memory tag released
+            bound = RULE_DEATH_BOUND_S + 3 + STOP_HEARTBEAT_TIMEOUT_S
+            died = then == "kill"
+            if not died:
+                # The late reply is followed; or the heartbeat declared it dead meanwhile.
+                wait_until(lambda: (client.engine_client(k) is not None
+                                    and client.engine_client(k).engine_pid != old)
+                           or client.engines[k] is not MembershipState.SERVING
+                           or client.engine_client(k).state is ClientState.SLEEPING, bound)
+                member = client.engine_client(k)
+                died = (client.engines[k] is not MembershipState.SERVING or member is None
+                        or member.engine_pid != old)
+            if died:
+                self.oracle.engine_died(k, restarted=self.restarts)
+                assert self.live is not None
+                if self.restarts:
+                    wait_until(lambda: client.engines[k] is MembershipState.SERVING
+                               and client.engine_client(k) is not None
+                               and client.engine_client(k).engine_pid != old, bound,
+                               f"engine {k} SERVING again after its death")
+                    self.stats.engines_started += 1
+                else:
+                    self.live.dead.add(k)
+                    wait_until(lambda: client.engines[k] is MembershipState.DEAD, bound,
+                               f"engine {k} DEAD after its death")
+                self.live.note_pids()
+            asleep = [i for i in self.oracle.serving()
+                      if client.engine_client(i).state is ClientState.SLEEPING]
+            if asleep and client.state is not ClientState.SLEEPING:
+                raise OracleViolation(f"engines {asleep} sleep, yet the client is"
+                                      f" {client.state.name} (sleep raced engine {k}'s stop,"
+                                      f" then {'its death' if died else 'a late reply'})")
+            if asleep:
+                self._wake(["weights"])  # partial on the sleeping ones: False, legal
+            self._wake(None)
+            if client.state is ClientState.SLEEPING:
+                raise OracleViolation("the client is SLEEPING after a full wake_up")
 
     # -- shutdown and a new client ----------------------------------------------------------
 
