@@ -438,7 +438,7 @@ class EngineCore:
         """
         lc = self.lifecycle
         st = lc.state
-        if st is S.DEAD or st is S.SHUTDOWN:
+        if st in ENGINE.terminal:
             self._check_alive()
         if self.fault_hook is not None:
             try:
@@ -708,11 +708,19 @@ class EngineCore:
 
     def resume_scheduler(self) -> None:
         self._check_alive()
+        # Paused: into RUNNING or IDLE; active: a no-op; draining or asleep: a SpecViolation.
+        self._fire_resolving(E.RESUME)
+
+    def _fire_resolving(self, event: EngineEvent) -> None:
+        """Fire ``event`` with the guard the table asks for in this state: HAS_WORK or
+        NO_WORK where its rows split on parked work, none where it has a plain row (or no
+        row at all, and the SpecViolation says so). The table, not a chain of state tests,
+        says where scheduling resumes, so a new row is followed without an edit here."""
         lc = self.lifecycle
-        if lc.state is S.PAUSED:
-            lc.fire(E.RESUME, HAS_WORK if self.scheduler.requests else NO_WORK)
+        if HAS_WORK in ENGINE.guards(lc.state, event):
+            lc.fire(event, HAS_WORK if self.scheduler.requests else NO_WORK)
         else:
-            lc.fire(E.RESUME)  # a no-op when active; a SpecViolation when draining or asleep
+            lc.fire(event)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> Future[Any] | None:
         if isinstance(level, bool) or level not in SLEEP_LEVELS:
@@ -748,22 +756,19 @@ class EngineCore:
         st = lc.state
         executor = self.executor
         assert executor is not None
-        if st is S.SLEEPING:
+        if PARTIAL in ENGINE.guards(st, E.WAKE_UP):  # memory was released: restore it
             executor.wake_up([t for t in wanted if t in MEMORY_TAGS])
             if executor.sleeping:
                 lc.fire(E.WAKE_UP, PARTIAL)
                 return False
+        # Asleep, paused or draining: scheduling resumes; awake: a no-op.
+        self._fire_resolving(E.WAKE_UP)
         if st is S.DRAINING:
             # A sleep/pause(wait) still draining: the wake-up wins. Scheduling goes on as
             # before the pause and the deferred call is answered with an error.
-            lc.fire(E.WAKE_UP, HAS_WORK if self.scheduler.requests else NO_WORK)
             self._end_drain()
             self._fail_deferred(UtilityError(
                 "sleep", "ended by wake_up() before the engine drained: it did not pause"))
-        elif st is S.SLEEPING or st is S.PAUSED:
-            lc.fire(E.WAKE_UP, HAS_WORK if self.scheduler.requests else NO_WORK)
-        else:
-            lc.fire(E.WAKE_UP)  # not asleep: a no-op
         return True
 
     def start_session(self) -> int:
