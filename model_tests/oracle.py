@@ -44,7 +44,7 @@ from ..spec import (
     TraceEntry,
     validate_trace,
 )
-from ..spec.client import CLIENT_LIVE
+from ..spec.client import CLIENT_ASLEEP, CLIENT_LIVE
 from ..spec.engine import REPORTS_SLEEPING
 from ..spec.request import ENGINE_REQUEST_LIVE
 from ._harness import (
@@ -270,7 +270,7 @@ class Oracle:
             return frozenset({ClientState.SHUTDOWN})
         if self.paused:
             return frozenset({ClientState.SLEEPING})
-        return frozenset({ClientState.READY, ClientState.RUNNING})
+        return CLIENT_LIVE - CLIENT_ASLEEP
 
     def observe(self, batch: EngineCoreOutputs) -> list[str]:
         """Judge one batch; returns the ids it finished."""

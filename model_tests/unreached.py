@@ -35,6 +35,7 @@ from ..spec import (
     SessionEvent,
     SessionState,
 )
+from ..spec.session import SESSION_DROPS_INPUT
 
 __all__ = ["UNREACHED"]
 
@@ -99,9 +100,11 @@ UNREACHED: dict[tuple[str, str, str, str], str] = {
     _key(SESSION, _SS.ATTACHED, _SE.ATTACH_ACCEPTED, _SS.ATTACHED):
         "only a standalone engine has a second front end attach (--client standalone reaches"
         " it at every handover)",
+    # The rest of the session's rows: refusals, integrity failures and the attaches after
+    # them (every campaign attaches from NO_FRONT_END; ATTACHED's re-attach is above).
     **{_key(SESSION, t.source, t.event, t.target): _SESSION_BY_TESTS
        for t in SESSION.transitions if t.event is not _SE.ATTACH_ACCEPTED
-       or t.source not in (_SS.NO_FRONT_END, _SS.ATTACHED)},
+       or t.source in SESSION_DROPS_INPUT},
 }
 
 

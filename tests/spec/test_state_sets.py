@@ -1,10 +1,11 @@
 """Rule 1 (h11): what the runtime asks of a lifecycle state lives beside its machine.
 
-A set of spec states spelled out in ``runtime/`` (``frozenset({S.PAUSED, S.SLEEPING})``, or
-``state in (S.IDLE, S.RUNNING)``) is a copy of knowledge the tables own: when a row is added,
-the copy silently disagrees. The named sets in ``spec/`` (``SCHEDULING``,
-``REPORTS_SLEEPING``, ``ACCEPTS_WORK``, ``CLIENT_REQUEST_LIVE``, a machine's ``terminal``...)
-are what runtime code reads; this test fails on a hand-written one."""
+A set of spec states spelled out in ``runtime/`` or ``model_tests/`` (installed as
+``enginewire.testing``): ``frozenset({S.PAUSED, S.SLEEPING})``, ``state in (S.IDLE,
+S.RUNNING)``, or the same set as a chain, ``st is S.SLEEPING or st is S.PAUSED``, is a copy of
+knowledge the tables own: when a row is added, the copy silently disagrees. The named sets in
+``spec/`` (``SCHEDULING``, ``REPORTS_SLEEPING``, ``ACCEPTS_WORK``, ``CLIENT_REQUEST_LIVE``, a
+machine's ``terminal``...) are what that code reads; this test fails on a hand-written one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from enginewire.spec import MACHINES
 
 ROOT = Path(__file__).resolve().parents[2]
+# The code that reads the spec: the runtime and the campaign's oracle and harness.
+SCANNED = ("runtime", "model_tests")
 STATE_ENUMS: dict[str, type[Enum]] = {m.states.__name__: m.states for m in MACHINES}
 
 
@@ -39,15 +42,41 @@ def _aliases(tree: ast.Module) -> dict[str, type[Enum]]:
     return names
 
 
+def _is_state_member(node: ast.expr, aliases: dict[str, type[Enum]]) -> bool:
+    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in aliases and node.attr in aliases[node.value.id].__members__)
+
+
 def _state_members(node: ast.expr, aliases: dict[str, type[Enum]]) -> int:
     if not isinstance(node, (ast.Set, ast.Tuple, ast.List)):
         return 0
-    count = 0
-    for elt in node.elts:
-        if (isinstance(elt, ast.Attribute) and isinstance(elt.value, ast.Name)
-                and elt.value.id in aliases and elt.attr in aliases[elt.value.id].__members__):
-            count += 1
-    return count
+    return sum(_is_state_member(elt, aliases) for elt in node.elts)
+
+
+_IDENTITY_OPS = (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)
+
+
+def _chained_state_tests(node: ast.expr, aliases: dict[str, type[Enum]]) -> int:
+    """The most state members one subject is compared with (``is``, ``==`` and their
+    negations) in one ``or``/``and`` chain: ``st is S.A or st is S.B`` is the set {A, B}
+    spelled as code. Tests of different subjects (``a is S.A or b is T.B``) are no set."""
+    if not isinstance(node, ast.BoolOp):
+        return 0
+    per_subject: dict[str, int] = {}
+    for value in node.values:
+        if not (isinstance(value, ast.Compare) and len(value.ops) == 1
+                and isinstance(value.ops[0], _IDENTITY_OPS)):
+            continue
+        left, right = value.left, value.comparators[0]
+        if _is_state_member(right, aliases):
+            subject = left
+        elif _is_state_member(left, aliases):
+            subject = right
+        else:
+            continue
+        key = ast.dump(subject)
+        per_subject[key] = per_subject.get(key, 0) + 1
+    return max(per_subject.values(), default=0)
 
 
 def hand_written_state_sets(source: str, filename: str) -> list[str]:
@@ -55,12 +84,16 @@ def hand_written_state_sets(source: str, filename: str) -> list[str]:
     aliases = _aliases(tree)
     return [f"{filename}:{node.lineno}: {ast.unparse(node)}"
             for node in ast.walk(tree)
-            if isinstance(node, ast.expr) and _state_members(node, aliases) >= 2]
+            if isinstance(node, ast.expr) and (_state_members(node, aliases) >= 2
+                                               or _chained_state_tests(node, aliases) >= 2)]
 
 
-def test_runtime_spells_out_no_set_of_spec_states() -> None:
+@pytest.mark.parametrize("folder", SCANNED)
+def test_no_set_of_spec_states_is_spelled_out(folder: str) -> None:
+    paths = sorted((ROOT / folder).glob("*.py"))
+    assert paths, f"nothing to scan in {folder}/"
     found: list[str] = []
-    for path in sorted((ROOT / "runtime").glob("*.py")):
+    for path in paths:
         found += hand_written_state_sets(path.read_text(encoding="utf-8"),
                                          str(path.relative_to(ROOT)))
     assert not found, "read the named sets beside each machine in spec/ instead:\n" + "\n".join(
@@ -71,6 +104,9 @@ def test_runtime_spells_out_no_set_of_spec_states() -> None:
     "S, E = EngineState, EngineEvent\n_P = frozenset({S.PAUSED, S.SLEEPING})\n",
     "ok = state in (ClientState.DEAD, ClientState.SHUTDOWN)\n",
     "CS = ClientRequestState\nL = [CS.SENT, CS.STREAMING]\n",
+    "S = EngineState\nif st is S.SLEEPING or st is S.PAUSED:\n    pass\n",
+    "ok = lc.state == ClientState.DEAD or x or lc.state == ClientState.SHUTDOWN\n",
+    "S = EngineState\nawake = st is not S.SLEEPING and st is not S.PAUSED\n",
 ])
 def test_the_scan_sees_the_shapes_it_forbids(source: str) -> None:
     assert hand_written_state_sets(source, "example.py")
@@ -78,4 +114,6 @@ def test_the_scan_sees_the_shapes_it_forbids(source: str) -> None:
 
 def test_one_state_or_other_enums_pass() -> None:
     assert not hand_written_state_sets(
-        "S = EngineState\nx = state is S.IDLE\ny = (Mode.A, Mode.B)\n", "example.py")
+        "S = EngineState\nx = state is S.IDLE\ny = (Mode.A, Mode.B)\n"
+        "z = a is S.IDLE or b is ClientState.DEAD\nw = m is Mode.A or m is Mode.B\n",
+        "example.py")
