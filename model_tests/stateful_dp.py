@@ -395,22 +395,29 @@ class DataParallelStateMachine(CampaignMachine):
             start = time.monotonic()
             bound = RULE_DEATH_BOUND_S + 3 + (STOP_HEARTBEAT_TIMEOUT_S if how == "sigstop" else 0)
             # Told at once: outputs read from here on may show the death.
-            self.oracle.engine_died(k, restarted=self.restarts)
-            assert self.live is not None
-            if not self.restarts:
-                self.live.dead.add(k)
-            if pending is not None:
-                self._pending_fails(pending, k, bound)
-            self._await_membership(k, start, old, bound)
-            self.live.note_pids()
-            if self.restarts:
-                self.stats.engines_started += 1
-            elif self.oracle.phase is Phase.DEAD and not client.is_dead:
-                raise OracleViolation("every engine is dead, yet the client is"
-                                      f" {client.state.name}")
+            self._death_seen(k, old, start, bound, pending)
             # Its requests end (ERROR, after its queued batches) soon after the death is seen.
             self._drain(sorted(self.oracle.doomed), bound=bound)
             self._drain()
+
+    def _death_seen(self, k: int, old: int, start: float, bound: float,
+                    pending: concurrent.futures.Future[Any] | None = None) -> None:
+        """Engine ``k`` (pid ``old``) was killed at ``start``: the model is told, a call held
+        pending on it must fail naming it, and the client must see the death within
+        ``bound`` (DEAD, or SERVING again under a new pid where restarts are on)."""
+        client = self.cut.client
+        self.oracle.engine_died(k, restarted=self.restarts)
+        assert self.live is not None
+        if not self.restarts:
+            self.live.dead.add(k)
+        if pending is not None:
+            self._pending_fails(pending, k, bound)
+        self._await_membership(k, start, old, bound)
+        self.live.note_pids()
+        if self.restarts:
+            self.stats.engines_started += 1
+        elif self.oracle.phase is Phase.DEAD and not client.is_dead:
+            raise OracleViolation(f"every engine is dead, yet the client is {client.state.name}")
 
     def _pending_fails(self, fut: concurrent.futures.Future[Any], k: int, bound: float
                        ) -> None:
@@ -529,18 +536,8 @@ class DataParallelStateMachine(CampaignMachine):
                 undo()
             k, old = hit[0]
             self.stats.faults["engine_sigkill_after_pick"] += 1
-            self.oracle.engine_died(k, restarted=self.restarts)
-            assert self.live is not None
-            if not self.restarts:
-                self.live.dead.add(k)
             bound = RULE_DEATH_BOUND_S + 3
-            self._await_membership(k, start, old, bound)
-            self.live.note_pids()
-            if self.restarts:
-                self.stats.engines_started += 1
-            elif self.oracle.phase is Phase.DEAD and not client.is_dead:
-                raise OracleViolation("every engine is dead, yet the client is"
-                                      f" {client.state.name}")
+            self._death_seen(k, old, start, bound)
             if self.oracle.phase is Phase.ALIVE and client.pending_utility_calls():
                 raise OracleViolation(f"{client.pending_utility_calls()} utility calls left"
                                       " pending after the raced call ended")
