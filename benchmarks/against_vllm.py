@@ -70,7 +70,7 @@ def against_vllm_command(args: argparse.Namespace, contended: int | None) -> int
     if args.rounds < 1:
         raise UsageError(f"--rounds {args.rounds}: must be at least 1")
     for flag, value in (("--only", args.only), ("--plot", args.plot), ("--json", args.json),
-                        ("--quick", args.quick), ("--engines", args.engines != 1)):
+                        ("--quick", args.quick), ("--engines", args.engines is not None)):
         if value:
             raise UsageError(f"{flag} does not go with --against-vllm (its rounds measure"
                              " echo, delivery, compute share and admission, each side alike)")
