@@ -263,9 +263,12 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
         (tmp_path / f"mutant-{name}.log").read_text()[-3000:])
     report = _report(tmp_path, f"mutant-{name}-*.json")
     failing = [c for c in report["clients"] if c["failure"]]
-    # The attach-path mutants run on front ends taking turns on one standalone engine.
-    made = ("state = StandaloneEngineStateMachine(pool" if mutants.BANK[name].clients ==
-            ("standalone",) else "state = EngineClientStateMachine(factory")
+    # The attach-path mutants run on front ends taking turns on one standalone engine, the
+    # membership ones on the data-parallel machine.
+    clients = mutants.BANK[name].clients
+    made = ("state = StandaloneEngineStateMachine(pool" if clients == ("standalone",)
+            else "state = DataParallelStateMachine(pool" if clients[0].startswith("dp-")
+            else "state = EngineClientStateMachine(factory")
     assert failing and made in failing[0]["reproducer"]
     # The verdict says how long the campaign took to find it, and in which example.
     assert re.search(rf"mutant {name}: DETECTED in [0-9.]+ s \(example [0-9]+\)",
