@@ -9,7 +9,7 @@ from .engine_proc import EngineCoreProc, run_engine_core
 from .factory import make_client, make_client_async
 from .ipc import IpcDir, cleanup_stale_dirs
 from .mp_client import MPClient
-from .options import READY_TIMEOUT_ENV, ClientOptions
+from .options import READY_TIMEOUT_ENV, ClientOptions, DataParallelOptions
 from .sync_mp_client import SyncMPClient
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "AsyncMPClient",
     "BackgroundResources",
     "ClientOptions",
+    "DataParallelOptions",
     "EngineCoreClient",
     "EngineCoreProc",
     "InprocClient",

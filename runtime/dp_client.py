@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -76,25 +76,20 @@ from ._utilities import AsyncUtilityMethods
 from .args import (
     MAX_WAIT_SLICE_S,
     check_method,
-    check_option_flag,
     check_request_ids,
     check_timeout,
 )
 from .async_mp_client import call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
-from .options import ClientOptions
+from .options import ClientOptions, DataParallelOptions
+
+if TYPE_CHECKING:
+    from .ray_backend import Strategy
 
 __all__ = ["AsyncDPClient", "SyncDPClient"]
 
 logger = logging.getLogger(__name__)
-
-# Options that name one engine's identity or launcher: the client assigns them per engine.
-_ASSIGNED = ("engine_index", "engine_launcher")
-# Options that name one engine's channel: a data-parallel client takes one per engine, in
-# index order (engines started on their own, e.g. ``enginewire engine --engine-index i``).
-_PER_ENGINE = ("input_address", "output_address", "engine_connect")
-
 
 # What ends a call that raised, by its error (the first match in this order); an error
 # raised before anything was sent (bad arguments) ends nothing.
@@ -115,7 +110,6 @@ _UTILITY_OUTCOME: dict[type[BaseException], UtilityEvent] = {
 RESTART_STABLE_S = 5.0
 RESTART_BACKOFF_S = 0.25
 RESTART_BACKOFF_MAX_S = 4.0
-DEFAULT_RESTART_LIMIT = 5
 # How long a dead incarnation's process may take to go after SIGKILL before its replacement is
 # refused: two engines under one index would share a device and (on Ray) an actor.
 GONE_BOUND_S = 10.0
@@ -198,54 +192,28 @@ class _DPClient(EngineCoreClient):
     _member_type: type[SyncMember] | type[AsyncMember]
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None,
-                 restart_dead_engines: bool = False, restart_limit: int = DEFAULT_RESTART_LIMIT,
-                 options: ClientOptions | None = None, **kwargs: Any) -> None:
-        # Each engine's client checks its own options; a ClientOptions object given whole is
-        # spread into the keywords (which override it) so per-engine ones can be split off.
-        if options is not None and not isinstance(options, ClientOptions):
-            raise TypeError(f"options={options!r}: expected a ClientOptions")
-        kw: dict[str, Any] = {**(options.given() if options is not None else {}), **kwargs}
-        check_option_flag(restart_dead_engines, "restart_dead_engines")
-        if isinstance(restart_limit, bool) or not isinstance(restart_limit, int) or (
-                restart_limit < 1):
-            raise ValueError(f"restart_limit={restart_limit!r}: the number of replacements of"
-                             " one engine that may die at once in a row, an int >= 1")
-        for name in _ASSIGNED:
-            if name in kw:
-                raise ValueError(
-                    f"{name}: a data-parallel client assigns each engine its own (engine i"
-                    " gets engine_index i, and is started by the client's backend)")
+                 options: ClientOptions | DataParallelOptions | None = None,
+                 **kwargs: Any) -> None:
+        # Every option is checked here, once, before any engine starts: a typo is the
+        # ValueError or TypeError a one-engine client raises, never an engine's start-up.
+        opts = DataParallelOptions.of(options, kwargs)
         n = getattr(config, "data_parallel_size", 1)
-        self._per_engine: dict[str, list[Any]] = {}
-        for name in _PER_ENGINE:
-            value = kw.pop(name, None)
-            if value is None:
-                continue
-            if not isinstance(value, list | tuple) or len(value) != n or (
-                    name != "engine_connect" and not all(isinstance(v, str) for v in value)):
-                raise ValueError(
-                    f"{name}={value!r}: a data-parallel client takes one per engine, a list"
-                    f" of {n} in engine index order")
-            self._per_engine[name] = list(value)
+        opts.check_engines(n)
+        backend = getattr(config, "data_parallel_backend", "mp")
+        if backend != "ray":
+            for name in ("ray_placement_strategy", "ray_address"):
+                if name in opts.given():
+                    raise ValueError(f"{name}: only the data_parallel_backend 'ray' places"
+                                     f" engines (this config's is {backend!r})")
         super().__init__(config, trace=trace)
         self.data_parallel_size: int = config.data_parallel_size
-        self._restart = restart_dead_engines
-        self._restart_limit = restart_limit
-        faults = kw.pop("engine_fault", None)
-        if isinstance(faults, dict):
-            bad = [k for k in faults if not isinstance(k, int) or isinstance(k, bool)
-                   or not 0 <= k < self.data_parallel_size]
-            if bad:
-                raise ValueError(f"engine_fault: keys {bad!r} are not engine indexes in"
-                                 f" [0, {self.data_parallel_size})")
-            self._faults: dict[int, Any] = dict(faults)
-        else:
-            self._faults = dict.fromkeys(range(self.data_parallel_size), faults)
-        self._options = kw
-        # Read here too (members pass batches through as they come): checked here, so a
-        # wrong value is the ValueError a single client raises, not an engine's start-up.
-        self._columnar = check_option_flag(kw.get("columnar_outputs", False),
-                                           "columnar_outputs")
+        self.options = opts
+        self._engine_options = (ClientOptions() if opts.engine_options is None
+                                else opts.engine_options)
+        self._restart = opts.restart_dead_engines
+        self._restart_limit = opts.restart_limit
+        # Read here too (members pass batches through as they come).
+        self._columnar = self._engine_options.columnar_outputs
         self._abandon = threading.Event()
         self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
         self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to
@@ -281,10 +249,10 @@ class _DPClient(EngineCoreClient):
             if config.data_parallel_backend == "ray":
                 from .ray_backend import RayEngines
 
-                self._placement = RayEngines(
-                    self.data_parallel_size,
-                    strategy=kw.pop("ray_placement_strategy", "SPREAD"),
-                    address=kw.pop("ray_address", None))
+                # One of ray_backend.STRATEGIES: DataParallelOptions checked it.
+                strategy = cast("Strategy", opts.ray_placement_strategy)
+                self._placement = RayEngines(self.data_parallel_size, strategy=strategy,
+                                             address=opts.ray_address)
             self._start_all()
         except BaseException:
             self._mark_closed()
@@ -294,16 +262,14 @@ class _DPClient(EngineCoreClient):
     # -- members ----------------------------------------------------------------------------
 
     def _build(self, index: int) -> Any:
-        options = dict(self._options)
-        for name, values in self._per_engine.items():
-            options[name] = values[index]
+        engine = self.options.for_engine(index)
         if self._placement is not None:
-            options.setdefault("transport", "tcp")  # across hosts: tcp, CURVE on by default
-            options["engine_launcher"] = self._placement.launcher(index)
+            if self._engine_options.transport == "ipc":  # the default; ipc stays on one host
+                engine["transport"] = "tcp"  # across hosts: tcp, CURVE on by default
+            engine["engine_launcher"] = self._placement.launcher(index)
         return self._member_type(
             self.config, notify=self._notify_cb, died=self._died_cb, power=self._power_cb,
-            abandon=self._abandon,
-            engine_index=index, engine_fault=self._faults.get(index), **options)
+            abandon=self._abandon, options=self._engine_options, engine_index=index, **engine)
 
     def _start_all(self) -> None:
         """Start every engine at once (each waits for its own handshake)."""

@@ -12,6 +12,7 @@ from .args import check_option_flag
 from .async_mp_client import AsyncMPClient
 from .client import EngineCoreClient, InprocClient
 from .dp_client import AsyncDPClient, SyncDPClient
+from .options import DataParallelOptions
 from .sync_mp_client import SyncMPClient
 
 __all__ = ["make_client", "make_client_async"]
@@ -43,10 +44,13 @@ def make_client(
 
 
 def _data_parallel(config: Any, options: dict[str, Any]) -> bool:
-    """Whether the config (or a restart policy) asks for the data-parallel client."""
+    """Whether the config (or a restart policy, or the data-parallel client's own options
+    object) asks for the data-parallel client."""
+    given = options.get("options")
     return bool(getattr(config, "data_parallel_size", 1) > 1
                 or getattr(config, "data_parallel_backend", "mp") != "mp"
-                or options.get("restart_dead_engines"))
+                or options.get("restart_dead_engines")
+                or isinstance(given, DataParallelOptions))
 
 
 async def make_client_async(config: Any, **options: Any) -> AsyncMPClient | AsyncDPClient:

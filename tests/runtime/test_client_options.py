@@ -1,17 +1,20 @@
-"""runtime/options.py: the subprocess clients' options as one typed object, checked once."""
+"""runtime/options.py: the clients' options as typed objects, checked once."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import psutil
 import pytest
 
-from enginewire.runtime import ClientOptions, make_client
+from enginewire.runtime import ClientOptions, DataParallelOptions, make_client
 from enginewire.runtime.config import EngineConfig
+from enginewire.runtime.dp_client import SyncDPClient
 from enginewire.runtime.faults import FaultPlan
 
 NULL = EngineConfig(model="null")
+DP = EngineConfig(model="null", data_parallel_size=2)
 
 
 def test_an_options_object_and_keywords_are_one_surface() -> None:
@@ -65,3 +68,78 @@ def test_a_data_parallel_client_takes_the_object_for_every_engine() -> None:
     opts = ClientOptions(shutdown_timeout_s=3)
     with make_client(dp, multiprocess=True, asyncio=False, options=opts) as client:
         assert client.echo(2) == 2
+
+    assert client.options.engine_options == opts
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    ({"restart_limit": 0}, ValueError, "restart_limit=0"),
+    ({"restart_dead_engines": 1}, ValueError, "restart_dead_engines=1"),
+    ({"input_address": ["ipc:///x"]}, ValueError, r"input_address=.*a list of 2"),
+    ({"output_address": "ipc:///x"}, ValueError, "output_address='ipc:///x'"),
+    ({"engine_connect": [("a", "b"), "c"]}, ValueError, "engine_connect="),
+    ({"engine_fault": {2: "forward:1"}}, ValueError, r"keys \[2\] .*\[0, 2\)"),
+    ({"engine_fault": {0: "nosuch:1"}}, ValueError, "nosuch"),
+    ({"engine_fault": {0: 5}}, TypeError, "engine_fault must be"),
+    ({"ray_address": "auto"}, ValueError, "ray_address: only the data_parallel_backend 'ray'"),
+    ({"ray_placement_strategy": "ANYWHERE"}, ValueError, "ray_placement_strategy='ANYWHERE'"),
+    # Options of every engine's client: the same errors a one-engine client raises.
+    ({"transport": "udp"}, ValueError, "transport='udp'"),
+    ({"shutdown_timeout": 1}, TypeError, "unexpected client option"),
+    ({"engine_index": 1}, ValueError, "assigns each engine its own"),
+])
+def test_a_bad_data_parallel_option_is_refused_by_name_before_any_engine_starts(
+        bad: dict[str, Any], error: type[Exception], message: str) -> None:
+    """Options of every engine used to be checked by each engine's client as it started, so a
+    typo was an EngineStartupError after the engines spawned."""
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(error, match=message):
+        make_client(DP, multiprocess=True, asyncio=False, **bad)
+    assert {p.pid for p in psutil.Process().children()} <= before
+
+
+def test_data_parallel_options_as_an_object_and_as_keywords_are_one_surface() -> None:
+    keywords = DataParallelOptions.of(None, {
+        "restart_dead_engines": True, "restart_limit": 2, "input_address": ["a", "b"],
+        "engine_fault": {1: "forward:3"}, "shutdown_timeout_s": 3})
+    assert keywords.input_address == ("a", "b")  # normalised once: tuples, plans parsed
+    assert keywords.engine_fault is not None
+    assert isinstance(keywords.engine_fault[1], FaultPlan)
+    assert keywords.engine_options is not None
+    assert keywords.engine_options.shutdown_timeout_s == 3.0
+    assert set(keywords.given()) == {"restart_dead_engines", "restart_limit", "input_address",
+                                     "engine_fault", "engine_options"}
+    assert keywords.for_engine(1)["input_address"] == "b"
+    assert keywords.for_engine(0)["engine_fault"] is None  # the others get no fault
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        keywords.restart_limit = 3  # type: ignore[misc]
+    # A keyword overrides the object, the common fault and the per-engine one each other.
+    common = DataParallelOptions.of(keywords, {"engine_fault": "forward:1"})
+    assert common.engine_fault is None and common.engine_options is not None
+    assert isinstance(common.engine_options.engine_fault, FaultPlan)
+    assert common.restart_limit == 2
+    per_engine = DataParallelOptions.of(ClientOptions(engine_fault="forward:1"),
+                                        {"engine_fault": {0: "forward:2"}})
+    assert per_engine.engine_options is not None
+    assert per_engine.engine_options.engine_fault is None
+    with pytest.raises(ValueError, match="give one of them"):
+        DataParallelOptions(engine_fault={0: "forward:1"},
+                            engine_options=ClientOptions(engine_fault="forward:2"))
+    with pytest.raises(ValueError, match="a list of 3"):
+        keywords.check_engines(3)
+    # A proxy in front of one engine only (model_tests/fault_matrix_dp.py): None for the rest.
+    proxied = DataParallelOptions(engine_connect=[None, ["a", "b"]])
+    assert proxied.engine_connect == (None, ("a", "b"))
+    assert proxied.for_engine(0) == {"engine_connect": None}
+
+
+def test_a_data_parallel_client_takes_its_own_object_whole() -> None:
+    opts = DataParallelOptions(restart_limit=2,
+                               engine_options=ClientOptions(shutdown_timeout_s=3))
+    # One engine is enough: the object itself asks for the data-parallel client.
+    with make_client(NULL, multiprocess=True, asyncio=False, options=opts,
+                     restart_dead_engines=True) as client:
+        assert isinstance(client, SyncDPClient)
+        assert client.options.restart_dead_engines and client.options.restart_limit == 2
+        assert client.call_utility_all("echo", 5) == [5]
+
