@@ -18,6 +18,7 @@ from pathlib import Path
 
 from enginewire.protocol.catalogue import render_protocol_page
 from enginewire.protocol.utilities import render_utilities_page, render_wrappers
+from enginewire.runtime.options import render_options_page
 from enginewire.spec import MACHINES, compose, compose_dp, properties
 from enginewire.spec.diagrams import render_dot, render_mermaid, render_spec_page
 from enginewire.spec.machine import render_runtime_tables
@@ -60,6 +61,7 @@ def _imported_sources_differ(root: Path) -> list[str]:
     them against another checkout's sources would be wrong (a wheel run against a changed
     checkout)."""
     import enginewire.protocol as protocol_pkg
+    import enginewire.runtime.options as options_module
     import enginewire.spec as spec_pkg
 
     differ: list[str] = []
@@ -73,6 +75,10 @@ def _imported_sources_differ(root: Path) -> list[str]:
             a, b = here / src, there / src
             if not (a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()):
                 differ.append(f"{name}/{src}")
+    # The options records, which docs/options.md is generated from.
+    a, b = Path(options_module.__file__ or ""), root / "runtime" / "options.py"
+    if not (b.is_file() and a.read_bytes() == b.read_bytes()):
+        differ.append("runtime/options.py")
     return differ
 
 
@@ -129,6 +135,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
     files[root / "docs" / "protocol.md"] = render_protocol_page()
     files[root / "runtime" / "_utilities.py"] = render_wrappers()
     files[root / "docs" / "utilities.md"] = render_utilities_page()
+    files[root / "docs" / "options.md"] = render_options_page()
     return files
 
 

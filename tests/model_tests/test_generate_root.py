@@ -18,9 +18,11 @@ def _checkout_copy(tmp_path: Path) -> Path:
     for name in ("spec", "protocol", "docs"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    # The one generated file outside spec/ and docs/: the utility wrappers.
+    # The one generated file outside spec/ and docs/: the utility wrappers; and the options
+    # records, which docs/options.md is generated from.
     (copy / "runtime").mkdir()
-    shutil.copy(ROOT / "runtime" / "_utilities.py", copy / "runtime" / "_utilities.py")
+    for name in ("_utilities.py", "options.py"):
+        shutil.copy(ROOT / "runtime" / name, copy / "runtime" / name)
     return copy
 
 
@@ -43,3 +45,13 @@ def test_a_checkout_with_other_declarations_is_refused(
     assert generate.main(["--root", str(copy)]) == 3
     assert "spec/client.py" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before  # untouched
+
+
+def test_a_checkout_with_other_options_records_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/options.md is generated from runtime/options.py's fields, so it counts too."""
+    copy = _checkout_copy(tmp_path)
+    options = copy / "runtime" / "options.py"
+    options.write_text(options.read_text() + "\n# changed\n")
+    assert generate.main(["--check", "--root", str(copy)]) == 3
+    assert "runtime/options.py" in capsys.readouterr().err

@@ -1,8 +1,11 @@
-"""runtime/options.py: the clients' options as typed objects, checked once."""
+"""runtime/options.py: the clients' options as typed objects, checked once, and the page
+generated from them."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -12,9 +15,11 @@ from enginewire.runtime import ClientOptions, DataParallelOptions, make_client
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.dp_client import SyncDPClient
 from enginewire.runtime.faults import FaultPlan
+from enginewire.runtime.options import render_options_page
 
 NULL = EngineConfig(model="null")
 DP = EngineConfig(model="null", data_parallel_size=2)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_an_options_object_and_keywords_are_one_surface() -> None:
@@ -143,3 +148,30 @@ def test_a_data_parallel_client_takes_its_own_object_whole() -> None:
         assert client.options.restart_dead_engines and client.options.restart_limit == 2
         assert client.call_utility_all("echo", 5) == [5]
 
+
+def _page_rows() -> dict[str, dict[str, list[str]]]:
+    """docs/options.md's rows: record name -> option -> [type, default, meaning] cells."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    rows: dict[str, list[str]] = {}
+    for line in (ROOT / "docs" / "options.md").read_text(encoding="utf-8").splitlines():
+        if heading := re.fullmatch(r"## `(\w+)`", line):
+            rows = tables.setdefault(heading.group(1), {})
+        elif line.startswith("| `"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows[cells[0].strip("`")] = cells[1:]
+    return tables
+
+
+def test_the_options_page_lists_every_field_of_both_records_as_declared() -> None:
+    """The table was hand-written once, and nothing checked it against the fields."""
+    assert (ROOT / "docs" / "options.md").read_text(encoding="utf-8") == render_options_page()
+    tables = _page_rows()
+    assert set(tables) == {"ClientOptions", "DataParallelOptions"}
+    for cls in (ClientOptions, DataParallelOptions):
+        fields = dataclasses.fields(cls)
+        assert list(tables[cls.__name__]) == [f.name for f in fields]
+        for f in fields:
+            kind, default, doc = tables[cls.__name__][f.name]
+            assert f.metadata["doc"], f"{cls.__name__}.{f.name} has no doc"
+            assert (kind, doc) == (f"`{f.type}`", f.metadata["doc"])
+            assert default.strip("`\"") == str(f.default), f.name
