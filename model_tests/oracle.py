@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.messages import EngineCoreOutputs, FinishReason
+from ..protocol.records import ResourceAudit, TraceDrain
 from ..runtime.executor import MEMORY_TAGS
 from ..spec import (
     ENGINE,
@@ -252,7 +253,7 @@ class Oracle:
 
     # -- what was observed -------------------------------------------------------------------
 
-    def check_audit(self, audit: dict[str, Any], *, engine: str = "the engine",
+    def check_audit(self, audit: ResourceAudit, *, engine: str = "the engine",
                     memory: bool = True) -> None:
         """``EngineCore.audit_resources()`` against this model: the books always balance,
         and once no request is live (the quiet points the campaign audits at) nothing is
@@ -347,7 +348,7 @@ class Oracle:
 
     # -- the engine's side ---------------------------------------------------------------
 
-    def judge_engine_traces(self, drains: list[tuple[int, Any, ClientState | None]], *,
+    def judge_engine_traces(self, drains: list[tuple[int, TraceDrain, ClientState | None]], *,
                             baseline: bool = False) -> list[TraceEntry]:
         """Judge what ``drain_trace`` returned at a sync point, one ``(label, reply, client
         view)`` per engine (the client view: the state of the client that engine serves).
@@ -365,15 +366,14 @@ class Oracle:
             check_traces(got)
             entries += got
             side = self.engine_sides.get(label)
-            if side is None or side.source != reply["source"]:
-                side = self.engine_sides[label] = _EngineSide(str(reply["source"]))
+            if side is None or side.source != reply.source:
+                side = self.engine_sides[label] = _EngineSide(reply.source)
             side.replay(reply, label, baseline=baseline)
-            if reply["dropped"]:
-                self.trace_incomplete += int(reply["dropped"])
-            state = str(reply["state"])
-            if view in CLIENT_LIVE and (view is ClientState.SLEEPING) != (state in _SLEEPING):
+            self.trace_incomplete += reply.dropped
+            asleep = reply.state in REPORTS_SLEEPING
+            if view in CLIENT_LIVE and (view in CLIENT_ASLEEP) != asleep:
                 raise OracleViolation(
-                    f"{_engine_name(label)} is {state} (is_sleeping() {state in _SLEEPING}),"
+                    f"{_engine_name(label)} is {reply.state.name} (is_sleeping() {asleep}),"
                     f" but its client is {view.name}: the two sides disagree about sleep")
         if not baseline:
             self._confirm_finishes()
@@ -428,29 +428,32 @@ _QUIET_ZERO = (("kv", "referenced"), ("scheduler", "live"), ("scheduler", "runni
                ("", "pending_outputs"), ("", "deferred_replies"), ("", "mid_step_aborts"))
 
 
-def audit_violations(audit: dict[str, Any], *, quiet: bool,
+def audit_violations(audit: ResourceAudit, *, quiet: bool,
                      asleep_tags: frozenset[str] | None = None) -> list[str]:
     """What is wrong with one engine's ``audit_resources()`` reply (an empty list: nothing).
     ``quiet``: no request is live, as the client sees it; ``asleep_tags``: the memory the
     model says is released (None: not known)."""
+    if not isinstance(audit, ResourceAudit):
+        return [f"audit_resources replied no ResourceAudit: {audit!r:.300}"]
+
     def get(part: str, key: str) -> Any:
-        return audit.get(key) if not part else audit.get(part, {}).get(key)
+        return getattr(getattr(audit, part) if part else audit, key)
 
     out = [f"{part + '.' if part else ''}{key} = {get(part, key)}"
            for part, key in _ALWAYS_ZERO + (_QUIET_ZERO if quiet else ())
            if get(part, key) != 0]
-    kv, sched = audit.get("kv", {}), audit.get("scheduler", {})
-    if kv.get("total_refs") != sched.get("request_block_refs"):
-        out.append(f"kv.total_refs = {kv.get('total_refs')} but the live requests hold"
-                   f" {sched.get('request_block_refs')} block references")
-    if kv.get("num_free_blocks", 0) + kv.get("referenced", 0) != kv.get("num_blocks"):
-        out.append(f"{kv.get('num_free_blocks')} free + {kv.get('referenced')} held blocks"
-                   f" != {kv.get('num_blocks')}")
-    if quiet and kv.get("num_free_blocks") != kv.get("num_blocks"):
-        out.append(f"only {kv.get('num_free_blocks')} of {kv.get('num_blocks')} KV blocks free"
+    kv, sched = audit.kv, audit.scheduler
+    if kv.total_refs != sched.request_block_refs:
+        out.append(f"kv.total_refs = {kv.total_refs} but the live requests hold"
+                   f" {sched.request_block_refs} block references")
+    if kv.num_free_blocks + kv.referenced != kv.num_blocks:
+        out.append(f"{kv.num_free_blocks} free + {kv.referenced} held blocks"
+                   f" != {kv.num_blocks}")
+    if quiet and kv.num_free_blocks != kv.num_blocks:
+        out.append(f"only {kv.num_free_blocks} of {kv.num_blocks} KV blocks free"
                    " with no request live (a leak)")
-    if asleep_tags is not None and set(audit.get("asleep_tags", ())) != set(asleep_tags):
-        out.append(f"memory asleep {sorted(audit.get('asleep_tags', ()))}, the model says"
+    if asleep_tags is not None and set(audit.asleep_tags) != set(asleep_tags):
+        out.append(f"memory asleep {sorted(audit.asleep_tags)}, the model says"
                    f" {sorted(asleep_tags)}")
     return out
 
@@ -460,30 +463,27 @@ def audit_violations(audit: dict[str, Any], *, quiet: bool,
 ENGINE_FINISHED: dict[FinishReason, str] = {
     r: ENGINE_REQUEST.table()[(EngineRequestState.RUNNING, EngineRequestEvent[r.name], None)].name
     for r in FinishReason}
-_SLEEPING = frozenset(s.name for s in REPORTS_SLEEPING)
 _E_LIVE = frozenset(s.name for s in ENGINE_REQUEST_LIVE)
 _E_NEW = EngineRequestState.UNKNOWN.name  # where a request id's next lifecycle starts
 _E_FINISHED = frozenset(ENGINE_FINISHED.values())
-_COLUMNS = ("machine", "before", "event", "after", "subject")
 
 
 def _engine_name(label: int) -> str:
     return f"engine {label}"
 
 
-def engine_trace_entries(reply: Any) -> list[TraceEntry]:
+def engine_trace_entries(reply: TraceDrain) -> list[TraceEntry]:
     """A ``drain_trace`` reply's records as trace entries; their place in the engine's order
     stands in for the time (another process's clock is not comparable with ours)."""
-    try:
-        cols = [reply[k] for k in _COLUMNS]
-        ok = all(isinstance(c, list) and len(c) == len(cols[0]) for c in cols) and all(
-            isinstance(reply[k], int) for k in ("dropped", "bound")) and all(
-            isinstance(reply[k], str) for k in ("source", "state"))
-    except (KeyError, TypeError):
-        ok = False
-    if not ok:
+    # The types are the decoder's to check; the columns' lengths are not.
+    if not isinstance(reply, TraceDrain) or len({len(c) for c in _columns(reply)}) != 1:
         raise OracleViolation(f"drain_trace returned no trace: {reply!r:.300}")
-    return [(m, b, e, a, float(i)) for i, (m, b, e, a) in enumerate(zip(*cols[:4], strict=True))]
+    return [(m, b, e, a, float(i))
+            for i, (m, b, e, a, _) in enumerate(zip(*_columns(reply), strict=True))]
+
+
+def _columns(reply: TraceDrain) -> tuple[tuple[str, ...], ...]:
+    return reply.machine, reply.before, reply.event, reply.after, reply.subject
 
 
 @dataclass
@@ -502,13 +502,13 @@ class _EngineSide:
     def live_requests(self) -> list[str]:
         return sorted(r for r, s in self.requests.items() if s in _E_LIVE)
 
-    def replay(self, reply: dict[str, Any], label: int, *, baseline: bool) -> None:
+    def replay(self, reply: TraceDrain, label: int, *, baseline: bool) -> None:
         """Each machine instance's steps in order: a step starts where its last one ended."""
         def jump(what: str, was: str | None, step: str) -> OracleViolation:
             return OracleViolation(f"{_engine_name(label)}'s trace jumps: {what} was {was},"
                                    f" then recorded {step}")
 
-        for m, b, e, a, rid in zip(*(reply[k] for k in _COLUMNS), strict=True):
+        for m, b, e, a, rid in zip(*_columns(reply), strict=True):
             if m == ENGINE.name:
                 if self.state is not None and b != self.state:
                     raise jump("the engine", self.state, f"{b} -{e}-> {a}")
@@ -531,18 +531,19 @@ class _EngineSide:
                 self.requests[rid] = a
                 if a in _E_FINISHED and b not in _E_FINISHED and rid in self.ours:
                     self.finished.setdefault(rid, deque()).append(a)
-        if reply["dropped"]:
+        if reply.dropped:
             # The kept records came first: what followed them is lost, so the instances'
             # states are unknown from here and the requests are no longer judged.
             self.incomplete = True
             self.requests.clear()
             self.session = None
             self.state = None
+        # The replay follows the records' names; the engine's own word is its state member.
         if self.state is None:
-            self.state = str(reply["state"])
-        elif self.state != reply["state"]:
+            self.state = reply.state.name
+        elif self.state != reply.state.name:
             raise OracleViolation(f"{_engine_name(label)}'s trace ends in {self.state}, but"
-                                  f" the engine says it is {reply['state']}")
+                                  f" the engine says it is {reply.state.name}")
 
 
 def check_traces(trace: Iterable[TraceEntry]) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from ..protocol.messages import EngineCoreOutputs, FinishReason
+from ..protocol.records import EngineStats
 from ..runtime.faults import INJECTED_EXIT_CODE
 from ..runtime.ipc import OWNER_FILE, owned_tempdir
 from ..spec.engine import EngineState
@@ -511,12 +512,14 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         if self.cut.is_sleeping():
             raise OracleViolation("is_sleeping() is True right after a new front end attached")
         stats = self.cut.call_utility("get_stats")
-        if (stats["state"], stats["num_live"]) != (EngineState.IDLE.name, 0) or (
-                stats["num_free_blocks"] != stats["num_gpu_blocks"]):
+        if not isinstance(stats, EngineStats):
+            raise OracleViolation(f"get_stats replied no EngineStats: {stats!r:.300}")
+        if stats.state is not EngineState.IDLE or stats.num_live or (
+                stats.num_free_blocks != stats.num_gpu_blocks):
             raise OracleViolation(
                 f"the engine is not as after start-up once a new front end attached: state"
-                f" {stats['state']}, {stats['num_live']} live request(s),"
-                f" {stats['num_free_blocks']}/{stats['num_gpu_blocks']} KV blocks free")
+                f" {stats.state.name}, {stats.num_live} live request(s),"
+                f" {stats.num_free_blocks}/{stats.num_gpu_blocks} KV blocks free")
 
     def _probe(self, reused: list[str]) -> None:
         """New requests complete; they reuse the old live ids (or one fresh id)."""

@@ -62,6 +62,7 @@ from ..protocol.messages import (
     EngineCoreRequest,
     FinishReason,
 )
+from ..protocol.records import UTILITY_RECORDS
 from ..spec.client import ClientState
 from ..spec.errors import (
     EngineDeadError,
@@ -226,6 +227,18 @@ class _EngineManager:
             with contextlib.suppress(OSError):
                 os.close(self._pidfd)
             self._pidfd = None
+
+
+def _typed(method: str, result: Any) -> Any:
+    """A record utility's reply as the record (VLLM_CONTRACT["results_untyped"]: vLLM's wire
+    carries it as a map); ``ProtocolError`` if it is not one."""
+    cls = UTILITY_RECORDS.get(method)
+    if cls is None:
+        return result
+    try:
+        return msgspec.convert(result, cls)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"{method} replied no {cls.__name__}: {e}") from None
 
 
 def _to_vllm_request(req: EngineCoreRequest) -> Any:
@@ -521,7 +534,7 @@ class VllmClientAdapter:
                 continue
             except Exception as e:
                 raise self._error(e, method) from None
-            return result
+            return _typed(method, result)
 
     async def call_utility_async(self, method: str, *args: Any,
                                  timeout: float | None = None) -> Any:
@@ -547,7 +560,7 @@ class VllmClientAdapter:
             task.cancel()  # the caller gave up: so does vLLM's await (its entry stays)
             raise
         try:
-            return task.result()
+            return _typed(method, task.result())
         except Exception as e:
             raise self._error(e, method) from None
 
@@ -556,7 +569,8 @@ class VllmClientAdapter:
 
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
         try:
-            return list(await self._vc.call_utility_all_async(method, *args))
+            return [_typed(method, r)
+                    for r in await self._vc.call_utility_all_async(method, *args)]
         except Exception as e:
             raise self._error(e, method) from None
 

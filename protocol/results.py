@@ -26,6 +26,7 @@ __all__ = [
     "StructResult",
     "check_no_dataclass",
     "decode_utility_result",
+    "plain_result",
     "register_result_type",
 ]
 
@@ -104,6 +105,19 @@ def _wrap_typed(value: Any) -> Any:
         return {k: _wrap_typed(v) for k, v in value.items()}
     if _is_dataclass_instance(value):
         raise _unregistered(value)
+    return value
+
+
+def plain_result(value: Any) -> Any:
+    """A reply's result as a wire without ``EXT_STRUCT`` carries it (vLLM's, which has no
+    tags): every registered value as the object it was, which msgpack writes as a map; the
+    receiver rebuilds it with ``msgspec.convert`` where it knows the type."""
+    if isinstance(value, _TypedStruct):
+        return value.original
+    if type(value) is list:
+        return [plain_result(v) for v in value]
+    if type(value) is dict:
+        return {k: plain_result(v) for k, v in value.items()}
     return value
 
 

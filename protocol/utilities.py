@@ -17,11 +17,15 @@ Pure text generation, no I/O (``enginewire.testing.generate`` writes the files).
 from __future__ import annotations
 
 import hashlib
+import re
 import textwrap
 from dataclasses import dataclass
 
 from ..spec.client import RESUMED, SLEPT, WOKE, PowerReply
 from ..spec.engine import PAUSE_EVENTS
+
+# Imported here so that every peer that knows the utilities has registered their records.
+from . import records
 
 __all__ = [
     "BY_NAME",
@@ -108,15 +112,18 @@ UTILITIES: tuple[Utility, ...] = (
     Utility("save_sharded_state", (Param("path", "str"),), "list[str]",
             "Write the weights under ``path`` (on the engine's host); return the files.",
             wire="path", convert="list(result)", example=None),
-    Utility("get_stats", (), "Any", "The scheduler's counters and the KV cache's usage."),
-    Utility("audit_resources", (), "Any",
+    Utility("get_stats", (), "EngineStats",
+            "The scheduler's counters, the KV cache's usage and the engine's state."),
+    Utility("audit_resources", (), "ResourceAudit | list[ResourceAudit]",
             "Read-only: the engine's resource accounting recounted (KV blocks, queues, pending"
-            " outputs and replies, memory asleep), for a campaign's quiescence check.",
+            " outputs and replies, memory asleep), for a campaign's quiescence check; one per"
+            " engine, in index order, on a data-parallel client.",
             every_engine="each"),
-    Utility("drain_trace", (), "Any",
+    Utility("drain_trace", (), "TraceDrain | list[TraceDrain]",
             "Trace mode only: the engine's lifecycle records (engine, engine_request, session)"
             " since the last call, in its order, as columns, with how many were dropped past"
-            " its bound and its state now; a UtilityError when the engine records no trace.",
+            " its bound and its state now (one per engine, in index order, on a data-parallel"
+            " client); a UtilityError when the engine records no trace.",
             example=None, every_engine="each"),
     Utility("pause_scheduler", (Param("mode", "str", '"abort"'),), "None",
             "Stop scheduling; ``mode`` says what happens to requests in flight.",
@@ -199,6 +206,12 @@ def _body(u: Utility, *, is_async: bool) -> list[str]:
     return lines
 
 
+def _records_named() -> list[str]:
+    """The record types (protocol/records.py) some utility's result names, sorted."""
+    return [name for name in sorted(records.__all__)
+            if any(re.search(rf"\b{name}\b", u.returns) for u in UTILITIES)]
+
+
 def fingerprint() -> str:
     """A stable hash of the declarations: the generated files carry it as their stamp."""
     return hashlib.sha256(repr(UTILITIES).encode()).hexdigest()[:16]
@@ -220,6 +233,7 @@ def render_wrappers() -> str:
         "",
         "from typing import Any",
         "",
+        "from ..protocol.records import " + ", ".join(_records_named()),
         "from .args import check_sleep_args, check_wake_tags, profile_args",
         "",
         '__all__ = ["AsyncUtilityMethods", "SyncUtilityMethods"]',
@@ -280,5 +294,7 @@ def render_utilities_page() -> str:
             power = f"`{u.power.event.name}`" + (f" [{u.power.guard}]" if u.power.guard else "")
         doc = u.doc.replace("``", "`")
         engines = "one" if u.every_engine is None else f"every ({u.every_engine})"
-        rows.append(f"| `{u.name}` | {args} | `{u.returns}` | {power} | {engines} | {doc} |")
+        cells = (f"`{u.name}`", args, f"`{u.returns}`", power, engines, doc)
+        # A union's bar would end the cell: escaped, GitHub shows it (code spans too).
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows) + "\n"

@@ -28,6 +28,8 @@ import os
 import threading
 from typing import Any
 
+from ..protocol.records import TraceDrain
+from ..spec.engine import EngineState
 from ..spec.machine import TraceEntry
 
 __all__ = ["ENGINE_TRACE_ENV", "TRACE_BOUND", "EngineTrace", "engine_trace_for",
@@ -74,21 +76,24 @@ class EngineTrace(list[TraceEntry]):
         """The trace list one request's lifecycle appends to: its records name it."""
         return _RequestTrace(self, request_id)
 
-    def drain(self) -> dict[str, Any]:
-        """The records since the last drain, as columns (lists of strs: a client checks them
-        in one pass), and how many were dropped past the bound; both are then reset."""
+    def drain(self, *, source: str, state: EngineState) -> TraceDrain:
+        """The records since the last drain, as columns (strs: a client checks them in one
+        pass), and how many were dropped past the bound; both are then reset. ``source`` and
+        ``state``: the engine core's name and its state now, which the record carries."""
         with self._lock:
             records, self._records = self._records, []
             dropped, self._dropped = self._dropped, 0
-        return {
-            "machine": [r[0] for r in records],
-            "before": [r[1] for r in records],
-            "event": [r[2] for r in records],
-            "after": [r[3] for r in records],
-            "subject": [r[4] for r in records],
-            "dropped": dropped,
-            "bound": self.bound,
-        }
+        return TraceDrain(
+            state=state,
+            source=source,
+            machine=tuple(r[0] for r in records),
+            before=tuple(r[1] for r in records),
+            event=tuple(r[2] for r in records),
+            after=tuple(r[3] for r in records),
+            subject=tuple(r[4] for r in records),
+            dropped=dropped,
+            bound=self.bound,
+        )
 
 
 class _RequestTrace(list[TraceEntry]):

@@ -49,6 +49,7 @@ from ..protocol.messages import (
     FinishReason,
     SchedulerStats,
 )
+from ..protocol.records import EngineStats, ResourceAudit, TraceDrain
 from ..protocol.utilities import PAUSE_MODES, REMOTE_METHODS, SLEEP_LEVELS
 from ..spec.engine import (
     ACCEPTS_WORK,
@@ -629,43 +630,45 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-    def get_stats(self) -> dict[str, Any]:
-        sched, kv = self.scheduler, self.kv
-        mem = self.executor.driver.report_memory() if self.executor else {}
-        return {
-            "state": self.lifecycle.state.name,
-            "num_running": len(sched.running),
-            "num_waiting": sched.num_waiting,
-            "num_live": len(sched.requests),
-            "num_preemptions": sched.num_preemptions,
-            "num_priority_preemptions": sched.num_priority_preemptions,
-            "scheduling_policy": sched.policy,
-            "step_counter": self.step_counter,
-            "num_gpu_blocks": kv.num_blocks,
-            "num_free_blocks": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage(),
-            "prefix_cache_queries": kv.prefix_queries,
-            "prefix_cache_hits": kv.prefix_hits,
-            "profiled_num_blocks": self.executor.driver.profiled_num_blocks
-            if self.executor else None,
-            **mem,
-        }
+    def get_stats(self) -> EngineStats:
+        sched, kv, executor = self.scheduler, self.kv, self.executor
+        mem = executor.driver.report_memory() if executor else {}
+        return EngineStats(
+            state=self.lifecycle.state,
+            num_running=len(sched.running),
+            num_waiting=sched.num_waiting,
+            num_live=len(sched.requests),
+            num_preemptions=sched.num_preemptions,
+            num_priority_preemptions=sched.num_priority_preemptions,
+            scheduling_policy=sched.policy,
+            step_counter=self.step_counter,
+            num_gpu_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            profiled_num_blocks=executor.driver.profiled_num_blocks if executor else None,
+            device_tensor_bytes=mem.get("device_tensor_bytes"),
+            host_offload_bytes=mem.get("host_offload_bytes"),
+            sleeping=tuple(mem.get("sleeping", ())),
+            cuda_memory_allocated=mem.get("cuda_memory_allocated"),
+        )
 
-    def audit_resources(self) -> dict[str, Any]:
+    def audit_resources(self) -> ResourceAudit:
         """Read-only: the resource accounting a quiet engine must balance (KV blocks, queues,
         pending outputs and replies, memory asleep), recounted for model_tests/oracle.py."""
         executor = self.executor
-        return {
-            "state": self.lifecycle.state.name,
-            "kv": self.kv.audit(),
-            "scheduler": self.scheduler.audit(),
-            "pending_outputs": len(self._pending),
-            "deferred_replies": len(self._deferred),
-            "mid_step_aborts": len(self.mid_step_aborts),
-            "asleep_tags": sorted(executor.sleeping) if executor is not None else [],
-        }
+        return ResourceAudit(
+            state=self.lifecycle.state,
+            kv=self.kv.audit(),
+            scheduler=self.scheduler.audit(),
+            pending_outputs=len(self._pending),
+            deferred_replies=len(self._deferred),
+            mid_step_aborts=len(self.mid_step_aborts),
+            asleep_tags=tuple(sorted(executor.sleeping)) if executor is not None else (),
+        )
 
-    def drain_trace(self) -> dict[str, Any]:
+    def drain_trace(self) -> TraceDrain:
         """Read-only, trace mode only: this engine's lifecycle records since the last call, in
         its order (runtime/_engine_trace.py), with its state now and the name of this engine
         core (``source``), for model_tests/oracle.py's cross-checks."""
@@ -673,10 +676,7 @@ class EngineCore:
             raise UtilityError("drain_trace", "this engine records no trace (an in-process"
                                " client records one when given trace=[...]; an engine"
                                " process when started with ENGINEWIRE_ENGINE_TRACE set)")
-        out = self.engine_trace.drain()
-        out["source"] = self._trace_source
-        out["state"] = self.lifecycle.state.name
-        return out
+        return self.engine_trace.drain(source=self._trace_source, state=self.lifecycle.state)
 
     def pause_scheduler(self, mode: str = "abort") -> Future[Any] | None:
         """Stop scheduling; see the module docstring. A ``Future`` when ``wait`` must drain."""

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..protocol.records import KVAudit
+
 __all__ = ["KVCacheManager", "check_fits", "num_blocks_for"]
 
 
@@ -255,7 +257,7 @@ class KVCacheManager:
     def blocks_in_use(self) -> Sequence[int]:
         return np.flatnonzero(self._ref > 0).tolist()
 
-    def audit(self) -> dict[str, int]:
+    def audit(self) -> KVAudit:
         """The accounting recounted from the block table, not from running counters, so a
         leak or a double free shows (the campaign's quiescence check, model_tests/oracle.py).
         A free block may still hold a cached prefix: caching evicts lazily, on reuse."""
@@ -263,17 +265,17 @@ class KVCacheManager:
         free = np.fromiter(self._pool, np.intp, len(self._pool))
         in_pool = np.zeros(self.num_blocks, bool)
         in_pool[free] = True
-        return {
-            "num_blocks": self.num_blocks,
-            "num_free_blocks": len(free),
-            "referenced": int(np.count_nonzero(ref > 0)),
-            "total_refs": int(ref[ref > 0].sum()),
-            "negative_refs": int(np.count_nonzero(ref < 0)),
-            "free_and_referenced": int(np.count_nonzero(ref[free] != 0)),
-            "unaccounted": int(np.count_nonzero((ref == 0) & ~in_pool)),
-            "cached": len(self._cached),
-            "cache_mismatch": sum(1 for h, b in self._cached.items() if self._hash_of[b] != h),
-        }
+        return KVAudit(
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(free),
+            referenced=int(np.count_nonzero(ref > 0)),
+            total_refs=int(ref[ref > 0].sum()),
+            negative_refs=int(np.count_nonzero(ref < 0)),
+            free_and_referenced=int(np.count_nonzero(ref[free] != 0)),
+            unaccounted=int(np.count_nonzero((ref == 0) & ~in_pool)),
+            cached=len(self._cached),
+            cache_mismatch=sum(1 for h, b in self._cached.items() if self._hash_of[b] != h),
+        )
 
 
 def blocks_from_budget(budget_bytes: int | float, bytes_per_block: int) -> int:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from ..protocol.records import SchedulerAudit
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import ENGINE_REQUEST, EngineRequestEvent, EngineRequestState
 from .kv_cache import KVCacheManager
@@ -440,21 +441,21 @@ class Scheduler:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def audit(self) -> dict[str, int]:
+    def audit(self) -> SchedulerAudit:
         """Queue contents recounted from the queues themselves (see ``KVCacheManager.audit``)."""
         live = self.requests
-        return {
-            "live": len(live),
-            "running": len(self.running),
-            "running_finished": sum(1 for r in self.running if r.finished),
-            "running_unknown": sum(1 for r in self.running if live.get(r.request_id) is not r),
-            "waiting": self.num_waiting,
-            "waiting_in_queue": sum(1 for _, r in self._waiting if r.in_waiting
-                                    and not r.finished),
-            "draining": self._num_draining,
-            "draining_waiting": self._num_draining_waiting,
-            "request_block_refs": sum(len(r.block_ids) for r in live.values()),
-        }
+        return SchedulerAudit(
+            live=len(live),
+            running=len(self.running),
+            running_finished=sum(1 for r in self.running if r.finished),
+            running_unknown=sum(1 for r in self.running if live.get(r.request_id) is not r),
+            waiting=self.num_waiting,
+            waiting_in_queue=sum(1 for _, r in self._waiting if r.in_waiting
+                                 and not r.finished),
+            draining=self._num_draining,
+            draining_waiting=self._num_draining_waiting,
+            request_block_refs=sum(len(r.block_ids) for r in live.values()),
+        )
 
     def _push_waiting(self, req: Request) -> None:
         req.in_waiting = True

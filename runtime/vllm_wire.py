@@ -55,6 +55,7 @@ from ..protocol.messages import (
     SamplingParams,
     UtilityRequest,
 )
+from ..protocol.results import plain_result
 from ._engine_input import _InputSide
 from ._engine_shared import IDLE_WAKE_S, _Control
 from .engine_proc import EngineCoreProc, run_engine_core
@@ -268,8 +269,11 @@ def outputs_to_vllm(batch: EngineCoreOutputs) -> VllmEngineCoreOutputs:
     u = batch.utility_output
     util = None
     if u is not None:
-        util = VllmUtilityOutput(u.call_id, u.failure_message,
-                                 None if u.failure_message is not None else [None, u.result])
+        # vLLM's wire has no EXT_STRUCT: a typed record (get_stats, drain_trace...) goes as
+        # the map msgpack makes of it, as any struct result does there (type_info nil).
+        util = VllmUtilityOutput(
+            u.call_id, u.failure_message,
+            None if u.failure_message is not None else [None, plain_result(u.result)])
     return VllmEngineCoreOutputs(
         engine_index=batch.engine_index, outputs=outs, timestamp=batch.timestamp,
         utility_output=util,

@@ -5,14 +5,13 @@ the same on a live in-process client."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from enginewire.protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from enginewire.protocol.records import TraceDrain
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.factory import make_client
-from enginewire.spec import ClientState, SpecViolation
+from enginewire.spec import ClientState, EngineState, SpecViolation
 from enginewire.testing.oracle import (
     ENGINE_FINISHED,
     DPOracle,
@@ -26,14 +25,14 @@ _ADD = ("engine_request", "UNKNOWN", "ADD", "WAITING")
 _SCHEDULE = ("engine_request", "WAITING", "SCHEDULE", "RUNNING")
 
 
-def reply(*steps: tuple[str, ...], state: str = "IDLE", source: str = "1.1",
-          dropped: int = 0) -> dict[str, Any]:
+def reply(*steps: tuple[str, ...], state: EngineState = EngineState.IDLE, source: str = "1.1",
+          dropped: int = 0) -> TraceDrain:
     """A drain_trace reply; a step is (machine, before, event, after[, request id])."""
     rows = [(*s, "") if len(s) == 4 else s for s in steps]
     cols = list(zip(*rows, strict=True)) if rows else [(), (), (), (), ()]
     names = ("machine", "before", "event", "after", "subject")
-    return {**{n: list(c) for n, c in zip(names, cols, strict=True)}, "dropped": dropped,
-            "bound": 100, "source": source, "state": state}
+    return TraceDrain(state=state, source=source, dropped=dropped, bound=100,
+                      **{n: tuple(c) for n, c in zip(names, cols, strict=True)})
 
 
 def ran(rid: str, event: str, after: str) -> list[tuple[str, ...]]:
@@ -136,10 +135,10 @@ def test_the_two_sides_must_agree_about_sleep() -> None:
     o = Oracle(exact_tokens=False)
     baseline(o)
     paused = ("engine", "IDLE", "PAUSE_KEEP", "PAUSED")
-    o.judge_engine_traces([(0, reply(paused, state="PAUSED"), SLEEPING)])
+    o.judge_engine_traces([(0, reply(paused, state=EngineState.PAUSED), SLEEPING)])
     woke = ("engine", "PAUSED", "WAKE_UP", "IDLE")
     with pytest.raises(OracleViolation, match=r"is PAUSED .* but its client is RUNNING"):
-        o.judge_engine_traces([(0, reply(state="PAUSED"), RUNNING)])
+        o.judge_engine_traces([(0, reply(state=EngineState.PAUSED), RUNNING)])
     o.judge_engine_traces([(0, reply(woke), RUNNING)])
     with pytest.raises(OracleViolation, match=r"is IDLE .* but its client is SLEEPING"):
         o.judge_engine_traces([(0, reply(), SLEEPING)])
@@ -177,9 +176,13 @@ def test_an_incomplete_trace_is_counted_and_no_longer_matched() -> None:
     assert o.engine_sides[0].incomplete
 
 
-def test_a_reply_that_is_no_trace_is_refused() -> None:
+@pytest.mark.parametrize("bad", [
+    {"machine": ["engine"], "before": []},  # no record: an untyped map
+    TraceDrain(state=EngineState.IDLE, machine=("engine",)),  # columns of unequal length
+])
+def test_a_reply_that_is_no_trace_is_refused(bad: object) -> None:
     with pytest.raises(OracleViolation, match="drain_trace returned no trace"):
-        engine_trace_entries({"machine": ["engine"], "before": []})
+        engine_trace_entries(bad)  # type: ignore[arg-type]
 
 
 def test_a_dead_engine_takes_its_pending_checks_with_it() -> None:

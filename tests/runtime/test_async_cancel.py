@@ -88,7 +88,7 @@ async def _until_idle(client: AsyncMPClient) -> None:
     """Until the engine holds no request: its outputs precede the stats reply on the one
     output socket, so by then this loop's reader has queued every batch (bounded)."""
     deadline = time.monotonic() + 30
-    while (await client.get_stats_async(timeout=30))["num_live"]:
+    while (await client.get_stats_async(timeout=30)).num_live:
         assert time.monotonic() < deadline, "the engine still holds requests after 30 s"
         await asyncio.sleep(0.01)
 

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from typing import Any
 
+import msgspec
 import pytest
 
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
+from enginewire.protocol.records import ResourceAudit
 from enginewire.runtime import make_client
 from enginewire.runtime.config import EngineConfig
+from enginewire.spec import EngineState
 from enginewire.testing.oracle import Oracle, OracleViolation, audit_violations
 
 TINY = EngineConfig(model="tiny", enable_prefix_caching=True)
@@ -41,10 +44,13 @@ def test_a_quiet_engine_balances_its_books_on_every_client(multiprocess: bool) -
         assert audit_violations(busy, quiet=False) == []
         _drive(client)
         audit = client.call_utility("audit_resources")
+        # A typed record on both clients: in process as returned, over the wire rebuilt.
+        assert isinstance(audit, ResourceAudit) and audit.state is EngineState.IDLE
         assert audit_violations(audit, quiet=True, asleep_tags=frozenset()) == [], audit
-        assert audit["kv"]["cached"] > 0  # the prefix cache holds blocks, all of them free
+        assert audit.kv.cached > 0  # the prefix cache holds blocks, all of them free
         client.sleep(1)
         asleep = client.call_utility("audit_resources")
+        assert asleep.state is EngineState.SLEEPING
         assert audit_violations(asleep, quiet=True,
                                 asleep_tags=frozenset({"weights", "kv_cache"})) == []
         # The model and the engine disagree about what is asleep: that is a finding too.
@@ -74,24 +80,31 @@ def test_each_broken_count_is_named() -> None:
     assert audit_violations(clean, quiet=True) == []
 
     def broken(part: str, key: str, value: int, quiet: bool = True) -> list[str]:
-        audit = json.loads(json.dumps(clean))
-        (audit[part] if part else audit)[key] = value
-        return audit_violations(audit, quiet=quiet)
+        return audit_violations(_with(clean, part, **{key: value}), quiet=quiet)
 
     assert any("negative_refs = 1" in p for p in broken("kv", "negative_refs", 1, quiet=False))
     assert any("unaccounted = 2" in p for p in broken("kv", "unaccounted", 2, quiet=False))
     assert any("running_unknown" in p for p in broken("scheduler", "running_unknown", 1))
     assert any("deferred_replies = 1" in p for p in broken("", "deferred_replies", 1))
-    leak = broken("kv", "num_free_blocks", clean["kv"]["num_blocks"] - 3)
+    leak = broken("kv", "num_free_blocks", clean.kv.num_blocks - 3)
     assert any("a leak" in p for p in leak) and any("free +" in p for p in leak)
     # Live work holds blocks and queues: not a finding until the engine is quiet.
-    busy = json.loads(json.dumps(clean))
-    busy["scheduler"].update(live=1, running=1)
+    busy = _with(clean, "scheduler", live=1, running=1)
     assert audit_violations(busy, quiet=False) == []
     assert audit_violations(busy, quiet=True)
     oracle = Oracle(exact_tokens=False)
     with pytest.raises(OracleViolation, match="resource accounting is off"):
         oracle.check_audit(busy)
+    # Anything but the record (an untyped map, say) is a finding, not a crash.
+    assert audit_violations({"kv": {}}, quiet=True)  # type: ignore[arg-type]
+
+
+def _with(audit: ResourceAudit, part: str, **changes: int) -> ResourceAudit:
+    """``audit`` with ``changes`` to one of its parts ("": the audit's own counts)."""
+    if not part:
+        return msgspec.structs.replace(audit, **changes)
+    return msgspec.structs.replace(
+        audit, **{part: msgspec.structs.replace(getattr(audit, part), **changes)})
 
 
 _LEAKY = """

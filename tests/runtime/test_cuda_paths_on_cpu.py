@@ -159,7 +159,7 @@ def test_an_engine_built_on_a_profiled_worker_reports_the_profiled_pool(
         expect = math.floor((10**9 * 0.2 - 10**8 - 10**6) / PER)
         assert eng.ready_info()["num_gpu_blocks"] == expect
         stats = eng.get_stats()
-        assert stats["profiled_num_blocks"] == expect
+        assert stats.profiled_num_blocks == expect
         mem.calls.clear()
         eng.sleep(1)
         assert "release_cached" in mem.calls

@@ -309,8 +309,8 @@ def test_get_stats_and_scheduler_stats() -> None:
     out = eng.step()
     assert out.scheduler_stats is not None and out.scheduler_stats.num_running == 3
     s = eng.get_stats()
-    assert s["num_running"] == 3 and s["num_live"] == 3 and s["state"] == "RUNNING"
-    assert s["num_free_blocks"] == s["num_gpu_blocks"] - 6 and s["kv_cache_usage"] > 0
+    assert s.num_running == 3 and s.num_live == 3 and s.state is EngineState.RUNNING
+    assert s.num_free_blocks == s.num_gpu_blocks - 6 and s.kv_cache_usage > 0
 
 
 def test_save_sharded_state_round_trips(tmp_path: object) -> None:
@@ -354,7 +354,7 @@ def test_prefix_caching_reuses_blocks_and_keeps_tokens() -> None:
     assert second[0]["second"] == first[0]["first"]
     assert first[1]["first"].num_cached_tokens == 0
     assert second[1]["second"].num_cached_tokens == 20  # 5 full blocks; the last token recomputed
-    assert eng.get_stats()["prefix_cache_hits"] == 5
+    assert eng.get_stats().prefix_cache_hits == 5
     assert eng.call_utility("reset_prefix_cache", []) is True
     eng.add_request(req("third", prompt, max_tokens=5, ignore_eos=True))
     third = drain(eng)
@@ -691,7 +691,7 @@ def test_a_decode_batch_finishing_together_frees_its_blocks_and_hands_over_its_r
                 ended = e.take_ended() if rnd == 0 else list(e.scheduler.ended)
         assert {r.request_id for r in ended} == {f"{rnd}-{i}" for i in range(32)}
         assert all(r.block_ids == [] and r.num_tokens == 25 for r in ended)
-        assert e.kv.num_free_blocks == total and e.kv.audit()["total_refs"] == 0
+        assert e.kv.num_free_blocks == total and e.kv.audit().total_refs == 0
         assert len(e.scheduler.ended) == (0 if rnd == 0 else 32)  # taken, or still held
     e.add_request(EngineCoreRequest("next", [3], SamplingParams(max_tokens=2)))
     e.step()

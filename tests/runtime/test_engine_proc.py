@@ -1006,7 +1006,7 @@ def test_an_engine_terminated_from_outside_aborts_its_parked_requests_first() ->
         assert cut.client.live_requests() == ["r"]
         # The engine holds it before the signal (a call is answered after the ADD before it):
         # a SIGTERM that overtook the ADD would leave nothing to abort.
-        assert cut.client.get_stats(timeout=BOUND_S)["num_live"] == 1
+        assert cut.client.get_stats(timeout=BOUND_S).num_live == 1
         assert cut.engine_pid is not None
         os.kill(cut.engine_pid, signal.SIGTERM)
         seen: list[tuple[str, FinishReason]] = []

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
+from enginewire.protocol.records import TraceDrain
 from enginewire.runtime._engine_trace import (
     ENGINE_TRACE_ENV,
     TRACE_BOUND,
@@ -18,14 +19,14 @@ from enginewire.runtime._engine_trace import (
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore
 from enginewire.runtime.factory import make_client
-from enginewire.spec import MACHINES, TraceEntry, UtilityError, validate_trace
+from enginewire.spec import MACHINES, EngineState, TraceEntry, UtilityError, validate_trace
 
 NULL = EngineConfig(model="null", device="cpu")
 
 
-def _records(reply: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    return list(zip(reply["machine"], reply["before"], reply["event"], reply["after"],
-                    reply["subject"], strict=True))
+def _records(reply: TraceDrain) -> list[tuple[str, str, str, str, str]]:
+    return list(zip(reply.machine, reply.before, reply.event, reply.after, reply.subject,
+                    strict=True))
 
 
 def _run(client: Any, rid: str, n: int = 3) -> None:
@@ -50,12 +51,14 @@ def test_the_record_is_bounded_and_counts_what_it_drops() -> None:
     trace.for_request("r1").append(_entry("engine_request", "UNKNOWN", "ADD", "WAITING"))
     trace.append(_entry("engine", "RUNNING", "ALL_FINISHED", "IDLE"))
     assert len(sink) == 3 and len(trace) == 0  # the caller's list gets all; the record none
-    first = trace.drain()
+    first = trace.drain(source="e", state=EngineState.PAUSED)
+    assert (first.source, first.state) == ("e", EngineState.PAUSED)  # as the engine says
     assert _records(first) == [("engine", "IDLE", "WORK_ARRIVED", "RUNNING", ""),
                                ("engine_request", "UNKNOWN", "ADD", "WAITING", "r1")]
-    assert (first["dropped"], first["bound"]) == (1, 2)
-    again = trace.drain()  # a drain forgets what it handed out, drops included
-    assert _records(again) == [] and again["dropped"] == 0
+    assert (first.dropped, first.bound) == (1, 2)
+    # A drain forgets what it handed out, drops included.
+    again = trace.drain(source="e", state=EngineState.IDLE)
+    assert _records(again) == [] and again.dropped == 0
 
 
 @pytest.mark.parametrize("bound", [0, -1, True, 1.5])
@@ -103,16 +106,16 @@ def test_the_engine_core_hands_out_its_records_in_order() -> None:
         while engine.has_unfinished_requests() or engine.has_pending_outputs():
             engine.step()
         reply = engine.call_utility("drain_trace")
-        assert isinstance(reply, dict)
+        assert isinstance(reply, TraceDrain)
         recs = _records(reply)
         assert recs[0] == ("engine", "CONSTRUCTING", "BUILT", "IDLE", "")
         assert [r[2] for r in recs if r[4] == "a"] == ["ADD", "SCHEDULE", "LENGTH"]
         assert [r[2:] for r in recs if r[4] == "bad"] == [("REJECT", "FINISHED_ERROR", "bad")]
-        assert reply["state"] == "IDLE" and reply["dropped"] == 0
+        assert reply.state is EngineState.IDLE and reply.dropped == 0
         # The caller's own list got the same steps, timestamps and all.
         assert [e[:4] for e in trace] == [r[:4] for r in recs]
         other = EngineCore(NULL, trace=[])
-        assert other.call_utility("drain_trace")["source"] != reply["source"]
+        assert other.call_utility("drain_trace").source != reply.source
         other.shutdown()
     finally:
         engine.shutdown()
@@ -123,7 +126,7 @@ def test_the_in_process_client_drains_its_engine_in_trace_mode() -> None:
         _run(client, "a")
         reply = client.drain_trace(timeout=5)
         assert ("engine_request", "RUNNING", "LENGTH", "FINISHED_LENGTH", "a") in _records(reply)
-        assert client.drain_trace()["machine"] == []
+        assert client.drain_trace().machine == ()
     with make_client(NULL, multiprocess=False, asyncio=False) as client:
         with pytest.raises(UtilityError, match="records no trace"):
             client.drain_trace()
@@ -149,7 +152,8 @@ def test_an_engine_process_in_trace_mode_drains_its_start_and_session(
         entries = [(*r[:4], float(i)) for i, r in enumerate(recs)]
         for machine in MACHINES:
             validate_trace(machine, entries)
-        assert reply["state"] == "IDLE"
+        # Rebuilt from the wire as the record, its state the enum member.
+        assert isinstance(reply, TraceDrain) and reply.state is EngineState.IDLE
 
 
 def test_past_the_bound_an_engine_process_counts_its_drops(
@@ -158,11 +162,11 @@ def test_past_the_bound_an_engine_process_counts_its_drops(
     with make_client(NULL, multiprocess=True, asyncio=False) as client:
         _run(client, "a")
         first = client.drain_trace(timeout=30)
-        assert len(first["machine"]) == 3 and first["dropped"] > 0 and first["bound"] == 3
+        assert len(first.machine) == 3 and first.dropped > 0 and first.bound == 3
         _run(client, "b")  # ADD, WORK_ARRIVED, SCHEDULE, LENGTH, ALL_FINISHED: 5 > 3
         second = client.drain_trace(timeout=30)
         assert _records(second)[0] == ("engine_request", "UNKNOWN", "ADD", "WAITING", "b")
-        assert second["dropped"] == 2
+        assert second.dropped == 2
 
 
 def test_an_engine_process_not_in_trace_mode_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +182,7 @@ def test_a_data_parallel_client_drains_each_engine(monkeypatch: pytest.MonkeyPat
     with make_client(cfg, multiprocess=True, asyncio=False) as client:
         replies = client.drain_trace(timeout=30)
         assert isinstance(replies, list) and len(replies) == 2
-        assert len({r["source"] for r in replies}) == 2
+        assert len({r.source for r in replies}) == 2
         for r in replies:
             assert ("engine", "READY", "LOOP_STARTED", "IDLE", "") in _records(r)
 
@@ -200,7 +204,7 @@ def test_the_config_asks_for_a_bounded_trace_without_the_environment(
     with make_client(cfg, multiprocess=multiprocess, asyncio=False) as client:
         _run(client, "a")
         first = client.drain_trace(timeout=30)
-        assert first["bound"] == 4 and len(first["machine"]) == 4 and first["dropped"] > 0
+        assert first.bound == 4 and len(first.machine) == 4 and first.dropped > 0
         _run(client, "b")
         recs = _records(client.drain_trace(timeout=30))
         assert recs[0] == ("engine_request", "UNKNOWN", "ADD", "WAITING", "b")
@@ -210,7 +214,7 @@ def test_the_environment_still_wins_over_the_config(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(ENGINE_TRACE_ENV, "7")
     cfg = EngineConfig(model="null", device="cpu", engine_trace_records=4)
     with make_client(cfg, multiprocess=True, asyncio=False) as client:
-        assert client.drain_trace(timeout=30)["bound"] == 7
+        assert client.drain_trace(timeout=30).bound == 7
 
 
 # --- the no-op abort of an id nobody holds (spec/request.py, rule 2) --------------------------

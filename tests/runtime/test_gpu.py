@@ -45,12 +45,12 @@ def test_block_count_comes_from_profiling_free_memory() -> None:
     per = kv_bytes_per_block(small.arch, 16, torch.float32)
     total = torch.cuda.get_device_properties(0).total_memory
     # The pool fits inside the utilization share and is a real fraction of it.
-    assert 0 < stats["num_gpu_blocks"] * per <= 0.02 * total
-    assert stats["profiled_num_blocks"] == stats["num_gpu_blocks"]
+    assert 0 < stats.num_gpu_blocks * per <= 0.02 * total
+    assert stats.profiled_num_blocks == stats.num_gpu_blocks
     small.shutdown()
     capped = EngineCore(cfg(gpu_memory_utilization=0.04, max_num_gpu_blocks=1000))
     assert capped.ready_info()["num_gpu_blocks"] == 1000
-    assert capped.get_stats()["profiled_num_blocks"] > stats["num_gpu_blocks"]
+    assert capped.get_stats().profiled_num_blocks > stats.num_gpu_blocks
     capped.shutdown()
 
 
@@ -63,7 +63,7 @@ def test_sleep_releases_cuda_memory_and_wake_restores_it() -> None:
     torch.cuda.synchronize()
     asleep = torch.cuda.memory_allocated()
     assert awake - asleep >= kv
-    assert eng.get_stats()["cuda_memory_allocated"] == asleep
+    assert eng.get_stats().cuda_memory_allocated == asleep
     eng.wake_up()
     assert torch.cuda.memory_allocated() >= awake - 1024
     eng.sleep(2)

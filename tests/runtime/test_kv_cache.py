@@ -139,8 +139,8 @@ def test_free_many_is_one_free_after_another(caching: bool) -> None:
         assert _order(one) == _order(bulk)
         assert one.audit() == bulk.audit()
     audit = bulk.audit()
-    assert audit["num_free_blocks"] == 24 and audit["total_refs"] == 0
-    assert audit["unaccounted"] == audit["negative_refs"] == audit["free_and_referenced"] == 0
+    assert audit.num_free_blocks == 24 and audit.total_refs == 0
+    assert audit.unaccounted == audit.negative_refs == audit.free_and_referenced == 0
     assert all(r.block_ids == [] and r.num_registered_blocks == 0 for r in bulk_reqs)
 
 
@@ -166,4 +166,4 @@ def test_a_double_free_shows_in_the_audit() -> None:
     a.block_ids = held  # a bug hands the same blocks back again
     kv.free_many([a])
     audit = kv.audit()
-    assert audit["negative_refs"] == 2 and kv.num_free_blocks == 4
+    assert audit.negative_refs == 2 and kv.num_free_blocks == 4

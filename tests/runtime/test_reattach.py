@@ -197,7 +197,7 @@ def test_front_ends_take_turns_on_one_engine(tmp_path: Path, integrity: bool) ->
         with b:
             # The engine is as after start-up: awake, nothing of a's running.
             assert b.is_sleeping(timeout=BOUND_S) is False
-            assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
+            assert b.get_stats(timeout=BOUND_S).num_live == 0
             b.add_request(req("new", [5, 6, 7], 8))
             toks, seen = collect(b, "new")
             assert len(toks) == 8 and seen == {"new"}
@@ -247,7 +247,7 @@ def test_a_killed_front_end_is_replaced(tmp_path: Path) -> None:
     with standalone_engine(tmp_path) as (inp, out, _):
         _kill_front_end_when_ready(_front_end_that_hangs, inp, out)
         with front_end(inp, out) as b:
-            assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
+            assert b.get_stats(timeout=BOUND_S).num_live == 0
             b.add_request(req("after", [1], 3))
             toks, seen = collect(b, "after")
             assert len(toks) == 3 and seen == {"after"}
@@ -588,7 +588,7 @@ def test_a_broken_link_ends_the_session_not_the_engine(tmp_path: Path, how: str)
         assert proc.is_alive() and proc.pid == pid
 
         with front_end(inp, out, frame_integrity=True) as b:
-            assert b.get_stats(timeout=BOUND_S)["num_live"] == 0
+            assert b.get_stats(timeout=BOUND_S).num_live == 0
             b.add_request(req("next", [5, 6, 7], 6))
             toks, seen = collect(b, "next")
             assert len(toks) == 6 and seen == {"next"}

@@ -149,7 +149,7 @@ def test_prefix_caching_under_preemption_and_eviction_keeps_greedy_exact() -> No
         for o in eng.step().outputs:
             toks[o.request_id] += o.new_token_ids
     assert not pending and not eng.has_unfinished_requests()
-    assert eng.scheduler.num_preemptions > 0 and eng.get_stats()["prefix_cache_hits"] > 0
+    assert eng.scheduler.num_preemptions > 0 and eng.get_stats().prefix_cache_hits > 0
     for rid, p in prompts.items():
         assert toks[rid] == dense_greedy(arch, params, p, len(toks[rid])), rid
     assert eng.kv.num_free_blocks == 10
@@ -179,8 +179,8 @@ def test_a_better_waiting_request_takes_the_only_slot_by_preemption() -> None:
     toks, order = run(eng)
     assert order == ["high", "low"]
     stats = eng.get_stats()
-    assert stats["num_priority_preemptions"] == 1 and stats["num_preemptions"] == 1
-    assert stats["scheduling_policy"] == "priority"
+    assert stats.num_priority_preemptions == 1 and stats.num_preemptions == 1
+    assert stats.scheduling_policy == "priority"
     assert len(toks["low"]) == 4  # 2 before, 4 after: recompute resumes, nothing is lost
     validate_trace(ENGINE_REQUEST, trace)
 
@@ -290,7 +290,7 @@ def test_fcfs_policy_never_preempts_for_waiting_and_refuses_priorities() -> None
     assert "scheduling_policy" in (out["vip"].error or "")
     _, order = run(eng)
     assert order == ["a", "b"] and eng.scheduler.num_preemptions == 0
-    assert eng.get_stats()["scheduling_policy"] == "fcfs"
+    assert eng.get_stats().scheduling_policy == "fcfs"
 
 
 def test_scheduling_policy_is_validated_by_name() -> None:
