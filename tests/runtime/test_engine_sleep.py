@@ -17,11 +17,13 @@ from enginewire.runtime.model import TinyRandomSource, dense_greedy, null_token
 from enginewire.spec import (
     ENGINE,
     ENGINE_REQUEST,
+    EngineEvent,
     EngineState,
     SpecViolation,
     UtilityError,
     validate_trace,
 )
+from enginewire.spec.engine import HAS_WORK, NO_WORK, PARTIAL
 
 torch.set_num_threads(1)
 
@@ -333,3 +335,17 @@ def test_sleep_discards_the_prefix_cache_with_the_kv_it_indexed() -> None:
     assert c.toks["after"] == c.toks["before"]
     assert cached == {"before": 0, "after": 0}
     eng.shutdown()
+
+
+@pytest.mark.parametrize(("event", "extra"), [(EngineEvent.RESUME, set()),
+                                              (EngineEvent.WAKE_UP, {PARTIAL})])
+def test_the_table_splits_resume_and_wake_only_on_guards_the_engine_reads(
+        event: EngineEvent, extra: set[str]) -> None:
+    """``resume_scheduler`` and ``wake_up`` take their guard from the table
+    (``EngineCore._fire_resolving``): HAS_WORK or NO_WORK wherever its rows split, and the
+    wake-up PARTIAL where memory was released. A new guard on these events needs a reading
+    there; this says so before a scenario reaches it."""
+    for state in EngineState:
+        guards = set(ENGINE.guards(state, event)) - {None}
+        assert guards <= {HAS_WORK, NO_WORK, *extra}, (state, guards)
+        assert not guards or {HAS_WORK, NO_WORK} <= guards, (state, guards)
