@@ -64,7 +64,7 @@ from ..spec.request import (
     ClientRequestEvent,
     ClientRequestState,
 )
-from ..spec.utility import UTILITY, UtilityEvent
+from ..spec.utility import UTILITY, UtilityEvent, outcome_of
 from ._utilities import SyncUtilityMethods
 from .args import (
     check_method,
@@ -539,8 +539,9 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             except _TimedOut as e:  # its lifecycle already says so
                 raise e.error from None
             except (EngineDeadError, ClientClosedError) as e:
-                lc.fire(UtilityEvent.ENGINE_DIED if isinstance(e, EngineDeadError)
-                        else UtilityEvent.CLIENT_SHUTDOWN)
+                event = outcome_of(e)  # spec/utility.py's map
+                assert event is not None
+                lc.fire(event)
                 raise
             except Exception as e:
                 lc.fire(UtilityEvent.REPLY_ERROR)

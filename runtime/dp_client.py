@@ -59,8 +59,6 @@ from ..spec.errors import (
     ClientClosedError,
     EngineDeadError,
     EngineStartupError,
-    UtilityError,
-    UtilityTimeoutError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.membership import (
@@ -70,7 +68,7 @@ from ..spec.membership import (
     MembershipEvent,
     MembershipState,
 )
-from ..spec.utility import UtilityEvent
+from ..spec.utility import UtilityEvent, outcome_of
 from ._dp_members import AsyncMember, SyncMember
 from ._utilities import AsyncUtilityMethods
 from .args import (
@@ -91,16 +89,6 @@ __all__ = ["AsyncDPClient", "SyncDPClient"]
 
 logger = logging.getLogger(__name__)
 
-# What ends a call that raised, by its error (the first match in this order); an error
-# raised before anything was sent (bad arguments) ends nothing.
-_UTILITY_OUTCOME: dict[type[BaseException], UtilityEvent] = {
-    UtilityTimeoutError: UtilityEvent.TIMEOUT,
-    UtilityError: UtilityEvent.REPLY_ERROR,
-    EngineDeadError: UtilityEvent.ENGINE_DIED,
-    ClientClosedError: UtilityEvent.CLIENT_SHUTDOWN,
-    asyncio.CancelledError: UtilityEvent.CANCEL,
-    KeyboardInterrupt: UtilityEvent.CANCEL,
-}
 
 
 # A crash loop's bound: an incarnation that dies within RESTART_STABLE_S of its handshake died
@@ -624,10 +612,7 @@ class _DPClient(EngineCoreClient):
         try:
             yield lc
         except BaseException as e:
-            event = _UTILITY_OUTCOME.get(type(e))
-            if event is None:
-                event = next((ev for kind, ev in _UTILITY_OUTCOME.items()
-                              if isinstance(e, kind)), None)
+            event = outcome_of(e)  # spec/utility.py's map, the same for every client
             if event is not None and lc.can(event):
                 lc.fire(event)
             raise

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from enum import Enum
 
+from .errors import ClientClosedError, EngineDeadError, UtilityError, UtilityTimeoutError
 from .machine import Machine, Transition
 
-__all__ = ["UTILITY", "UtilityEvent", "UtilityState"]
+__all__ = ["UTILITY", "UtilityEvent", "UtilityState", "outcome_of"]
 
 
 class UtilityState(Enum):
@@ -64,3 +65,26 @@ UTILITY: Machine[UtilityState, UtilityEvent] = Machine(
           for s in (S.CANCELLED, S.TIMED_OUT) for e in (E.REPLY_OK, E.REPLY_ERROR)),
     ),
 )
+
+
+# Which event ends a call that raised on the client's side, by the error (the first match in
+# this order: a timeout is a UtilityError too). Declared once, here, for every client.
+_ERROR_OUTCOMES: tuple[tuple[type[BaseException], UtilityEvent], ...] = (
+    (UtilityTimeoutError, UtilityEvent.TIMEOUT),
+    (UtilityError, UtilityEvent.REPLY_ERROR),
+    (EngineDeadError, UtilityEvent.ENGINE_DIED),
+    (ClientClosedError, UtilityEvent.CLIENT_SHUTDOWN),
+)
+
+
+def outcome_of(error: BaseException) -> UtilityEvent | None:
+    """The event that ends a call which raised ``error``: the closed family's by its kind; a
+    ``BaseException`` that is no ``Exception`` (the caller's task cancelled, Ctrl-C) is the
+    caller's CANCEL; anything else (bad arguments, raised before anything was sent) ends
+    nothing: None."""
+    for kind, event in _ERROR_OUTCOMES:
+        if isinstance(error, kind):
+            return event
+    if not isinstance(error, Exception):
+        return UtilityEvent.CANCEL
+    return None
