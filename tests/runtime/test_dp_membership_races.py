@@ -34,6 +34,7 @@ from enginewire.spec import (
     UtilityTimeoutError,
 )
 from enginewire.testing._harness import wait_until
+from enginewire.testing.conformance import stop_process
 
 from .test_dp_client import BOUND_S, KINDS, Driver, _resource_tracker, open_dp, req
 
@@ -194,7 +195,7 @@ def test_a_hung_engine_is_killed_before_its_replacement(kind: str) -> None:
     with open_dp(kind, restart_dead_engines=True, engine_heartbeat_timeout_s=1.0) as dp:
         client = dp.client
         pid = client.engine_client(1).engine_pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)  # every thread stopped: nothing is answered after this
         try:
             wait_until(lambda: client.engine_client(1) is not None
                        and client.engine_client(1).engine_pid != pid
@@ -212,7 +213,7 @@ def test_a_sleep_that_timed_out_and_slept_late_leaves_the_client_asleep(kind: st
     with open_dp(kind) as dp:
         client = dp.client
         pid = client.engine_client(1).engine_pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)  # every thread stopped: nothing is answered after this
         try:
             with pytest.raises(UtilityTimeoutError):
                 dp("sleep", 1, timeout=0.5)
@@ -235,7 +236,7 @@ def test_a_sleep_that_lost_an_engine_leaves_the_client_asleep(kind: str) -> None
     with open_dp(kind) as dp:
         client = dp.client
         pid = client.engine_client(1).engine_pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)  # every thread stopped: nothing is answered after this
         killer = threading.Timer(0.5, os.kill, args=(pid, signal.SIGKILL))
         killer.start()
         try:
