@@ -53,7 +53,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from ..protocol.messages import EngineCoreRequest
-from ..spec.client import ClientState
+from ..spec.client import CLIENT_ASLEEP
 from ..spec.errors import EngineDeadError, UtilityError, UtilityTimeoutError
 from ..spec.membership import MembershipState
 from . import conformance as cf
@@ -332,7 +332,7 @@ class DataParallelStateMachine(CampaignMachine):
     def _check_asleep(self) -> None:
         members = [self.cut.client.engine_client(i) for i in self.oracle.serving()]
         awake = [i for i, m in zip(self.oracle.serving(), members, strict=True)
-                 if m is None or m.state is not ClientState.SLEEPING]
+                 if m is None or m.state not in CLIENT_ASLEEP]
         if awake:
             raise OracleViolation(f"sleep() returned yet engines {awake} are not asleep")
 
@@ -577,7 +577,7 @@ class DataParallelStateMachine(CampaignMachine):
                 wait_until(lambda: (client.engine_client(k) is not None
                                     and client.engine_client(k).engine_pid != old)
                            or client.engines[k] is not MembershipState.SERVING
-                           or client.engine_client(k).state is ClientState.SLEEPING, bound)
+                           or client.engine_client(k).state in CLIENT_ASLEEP, bound)
                 member = client.engine_client(k)
                 died = (client.engines[k] is not MembershipState.SERVING or member is None
                         or member.engine_pid != old)
@@ -596,15 +596,15 @@ class DataParallelStateMachine(CampaignMachine):
                                f"engine {k} DEAD after its death")
                 self.live.note_pids()
             asleep = [i for i in self.oracle.serving()
-                      if client.engine_client(i).state is ClientState.SLEEPING]
-            if asleep and client.state is not ClientState.SLEEPING:
+                      if client.engine_client(i).state in CLIENT_ASLEEP]
+            if asleep and client.state not in CLIENT_ASLEEP:
                 raise OracleViolation(f"engines {asleep} sleep, yet the client is"
                                       f" {client.state.name} (sleep raced engine {k}'s stop,"
                                       f" then {'its death' if died else 'a late reply'})")
             if asleep:
                 self._wake(["weights"])  # partial on the sleeping ones: False, legal
             self._wake(None)
-            if client.state is ClientState.SLEEPING:
+            if client.state in CLIENT_ASLEEP:
                 raise OracleViolation("the client is SLEEPING after a full wake_up")
 
     # -- shutdown and a new client ----------------------------------------------------------

@@ -208,6 +208,19 @@ def test_a_hung_engine_is_killed_before_its_replacement(kind: str) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def _asleep_then_partial_then_full_wake(dp: Driver) -> None:
+    """The client sleeps as its serving engines do; a partial wake-up (weights only) is legal
+    and False, and leaves it asleep; a full one wakes it."""
+    client = dp.client
+    assert client.state is ClientState.SLEEPING
+    assert dp("is_sleeping") is True
+    assert dp("wake_up", ["weights"]) is False
+    assert client.state is ClientState.SLEEPING
+    assert dp("wake_up") is True
+    assert client.state is not ClientState.SLEEPING
+    assert dp("is_sleeping") is False
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_sleep_that_timed_out_and_slept_late_leaves_the_client_asleep(kind: str) -> None:
     with open_dp(kind) as dp:
@@ -222,13 +235,7 @@ def test_a_sleep_that_timed_out_and_slept_late_leaves_the_client_asleep(kind: st
         # Engine 0 slept in time, engine 1 late: the client follows both.
         wait_until(lambda: client.engine_client(1).state is ClientState.SLEEPING, BOUND_S,
                    "engine 1's late sleep reply followed")
-        assert client.state is ClientState.SLEEPING
-        assert dp("is_sleeping") is True
-        assert dp("wake_up", ["weights"]) is False  # a partial wake-up: legal, still asleep
-        assert client.state is ClientState.SLEEPING
-        assert dp("wake_up") is True
-        assert client.state is not ClientState.SLEEPING
-        assert dp("is_sleeping") is False
+        _asleep_then_partial_then_full_wake(dp)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -245,10 +252,7 @@ def test_a_sleep_that_lost_an_engine_leaves_the_client_asleep(kind: str) -> None
         finally:
             killer.join()
         wait_until(lambda: client.engines[1] is MembershipState.DEAD, BOUND_S, "engine 1 dead")
-        assert client.state is ClientState.SLEEPING  # engine 0, the one serving, sleeps
-        assert dp("wake_up", ["weights"]) is False
-        assert dp("wake_up") is True
-        assert client.state is not ClientState.SLEEPING
+        _asleep_then_partial_then_full_wake(dp)  # engine 0, the one serving, sleeps
 
 
 @pytest.mark.parametrize("kind", KINDS)
