@@ -149,6 +149,8 @@ class Oracle:
         # ids not judged (sent before the first drain of this model); each engine's replay.
         self.engine_pending: list[tuple[str, FinishReason, int]] = []
         self.engine_unjudged: set[str] = set()
+        # id -> how its endings went on the client (a violation names what led to it)
+        self.finish_log: dict[str, deque[str]] = {}
         self.engine_sides: dict[int, _EngineSide] = {}
         self.trace_incomplete = 0  # records the engines dropped past their bound
         # A read raised EngineDeadError (``death_read``): the death reached the caller. Where
@@ -335,7 +337,11 @@ class Oracle:
                     f"{m.rid!r} ended STOP after {n} tokens; stop token at {m.stop_index}")
         m.finish = reason
         self.finished_ids.append(m.rid)
-        if self._engine_judges(m):
+        judged = self._engine_judges(m)
+        self.finish_log.setdefault(m.rid, deque(maxlen=8)).append(
+            f"{reason.name} from engine {self._finish_engine()}"
+            + ("" if judged else " (not judged)"))
+        if judged:
             self.engine_pending.append((m.rid, reason, self._finish_engine()))
 
     def _finish_engine(self) -> int:
@@ -409,7 +415,9 @@ class Oracle:
                 raise OracleViolation(
                     f"{rid!r} finished {reason.name} on the client, but"
                     f" {_engine_name(label)}'s own lifecycle ended it {got} (want {want}):"
-                    " the engine's books disagree with what it sent")
+                    " the engine's books disagree with what it sent (its steps for that id:"
+                    f" {'; '.join(side.steps.get(rid, ()))}; the client's endings:"
+                    f" {', '.join(self.finish_log.get(rid, ()))})")
         self.engine_pending = keep
 
 
@@ -498,6 +506,8 @@ class _EngineSide:
     # id -> the finished states of its lifecycles begun after the baseline, in engine order
     finished: dict[str, deque[str]] = field(default_factory=dict)
     incomplete: bool = False  # records were dropped: requests are no longer judged
+    # id -> its last steps as recorded (a violation names what led to it)
+    steps: dict[str, deque[str]] = field(default_factory=dict)
 
     def live_requests(self) -> list[str]:
         return sorted(r for r, s in self.requests.items() if s in _E_LIVE)
@@ -529,6 +539,8 @@ class _EngineSide:
                 elif was is not None and b != was:
                     raise jump(f"request {rid!r}", was, f"{b} -{e}-> {a}")
                 self.requests[rid] = a
+                self.steps.setdefault(rid, deque(maxlen=12)).append(
+                    f"{b} -{e}-> {a}{' (baseline)' if baseline else ''}")
                 if a in _E_FINISHED and b not in _E_FINISHED and rid in self.ours:
                     self.finished.setdefault(rid, deque()).append(a)
         if reply.dropped:
@@ -704,10 +716,15 @@ class DPOracle(Oracle):
         return 0 if self._batch_engine is None else self._batch_engine
 
     def _engine_judges(self, m: RequestModel) -> bool:
-        # An engine that may have run it died while it was live: its ending may be a batch
-        # that incarnation queued, whose records went with it (read after the replacement,
-        # under the same index, was drained).
-        return not self.may_fail_on.get(m.rid)
+        # An engine that may have run it died while it was live: an ending delivered under
+        # that index may be a batch that incarnation queued, whose records went with it (read
+        # after the replacement, under the same index, was drained). An ending another engine
+        # delivered is that engine's, fully recorded: judged, or its record would be left to
+        # pair with the next lifecycle of a reused id (found by the campaign: a reused id's
+        # STOP judged against the ABORT of its previous lifecycle, ended while another engine
+        # died).
+        died = self.may_fail_on.get(m.rid)
+        return not died or (self._batch_engine is not None and self._batch_engine not in died)
 
     def _finish(self, m: RequestModel, reason: FinishReason, error: str | None) -> None:
         e = self._batch_engine

@@ -346,10 +346,7 @@ class DataParallelStateMachine(CampaignMachine):
                   # a replacement comes up awake: the model keeps one pause state for all
                   and not (self.restarts and self.oracle.paused))
     @rule(pick=st.integers(0, 3), observers=st.booleans(),
-          # after_pick twice: the race it draws shows only on a client that restarts engines
-          # (half the examples), and only there finds a member read outside the lock.
-          how=st.sampled_from(["sigkill", "sigstop", "after_pick", "after_pick",
-                               "sleep_then_kill", "sleep_then_resume"]))
+          how=st.sampled_from(["sigkill", "sigstop"]))
     def kill_engine(self, pick: int, observers: bool, how: str = "sigkill") -> None:
         """SIGKILL one serving engine, or SIGSTOP it and leave it stopped (alive, silent:
         only the heartbeat deadline, ``STOP_HEARTBEAT_TIMEOUT_S``, reveals it). With
@@ -399,6 +396,40 @@ class DataParallelStateMachine(CampaignMachine):
             # Its requests end (ERROR, after its queued batches) soon after the death is seen.
             self._drain(sorted(self.oracle.doomed), bound=bound)
             self._drain()
+
+    # The races of issue 44 are rules of their own, not choices of kill_engine's: as two of
+    # its six, a derandomized run of 24 examples per client met after_pick on no client that
+    # restarts engines (where alone it shows a member read outside the lock: the
+    # replacement's start clears the member's client) and a sleep racing a stop on none.
+    # Both run on a paused client too, which they resume first (woken first where it
+    # sleeps): a derandomized run pauses a restarting client early and often (one of 24
+    # examples called pause 17 times), and a paused client may neither lose an engine that
+    # restarts (a replacement comes up awake: the model keeps one pause state for all) nor
+    # start a sleep race.
+    @precondition(lambda self: self.alive and self.faults and self._life >= self.min_life)
+    @rule(observers=st.booleans())
+    def kill_engine_after_pick(self, observers: bool) -> None:
+        """``kill_engine(how="after_pick")``, once the client is no longer paused."""
+        if self._unpause(self.restarts):
+            self._utility_races_a_death(observers)
+
+    @precondition(lambda self: self.alive and self.faults and self._life >= self.min_life)
+    @rule(pick=st.integers(0, 3), then=st.sampled_from(["resume", "kill"]))
+    def kill_engine_during_sleep(self, pick: int, then: str) -> None:
+        """``kill_engine(how="sleep_then_resume" | "sleep_then_kill")``, once the client
+        is no longer paused."""
+        if self._unpause(True):
+            self._sleep_races_a_stop(pick, then)
+
+    def _unpause(self, needed: bool) -> bool:
+        """Where ``needed`` and the client is paused: a full ``wake_up`` if it sleeps, then
+        ``resume`` (each a rule of its own, in the reproducer). Whether it is still alive."""
+        if needed and self.oracle.paused:
+            if not self.oracle.resume_allowed():
+                self.wake_up(None)
+            if self.alive and self.oracle.paused:
+                self.resume()
+        return self.alive and not (needed and self.oracle.paused)
 
     def _death_seen(self, k: int, old: int, start: float, bound: float,
                     pending: concurrent.futures.Future[Any] | None = None) -> None:

@@ -248,6 +248,17 @@ def test_bounded_campaign(client: str, tmp_path: Path) -> None:
     assert report["coverage"]["transitions_reached"] > 10
 
 
+# What a mutant's detection must say, where another failure could stand in for it.
+SYMPTOMS = {
+    "dp_member_client_read_outside_lock": r"'NoneType' object has no attribute 'call_utility",
+    "dp_power_follows_combined_reply": r"sleep, yet the client is (READY|RUNNING)",
+}
+
+
+def test_every_symptom_names_a_mutant_of_the_bank() -> None:
+    assert set(SYMPTOMS) <= set(mutants.BANK)
+
+
 @pytest.mark.parametrize("name", sorted(mutants.BANK))
 def test_mutant_is_detected(name: str, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,6 +284,10 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
             else "state = DataParallelStateMachine(pool" if clients[0].startswith("dp-")
             else "state = EngineClientStateMachine(factory")
     assert failing and made in failing[0]["reproducer"]
+    # Found by its own symptom, not by another failure met on the way (the membership
+    # mutants once "passed" on an unrelated oracle failure their race rules never reached).
+    if name in SYMPTOMS:
+        assert re.search(SYMPTOMS[name], failing[0]["failure"]), failing[0]["failure"]
     # The verdict says how long the campaign took to find it, and in which example.
     assert re.search(rf"mutant {name}: DETECTED in [0-9.]+ s \(example [0-9]+\)",
                      capsys.readouterr().out)

@@ -213,6 +213,29 @@ def test_a_request_live_when_its_engine_died_is_not_judged() -> None:
     o.judge_engine_traces([(0, reply(source="c"), RUNNING), (1, reply(source="b"), RUNNING)])
 
 
+def test_an_ending_another_engine_delivered_is_judged_and_paired() -> None:
+    """A request not pinned is live when engine 0 dies, and ends from engine 1: engine 1
+    recorded it whole, so it is judged there, and its record is not left to pair with the
+    next lifecycle of the reused id (the campaign's false "books disagree": a STOP judged
+    against the previous lifecycle's ABORT)."""
+    o = DPOracle(exact_tokens=False, engines=2)
+    o.judge_engine_traces([(0, reply(source="a"), READY), (1, reply(source="b"), READY)],
+                          baseline=True)
+    o.add("r2", 50, None, None)
+    o.engine_died(0, restarted=False)
+    o.abort(["r2"])
+    finished(o, "r2", FinishReason.ABORT, engine=1)
+    o.add("r2", 2, None, None)  # the id reused once it finished
+    finished(o, "r2", FinishReason.LENGTH, engine=1)
+    assert [(r, f) for r, f, _ in o.engine_pending] == [("r2", FinishReason.ABORT),
+                                                        ("r2", FinishReason.LENGTH)]
+    o.judge_engine_traces([(1, reply(*ran("r2", "ABORT", "FINISHED_ABORTED"),
+                                     ("engine_request", "UNKNOWN", "ABORT", "UNKNOWN", "r2"),
+                                     *ran("r2", "LENGTH", "FINISHED_LENGTH"), source="b"),
+                            RUNNING)])
+    assert o.engine_pending == []
+
+
 def test_a_live_in_process_engine_agrees_with_its_client() -> None:
     """The oracle on a real engine: an abort, a finish, a sleep, each side judged."""
     from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
