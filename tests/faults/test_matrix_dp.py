@@ -14,6 +14,7 @@ from enginewire.runtime.config import EngineConfig
 from enginewire.testing.fault_matrix_dp import DPCell, dp_cells
 
 
+@pytest.mark.slow
 def test_quick_dp_cells_are_one_down(tmp_path: Path) -> None:
     rc = run_dp_fault_matrix(quick=True, results_dir=str(tmp_path), echo=None,
                              config=EngineConfig(model="tiny", max_num_seqs=4))

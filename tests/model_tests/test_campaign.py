@@ -259,6 +259,7 @@ def test_every_symptom_names_a_mutant_of_the_bank() -> None:
     assert set(SYMPTOMS) <= set(mutants.BANK)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(mutants.BANK))
 def test_mutant_is_detected(name: str, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:

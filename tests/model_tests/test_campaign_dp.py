@@ -105,6 +105,7 @@ def _anonymous_death(monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda self, m, error: EngineDeadError("an engine died"))
 
 
+@pytest.mark.slow
 def test_the_campaign_catches_requests_left_live_by_a_dead_engine(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _keep_errors_back(monkeypatch)
@@ -195,6 +196,7 @@ def test_a_stopped_engine_is_found_by_its_heartbeat(machine: DataParallelStateMa
     machine.teardown()
 
 
+@pytest.mark.slow
 def test_the_machine_on_ray_engines(tmp_path: Path) -> None:
     """`--backend ray`: the same machine over engines placed as Ray actors (a local Ray on
     127.0.0.1, one for the whole run): a kill of one, restarts on, the replacement serves;

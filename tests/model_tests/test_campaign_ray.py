@@ -44,6 +44,7 @@ def on_ray() -> Iterator[Any]:
             os.environ["RAY_ADDRESS"] = saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_stopped_and_killed_ray_engines_are_replaced(on_ray: Any, kind: str) -> None:
     pool = DPClientPool(dp_factory(kind, _config("null", 2, "ray")), CampaignStats())

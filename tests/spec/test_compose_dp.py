@@ -150,6 +150,7 @@ def test_an_engine_lost_during_construction_fails_it() -> None:
 
 # ---- SPIN ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @needs_spin
 def test_spin_proves_every_property_of_the_committed_model(composed_dp: ExploreResult) -> None:
     results = run_spin([p.name for p in DP_PROPERTIES], pml=DP_PML, dp=True)
@@ -160,6 +161,7 @@ def test_spin_proves_every_property_of_the_committed_model(composed_dp: ExploreR
         composed_dp.states + 2}
 
 
+@pytest.mark.slow
 @needs_spin
 @pytest.mark.parametrize("bug", BUGS)
 def test_spin_rejects_each_negative_control(bug: str) -> None:

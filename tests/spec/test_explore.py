@@ -53,6 +53,7 @@ def test_every_property_has_a_negative_control_and_every_control_a_target() -> N
     assert {p.name for p in PROPERTIES} == {p for ps in targets.values() for p in ps}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", BUGS)
 def test_each_negative_control_is_rejected_with_a_shortest_counterexample(bug: str) -> None:
     targets = control_targets()[bug]

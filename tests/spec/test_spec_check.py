@@ -13,6 +13,7 @@ from enginewire.testing.spec_check import (
 )
 
 
+@pytest.mark.slow
 def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> None:
     lines: list[str] = []
     rc = run_spec_check(negative="shutdown_skips_join", spin=False, out=lines.append)
@@ -23,6 +24,7 @@ def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> 
     assert "spec check FAILED" in text
 
 
+@pytest.mark.slow
 def test_a_two_engine_control_as_the_spec_fails_that_model_only() -> None:
     lines: list[str] = []
     rc = run_spec_check(negative="route_to_restarting", spin=False, controls=False,
@@ -71,6 +73,7 @@ def test_a_gap_fails_the_report_and_is_named() -> None:
     assert not stale.ok and "remove it" in render_report(stale)
 
 
+@pytest.mark.slow
 def test_quick_runs_the_spec_and_only_the_quick_controls(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``--quick`` checks every property on the spec itself and runs only QUICK_CONTROLS of

@@ -31,6 +31,7 @@ QUICK = ("late_reply_resolves", "forget_pending_on_death", "drop_failed_reply", 
          "cancelled_wait_unanswered")
 
 
+@pytest.mark.slow
 def test_spin_proves_every_property_of_the_committed_model(composed: ExploreResult) -> None:
     results = run_spin([p.name for p in PROPERTIES], pml=PML)
     failed = [r for r in results if r.errors]
