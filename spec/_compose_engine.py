@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ._compose_world import (
-    _STANDALONE_STARTS,
-    _TRIGGERED,
     APPLIED,
     C_CONSTRUCTING,
     C_DEAD,
@@ -79,58 +77,60 @@ from ._compose_world import (
     SLEEP_FLAG,
     STALE,
     STANDALONE,
+    STANDALONE_STARTS,
     TOKENS,
     TOKS,
+    TRIGGERED,
     WA,
     C,
     E,
+    Model,
+    Step,
     World,
-    _Model,
-    _Step,
 )
 from .request import EngineRequestEvent
 
 
-class _EngineActions(_Model):
-    def _has_work(self, s: _Step) -> bool:
+class EngineActions(Model):
+    def _has_work(self, s: Step) -> bool:
         return s.w[EREQ] in R_LIVE
 
-    def _reply_slept(self, s: _Step) -> None:
+    def _reply_slept(self, s: Step) -> None:
         # "sleep/pause replies only once the engine is idle": paused or asleep, nothing running.
         if s.w[E] not in (E_PAUSED, E_SLEEPING) or s.w[EREQ] == R_RUNNING:
             s.flag("sleep_reply_when_idle")
         s.push_out(O_SLEPT)
 
-    def _release(self, s: _Step) -> None:
+    def _release(self, s: Step) -> None:
         s.fire(E, self.t_engine, EE.RELEASE_MEMORY)
         s.w[WA] = s.w[KVA] = 1
         s.w[SLEEP_FLAG] = 1
 
-    def _abort_live(self, s: _Step) -> None:
+    def _abort_live(self, s: Step) -> None:
         if s.w[EREQ] in R_LIVE:
             s.fire(EREQ, self.t_ereq, RE.ABORT)
             if self.bug != "abort_unanswered":
                 s.push_out(O_FIN_ABORT, front=self.bug == "abort_ack_before_flush")
 
-    def _complete_waiters(self, s: _Step) -> None:
+    def _complete_waiters(self, s: Step) -> None:
         """Each deferred sleep(wait) releases memory and is answered (``_complete_deferred``)."""
         for _ in range(s.w[DRAIN_WAITERS]):
             self._release(s)
             self._reply_slept(s)
         s.w[DRAIN_WAITERS] = 0
 
-    def _settle(self, s: _Step) -> None:
+    def _settle(self, s: Step) -> None:
         """The busy loop's bookkeeping after each step: the state-triggered table (idle when
         done, pause when drained). With one request, both of its conditions (no live request,
         none draining) read as "the request is not live"."""
-        event = _TRIGGERED.get(s.w[E])
+        event = TRIGGERED.get(s.w[E])
         if event is None or s.w[EREQ] in R_LIVE:
             return
         s.fire(E, self.t_engine, event)
         if event is EE.DRAINED:
             self._complete_waiters(s)
 
-    def _wake(self, s: _Step, full: bool) -> None:
+    def _wake(self, s: Step, full: bool) -> None:
         e = s.w[E]
         if e == E_SLEEPING:
             s.w[WA] = 0
@@ -158,7 +158,7 @@ class _EngineActions(_Model):
             s.w[DRAIN_WAITERS] = 0
         s.push_out(O_WOKE_FULL)
 
-    def _resume(self, s: _Step) -> None:
+    def _resume(self, s: Step) -> None:
         e = s.w[E]
         if e == E_PAUSED:
             s.fire(E, self.t_engine, EE.RESUME, "has_work" if self._has_work(s) else "no_work")
@@ -170,7 +170,7 @@ class _EngineActions(_Model):
             return
         s.push_out(O_WOKE_FULL)  # the client reads a resume like a full wake-up
 
-    def _check_seq(self, s: _Step, msg: int) -> None:
+    def _check_seq(self, s: Step, msg: int) -> None:
         seq = msg >> 4
         if seq != s.w[APPLIED]:
             s.flag("frames_in_order")
@@ -182,7 +182,7 @@ class _EngineActions(_Model):
 
     def _start(self, w: World) -> Iterator[tuple[str, World]]:
         if self._engine_runs(w) and w[E] == E_CONSTRUCTING:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.fire(E, self.t_engine, EE.BUILT, "subprocess")
             s.fire(E, self.t_engine, EE.HANDSHAKE_SENT)
             s.push_out(O_HS)
@@ -192,8 +192,8 @@ class _EngineActions(_Model):
                 return
             # Or the engine was started on its own and a previous front end used it: it
             # answers this client's connection with its ready, in one of these states.
-            for label in _STANDALONE_STARTS:
-                s = _Step(self, w)
+            for label in STANDALONE_STARTS:
+                s = Step(self, w)
                 s.w[STANDALONE] = 1
                 s.fire(E, self.t_engine, EE.BUILT, "subprocess")
                 s.fire(E, self.t_engine, EE.HANDSHAKE_SENT)
@@ -217,7 +217,7 @@ class _EngineActions(_Model):
     def _recv(self, w: World) -> Iterator[tuple[str, World]]:
         if not (self._engine_runs(w) and w[INQ] and w[E] in E_LOOP and len(w[OUTQ]) <= 1):
             return
-        s = _Step(self, w)
+        s = Step(self, w)
         q = s.w[INQ]
         if self.bug == "input_reorders" and len(q) > 1:
             msg, s.w[INQ] = q[-1], q[:-1]
@@ -242,7 +242,7 @@ class _EngineActions(_Model):
             else:
                 s.fire(EREQ, self.t_ereq, RE.ABORT)  # unknown or finished id: no-op
         elif kind == I_UTIL:
-            s0 = _Step(self, s.freeze())
+            s0 = Step(self, s.freeze())
             s0.push_out(O_UREPLY_OK)
             self._settle(s0)
             yield "engine_utility_ok", s0.freeze()
@@ -322,14 +322,14 @@ class _EngineActions(_Model):
             return
         r = w[EREQ]
         if r in R_QUEUED:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.fire(EREQ, self.t_ereq, RE.SCHEDULE)
             yield "engine_schedule", s.freeze()
             return
         if r != R_RUNNING:
             return
         if w[STALE]:  # a previous front end's request: how it ends is nobody's business
-            s = _Step(self, w)
+            s = Step(self, w)
             s.fire(EREQ, self.t_ereq, RE.STOP)
             s.w[STALE] = 0
             s.push_out(O_STALE)
@@ -346,7 +346,7 @@ class _EngineActions(_Model):
         if not w[PREEMPTED]:
             choices.append(("engine_preempt", RE.PREEMPT, 0))
         for label, ev, out in choices:
-            s = _Step(self, w)
+            s = Step(self, w)
             if ev is None:
                 s.w[TOKS] -= 1
             else:
@@ -361,7 +361,7 @@ class _EngineActions(_Model):
     def _watchdog(self, w: World) -> Iterator[tuple[str, World]]:
         if (self.bug != "ignore_parent_death" and w[PARENT_DEAD] and not w[PROC_EXITED]
                 and not w[STANDALONE]):
-            s = _Step(self, w)
+            s = Step(self, w)
             if s.w[E] != E_SHUTDOWN:
                 s.fire(E, self.t_engine, EE.SHUTDOWN)
             s.w[PROC_EXITED] = 1
@@ -373,34 +373,34 @@ class _EngineActions(_Model):
             return
         # A run may also be fault-free; without this choice every quiescent world would
         # have seen a fault, and fault-excused obligations would hide liveness bugs.
-        s = _Step(self, w)
+        s = Step(self, w)
         s.w[FAULTS_LEFT] = 0
         yield "no_fault", s.freeze()
         alive = not w[PROC_EXITED]
         if alive and w[E] not in (E_DEAD, E_SHUTDOWN) and not w[HUNG]:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[FAULTS_LEFT] -= 1
             s.fire(E, self.t_engine, EE.FATAL_ERROR)
             s.push_out(O_DEAD)
             s.w[PROC_EXITED] = 1
             yield "crash_with_sentinel", s.freeze()
         if alive:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[FAULTS_LEFT] -= 1
             s.w[PROC_EXITED] = 1
             yield "crash_silently", s.freeze()
             if not w[HUNG]:
-                s = _Step(self, w)
+                s = Step(self, w)
                 s.w[FAULTS_LEFT] -= 1
                 s.w[HUNG] = 1
                 yield "engine_hangs", s.freeze()
         if alive and len(w[INQ]) < IN_CAP and not w[PARENT_DEAD]:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[FAULTS_LEFT] -= 1
             s.push_in(I_CORRUPT)
             yield "corrupt_input_frame", s.freeze()
         if w[C] not in (C_DEAD, C_SHUTDOWN) and alive and not w[PARENT_DEAD]:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[FAULTS_LEFT] -= 1
             s.push_out(O_CORRUPT)
             yield "corrupt_output_frame", s.freeze()
@@ -408,12 +408,12 @@ class _EngineActions(_Model):
         # on serving, with no marker. (Not over a previous front end's live request: the
         # model's single id would collide; the runtime refuses such an add, tested apart.)
         if w[INQ] and w[INQ][0] == I_ATTACH and not w[STALE]:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[FAULTS_LEFT] -= 1
             s.w[INQ] = s.w[INQ][1:]
             yield "attach_lost", s.freeze()
         if not w[PARENT_DEAD]:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[FAULTS_LEFT] -= 1
             s.w[PARENT_DEAD] = 1
             yield "parent_dies", s.freeze()

@@ -10,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ._compose_world import (
-    _FIN_EVENT,
-    _POWER_CALLS,
-    _SLEEP_CALLS,
     A_DROPS,
     AE,
     ASKED_AWAKE,
@@ -25,6 +22,7 @@ from ._compose_world import (
     CE,
     CLOSING,
     CREQ,
+    FIN_EVENT,
     HUNG,
     I_ABORT,
     I_ADD,
@@ -51,6 +49,7 @@ from ._compose_world import (
     O_WOKE_PART,
     OUTQ,
     PARENT_DEAD,
+    POWER_CALLS,
     POWER_PENDING,
     PROC_EXITED,
     Q_ABORTABLE,
@@ -58,6 +57,7 @@ from ._compose_world import (
     Q_LIVE,
     QE,
     SENT,
+    SLEEP_CALLS,
     STANDALONE,
     U_LATE_OK,
     U_PENDING,
@@ -65,15 +65,15 @@ from ._compose_world import (
     UTIL,
     UTIL_ENDS,
     C,
+    Model,
+    Step,
     World,
-    _Model,
-    _Step,
 )
 from .utility import UtilityEvent
 
 
-class _FrontEndActions(_Model):
-    def _on_death(self, s: _Step) -> None:
+class FrontEndActions(Model):
+    def _on_death(self, s: Step) -> None:
         """The client learns the engine is dead: every pending and live thing fails now."""
         s.fire(C, self.t_client, CE.ENGINE_DIED)
         if s.w[UTIL] == U_PENDING and self.bug != "forget_pending_on_death":
@@ -90,14 +90,14 @@ class _FrontEndActions(_Model):
         self, w: World, msg: int, label: str, *, request_frame: bool = False
     ) -> Iterator[tuple[str, World]]:
         if self._owner_may_call(w) and w[C] in C_LIVE and len(w[INQ]) < IN_CAP:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[BUDGET_LEFT] -= 1
             if request_frame:
                 msg |= s.w[SENT] << 4
                 s.w[SENT] += 1
-            elif msg in _POWER_CALLS:
+            elif msg in POWER_CALLS:
                 s.w[POWER_PENDING] += 1
-                if msg in _SLEEP_CALLS:
+                if msg in SLEEP_CALLS:
                     s.w[ASKED_AWAKE] = 0
                 elif msg == I_WAKE_ALL:
                     s.w[ASKED_AWAKE] = 1
@@ -108,7 +108,7 @@ class _FrontEndActions(_Model):
     def _add(self, w: World) -> Iterator[tuple[str, World]]:
         ok_state = w[C] in C_LIVE or (self.bug == "add_before_ready" and w[C] == C_CONSTRUCTING)
         if self._owner_may_call(w) and ok_state and w[CREQ] in Q_FREE and len(w[INQ]) < IN_CAP:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[BUDGET_LEFT] -= 1
             s.fire(C, self.t_client, CE.ADD_REQUEST)
             s.fire(CREQ, self.t_creq, QE.SEND)
@@ -119,7 +119,7 @@ class _FrontEndActions(_Model):
     def _abort(self, w: World) -> Iterator[tuple[str, World]]:
         if w[CREQ] in Q_ABORTABLE:
             for label, nw in self._user_send(w, I_ABORT, "abort_request", request_frame=True):
-                s = _Step(self, nw)
+                s = Step(self, nw)
                 s.fire(CREQ, self.t_creq, QE.ABORT_SENT)
                 yield label, s.freeze()
 
@@ -127,7 +127,7 @@ class _FrontEndActions(_Model):
         if not self._owner_may_call(w) or w[UTIL] != NO_UTIL:
             return
         if w[C] == C_DEAD:  # fails at once with EngineDeadError
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[BUDGET_LEFT] -= 1
             s.w[UTIL] = U_PENDING
             s.fire(UTIL, self.t_util, UE.ENGINE_DIED)
@@ -135,14 +135,14 @@ class _FrontEndActions(_Model):
             yield "call_utility", s.freeze()
             return
         for label, nw in self._user_send(w, I_UTIL, "call_utility"):
-            s = _Step(self, nw)
+            s = Step(self, nw)
             s.w[UTIL] = U_PENDING
             yield label, s.freeze()
 
     def _end_call(self, w: World, ev: UtilityEvent, label: str) -> Iterator[tuple[str, World]]:
         """The owner stops waiting on its call: cancelled, or its timeout ran out."""
         if self._owner_may_call(w) and w[UTIL] == U_PENDING:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[BUDGET_LEFT] -= 1
             s.fire(UTIL, self.t_util, ev)
             s.w[UTIL_ENDS] += 1
@@ -154,7 +154,7 @@ class _FrontEndActions(_Model):
 
     def _shutdown(self, w: World) -> Iterator[tuple[str, World]]:
         if self._owner_may_call(w) and (w[C] in C_LIVE or w[C] == C_DEAD):
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[BUDGET_LEFT] -= 1
             s.w[CLOSING] = 1
             if s.w[STANDALONE]:
@@ -175,14 +175,14 @@ class _FrontEndActions(_Model):
         # The grace period ran out: terminate, then kill, the engine process.
         if (self.bug != "shutdown_no_kill" and w[CLOSING] and not w[PROC_EXITED]
                 and not w[PARENT_DEAD] and not w[STANDALONE]):
-            s = _Step(self, w)
+            s = Step(self, w)
             s.w[PROC_EXITED] = 1
             yield "shutdown_kill", s.freeze()
 
     def _finish(self, w: World) -> Iterator[tuple[str, World]]:
         joined = w[PROC_EXITED] or w[STANDALONE] or self.bug == "shutdown_skips_join"
         if w[CLOSING] and joined and w[C] != C_SHUTDOWN and not w[PARENT_DEAD]:
-            s = _Step(self, w)
+            s = Step(self, w)
             s.fire(C, self.t_client, CE.SHUTDOWN)
             if s.w[UTIL] == U_PENDING:
                 s.fire(UTIL, self.t_util, UE.CLIENT_SHUTDOWN)
@@ -195,7 +195,7 @@ class _FrontEndActions(_Model):
     def _deadline(self, w: World) -> Iterator[tuple[str, World]]:
         # ready_timeout_s: a timer, not a fault, so it also ends a hung construction.
         if w[C] == C_CONSTRUCTING and not w[PARENT_DEAD] and self.bug != "no_startup_deadline":
-            s = _Step(self, w)
+            s = Step(self, w)
             s.fire(C, self.t_client, CE.CONSTRUCTION_FAILED)
             if not s.w[STANDALONE]:
                 s.w[PROC_EXITED] = 1  # the constructor kills and reaps its engine
@@ -209,7 +209,7 @@ class _FrontEndActions(_Model):
         on_way = not w[HUNG] and (I_ATTACH in w[INQ] or O_MARKER in w[OUTQ])
         if (self.bug != "no_attach_deadline" and w[C] in C_LIVE and w[ATT] in A_DROPS
                 and not on_way and not w[CLOSING] and not w[PARENT_DEAD]):
-            s = _Step(self, w)
+            s = Step(self, w)
             s.fire(ATT, self.t_attach, AE.DEADLINE)
             self._on_death(s)
             yield "attach_deadline", s.freeze()
@@ -219,11 +219,11 @@ class _FrontEndActions(_Model):
             return
         if w[C] == C_SHUTDOWN:
             if w[STANDALONE]:  # no front end connected: the engine's outputs are dropped
-                s = _Step(self, w)
+                s = Step(self, w)
                 s.w[OUTQ] = s.w[OUTQ][1:]
                 yield "output_dropped", s.freeze()
             return
-        s = _Step(self, w)
+        s = Step(self, w)
         msg, s.w[OUTQ] = s.w[OUTQ][0], s.w[OUTQ][1:]
         if msg == O_HS:
             s.fire(C, self.t_client, CE.HANDSHAKE_OK)
@@ -238,13 +238,13 @@ class _FrontEndActions(_Model):
             s.flag("no_foreign_output")
         elif msg == O_MARKER:
             s.flag("spec_conformance")  # one marker per session
-        elif msg == O_TOK or msg in _FIN_EVENT:
+        elif msg == O_TOK or msg in FIN_EVENT:
             if s.w[CREQ] not in Q_LIVE:
                 s.flag("no_output_after_finish")
             elif msg == O_TOK:
                 s.fire(CREQ, self.t_creq, QE.OUTPUT)
             else:
-                s.fire(CREQ, self.t_creq, _FIN_EVENT[msg])
+                s.fire(CREQ, self.t_creq, FIN_EVENT[msg])
         elif msg in (O_UREPLY_OK, O_UREPLY_ERR):
             ev = UE.REPLY_OK if msg == O_UREPLY_OK else UE.REPLY_ERROR
             if s.w[UTIL] == U_PENDING:
@@ -286,7 +286,7 @@ class _FrontEndActions(_Model):
         if (self.bug == "no_monitor" or not w[PROC_EXITED] or w[MONITOR_SEEN] or w[PARENT_DEAD]
                 or (w[CLOSING] and w[C] != C_SHUTDOWN)):
             return
-        s = _Step(self, w)
+        s = Step(self, w)
         s.w[MONITOR_SEEN] = 1
         if w[C] in (C_DEAD, C_SHUTDOWN):
             s.fire(C, self.t_client, CE.ENGINE_DIED)

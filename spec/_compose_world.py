@@ -90,7 +90,7 @@ World = tuple[Any, ...]
 
 # How a standalone engine can find the previous front end's session: still running its
 # request, or asleep with it parked (engine_start's alternatives).
-_STANDALONE_STARTS: tuple[str, ...] = ("busy", "parked")
+STANDALONE_STARTS: tuple[str, ...] = ("busy", "parked")
 
 CS, CE = ClientState, ClientEvent
 ES, EE = EngineState, EngineEvent
@@ -101,44 +101,44 @@ AS, AE = AttachState, AttachEvent
 SS, SE = SessionState, SessionEvent
 
 
-def _ix(member: Enum) -> int:
+def ix(member: Enum) -> int:
     return list(type(member)).index(member)
 
 
 # Int views of the states the actions test (computed once; worlds store ints).
-C_CONSTRUCTING, C_READY, C_RUNNING, C_SLEEPING, C_DEAD, C_SHUTDOWN = (_ix(s) for s in CS)
-C_LIVE = frozenset(_ix(s) for s in CLIENT_LIVE)
+C_CONSTRUCTING, C_READY, C_RUNNING, C_SLEEPING, C_DEAD, C_SHUTDOWN = (ix(s) for s in CS)
+C_LIVE = frozenset(ix(s) for s in CLIENT_LIVE)
 E_IDLE, E_RUNNING, E_DRAINING, E_PAUSED, E_SLEEPING = (
-    _ix(ES.IDLE), _ix(ES.RUNNING), _ix(ES.DRAINING), _ix(ES.PAUSED), _ix(ES.SLEEPING))
-E_CONSTRUCTING, E_DEAD, E_SHUTDOWN = _ix(ES.CONSTRUCTING), _ix(ES.DEAD), _ix(ES.SHUTDOWN)
+    ix(ES.IDLE), ix(ES.RUNNING), ix(ES.DRAINING), ix(ES.PAUSED), ix(ES.SLEEPING))
+E_CONSTRUCTING, E_DEAD, E_SHUTDOWN = ix(ES.CONSTRUCTING), ix(ES.DEAD), ix(ES.SHUTDOWN)
 # The named sets of spec/engine.py and spec/request.py, as ints: the model and the runtime
 # read the same declaration.
-E_LOOP = frozenset(_ix(s) for s in IN_LOOP)
-E_AWAKE = frozenset(_ix(s) for s in AWAKE)
+E_LOOP = frozenset(ix(s) for s in IN_LOOP)
+E_AWAKE = frozenset(ix(s) for s in AWAKE)
 # What the runtime's is_sleeping() reports from the state alone (vLLM: a paused scheduler is
 # "sleeping"), DRAINING included.
-E_SLEEPY = frozenset(_ix(s) for s in REPORTS_SLEEPING)
-R_LIVE = frozenset(_ix(s) for s in ENGINE_REQUEST_LIVE)
-R_QUEUED = frozenset(_ix(s) for s in ENGINE_REQUEST_QUEUED)
-R_RUNNING = _ix(RS.RUNNING)
-Q_LIVE = frozenset(_ix(s) for s in CLIENT_REQUEST_LIVE)
+E_SLEEPY = frozenset(ix(s) for s in REPORTS_SLEEPING)
+R_LIVE = frozenset(ix(s) for s in ENGINE_REQUEST_LIVE)
+R_QUEUED = frozenset(ix(s) for s in ENGINE_REQUEST_QUEUED)
+R_RUNNING = ix(RS.RUNNING)
+Q_LIVE = frozenset(ix(s) for s in CLIENT_REQUEST_LIVE)
 # State-triggered transitions (spec/engine.py), as ints.
-_TRIGGERED = {_ix(state): event for state, (_cond, event) in STATE_TRIGGERED.items()}
+TRIGGERED = {ix(state): event for state, (_cond, event) in STATE_TRIGGERED.items()}
 # The owner may abort any id: aborting an unknown, finished or already aborting request is a
 # no-op on both sides, and the model checks that it stays one.
-Q_ABORTABLE = frozenset(_ix(s) for s in QS)
-Q_FREE = frozenset(_ix(s) for s in QS) - Q_LIVE
-U_PENDING = _ix(US.PENDING)
-A_ATTACHED = _ix(AS.ATTACHED)
-A_DROPS = frozenset(_ix(s) for s in ATTACH_DROPS_MESSAGES)
-S_DROPS = frozenset(_ix(s) for s in SESSION_DROPS_INPUT)
-U_LATE_OK = frozenset({_ix(US.CANCELLED), _ix(US.TIMED_OUT)})
+Q_ABORTABLE = frozenset(ix(s) for s in QS)
+Q_FREE = frozenset(ix(s) for s in QS) - Q_LIVE
+U_PENDING = ix(US.PENDING)
+A_ATTACHED = ix(AS.ATTACHED)
+A_DROPS = frozenset(ix(s) for s in ATTACH_DROPS_MESSAGES)
+S_DROPS = frozenset(ix(s) for s in SESSION_DROPS_INPUT)
+U_LATE_OK = frozenset({ix(US.CANCELLED), ix(US.TIMED_OUT)})
 
-_POWER_CALLS = frozenset(
+POWER_CALLS = frozenset(
     {I_SLEEP_ABORT, I_SLEEP_WAIT, I_PAUSE_KEEP, I_WAKE_WEIGHTS, I_WAKE_ALL, I_RESUME})
-_SLEEP_CALLS = frozenset({I_SLEEP_ABORT, I_SLEEP_WAIT, I_PAUSE_KEEP})
+SLEEP_CALLS = frozenset({I_SLEEP_ABORT, I_SLEEP_WAIT, I_PAUSE_KEEP})
 
-_FIN_EVENT = {
+FIN_EVENT = {
     O_FIN_STOP: QE.FINISH_STOP,
     O_FIN_LENGTH: QE.FINISH_LENGTH,
     O_FIN_ABORT: QE.FINISH_ABORT,
@@ -147,18 +147,18 @@ _FIN_EVENT = {
 
 
 
-class _Table:
+class Table:
     """``(state_ix, event, guard) -> state_ix`` for one machine, plus a coverage log."""
 
     def __init__(self, machine: Machine[Any, Any]) -> None:
         self.machine = machine
         # Keyed by ints: Enum.__hash__ is Python-level and this lookup runs millions of times.
         self.rows = {
-            (_ix(t.source), _ix(t.event), t.guard): _ix(t.target) for t in machine.transitions
+            (ix(t.source), ix(t.event), t.guard): ix(t.target) for t in machine.transitions
         }
         # Machine.forgets: an event on a forgotten instance is one of a new instance.
-        self.forgotten = frozenset(_ix(st) for st in machine.forgets)
-        self.initial = _ix(machine.initial)
+        self.forgotten = frozenset(ix(st) for st in machine.forgets)
+        self.initial = ix(machine.initial)
         machine.compiled()  # gives every member its ``_ix``
 
 
@@ -182,7 +182,7 @@ class StepBase:
         self.comp = comp
         self.w = list(world)
 
-    def fire(self, field: int, table: _Table, event: Enum, guard: str | None = None) -> None:
+    def fire(self, field: int, table: Table, event: Enum, guard: str | None = None) -> None:
         src = self.w[field]
         if src in table.forgotten:  # the runtime dropped that instance (Machine.model_source)
             src = table.initial
@@ -202,7 +202,7 @@ class StepBase:
         return tuple(self.w)
 
 
-class _Step(StepBase):
+class Step(StepBase):
     """A step of the one-engine model, with its two channels."""
 
     __slots__ = ()
@@ -217,15 +217,15 @@ class _Step(StepBase):
         self.w[INQ] = (*self.w[INQ], msg)
 
 
-class _Model:
+class Model:
     """What the actions read of the composition (``compose.Composition`` sets it all)."""
 
     bug: str | None
     covered: set[tuple[str, int, int, str | None]]
-    t_client: _Table
-    t_engine: _Table
-    t_ereq: _Table
-    t_creq: _Table
-    t_util: _Table
-    t_attach: _Table
-    t_session: _Table
+    t_client: Table
+    t_engine: Table
+    t_ereq: Table
+    t_creq: Table
+    t_util: Table
+    t_attach: Table
+    t_session: Table

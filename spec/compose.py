@@ -9,7 +9,7 @@ Rule 2: the model is bounded, so its state space is finite: one request id (reus
 finishes), at most one utility call, ``BUDGET`` owner actions, at most one fault, an input
 channel of ``IN_CAP`` frames and an output channel of ``OUT_CAP`` frames.
 
-A ``World`` is a flat tuple of small ints (enum members are stored by ``_ix``) so that the
+A ``World`` is a flat tuple of small ints (enum members are stored by ``ix``) so that the
 explorer can hash millions of them quickly. An *action* is a guarded atomic step of one
 actor: the owner (``user``), the client's output thread (``client``), the engine busy loop
 (``engine``), the client's process monitor (``monitor``), the engine's parent-death watcher
@@ -57,8 +57,8 @@ from collections.abc import Iterator
 from enum import Enum
 from typing import Any
 
-from ._compose_engine import _EngineActions
-from ._compose_front import _FrontEndActions
+from ._compose_engine import EngineActions
+from ._compose_front import FrontEndActions
 from ._compose_world import (
     ATT,
     BAD,
@@ -93,9 +93,9 @@ from ._compose_world import (
     Action,
     C,
     E,
+    Table,
     World,
-    _ix,
-    _Table,
+    ix,
 )
 from .attach import ATTACH, AttachState
 from .client import CLIENT, ClientState
@@ -120,8 +120,6 @@ __all__ = [
     "Action",
     "Composition",
     "World",
-    "_Table",
-    "_ix",
     "describe_world",
 ]
 
@@ -228,7 +226,7 @@ _ACTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
 )
 
 
-class Composition(_FrontEndActions, _EngineActions):
+class Composition(FrontEndActions, EngineActions):
     """The composed model; ``bug`` selects one negative control (``None``: the real protocol)."""
 
     def __init__(self, bug: str | None = None) -> None:
@@ -237,19 +235,19 @@ class Composition(_FrontEndActions, _EngineActions):
         self.bug = bug
         # (machine name, source index, event index, guard) of every row a step fired
         self.covered: set[tuple[str, int, int, str | None]] = set()
-        self.t_client = _Table(CLIENT)
-        self.t_engine = _Table(ENGINE)
-        self.t_ereq = _Table(ENGINE_REQUEST)
-        self.t_creq = _Table(CLIENT_REQUEST)
-        self.t_util = _Table(UTILITY)
-        self.t_attach = _Table(ATTACH)
-        self.t_session = _Table(SESSION)
+        self.t_client = Table(CLIENT)
+        self.t_engine = Table(ENGINE)
+        self.t_ereq = Table(ENGINE_REQUEST)
+        self.t_creq = Table(CLIENT_REQUEST)
+        self.t_util = Table(UTILITY)
+        self.t_attach = Table(ATTACH)
+        self.t_session = Table(SESSION)
         self.actions: tuple[Action, ...] = tuple(
             Action(actor, name, functools.partial(getattr(self, method), **kwargs) if kwargs
                    else getattr(self, method))
             for actor, name, method, kwargs in _ACTIONS)
 
-    def tables(self) -> tuple[_Table, ...]:
+    def tables(self) -> tuple[Table, ...]:
         return (self.t_client, self.t_engine, self.t_ereq, self.t_creq, self.t_util,
                 self.t_attach, self.t_session)
 
@@ -260,8 +258,8 @@ class Composition(_FrontEndActions, _EngineActions):
         w[E] = E_CONSTRUCTING
         w[INQ] = ()
         w[OUTQ] = ()
-        w[CREQ] = _ix(QS.UNKNOWN)
-        w[EREQ] = _ix(RS.UNKNOWN)
+        w[CREQ] = ix(QS.UNKNOWN)
+        w[EREQ] = ix(RS.UNKNOWN)
         w[UTIL] = NO_UTIL
         w[BUDGET_LEFT] = BUDGET
         w[FAULTS_LEFT] = FAULTS

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
-from ._compose_world import StepBase
+from ._compose_world import StepBase, Table, ix
 from .client import (
     CLIENT,
     CLIENT_ASLEEP,
@@ -62,7 +62,7 @@ from .client import (
     ClientEvent,
     ClientState,
 )
-from .compose import Action, _ix, _Table
+from .compose import Action
 from .engine import ENGINE, EngineEvent, EngineState
 from .membership import (
     MEMBER_LEFT,
@@ -168,20 +168,20 @@ RS, RE = EngineRequestState, EngineRequestEvent
 QS, QE = ClientRequestState, ClientRequestEvent
 US, UE = UtilityState, UtilityEvent
 
-C_CONSTRUCTING, C_DEAD, C_SHUTDOWN = _ix(CS.CONSTRUCTING), _ix(CS.DEAD), _ix(CS.SHUTDOWN)
-C_LIVE = frozenset(_ix(s) for s in CLIENT_LIVE)
-C_ASLEEP = frozenset(_ix(s) for s in CLIENT_ASLEEP)
-M_STARTING, M_SERVING, M_DEAD, M_RESTARTING, M_SHUT_DOWN = (_ix(s) for s in MS)
-M_ROUTABLE = frozenset(_ix(s) for s in MEMBER_ROUTABLE)
-M_LEFT = frozenset(_ix(s) for s in MEMBER_LEFT)
-E_CONSTRUCTING, E_IDLE, E_RUNNING = _ix(ES.CONSTRUCTING), _ix(ES.IDLE), _ix(ES.RUNNING)
+C_CONSTRUCTING, C_DEAD, C_SHUTDOWN = ix(CS.CONSTRUCTING), ix(CS.DEAD), ix(CS.SHUTDOWN)
+C_LIVE = frozenset(ix(s) for s in CLIENT_LIVE)
+C_ASLEEP = frozenset(ix(s) for s in CLIENT_ASLEEP)
+M_STARTING, M_SERVING, M_DEAD, M_RESTARTING, M_SHUT_DOWN = (ix(s) for s in MS)
+M_ROUTABLE = frozenset(ix(s) for s in MEMBER_ROUTABLE)
+M_LEFT = frozenset(ix(s) for s in MEMBER_LEFT)
+E_CONSTRUCTING, E_IDLE, E_RUNNING = ix(ES.CONSTRUCTING), ix(ES.IDLE), ix(ES.RUNNING)
 E_LOOP = frozenset({E_IDLE, E_RUNNING})  # the states this model's engines serve input in
-R_UNKNOWN, R_WAITING = _ix(RS.UNKNOWN), _ix(RS.WAITING)
-R_LIVE = frozenset(_ix(s) for s in ENGINE_REQUEST_LIVE)
-Q_LIVE = frozenset(_ix(s) for s in CLIENT_REQUEST_LIVE)
-Q_FREE = frozenset(_ix(s) for s in QS) - Q_LIVE
-Q_ERROR = _ix(QS.FINISHED_ERROR)
-U_PENDING = _ix(US.PENDING)
+R_UNKNOWN, R_WAITING = ix(RS.UNKNOWN), ix(RS.WAITING)
+R_LIVE = frozenset(ix(s) for s in ENGINE_REQUEST_LIVE)
+Q_LIVE = frozenset(ix(s) for s in CLIENT_REQUEST_LIVE)
+Q_FREE = frozenset(ix(s) for s in QS) - Q_LIVE
+Q_ERROR = ix(QS.FINISHED_ERROR)
+U_PENDING = ix(US.PENDING)
 
 
 class _Step(StepBase):
@@ -205,12 +205,12 @@ class DPComposition:
             raise ValueError(f"unknown negative control {bug!r}; choose one of {', '.join(BUGS)}")
         self.bug = bug
         self.covered: set[tuple[str, int, int, str | None]] = set()
-        self.t_client = _Table(CLIENT)
-        self.t_mem = _Table(MEMBERSHIP)
-        self.t_engine = _Table(ENGINE)
-        self.t_ereq = _Table(ENGINE_REQUEST)
-        self.t_creq = _Table(CLIENT_REQUEST)
-        self.t_util = _Table(UTILITY)
+        self.t_client = Table(CLIENT)
+        self.t_mem = Table(MEMBERSHIP)
+        self.t_engine = Table(ENGINE)
+        self.t_ereq = Table(ENGINE_REQUEST)
+        self.t_creq = Table(CLIENT_REQUEST)
+        self.t_util = Table(UTILITY)
         self.actions: tuple[Action, ...] = self._actions()
 
     def initial(self) -> World:
@@ -220,7 +220,7 @@ class DPComposition:
         w[BUDGET_LEFT] = BUDGET
         w[FAULTS_LEFT] = FAULTS
         for r in range(REQS):
-            w[CREQ[r]] = _ix(QS.UNKNOWN)
+            w[CREQ[r]] = ix(QS.UNKNOWN)
             w[EREQ[r]] = R_UNKNOWN
         for i in range(N):
             w[MEM[i]] = M_STARTING

@@ -56,7 +56,7 @@ def _guard_id(guard: str | None) -> str:
     return "G_NONE" if guard is None else f"G_{guard.upper()}"
 
 
-def _defines() -> list[str]:
+def defines() -> list[str]:
     out = ["#define G_NONE 0"]
     out += [f"#define G_{g.upper()} {i + 1}" for i, g in enumerate(GUARDS)]
     for mach in MACHINES:
@@ -66,7 +66,7 @@ def _defines() -> list[str]:
     return out
 
 
-def _fire_inline(mach: Machine[Any, Any], var: str | None = None, *,
+def fire_inline(mach: Machine[Any, Any], var: str | None = None, *,
                  indexed: bool = False, flag: str = "v_spec_conformance") -> list[str]:
     """A constant ``hidden`` lookup array (outside the state vector) and the inline reading it.
 
@@ -89,7 +89,7 @@ def _fire_inline(mach: Machine[Any, Any], var: str | None = None, *,
     ]
 
 
-def _table_init(mach: Machine[Any, Any], var: str | None = None) -> list[str]:
+def table_init(mach: Machine[Any, Any], var: str | None = None) -> list[str]:
     """One assignment per table row, run once by ``init`` before any actor starts."""
     p, var = promela_name(mach), var or _VAR[mach.name]
     n_ev, n_g = len(mach.event_members()), len(GUARDS) + 1
@@ -110,7 +110,7 @@ def _table_init(mach: Machine[Any, Any], var: str | None = None) -> list[str]:
     return lines
 
 
-def _set_macro(name: str, var: str, ixs: frozenset[int]) -> str:
+def set_macro(name: str, var: str, ixs: frozenset[int]) -> str:
     return f"#define {name} (" + " || ".join(f"{var} == {i}" for i in sorted(ixs)) + ")"
 
 
@@ -146,15 +146,15 @@ def _constants() -> list[str]:
     out += [f"#define I_{name} {i + 1}" for i, name in enumerate(m.IN_MSGS)]
     out += [f"#define O_{name} {i + 1}" for i, name in enumerate(m.OUT_MSGS)]
     out += [
-        _set_macro("creq_live", "creq", m.Q_LIVE),
-        _set_macro("creq_free", "creq", m.Q_FREE),
-        _set_macro("creq_abortable", "creq", m.Q_ABORTABLE),
-        _set_macro("ereq_live", "ereq", m.R_LIVE),
-        _set_macro("ereq_queued", "ereq", m.R_QUEUED),
-        _set_macro("engine_in_loop", "engine", m.E_LOOP),
-        _set_macro("client_live", "client", m.C_LIVE),
-        _set_macro("attach_drops", "attach", m.A_DROPS),
-        _set_macro("session_drops", "session", m.S_DROPS),
+        set_macro("creq_live", "creq", m.Q_LIVE),
+        set_macro("creq_free", "creq", m.Q_FREE),
+        set_macro("creq_abortable", "creq", m.Q_ABORTABLE),
+        set_macro("ereq_live", "ereq", m.R_LIVE),
+        set_macro("ereq_queued", "ereq", m.R_QUEUED),
+        set_macro("engine_in_loop", "engine", m.E_LOOP),
+        set_macro("client_live", "client", m.C_LIVE),
+        set_macro("attach_drops", "attach", m.A_DROPS),
+        set_macro("session_drops", "session", m.S_DROPS),
         "#define attach_queued (" + " || ".join(
             f"inq[{i}] == I_ATTACH" for i in range(m.IN_CAP + 1)) + ")",
         "#define marker_queued (" + " || ".join(
@@ -623,11 +623,11 @@ def render_promela() -> str:
     init: list[str] = []
     composed = [mach for mach in MACHINES if mach.name in _VAR]
     for mach in composed:
-        fire += _fire_inline(mach)
+        fire += fire_inline(mach)
         fire.append("")
-        init += _table_init(mach)
+        init += table_init(mach)
     body = "\n".join(
-        [*_defines(), "", *_constants(), "", *_queue_inlines()]
+        [*defines(), "", *_constants(), "", *_queue_inlines()]
     ) + _TEMPLATE.substitute(
         fire_inlines="\n".join(fire), ltl=ltl_blocks(PROPERTIES), table_init="\n".join(init)
     )

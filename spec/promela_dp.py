@@ -24,12 +24,12 @@ from .client import CLIENT
 from .engine import ENGINE
 from .membership import MEMBERSHIP
 from .promela import (
-    _defines,
-    _fire_inline,
-    _set_macro,
-    _table_init,
+    defines,
     finish_promela,
+    fire_inline,
     ltl_blocks,
+    set_macro,
+    table_init,
 )
 from .properties import DP_PROPERTIES
 from .request import CLIENT_REQUEST, ENGINE_REQUEST
@@ -83,8 +83,8 @@ def _constants() -> list[str]:
         _indexed_macro("engine_in_loop", "eng", dp.E_LOOP),
         "#define left_state(x) (" + " || ".join(
             f"x == {i}" for i in sorted(dp.M_LEFT)) + ")",
-        _set_macro("client_live", "client", dp.C_LIVE),
-        _set_macro("client_asleep", "client", dp.C_ASLEEP),
+        set_macro("client_live", "client", dp.C_LIVE),
+        set_macro("client_asleep", "client", dp.C_ASLEEP),
         "#define owns(r, i) (own[r] == i && ogen[r] == gen[i])",
         "#define calls(i) (uown == i && ugen == gen[i])",
         "#define all_routable (" + " && ".join(
@@ -435,9 +435,9 @@ def render_promela_dp() -> str:
     fire: list[str] = []
     init: list[str] = []
     for mach, var, indexed in _VARS:
-        fire += _fire_inline(mach, var, indexed=indexed, flag=_FLAG)
+        fire += fire_inline(mach, var, indexed=indexed, flag=_FLAG)
         fire.append("")
-        init += _table_init(mach, var)
+        init += table_init(mach, var)
     # The zero-initialised arrays start in each machine's initial state.
     for mach, var, indexed in _VARS:
         if indexed and mach.state_members().index(mach.initial) != 0:
@@ -487,7 +487,7 @@ def render_promela_dp() -> str:
             f"    run Engine({i}); run Reader({i}); run Monitor({i});" for i in range(dp.N)),
         "ltl": ltl_blocks(DP_PROPERTIES),
     }
-    body = "\n".join([*_defines(), "", *_constants()]) + _TEMPLATE.substitute(subst)
+    body = "\n".join([*defines(), "", *_constants()]) + _TEMPLATE.substitute(subst)
     machines = [mach for mach in MACHINES if any(mach is v[0] for v in _VARS)]
     return finish_promela(body, machines, "enginewire_dp.pml",
                           "enginewire.spec.compose_dp.BUGS", NFAIR)

@@ -152,13 +152,13 @@ def test_resume_wakes_a_paused_engine_and_fails_on_a_sleeping_one() -> None:
 def test_dropping_every_power_reply_breaks_power_call_terminates(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The reviewer's mutation: before power_call_terminates no property noticed it.
-    push_out = c._Step.push_out
+    push_out = c.Step.push_out
 
-    def drop(self: c._Step, msg: int, front: bool = False) -> None:
+    def drop(self: c.Step, msg: int, front: bool = False) -> None:
         if msg not in c.O_POWER_REPLIES:
             push_out(self, msg, front)
 
-    monkeypatch.setattr(c._Step, "push_out", drop)
+    monkeypatch.setattr(c.Step, "push_out", drop)
     res = explore(stop_when=frozenset({"power_call_terminates"}))
     assert "power_call_terminates" in res.violations
 
@@ -181,10 +181,10 @@ def test_declared_unexercised_rows_are_exactly_the_rows_the_model_misses(
 def test_every_client_attaches_first_and_reads_nothing_before_its_marker() -> None:
     for w in _follow(_READY[:2]):
         assert [m & 15 for m in w[c.INQ]] == [c.I_ATTACH] and w[c.ATT] in c.A_DROPS
-        assert w[c.SESS] == c._ix(c.SS.NO_FRONT_END)
+        assert w[c.SESS] == c.ix(c.SS.NO_FRONT_END)
     for w in _follow(_READY):
         assert w[c.ATT] == c.A_ATTACHED and w[c.C] == c.C_READY and not w[c.OUTQ]
-        assert not w[c.INQ] and w[c.SESS] == c._ix(c.SS.ATTACHED)
+        assert not w[c.INQ] and w[c.SESS] == c.ix(c.SS.ATTACHED)
 
 
 def test_a_previous_front_ends_request_is_dropped_unread_even_under_the_same_id() -> None:
@@ -207,7 +207,7 @@ def test_a_previous_front_ends_request_is_dropped_unread_even_under_the_same_id(
 
 def test_the_attach_drops_a_parked_request_and_wakes_the_engine_into_idle() -> None:
     for w in _follow(("engine_standalone_parked",)):
-        assert w[c.E] == c.E_SLEEPING and w[c.EREQ] == c._ix(c.RS.PREEMPTED) and w[c.KVA]
+        assert w[c.E] == c.E_SLEEPING and w[c.EREQ] == c.ix(c.RS.PREEMPTED) and w[c.KVA]
     for w in _follow(("engine_standalone_parked", "receive_output", "engine_receive")):
         assert w[c.E] == c.E_IDLE and w[c.EREQ] not in c.R_LIVE and not w[c.SLEEP_FLAG]
         assert not (w[c.WA] or w[c.KVA] or w[c.STALE]) and _outq(w) == ["MARKER"]
@@ -233,4 +233,4 @@ def test_leaving_a_standalone_engine_aborts_its_request_and_keeps_the_engine() -
     for w in _follow((*parked, "shutdown", "shutdown_finish", "output_dropped",
                       "engine_receive")):
         assert w[c.C] == c.C_SHUTDOWN and not w[c.PROC_EXITED]
-        assert w[c.EREQ] == c._ix(c.RS.FINISHED_ABORTED) and w[c.E] == c.E_PAUSED
+        assert w[c.EREQ] == c.ix(c.RS.FINISHED_ABORTED) and w[c.E] == c.E_PAUSED
