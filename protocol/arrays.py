@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-An array travels as an ext value whose body is an ``_ArrayHeader`` ``[dtype, shape, data]``:
+An array travels as an ext value whose body is an ``ArrayHeader`` ``[dtype, shape, data]``:
 ``data`` is the raw bytes of a small array, or the index of an aux frame holding the array's
 own memory (``codec.Encoder`` chooses by ``size_threshold``). This module turns an array into
 ``(dtype name, shape, flat byte view)`` on the way out and checks a peer's dtype string on the
@@ -34,17 +34,17 @@ __all__ = ["EXT_NUMPY", "EXT_TORCH"]
 EXT_TORCH = 1
 EXT_NUMPY = 2
 
-_MAX_NDIM = 64  # torch's own limit on tensor rank
+MAX_NDIM = 64  # torch's own limit on tensor rank
 
 
-class _ArrayHeader(msgspec.Struct, array_like=True, frozen=True, gc=False):
+class ArrayHeader(msgspec.Struct, array_like=True, frozen=True, gc=False):
     dtype: str
     shape: list[int]
     data: bytes | int  # inline bytes, or the index of an aux frame
 
 
-_header_encoder = msgspec.msgpack.Encoder()
-_header_decoder = msgspec.msgpack.Decoder(_ArrayHeader)
+header_encoder = msgspec.msgpack.Encoder()
+header_decoder = msgspec.msgpack.Decoder(ArrayHeader)
 
 # torch dtypes that may cross the wire, by name without the "torch." prefix.
 _TORCH_DTYPE_NAMES = (
@@ -55,7 +55,7 @@ _TORCH_DTYPE_NAMES = (
 _torch_dtypes: dict[str, Any] | None = None
 
 
-def _torch_dtype_map() -> dict[str, Any]:
+def torch_dtype_map() -> dict[str, Any]:
     global _torch_dtypes
     if _torch_dtypes is None:
         import torch
@@ -65,28 +65,28 @@ def _torch_dtype_map() -> dict[str, Any]:
     return _torch_dtypes
 
 
-def _is_tensor(obj: object) -> bool:
+def is_tensor(obj: object) -> bool:
     # torch is imported lazily: if nobody imported it, obj cannot be a tensor.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def _torch_dtype_ok(t: torch.Tensor) -> str:
+def torch_dtype_ok(t: torch.Tensor) -> str:
     import torch
 
     name = str(t.dtype).removeprefix("torch.")
-    if name not in _torch_dtype_map():
+    if name not in torch_dtype_map():
         raise TypeError(f"cannot encode a torch tensor of dtype {t.dtype}")
     if t.layout != torch.strided:
         raise TypeError(f"cannot encode a torch tensor with layout {t.layout}")
     return name
 
 
-def _tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], memoryview]:
+def tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], memoryview]:
     """The tensor's own memory as a flat byte view (copies only if it must)."""
     import torch
 
-    name = _torch_dtype_ok(t)
+    name = torch_dtype_ok(t)
     shape = list(t.shape)
     t = t.detach()
     if t.device.type != "cpu":
@@ -102,23 +102,23 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, list[int], memoryview]:
     return name, shape, memoryview(flat)  # type: ignore[arg-type]
 
 
-def _numpy_dtype_ok(dt: np.dtype[Any]) -> np.dtype[Any]:
+def numpy_dtype_ok(dt: np.dtype[Any]) -> np.dtype[Any]:
     if dt.hasobject or dt.kind == "V" or dt.itemsize == 0:
         raise TypeError(f"cannot encode a numpy array of dtype {dt} (no pickle on the wire)")
     return dt
 
 
-def _numpy_bytes(arr: np.ndarray[Any, Any]) -> tuple[str, list[int], memoryview]:
+def numpy_bytes(arr: np.ndarray[Any, Any]) -> tuple[str, list[int], memoryview]:
     import numpy as np
 
-    dt = _numpy_dtype_ok(arr.dtype)
+    dt = numpy_dtype_ok(arr.dtype)
     shape = list(arr.shape)
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return dt.str, shape, memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
-def _bad_bool() -> ProtocolError:
+def bad_bool() -> ProtocolError:
     # Any other byte is a bool neither library defines (numpy and torch read it differently).
     return ProtocolError("expected bool array bytes of 0 or 1")
 
@@ -128,7 +128,7 @@ _NUMPY_DTYPE_RE = re.compile(r"[<>|][biufcSUmM][0-9]{1,4}(\[[0-9]*[a-zA-Z]{1,2}\
 _numpy_dtypes: dict[str, np.dtype[Any]] = {}
 
 
-def _numpy_dtype(text: str) -> np.dtype[Any]:
+def numpy_dtype(text: str) -> np.dtype[Any]:
     dtype = _numpy_dtypes.get(text)
     if dtype is not None:
         return dtype

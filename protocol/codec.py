@@ -41,28 +41,28 @@ import msgspec
 
 from ..spec.errors import ProtocolError, UtilityError
 from .arrays import (
-    _MAX_NDIM,
     EXT_NUMPY,
     EXT_TORCH,
-    _ArrayHeader,
-    _bad_bool,
-    _header_decoder,
-    _header_encoder,
-    _is_tensor,
-    _numpy_bytes,
-    _numpy_dtype,
-    _numpy_dtype_ok,
-    _tensor_bytes,
-    _torch_dtype_map,
-    _torch_dtype_ok,
+    MAX_NDIM,
+    ArrayHeader,
+    bad_bool,
+    header_decoder,
+    header_encoder,
+    is_tensor,
+    numpy_bytes,
+    numpy_dtype,
+    numpy_dtype_ok,
+    tensor_bytes,
+    torch_dtype_map,
+    torch_dtype_ok,
 )
 from .limits import (
-    _POST_CHECKS,
     DEFAULT_LIMITS,
+    POST_CHECKS,
     Frame,
     Limits,
-    _screen_large_add,
-    _screen_large_outputs,
+    screen_large_add,
+    screen_large_outputs,
 )
 from .messages import (
     ENGINE_DEAD_SENTINEL,
@@ -76,16 +76,15 @@ from .messages import (
     UtilityRequest,
 )
 from .results import (
-    _ALWAYS_ENCODABLE,
+    ALWAYS_ENCODABLE,
     EXT_STRUCT,
     StructResult,
-    _TypedStruct,
-    _wrap_typed,
+    TypedStruct,
     check_no_dataclass,
     decode_utility_result,
     register_result_type,
+    wrap_typed,
 )
-from .results import _PLAIN_RESULTS as _PLAIN_RESULTS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -171,16 +170,16 @@ class Encoder:
                 self._aux = []
             index = len(self._aux)
             self._aux.append(data)
-            header = _ArrayHeader(dtype, shape, index)
+            header = ArrayHeader(dtype, shape, index)
         else:
-            header = _ArrayHeader(dtype, shape, data.tobytes())
-        return msgspec.msgpack.Ext(code, _header_encoder.encode(header))
+            header = ArrayHeader(dtype, shape, data.tobytes())
+        return msgspec.msgpack.Ext(code, header_encoder.encode(header))
 
     def _numpy_ext(self, arr: np.ndarray[Any, Any]) -> Any:
-        return self._array_ext(EXT_NUMPY, *_numpy_bytes(arr))
+        return self._array_ext(EXT_NUMPY, *numpy_bytes(arr))
 
     def _torch_ext(self, t: torch.Tensor) -> Any:
-        return self._array_ext(EXT_TORCH, *_tensor_bytes(t))
+        return self._array_ext(EXT_TORCH, *tensor_bytes(t))
 
     def _enc_hook(self, obj: object) -> Any:
         # numpy is imported lazily (an engine without arrays starts ~0.1 s sooner): an object
@@ -191,9 +190,9 @@ class Encoder:
                 return self._numpy_ext(obj)
             if isinstance(obj, np.generic):
                 return self._numpy_ext(np.asarray(obj))
-        if _is_tensor(obj):
+        if is_tensor(obj):
             return self._torch_ext(cast("torch.Tensor", obj))
-        if isinstance(obj, _TypedStruct):
+        if isinstance(obj, TypedStruct):
             # Same hook: tensors inside the Struct still become aux frames of this message.
             return msgspec.msgpack.Ext(EXT_STRUCT, self._enc.encode([obj.name, obj.value]))
         raise TypeError(
@@ -266,7 +265,7 @@ class Decoder(Generic[T]):
         # payload has a bound of its own (``Limits.max_call_bytes``).
         self._max_payload = self._max_frame_bytes = limits.max_frame_bytes
         if type_ is UtilityRequest or type_ is EngineCoreRequest:
-            # A call's payload is refused past this; an ADD's is screened (_screen_large_add).
+            # A call's payload is refused past this; an ADD's is screened (screen_large_add).
             self._max_payload = min(limits.max_call_bytes, limits.max_frame_bytes)
         self._aux: Sequence[Frame] = ()
         self._too_long: str | None = None  # what a too-long top-level array is refused as
@@ -291,7 +290,7 @@ class Decoder(Generic[T]):
         if type_ is EngineCoreOutputs:
             # Batches under this size cannot hold more than max_batch of anything.
             self._max_payload = min(self._max_payload, limits.max_batch)
-        self._check = _POST_CHECKS.get(type_)
+        self._check = POST_CHECKS.get(type_)
         self._any_dec: msgspec.msgpack.Decoder[Any] | None = None
         # msgspec's own decode of one payload frame: the type is checked, not the size bound
         # or the post-check (``decode_payload`` applies both). For a round trip's hot path
@@ -382,10 +381,10 @@ class Decoder(Generic[T]):
                 )
         if _nbytes(seq[0]) > self._max_payload:
             if self.type is EngineCoreRequest:
-                _screen_large_add(seq[0], limits)
+                screen_large_add(seq[0], limits)
                 return
             if self.type is EngineCoreOutputs:
-                _screen_large_outputs(seq[0], limits)
+                screen_large_outputs(seq[0], limits)
                 return
             raise ProtocolError(
                 f"expected a utility call payload of at most {limits.max_call_bytes} bytes"
@@ -394,7 +393,7 @@ class Decoder(Generic[T]):
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code == EXT_TORCH or code == EXT_NUMPY:
             try:
-                header = _header_decoder.decode(data)
+                header = header_decoder.decode(data)
             except msgspec.MsgspecError as e:
                 raise ProtocolError(f"expected an array header [dtype, shape, data]: {e}") from e
             if code == EXT_TORCH:
@@ -416,11 +415,11 @@ class Decoder(Generic[T]):
             dec = self._any_dec = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         return dec
 
-    def _buffer(self, header: _ArrayHeader, itemsize: int) -> memoryview | bytes:
+    def _buffer(self, header: ArrayHeader, itemsize: int) -> memoryview | bytes:
         shape = header.shape
-        if len(shape) > _MAX_NDIM or any(d < 0 for d in shape):
+        if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
             raise ProtocolError(
-                f"expected an array shape of <= {_MAX_NDIM} sizes >= 0, got {shape}"
+                f"expected an array shape of <= {MAX_NDIM} sizes >= 0, got {shape}"
             )
         count = 1
         for d in shape:
@@ -441,8 +440,8 @@ class Decoder(Generic[T]):
             )
         return buf
 
-    def _torch(self, header: _ArrayHeader) -> Any:
-        dtype = _torch_dtype_map().get(header.dtype)
+    def _torch(self, header: ArrayHeader) -> Any:
+        dtype = torch_dtype_map().get(header.dtype)
         if dtype is None:
             raise ProtocolError(f"expected a torch dtype name, got {header.dtype!r}")
         import torch
@@ -455,17 +454,17 @@ class Decoder(Generic[T]):
         else:  # aux frame: share it; the tensor keeps the frame alive
             raw = torch.frombuffer(buf, dtype=torch.uint8)
         if dtype is torch.bool and int(raw.max()) > 1:
-            raise _bad_bool()
+            raise bad_bool()
         return raw.view(dtype).reshape(header.shape)
 
-    def _numpy(self, header: _ArrayHeader) -> Any:
+    def _numpy(self, header: ArrayHeader) -> Any:
         import numpy as np
 
-        dtype = _numpy_dtype(header.dtype)
+        dtype = numpy_dtype(header.dtype)
         buf = self._buffer(header, dtype.itemsize)
         arr = np.frombuffer(buf, dtype=dtype).reshape(header.shape)
         if dtype.kind == "b" and arr.size and int(arr.view(np.uint8).max()) > 1:
-            raise _bad_bool()
+            raise bad_bool()
         return arr.copy() if isinstance(buf, bytes) else arr
 
 
@@ -715,11 +714,11 @@ class _ProbeEncoder(Encoder):
     """Checks encodability without touching array data (a 64 MiB result is not copied)."""
 
     def _numpy_ext(self, arr: np.ndarray[Any, Any]) -> Any:
-        _numpy_dtype_ok(arr.dtype)
+        numpy_dtype_ok(arr.dtype)
         return None
 
     def _torch_ext(self, t: torch.Tensor) -> Any:
-        _torch_dtype_ok(t)
+        torch_dtype_ok(t)
         return None
 
 
@@ -747,9 +746,9 @@ def utility_output(
             else:
                 message = f"{type(error).__name__}: {error}"
             return UtilityOutput(call_id, failure_message=message)
-        if type(result) in _ALWAYS_ENCODABLE:  # echo, flags, paths: no trial encode
+        if type(result) in ALWAYS_ENCODABLE:  # echo, flags, paths: no trial encode
             return UtilityOutput(call_id, result=result)
-        wrapped = _wrap_typed(result)
+        wrapped = wrap_typed(result)
         _probe().encode(wrapped)
         return UtilityOutput(call_id, result=wrapped)
     except Exception as e:

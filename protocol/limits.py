@@ -8,8 +8,8 @@ proportion to its bytes:
 1. frame count and frame size, before anything is decoded (``Decoder._check_frames``);
 2. for a payload over the size that alone bounds it, the counts its msgpack array headers
    announce, read through *skeleton* Structs that skip every field they do not count
-   (``_screen_large_add``, ``_screen_large_outputs``);
-3. the counts of the decoded message (``_POST_CHECKS``, by decoded type).
+   (``screen_large_add``, ``screen_large_outputs``);
+3. the counts of the decoded message (``POST_CHECKS``, by decoded type).
 
 Rule 1: every refusal is a ``ProtocolError`` that names the bound and the count it saw.
 Rule 2: a screen that cannot read its headers refuses nothing: the full decode reports what is
@@ -96,7 +96,7 @@ def _check_ids(obj: list[str], limits: Limits) -> None:
         raise ProtocolError(f"expected at most {limits.max_batch} request ids, got {len(obj)}")
 
 
-_POST_CHECKS: dict[object, Callable[[Any, Limits], None]] = {
+POST_CHECKS: dict[object, Callable[[Any, Limits], None]] = {
     EngineCoreRequest: _check_request,
     EngineCoreOutputs: _check_outputs,
     list[str]: _check_ids,
@@ -170,7 +170,7 @@ def _bound(count: int, limit: int, what: str) -> None:
                             " msgpack headers, before anything was decoded)")
 
 
-def _screen_large_outputs(payload: Frame, limits: Limits) -> None:
+def screen_large_outputs(payload: Frame, limits: Limits) -> None:
     """Before a large batch is decoded (client side): its lists' lengths, from their headers."""
     try:
         head = _outputs_skeleton.decode(payload)
@@ -185,7 +185,7 @@ def _screen_large_outputs(payload: Frame, limits: Limits) -> None:
     _bound(_array_len(head.finished_requests), limits.max_batch, "finished ids")
 
 
-def _screen_large_add(payload: Frame, limits: Limits) -> None:
+def screen_large_add(payload: Frame, limits: Limits) -> None:
     """Before a large ADD is decoded: its ``tensors`` values must be arrays. Typed ``Any``
     (they are ext values), anything else there would decode untyped, some 70 times its size
     (a 20 MB ADD of empty maps took an engine to 1.5 GB)."""

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A utility result whose class (a msgspec Struct or a dataclass) was registered on both peers
 with ``register_result_type`` travels as ``EXT_STRUCT`` ``[name, value]``. On the way out,
-``_wrap_typed`` marks each registered value (``_TypedStruct``), and ``codec.Encoder`` tags it
+``wrap_typed`` marks each registered value (``TypedStruct``), and ``codec.Encoder`` tags it
 with its name; on the way in, ``codec.Decoder`` hands back a ``StructResult`` and
 ``decode_utility_result`` rebuilds the registered class from it.
 
@@ -33,7 +33,7 @@ __all__ = [
 EXT_STRUCT = 3
 
 
-class _TypedStruct:
+class TypedStruct:
     """Marks a registered Struct so the encoder tags it with its registered name."""
 
     __slots__ = ("name", "original", "value")
@@ -81,7 +81,7 @@ def _unregistered(value: object) -> TypeError:
                      " plain dict)")
 
 
-def _wrap_typed(value: Any) -> Any:
+def wrap_typed(value: Any) -> Any:
     """Tag registered Structs and dataclasses (at top level and inside lists, tuples, dicts
     and a dataclass's fields); an unregistered dataclass is a ``TypeError``: msgspec would
     carry it as a dict, and the caller would get another type than the one returned."""
@@ -92,17 +92,17 @@ def _wrap_typed(value: Any) -> Any:
     if name is not None:
         if hasattr(cls, "__dataclass_fields__"):
             # Its fields as a map, each wrapped: a registered dataclass inside survives.
-            return _TypedStruct(name, {f: _wrap_typed(getattr(value, f))
+            return TypedStruct(name, {f: wrap_typed(getattr(value, f))
                                        for f in cls.__dataclass_fields__}, value)
-        return _TypedStruct(name, value)
+        return TypedStruct(name, value)
     if cls is list or cls is tuple:
         if _SCALAR_TYPES.issuperset(map(type, value)):  # one C-level pass for a flat list
             return value
-        return [_wrap_typed(v) for v in value]
+        return [wrap_typed(v) for v in value]
     if cls is dict:
         if _SCALAR_TYPES.issuperset(map(type, value.values())):
             return value
-        return {k: _wrap_typed(v) for k, v in value.items()}
+        return {k: wrap_typed(v) for k, v in value.items()}
     if _is_dataclass_instance(value):
         raise _unregistered(value)
     return value
@@ -112,7 +112,7 @@ def plain_result(value: Any) -> Any:
     """A reply's result as a wire without ``EXT_STRUCT`` carries it (vLLM's, which has no
     tags): every registered value as the object it was, which msgpack writes as a map; the
     receiver rebuilds it with ``msgspec.convert`` where it knows the type."""
-    if isinstance(value, _TypedStruct):
+    if isinstance(value, TypedStruct):
         return value.original
     if type(value) is list:
         return [plain_result(v) for v in value]
@@ -143,10 +143,10 @@ def check_no_dataclass(value: Any) -> None:
 
 # Results of these types always encode (an int may not: msgpack stops at 64 bits; a str
 # may not: a lone surrogate has no UTF-8 form).
-_ALWAYS_ENCODABLE = frozenset({type(None), bool, float, bytes})
+ALWAYS_ENCODABLE = frozenset({type(None), bool, float, bytes})
 # Results msgpack carries as themselves: nothing to tag on the way out or rebuild on the way in
 # (the round-trip paths on both sides skip those passes; an int or str may still not encode).
-_PLAIN_RESULTS = frozenset({*_ALWAYS_ENCODABLE, int, str})
+PLAIN_RESULTS = frozenset({*ALWAYS_ENCODABLE, int, str})
 
 
 def _convert_hook(type_: type[Any], obj: Any) -> Any:
@@ -158,7 +158,7 @@ def _convert_hook(type_: type[Any], obj: Any) -> Any:
 
 def decode_utility_result(value: object) -> object:
     """Client side: rebuild registered Structs in a decoded result; ``ProtocolError`` if unknown."""
-    if isinstance(value, _TypedStruct):  # an in-process reply that never crossed the wire
+    if isinstance(value, TypedStruct):  # an in-process reply that never crossed the wire
         return value.original
     if isinstance(value, StructResult):
         cls = _result_types.get(value.name)

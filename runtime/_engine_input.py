@@ -19,7 +19,6 @@ import msgspec
 import zmq
 
 from ..protocol.codec import (
-    _PLAIN_RESULTS,
     Encoder,
     decode_input,
     peek_call_id,
@@ -36,6 +35,7 @@ from ..protocol.messages import (
     UtilityOutput,
     UtilityRequest,
 )
+from ..protocol.results import PLAIN_RESULTS
 from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.engine import IN_LOOP, SCHEDULING, EngineState
 from ..spec.errors import ProtocolError
@@ -348,7 +348,7 @@ class _InputSide(_EngineProcState):
         except Exception as e:
             self._emit_utility(utility_output(call.call_id, call.method, error=e))
             return
-        if type(result) in _PLAIN_RESULTS:
+        if type(result) in PLAIN_RESULTS:
             try:
                 payload = self._reply_encoder.encode(EngineCoreOutputs(
                     self.engine_index, [], time.monotonic(), None, None,

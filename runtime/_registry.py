@@ -16,11 +16,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..protocol.codec import (
-    _PLAIN_RESULTS,
-    decode_utility_result,
-)
+from ..protocol.codec import decode_utility_result
 from ..protocol.messages import UtilityOutput
+from ..protocol.results import PLAIN_RESULTS
 from ..protocol.utilities import POWER_METHODS
 from ..spec.errors import (
     ProtocolError,
@@ -148,7 +146,7 @@ class _UtilityRegistry:
             else:
                 result = reply.result
                 try:
-                    if type(result) not in _PLAIN_RESULTS:
+                    if type(result) not in PLAIN_RESULTS:
                         result = decode_utility_result(result)
                 except ProtocolError as e:
                     entry.fire(UtilityEvent.REPLY_ERROR)
@@ -174,7 +172,7 @@ class _UtilityRegistry:
         """``resolve`` and set the future's outcome (after the lock: a future's callbacks may
         run at once). A plain successful reply, the round trip's common case, takes the
         fewest steps."""
-        if reply.failure_message is None and type(reply.result) in _PLAIN_RESULTS:
+        if reply.failure_message is None and type(reply.result) in PLAIN_RESULTS:
             with self._lock:
                 entry = self._pending.get(reply.call_id)
                 if entry is not None and not entry.future.done():

@@ -478,8 +478,8 @@ def test_utility_output_error_and_plain_results() -> None:
 def test_utility_probe_checks_tensors_without_touching_their_data() -> None:
     t = torch.zeros(4096, 4096, dtype=torch.uint8).t()  # non-contiguous: encoding copies
     a = np.zeros((2048, 2048))[:, ::2]
-    with mock.patch.object(codec, "_tensor_bytes", side_effect=AssertionError("copied")):
-        with mock.patch.object(codec, "_numpy_bytes", side_effect=AssertionError("copied")):
+    with mock.patch.object(codec, "tensor_bytes", side_effect=AssertionError("copied")):
+        with mock.patch.object(codec, "numpy_bytes", side_effect=AssertionError("copied")):
             reply = utility_output(1, "m", result=[t, a])
     assert reply.failure_message is None and reply.result[0] is t and reply.result[1] is a
     bad = utility_output(1, "m", result=torch.eye(2).to_sparse())
