@@ -101,14 +101,14 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            kind="after_end", patches=(_in(
                "sync_mp_client:SyncMPClient._wake_waiters",
                ("self._outputs.put(marker)",
-                "if marker is _DEAD:\n    return\nself._outputs.put(marker)"),),)),
+                "if marker is DEAD_MARKER:\n    return\nself._outputs.put(marker)"),),)),
     Mutant("input_thread_dies_on_malformed_frame",
            "the engine's input thread dies on a frame it cannot decode", _MP, kind="faults",
            patches=(
-               _in("_engine_input:_InputSide._input_thread",
+               _in("_engine_input:InputSide._input_thread",
                    ('logger.exception("engine input thread: dropped a frame it could not'
                     ' handle")', "raise")),
-               _in("_engine_input:_InputSide._accept",
+               _in("_engine_input:InputSide._accept",
                    ("self._reject(frames[0], e)\nreturn", "raise")),
            )),
     # Every send takes a pooled buffer and drops its tracker, so the buffer is reused while
@@ -118,18 +118,18 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            kind="faults", patches=(
                _in("engine_proc:EngineCoreProc.__init__",
                    ("self._fast_calls = not integrity", "self._fast_calls = False")),
-               _in("_engine_output:_OutputSide._send_locked",
+               _in("_engine_output:OutputSide._send_locked",
                    ("pool.release(buf, tracker)",
                     "sock.copy_threshold, tracker = 0, None\npool.release(buf, tracker)")),
-               _in("_engine_output:_OutputSide._send_direct",
-                   ("if self.faults is not None and not _is_marker(item):",
+               _in("_engine_output:OutputSide._send_direct",
+                   ("if self.faults is not None and not is_marker(item):",
                     "self._send_locked(item)\nreturn None\n"
-                    "if self.faults is not None and not _is_marker(item):")),
+                    "if self.faults is not None and not is_marker(item):")),
            )),
     Mutant("abort_applied_before_add",
            "an abort overtakes the ADD it follows and is lost", _MP, kind="abort",
            patches=(_in(
-               "_engine_input:_InputSide._accept",
+               "_engine_input:InputSide._accept",
                ("if kind is RequestType.ABORT:",
                 "if kind is RequestType.ABORT:\n"
                 "    queued = []  # jumps ahead of queued ADDs\n"
@@ -158,7 +158,7 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("engine_ignores_parent_death",
            "the engine process keeps running after its client process died", ("sync",),
            kind="faults", patches=(_in(
-               "_engine_lifeline:_watch_parent",
+               "_engine_lifeline:watch_parent",
                ('if sys.platform.startswith("linux"):',
                 'return\nif sys.platform.startswith("linux"):')),)),
     Mutant("context_term_before_close",
@@ -171,7 +171,7 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("timed_out_call_left_registered",
            "a timed-out utility call stays in the registry (a leak per timeout)", _MP,
            kind="quiescence", patches=(_in(
-               "_registry:_UtilityRegistry.give_up",
+               "_registry:UtilityRegistry.give_up",
                ("entry = self._pending.pop(call_id, None)",
                 "entry = self._pending.get(call_id)")),)),
     Mutant("abort_not_acknowledged",
@@ -221,7 +221,7 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "an attaching client takes any message for its marker (the session is not"
            " checked), so it reads outputs of the front end it replaced", _LONE,
            kind="attached", patches=(_in(
-               "_attach_side:_AttachSide._is_marker",
+               "_attach_side:AttachSide._is_marker",
                ("if marker.session != session:", "if False:")),)),
     Mutant("session_keeps_old_requests",
            "a new front end's session leaves the previous one's requests running", _LONE,

@@ -93,7 +93,7 @@ class StandaloneEngine:
 
         import msgspec
 
-        from ..runtime.engine_proc import _process_main
+        from ..runtime.engine_proc import process_main
         from ..runtime.faults import FaultPlan
 
         ensure_resource_tracker()
@@ -114,7 +114,7 @@ class StandaloneEngine:
         if faults:  # the fault rules arm what they inject through a utility call
             kwargs["fault"] = FaultPlan(allow_arm=True)
         mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=_process_main, name="StandaloneEngine", daemon=True,
+        self.proc = mp.Process(target=process_main, name="StandaloneEngine", daemon=True,
                                args=(type(config), msgspec.msgpack.encode(config), kwargs))
         self.proc.start()
         assert self.proc.pid is not None  # started

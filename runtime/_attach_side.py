@@ -31,10 +31,10 @@ logger = logging.getLogger("enginewire.runtime.mp_client")  # one logger name fo
 
 # Parts of one engine message the client holds (payload, aux frames, integrity trailer):
 # the rest of a longer one is read and released part by part, and the message refused.
-_MAX_PARTS = DEFAULT_LIMITS.max_frames + 1
+MAX_PARTS = DEFAULT_LIMITS.max_frames + 1
 
 
-class _AttachSide:
+class AttachSide:
     """The attach phase's state and steps; ``MPClient`` sets the attributes below."""
 
     attach_phase: Lifecycle[AttachState, AttachEvent]
@@ -70,7 +70,7 @@ class _AttachSide:
             # it left ``_attaching`` set: finish them, or every reply would be dropped.
             self._after_attach_step()
             return False
-        frames = recv_rest(sock, [first], _MAX_PARTS) if sock.get(ZMQ_RCVMORE) else [first]
+        frames = recv_rest(sock, [first], MAX_PARTS) if sock.get(ZMQ_RCVMORE) else [first]
         if self._stamp_seen:
             self.resources.last_seen[0] = time.monotonic()  # a message: the engine is alive
         if is_dead_sentinel(frames):

@@ -1,9 +1,9 @@
 """What a multi-process client owns outside Python objects, and the threads that watch it.
 
 ``BackgroundResources`` holds the engine process, sockets, context, ipc directory and
-monitor thread, and tears them down once (``weakref.finalize``); ``_monitor_engine``
+monitor thread, and tears them down once (``weakref.finalize``); ``monitor_engine``
 watches the process sentinel, the heartbeat deadline and the attach marker's deadline;
-``_SigintHold`` keeps a Ctrl-C from cutting a send in half.
+``SigintHold`` keeps a Ctrl-C from cutting a send in half.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _SENTINEL_POLL_S = 0.1
 # Interrupts (Ctrl-C) a teardown absorbs before it skips the stage they keep landing in.
 _TEARDOWN_RETRIES = 3
 
-def _describe_exit(pid: int | None, code: int | None) -> str:
+def describe_exit(pid: int | None, code: int | None) -> str:
     if code is None:
         return f"engine core process {pid} stopped responding"
     if code < 0:
@@ -61,7 +61,7 @@ class EngineProcessDied(RuntimeError):
     """Cause attached to ``EngineDeadError`` when the engine process went away."""
 
 
-def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+def file_id(st: os.stat_result) -> tuple[int, int, int]:
     """A file's identity: the inode of an unlinked file is soon reused, its ctime is not."""
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
@@ -100,7 +100,7 @@ class BackgroundResources:
     # Shared like ``last_seen``: the monitor wakes at it, the reader disarms it.
     attach_deadline: list[float] = field(default_factory=lambda: [math.inf])
     # ipc socket files bound at addresses the caller gave (ours live in ipc_dir), with what
-    # identifies the file (``_file_id``): removed once the context is gone, so a later bind
+    # identifies the file (``file_id``): removed once the context is gone, so a later bind
     # there is not refused or confused, unless another front end bound the path since (a
     # handover to it).
     bound_ipc_paths: list[tuple[str, tuple[int, int, int]]] = field(default_factory=list)
@@ -193,7 +193,7 @@ class BackgroundResources:
             path, ours = self.bound_ipc_paths[-1]
             with contextlib.suppress(OSError):  # already gone
                 st = os.lstat(path)
-                if stat.S_ISSOCK(st.st_mode) and _file_id(st) == ours:
+                if stat.S_ISSOCK(st.st_mode) and file_id(st) == ours:
                     os.unlink(path)
             self.bound_ipc_paths.pop()
 
@@ -324,7 +324,7 @@ class _MarkerOverdue(Exception):
     the cause (``MPClient._marker_overdue``, which knows what it dropped meanwhile)."""
 
 
-def _monitor_engine(
+def monitor_engine(
     client_ref: weakref.ReferenceType[Any],  # an MPClient
     proc: Any,
     stop_fd: int,
@@ -400,7 +400,7 @@ def _watch_engine(
             if poll_exit_s is None:
                 proc.join(1.0)
             if proc.exitcode is not None:
-                return EngineProcessDied(_describe_exit(proc.pid, proc.exitcode))
+                return EngineProcessDied(describe_exit(proc.pid, proc.exitcode))
             if poll_exit_s is None:
                 logger.warning("engine process %s: its sentinel is readable but it has not "
                                "exited; polling its exit instead", proc.pid)
@@ -415,7 +415,7 @@ def _watch_engine(
             )
 
 
-class _SigintHold:
+class SigintHold:
     """Hold a Ctrl-C (SIGINT with Python's default handler, main thread) until the block
     ends, then raise it. For an ADD's send: interrupted right after its last part went, the
     request was forgotten while the engine ran it, and its outputs were SpecViolations in
@@ -448,7 +448,7 @@ _SIGINT = int(signal.SIGINT)
 _MAIN_THREAD = threading.main_thread()
 
 
-def _end_message(sock: zmq.Socket[Any]) -> None:
+def end_message(sock: zmq.Socket[Any]) -> None:
     """A send interrupted part-way (Ctrl-C is raised inside a send, possibly after the part
     went): end the message with an empty part, so the next message is not read as its
     continuation. The engine rejects the stub as malformed and nothing else is lost; if no

@@ -2,8 +2,8 @@
 at each handshake, decodes every message and queues it for the busy loop, and serves a
 utility call itself while the loop idles.
 
-``_InputSide`` is a mixin of ``EngineCoreProc`` (runtime/engine_proc.py), which sets its
-state (``_EngineProcState``); separate because nothing it receives may kill it, and that
+``InputSide`` is a mixin of ``EngineCoreProc`` (runtime/engine_proc.py), which sets its
+state (``EngineProcState``); separate because nothing it receives may kill it, and that
 rule (reject, log, end a session, never raise) is easier to hold in a file of its own.
 """
 
@@ -40,8 +40,8 @@ from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.engine import IN_LOOP, SCHEDULING, EngineState
 from ..spec.errors import ProtocolError
 from ..spec.session import SESSION_DROPS_INPUT, SessionEvent
-from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, _Link, _reconnect, _Wakeup
-from ._engine_shared import IDLE_WAKE_S, _Control, _EngineProcState
+from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Link, Wakeup, reconnect
+from ._engine_shared import IDLE_WAKE_S, Control, EngineProcState
 from .faults import FaultPoint
 from .zmq_io import ZMQ_RCVMORE, recv_rest
 
@@ -58,7 +58,7 @@ _UTILITY_BYTE = RequestType.UTILITY.value
 _ATTACH_BYTE = RequestType.ATTACH.value
 
 
-class _InputSide(_EngineProcState):
+class InputSide(EngineProcState):
     """The input half of ``EngineCoreProc``: its input thread and the idle-call path."""
 
     def _input_thread(self, address: str, ready: ReadyResponse) -> None:
@@ -79,7 +79,7 @@ class _InputSide(_EngineProcState):
         # next connection ahead of that one's own ready; a front end that took the extra one
         # as the next re-ready sent into a link about to drop (#27: 1 ATTACH in 8 lost).
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        link = _Link()
+        link = Link()
         # Every connection that completes its handshake may be a new front end, which learns
         # of this engine only from a ready (a duplicate to the same front end is ignored).
         # The monitor thread counts handshakes and wakes this thread's poll, so the ready
@@ -87,7 +87,7 @@ class _InputSide(_EngineProcState):
         connects = itertools.count(1)
         connected = [0]  # handshakes so far (counted by the monitor thread)
         readied = [0]  # the handshake count when the ready was last sent (this thread)
-        wakeup = _Wakeup()
+        wakeup = Wakeup()
 
         def on_connect() -> None:
             link.mend()
@@ -144,7 +144,7 @@ class _InputSide(_EngineProcState):
                     # mended).
                     while True:
                         if link.take_due():
-                            _reconnect(sock, address)
+                            reconnect(sock, address)
                         if connected[0] != readied[0]:
                             send_ready()
                         due = link.due_in()
@@ -169,7 +169,7 @@ class _InputSide(_EngineProcState):
             self._input_error = e
             logger.exception("engine input thread failed")
             # Without input the engine is useless: make it visible as a fatal error.
-            self.input_queue.put((_Control.SHUTDOWN, e))
+            self.input_queue.put((Control.SHUTDOWN, e))
         finally:
             sock.close(linger=0)
             wakeup.close()  # the monitor may outlive the socket: its set() is then a no-op
@@ -219,7 +219,7 @@ class _InputSide(_EngineProcState):
                 # more of it is read (its counts no longer line up) until it attaches anew;
                 # the busy loop drops its work and tells it, in order behind its input.
                 self._session_step(SessionEvent.INTEGRITY_FAILED)
-                self.input_queue.put((_Control.END_SESSION, e))
+                self.input_queue.put((Control.END_SESSION, e))
                 return
         try:
             try:
@@ -239,7 +239,7 @@ class _InputSide(_EngineProcState):
                 self._fault(FaultPoint.INPUT_DECODED)
             except Exception as e:
                 # An injected raise or OOM is this thread failing, not one bad frame.
-                self.input_queue.put((_Control.SHUTDOWN, e))
+                self.input_queue.put((Control.SHUTDOWN, e))
                 return
         if kind is RequestType.ABORT:
             # Seen by a step already running; the queued copy keeps the order behind ADDs.
@@ -269,7 +269,7 @@ class _InputSide(_EngineProcState):
                       f" end and {'on' if ours else 'off'} at the engine; set the same on both"
                       " (client option frame_integrity, enginewire engine --integrity)")
             logger.error("refused a front end: %s", reason)
-            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(
+            self.input_queue.put((Control.OUTPUTS, EngineCoreOutputs(
                 engine_index=self.engine_index, session=attach.session, refusal=reason,
                 timestamp=EngineCoreOutputs.now())))
             return
@@ -306,7 +306,7 @@ class _InputSide(_EngineProcState):
             if self._replies:
                 self._flush_replies()
             if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
-                self.input_queue.put((_Control.WAKE, None))  # the loop has something to do
+                self.input_queue.put((Control.WAKE, None))  # the loop has something to do
             return True
         finally:
             lock.release()
@@ -329,12 +329,12 @@ class _InputSide(_EngineProcState):
             except Exception as e:
                 # The engine died admitting it: the loop's error to raise, not this thread's
                 # (which must outlive anything it receives).
-                self.input_queue.put((_Control.FATAL, e))
+                self.input_queue.put((Control.FATAL, e))
                 return True
             if self._replies:
                 self._flush_replies()
             if self.engine.lifecycle.state in SCHEDULING:
-                self.input_queue.put((_Control.WAKE, None))  # the loop has a step to run
+                self.input_queue.put((Control.WAKE, None))  # the loop has a step to run
             return True
         finally:
             lock.release()
@@ -375,12 +375,12 @@ class _InputSide(_EngineProcState):
             logger.warning("rejected malformed ADD for %.80r: %.500s", request_id, error)
             # The loop answers it, in order behind the input before it: only there is it
             # known whether the id names a live request (then nothing is sent for it).
-            self.input_queue.put((_Control.REJECT_ADD, (request_id, f"malformed request: {error}")))
+            self.input_queue.put((Control.REJECT_ADD, (request_id, f"malformed request: {error}")))
             return
         call_id = peek_call_id(rest) if type_byte == RequestType.UTILITY.value else None
         if type_byte == RequestType.UTILITY.value and call_id is not None:
             logger.warning("rejected malformed utility call %r: %s", call_id, error)
             reply = UtilityOutput(call_id=call_id, failure_message=f"malformed call: {error}")
-            self.input_queue.put((_Control.OUTPUTS, EngineCoreOutputs(utility_output=reply)))
+            self.input_queue.put((Control.OUTPUTS, EngineCoreOutputs(utility_output=reply)))
             return
         logger.warning("rejected malformed input (type byte %r): %s", type_byte, error)

@@ -1,8 +1,8 @@
 """The engine process's lifeline: shutdown signals and the parent-death watch.
 
-``_ShutdownSignals`` turns SIGTERM/SIGINT/SIGHUP into ``EngineShutdownRequested`` during
+``ShutdownSignals`` turns SIGTERM/SIGINT/SIGHUP into ``EngineShutdownRequested`` during
 construction and into a shutdown item on the input queue once the busy loop runs;
-``_watch_parent`` makes the process exit within ``PARENT_DEATH_EXIT_S`` of its parent's death.
+``watch_parent`` makes the process exit within ``PARENT_DEATH_EXIT_S`` of its parent's death.
 Separate from runtime/engine_proc.py because neither touches the engine or its sockets: they
 only decide when the process goes.
 """
@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from ._engine_shared import _Control
+from ._engine_shared import Control
 
 # One logger for the engine process, whichever of its modules logs.
 logger = logging.getLogger("enginewire.runtime.engine_proc")
@@ -42,7 +42,7 @@ _SHUTDOWN_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT"
                           if hasattr(signal, name))
 
 
-class _ShutdownSignals:
+class ShutdownSignals:
     """SIGTERM/SIGINT/SIGHUP handling that is safe both during construction and in the loop.
 
     Before the loop is armed a signal raises ``EngineShutdownRequested`` in the main thread, so
@@ -77,7 +77,7 @@ class _ShutdownSignals:
     def _waker(self) -> None:
         self.requested.wait()
         if self._armed is not None:
-            self._armed.put((_Control.SHUTDOWN, None))
+            self._armed.put((Control.SHUTDOWN, None))
 
     def _handle(self, signum: int, _frame: object) -> None:
         first = not self.requested.is_set()
@@ -88,7 +88,7 @@ class _ShutdownSignals:
             raise EngineShutdownRequested()
 
 
-def _watch_parent(parent_pid: int, lifeline: int | None = None) -> None:
+def watch_parent(parent_pid: int, lifeline: int | None = None) -> None:
     """Exit within a bound once ``parent_pid`` is gone, even if it was SIGKILLed.
     ``lifeline``: an fd whose write end only the parent holds (EOF: it is gone)."""
     if sys.platform.startswith("linux"):

@@ -1,8 +1,8 @@
 """Keeping the engine's two connecting sockets usable: mending a link libzmq gave up on.
 
-``_Link`` tells the socket's owner when a dropped link needs connecting again by hand
-(``_reconnect``), ``_send_reconnecting`` is a blocking send that mends as it retries, and
-``_Wakeup`` lets the monitor thread wake the owner's poll when a link drops or comes up.
+``Link`` tells the socket's owner when a dropped link needs connecting again by hand
+(``reconnect``), ``send_reconnecting`` is a blocking send that mends as it retries, and
+``Wakeup`` lets the monitor thread wake the owner's poll when a link drops or comes up.
 Separate from runtime/engine_proc.py because it is libzmq plumbing with no engine state;
 both IO halves (runtime/_engine_input.py, runtime/_engine_output.py) use it.
 """
@@ -30,7 +30,7 @@ RECONNECT_IVL_MS = 10
 RECONNECT_IVL_MAX_MS = 100
 
 
-class _Wakeup:
+class Wakeup:
     """A self-pipe another thread can wake a ``zmq.Poller`` with; any thread may ``set()``,
     even after ``close()`` (then it does nothing: the fd number may belong to a new file)."""
 
@@ -63,7 +63,7 @@ class _Wakeup:
                 os.close(self._w)
 
 
-class _Link:
+class Link:
     """Whether a connecting socket's link needs mending by hand (the monitor thread reports,
     the socket's owner asks).
 
@@ -100,30 +100,30 @@ class _Link:
         return True
 
 
-def _reconnect(sock: zmq.Socket[Any], address: str) -> None:
+def reconnect(sock: zmq.Socket[Any], address: str) -> None:
     with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
         sock.disconnect(address)
     sock.connect(address)
 
 
-class _SendAbandoned(Exception):
+class SendAbandoned(Exception):
     """A send still blocked past the engine's stop deadline: its peer is gone or stalled."""
 
 
-def _send_reconnecting(
-    sock: zmq.Socket[Any], address: str, link: _Link, send: Callable[[], T],
+def send_reconnecting(
+    sock: zmq.Socket[Any], address: str, link: Link, send: Callable[[], T],
     give_up: Callable[[], bool] | None = None,
 ) -> T:
     """``send()`` under the socket's SNDTIMEO, connecting again whenever the link dropped
     for good (a peer with no pipe would otherwise block the send for good). ``give_up``
-    (asked at each SNDTIMEO) ends the retries with ``_SendAbandoned``: a stopping engine
+    (asked at each SNDTIMEO) ends the retries with ``SendAbandoned``: a stopping engine
     must not wait on a peer that no longer reads."""
     while True:
         if link.take_due():
-            _reconnect(sock, address)
+            reconnect(sock, address)
         try:
             return send()
         except zmq.Again:
             if give_up is not None and give_up():
-                raise _SendAbandoned from None
+                raise SendAbandoned from None
             continue

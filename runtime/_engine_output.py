@@ -1,8 +1,8 @@
 """The engine's output half: the output thread, which owns the PUSH socket, its heartbeat,
 and every send of an output to the front end (direct from the calling thread, or queued).
 
-``_OutputSide`` is a mixin of ``EngineCoreProc`` (runtime/engine_proc.py), which sets its
-state (``_EngineProcState``); separate because the output path has its own rules (one lock,
+``OutputSide`` is a mixin of ``EngineCoreProc`` (runtime/engine_proc.py), which sets its
+state (``EngineProcState``); separate because the output path has its own rules (one lock,
 order with what is queued, buffers reused only once sent) that nothing else needs to read.
 """
 
@@ -22,11 +22,11 @@ from ..protocol.messages import EngineCoreOutputs, UtilityOutput
 from ._engine_link import (
     RECONNECT_IVL_MAX_MS,
     RECONNECT_IVL_MS,
-    _Link,
-    _send_reconnecting,
-    _SendAbandoned,
+    Link,
+    SendAbandoned,
+    send_reconnecting,
 )
-from ._engine_shared import IDLE_WAKE_S, _Control, _EngineProcState
+from ._engine_shared import IDLE_WAKE_S, Control, EngineProcState
 from .faults import FaultPoint
 from .zmq_io import ZMQ_NOBLOCK, backend_send, send_frames
 
@@ -49,7 +49,7 @@ DIRECT_SEND_MAX_OUTPUTS = 64
 RETIRE_IDLE_S = 0.004
 
 
-_STOP = object()  # output-queue item: flush and exit
+STOP_OUTPUT = object()  # output-queue item: flush and exit
 
 
 class _Retired:
@@ -61,7 +61,7 @@ class _Retired:
         self.requests = requests
 
 
-def _is_marker(item: Any) -> bool:
+def is_marker(item: Any) -> bool:
     """The attach marker, or a session's end: a session's control message, which fault
     points on the output path leave alone (runtime/integrity.py)."""
     return isinstance(item, EngineCoreOutputs) and item.session is not None
@@ -85,7 +85,7 @@ class _Encoded:
         self.frames = frames
 
 
-class _OutputSide(_EngineProcState):
+class OutputSide(EngineProcState):
     """The output half of ``EngineCoreProc``: its output thread and the sends to the client."""
 
     def _output_thread(self, address: str) -> None:
@@ -94,7 +94,7 @@ class _OutputSide(_EngineProcState):
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.SNDTIMEO, int(IDLE_WAKE_S * 1000))
-        link = _Link()  # reconnect after a protocol error only (see _Link)
+        link = Link()  # reconnect after a protocol error only (see Link)
         peer = threading.Event()  # a front end's connection is up (the monitor says)
 
         def dropped() -> None:
@@ -140,7 +140,7 @@ class _OutputSide(_EngineProcState):
                             else:
                                 self._last_send = time.monotonic()  # next beat: an interval on
                     continue
-                if item is _STOP:
+                if item is STOP_OUTPUT:
                     return
                 if type(item) is _Retired:
                     held.append(item)
@@ -155,14 +155,14 @@ class _OutputSide(_EngineProcState):
                 held.clear()  # those finished before this batch: the next step computes
         except zmq.ContextTerminated:
             return
-        except _SendAbandoned:
+        except SendAbandoned:
             logger.warning("engine stopping: its front end stopped reading; outputs still"
                            " queued for it are dropped")
             return
         except BaseException:
             logger.exception("engine output thread failed")
             # Nothing can reach the client any more; make the engine stop.
-            self.input_queue.put((_Control.SHUTDOWN, RuntimeError("output thread failed")))
+            self.input_queue.put((Control.SHUTDOWN, RuntimeError("output thread failed")))
         finally:
             with self._out_lock:
                 self._out = None
@@ -178,14 +178,14 @@ class _OutputSide(_EngineProcState):
         sock, address, link = out
         give_up = self._past_stop
         if isinstance(item, bytes):  # the engine-dead sentinel
-            _send_reconnecting(sock, address, link, functools.partial(sock.send, item), give_up)
+            send_reconnecting(sock, address, link, functools.partial(sock.send, item), give_up)
             return
         if type(item) is _Encoded:  # a direct send that found the pipe full
-            _send_reconnecting(sock, address, link, functools.partial(
+            send_reconnecting(sock, address, link, functools.partial(
                 send_frames, sock, item.frames), give_up)
             self._last_send = time.monotonic()
             return
-        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
+        if self.faults is not None and not is_marker(item):  # the marker is the handshake's
             self.faults(FaultPoint.OUTPUT_SEND)
         pool = self._out_pool
         buf = pool.acquire()
@@ -193,7 +193,7 @@ class _OutputSide(_EngineProcState):
         if self._integrity is not None and (mode := _seal_mode(item)) is not None:
             frames = [*frames, self._integrity.seal(frames, restart=mode)]
         # The payload's own tracker decides when ``buf`` may be reused.
-        tracker = _send_reconnecting(sock, address, link, functools.partial(
+        tracker = send_reconnecting(sock, address, link, functools.partial(
             send_frames, sock, frames, track=True), give_up)
         pool.release(buf, tracker)
         self._last_send = time.monotonic()
@@ -227,14 +227,14 @@ class _OutputSide(_EngineProcState):
     def _send_failed(self, error: BaseException) -> None:
         """A direct send raised: nothing more can reach the client, so the engine stops."""
         logger.exception("engine: sending outputs failed")
-        self.input_queue.put((_Control.SHUTDOWN, RuntimeError(f"output send failed: {error!r}")))
+        self.input_queue.put((Control.SHUTDOWN, RuntimeError(f"output send failed: {error!r}")))
 
     def _send_direct(self, sock: zmq.Socket[Any], item: Any) -> _Encoded | None:
         """Send ``item`` now if the socket takes it without blocking (None), else return it
         encoded for the output thread. A direct sender must never block: a gone or slow
         client fills the pipe, and then only the output thread waits on it while the busy
         loop still sees a shutdown. Caller holds ``_out_lock``."""
-        if self.faults is not None and not _is_marker(item):  # the marker is the handshake's
+        if self.faults is not None and not is_marker(item):  # the marker is the handshake's
             self.faults(FaultPoint.OUTPUT_SEND)
         # A fresh bytes payload, no pool: the send copies it (below copy_threshold) or keeps
         # a reference to it until libzmq is done (above), and nothing else writes to it.

@@ -1,6 +1,6 @@
 """What EngineCoreProc's three threads share (runtime/engine_proc.py): the input queue's
 control items, the idle bound every wait is sliced by, and the state the input and output
-halves (``_InputSide``, ``_OutputSide``) read on the one ``EngineCoreProc`` that owns them.
+halves (``InputSide``, ``OutputSide``) read on the one ``EngineCoreProc`` that owns them.
 
 Separate so that the halves, the lifeline and the busy loop each import it without importing
 one another: it names the state, ``EngineCoreProc.__init__`` sets it.
@@ -27,7 +27,7 @@ from .security import TransportGuard
 from .zmq_io import BufferPool
 
 if TYPE_CHECKING:
-    from ._engine_link import _Link
+    from ._engine_link import Link
 
 # Longest an idle busy loop waits before it looks at pending signals (see _wait_input).
 # The input thread's idle poll and the output socket's blocking send are sliced by it too;
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 IDLE_WAKE_S = 0.5
 
 
-class _Control(enum.Enum):
+class Control(enum.Enum):
     # Items of the input queue that do not come from the wire.
     SHUTDOWN = "shutdown"
     OUTPUTS = "outputs"  # an output built by the input thread (a rejection)
@@ -45,7 +45,7 @@ class _Control(enum.Enum):
     FATAL = "fatal"  # an error the input thread met running the engine: the loop raises it
 
 
-class _EngineProcState:
+class EngineProcState:
     """The attributes and methods the input and output halves use across the class (set and
     defined by ``EngineCoreProc``; runtime/engine_proc.py documents each where it is set)."""
 
@@ -71,7 +71,7 @@ class _EngineProcState:
     _engine_lock: threading.Lock
     # the output path
     _out_lock: threading.Lock
-    _out: tuple[zmq.Socket[Any], str, _Link] | None
+    _out: tuple[zmq.Socket[Any], str, Link] | None
     _out_send: Callable[..., Any]
     _out_pending: int
     _out_encoder: Encoder

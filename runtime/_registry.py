@@ -28,7 +28,7 @@ from ..spec.errors import (
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UTILITY, UtilityEvent, UtilityState
 
-__all__ = ["_UtilityRegistry"]
+__all__ = ["UtilityRegistry"]
 
 # One logger for the multi-process client, whichever of its modules logs.
 logger = logging.getLogger("enginewire.runtime.mp_client")
@@ -51,7 +51,7 @@ class _Pending(Lifecycle[UtilityState, UtilityEvent]):
     method: str
 
 
-class _UtilityRegistry:
+class UtilityRegistry:
     """call_id -> pending future. Entries leave at their first (and only) outcome."""
 
     def __init__(self, trace: list[TraceEntry] | None) -> None:
@@ -185,7 +185,7 @@ class _UtilityRegistry:
                 if method in POWER_METHODS:
                     violation = self._follow(method, reply.result)
                     if violation is not None:
-                        _set_future(fut, violation, None)
+                        set_future(fut, violation, None)
                         return
                 try:
                     fut.set_result(reply.result)
@@ -194,7 +194,7 @@ class _UtilityRegistry:
                 return
         hit = self.resolve(reply)
         if hit is not None:
-            _set_future(*hit)
+            set_future(*hit)
 
     def fail_all(self, error: BaseException, event: UtilityEvent) -> list[Any]:
         """Fire ``event`` on every pending call and refuse new ones; return their futures."""
@@ -208,7 +208,7 @@ class _UtilityRegistry:
             return [e.future for e in entries]
 
 
-def _drain(q: asyncio.Queue[Any]) -> list[Any]:
+def drain_queue(q: asyncio.Queue[Any]) -> list[Any]:
     """Everything in ``q``, taken without blocking."""
     out = []
     while True:
@@ -218,12 +218,12 @@ def _drain(q: asyncio.Queue[Any]) -> list[Any]:
             return out
 
 
-def _retrieve(fut: asyncio.Future[Any]) -> None:
+def retrieve_exception(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
 
 
-def _set_future(fut: Any, error: BaseException | None, result: Any) -> None:
+def set_future(fut: Any, error: BaseException | None, result: Any) -> None:
     if fut.done():
         return
     try:

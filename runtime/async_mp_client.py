@@ -22,10 +22,10 @@ from ..protocol.messages import (
     EngineCoreRequest,
 )
 from ..spec.errors import ClientClosedError
-from ._registry import _drain, _retrieve, _set_future
+from ._registry import drain_queue, retrieve_exception, set_future
 from ._utilities import AsyncUtilityMethods
 from .args import check_timeout
-from .mp_client import _CLOSED, _DEAD, MPClient, _only_markers
+from .mp_client import CLOSED_MARKER, DEAD_MARKER, MPClient, only_markers
 from .zmq_io import ZMQ_NOBLOCK, ZMQ_POLLIN
 
 __all__ = ["AsyncMPClient", "call_on_loop"]
@@ -138,7 +138,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         if sock is None:
             raise ClientClosedError(self._closed_message)
         # Batches and markers queued on a closed loop's queue are carried over unread.
-        kept = _drain(self._outputs) if self._outputs is not None else []
+        kept = drain_queue(self._outputs) if self._outputs is not None else []
         outputs = self._outputs = self._new_output_queue()
         for x in kept:
             outputs.put_nowait(x)
@@ -187,8 +187,8 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         # Drain what arrived before the reader existed.
         loop.add_reader(fd, on_readable)
         on_readable()
-        if self.is_dead and not any(x is _DEAD for x in kept):
-            outputs.put_nowait(_DEAD)
+        if self.is_dead and not any(x is DEAD_MARKER for x in kept):
+            outputs.put_nowait(DEAD_MARKER)
 
     def _new_output_queue(self) -> asyncio.Queue[Any]:
         """See ``SyncMPClient._new_output_queue``; made on the loop the reader binds to."""
@@ -203,7 +203,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             return
 
         def drop() -> None:  # on the loop: an asyncio.Queue is not thread-safe
-            for x in _only_markers(_drain(q)):
+            for x in only_markers(drain_queue(q)):
                 q.put_nowait(x)
 
         loop = self._loop
@@ -216,7 +216,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         if futures:
             def fail() -> None:
                 for f in futures:
-                    _set_future(f, err, None)
+                    set_future(f, err, None)
 
             self._call_on_loop(fail)
 
@@ -270,7 +270,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
     def _accept(self, item: Any) -> EngineCoreOutputs:
         """A dequeued item as ``get_output_async`` returns it: tracked where it was taken,
         on the loop, so concurrent callers track batches in queue order."""
-        if item is not _DEAD and item is not _CLOSED:
+        if item is not DEAD_MARKER and item is not CLOSED_MARKER:
             self._track_outputs(item)
         return self._output_of(item)
 
@@ -296,7 +296,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             if not self._call_abandoned(call_id):
                 # Its outcome is already on its way to ``fut``, which nobody awaits now:
                 # retrieve it so asyncio does not log it as lost.
-                fut.add_done_callback(_retrieve)
+                fut.add_done_callback(retrieve_exception)
             raise
         except TimeoutError:
             self._call_timed_out(call_id, method, timeout)

@@ -26,8 +26,8 @@ while the engine is still being built. The process exits by itself within 5 s of
 death: ``PR_SET_PDEATHSIG`` where Linux offers it, and a watchdog on the parent's
 multiprocessing sentinel (or pid) everywhere.
 
-The two IO halves live in modules of their own: ``_InputSide`` (runtime/_engine_input.py)
-and ``_OutputSide`` (runtime/_engine_output.py), mixins of ``EngineCoreProc`` over the state
+The two IO halves live in modules of their own: ``InputSide`` (runtime/_engine_input.py)
+and ``OutputSide`` (runtime/_engine_output.py), mixins of ``EngineCoreProc`` over the state
 it sets (runtime/_engine_shared.py); link mending is runtime/_engine_link.py, signals and the
 parent watch runtime/_engine_lifeline.py. This module holds the busy loop and the process
 entry.
@@ -74,12 +74,12 @@ from ..spec.engine import EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.session import SESSION, SessionEvent, SessionState
-from ._engine_input import _InputSide
-from ._engine_lifeline import EngineShutdownRequested, _ShutdownSignals, _watch_parent
+from ._engine_input import InputSide
+from ._engine_lifeline import EngineShutdownRequested, ShutdownSignals, watch_parent
 from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests read it here
-from ._engine_link import _Link
-from ._engine_output import _STOP, OUTPUT_FLUSH_S, _is_marker, _OutputSide
-from ._engine_shared import IDLE_WAKE_S, _Control
+from ._engine_link import Link
+from ._engine_output import OUTPUT_FLUSH_S, STOP_OUTPUT, OutputSide, is_marker
+from ._engine_shared import IDLE_WAKE_S, Control
 from ._engine_trace import TRACE_BOUND, EngineTrace, engine_trace_for
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
 from .integrity import LinkIntegrity
@@ -105,7 +105,7 @@ class _SessionEnded(EngineCoreOutputs, frozen=True):
     fields of its own, so it encodes exactly as its base."""
 
 
-class EngineCoreProc(_InputSide, _OutputSide):
+class EngineCoreProc(InputSide, OutputSide):
     """The engine core plus its IO threads; ``run_busy_loop()`` runs on the calling thread."""
 
     def __init__(
@@ -118,7 +118,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
         heartbeat_interval_s: float | None = None,
         startup_delay_s: float = 0.0,
         trace: list[TraceEntry] | None = None,
-        signals: _ShutdownSignals | None = None,
+        signals: ShutdownSignals | None = None,
         fault: Any = None,
         curve: CurveConfig | None = None,
         allow_insecure_tcp: bool = False,
@@ -193,7 +193,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
         # The PUSH side: the output thread owns the socket; any thread may send on it while
         # holding ``_out_lock`` and only when no queued item is ahead (``_out_pending``).
         self._out_lock = threading.Lock()
-        self._out: tuple[zmq.Socket[Any], str, _Link] | None = None
+        self._out: tuple[zmq.Socket[Any], str, Link] | None = None
         self._out_send: Callable[..., Any] = backend_send(zmq.Socket)  # set per socket below
         self._out_pending = 0
         self._out_encoder = Encoder()
@@ -336,20 +336,20 @@ class EngineCoreProc(_InputSide, _OutputSide):
         return self._signals is not None and self._signals.requested.is_set()
 
     def _handle(self, kind: Any, payload: Any) -> bool:
-        if kind is _Control.SHUTDOWN:
+        if kind is Control.SHUTDOWN:
             if isinstance(payload, BaseException):
                 raise RuntimeError("engine IO thread failed") from payload
             return False
-        if kind is _Control.WAKE:
+        if kind is Control.WAKE:
             pass
-        elif kind is _Control.FATAL:
+        elif kind is Control.FATAL:
             raise payload  # met by the input thread while it ran the engine for the loop
-        elif kind is _Control.END_SESSION:
+        elif kind is Control.END_SESSION:
             self._end_session(payload)
-        elif kind is _Control.REJECT_ADD:
+        elif kind is Control.REJECT_ADD:
             self.engine.reject_request(*payload)  # its ERROR goes out with the next step
-        elif kind is _Control.OUTPUTS:
-            if _is_marker(payload):  # a refusal: nothing else in it, sent all the same
+        elif kind is Control.OUTPUTS:
+            if is_marker(payload):  # a refusal: nothing else in it, sent all the same
                 self._put_output(payload, direct=True)
             else:
                 self._emit(payload)
@@ -454,7 +454,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
                     # Completed by another thread (a user's utility resolving later): an
                     # idle loop is parked on its input queue, and would send it only after
                     # the next input; wake it to send it now.
-                    self.input_queue.put((_Control.WAKE, None))
+                    self.input_queue.put((Control.WAKE, None))
 
             result.add_done_callback(done)
             return None
@@ -501,7 +501,7 @@ class EngineCoreProc(_InputSide, _OutputSide):
                 self._replies.clear()
             except Exception:
                 logger.exception("engine shutdown raised")
-        self.output_queue.put(_STOP)
+        self.output_queue.put(STOP_OUTPUT)
         # Time to flush the last outputs, if a front end ever connected. Without one a send
         # only waits for a peer that never comes: terminating the context below ends it at
         # once.
@@ -568,7 +568,7 @@ def run_engine_core(
     ``parent_lifeline``: an fd that reads EOF once the parent is gone (runtime/engine_launch.py).
     ``proc_class``: an ``EngineCoreProc`` subclass speaking another wire (runtime/vllm_wire.py).
     ``ENGINEWIRE_ENGINE_PRELOAD`` names code to run first (runtime/preload.py)."""
-    signals = _ShutdownSignals()
+    signals = ShutdownSignals()
     signals.install()
     proc: EngineCoreProc | None = None
     constructed = stopped = False
@@ -577,7 +577,7 @@ def run_engine_core(
         # package patches functions) must already hold for the parent watch and the engine.
         run_preloads()
         if parent_pid is not None:
-            _watch_parent(parent_pid, parent_lifeline)
+            watch_parent(parent_pid, parent_lifeline)
         proc = (proc_class or EngineCoreProc)(
             config,
             input_address=input_address,
@@ -649,7 +649,7 @@ class _InjectedNote(logging.Filter):
         return True
 
 
-def _configure_logging() -> None:
+def configure_logging() -> None:
     log_file = os.environ.get(ENGINE_LOG_FILE_ENV) or None
     logging.basicConfig(
         level=os.environ.get("ENGINEWIRE_ENGINE_LOG_LEVEL", "WARNING"),
@@ -663,7 +663,7 @@ def _configure_logging() -> None:
             handler.addFilter(note)
 
 
-def _process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
+def process_main(config_type: type, config_bytes: bytes, kwargs: dict[str, Any]) -> None:
     """A ``multiprocessing`` target for an engine (tests, a Ray actor's own child): the
     clients start theirs as a program of its own (runtime/engine_launch.py)."""
     config: Any = msgspec.msgpack.decode(config_bytes, type=config_type)
@@ -677,7 +677,7 @@ def serve_launched(config: Any, kwargs: dict[str, Any], *,
     """Serve a launched engine until it stops, then exit the process. ``report`` takes a
     start-up failure's reason back to the launching client (which otherwise sees only an exit
     code; the traceback is in this log)."""
-    _configure_logging()
+    configure_logging()
     threads = os.environ.get("ENGINEWIRE_ENGINE_THREADS")
     if threads and getattr(config, "model", None) != "null":
         # CPU engines on a shared machine (CI) oversubscribe cores with torch's default; a

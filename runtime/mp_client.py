@@ -90,18 +90,18 @@ from ..spec.errors import (
 )
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.utility import UtilityEvent
-from ._attach_side import _MAX_PARTS, _AttachSide
+from ._attach_side import MAX_PARTS, AttachSide
 from ._background import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     BackgroundResources,
     EngineProcessDied,
-    _describe_exit,
-    _end_message,
-    _file_id,
-    _monitor_engine,
-    _SigintHold,
+    SigintHold,
+    describe_exit,
+    end_message,
+    file_id,
+    monitor_engine,
 )
-from ._registry import _set_future, _UtilityRegistry
+from ._registry import UtilityRegistry, set_future
 from .args import (
     check_method,
     check_request_ids,
@@ -138,14 +138,14 @@ _ABORT_LINGER_MS = 1000
 
 # Messages up to this size take one unchecked decode first (``MPClient._on_message``).
 _PLAIN_REPLY_BYTES = 1 << 16
-_DEAD = object()  # output-queue marker: the engine died
-_CLOSED = object()  # output-queue marker: the client was shut down
+DEAD_MARKER = object()  # output-queue marker: the engine died
+CLOSED_MARKER = object()  # output-queue marker: the client was shut down
 
 
-def _only_markers(items: Any) -> list[Any]:
+def only_markers(items: Any) -> list[Any]:
     """What a backlog keeps once nobody can read its batches (``_drop_backlog``): the
     markers, which still wake readers."""
-    return [x for x in items if x is _DEAD or x is _CLOSED]
+    return [x for x in items if x is DEAD_MARKER or x is CLOSED_MARKER]
 
 
 # The ready handshake is a few hundred bytes; anything near this is not one.
@@ -204,7 +204,7 @@ os.register_at_fork(after_in_child=_fork_child_hook)
 # --- MPClient --------------------------------------------------------------------------------
 
 
-class MPClient(_AttachSide, EngineCoreClient):
+class MPClient(AttachSide, EngineCoreClient):
     """Shared by the sync and async clients: launch, handshake, monitor, registry, teardown,
     and every step of ``get_output`` and ``call_utility`` but the wait (see "the two clients'
     calls" below)."""
@@ -252,7 +252,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         self.engine_index = engine_index
         self.client_index = client_index
         self.identity = engine_index.to_bytes(2, "little")
-        self._utilities = _UtilityRegistry(trace)
+        self._utilities = UtilityRegistry(trace)
         self._utilities.power = weakref.WeakMethod(self._on_power_reply)
         # Only a heartbeat deadline reads when the engine was last heard from.
         self._stamp_seen = bool(engine_heartbeat_timeout_s)
@@ -348,7 +348,7 @@ class MPClient(_AttachSide, EngineCoreClient):
                     res.ipc_dir is None or not address.startswith(f"ipc://{res.ipc_dir.path}/")):
                 path = address.removeprefix("ipc://")
                 with contextlib.suppress(OSError):  # gone already: nothing to remove later
-                    res.bound_ipc_paths.append((path, _file_id(os.lstat(path))))
+                    res.bound_ipc_paths.append((path, file_id(os.lstat(path))))
 
         if launch_engine:
             if heartbeat_timeout_s and heartbeat_interval_s is None:
@@ -401,7 +401,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         # without a heartbeat, whose monitor, with nothing else to watch, ends at that
         # deadline once the marker is in (waking it sooner would take another pipe).
         res.monitor_thread = threading.Thread(
-            target=_monitor_engine,
+            target=monitor_engine,
             args=(weakref.ref(self), res.proc, stop_r, heartbeat_timeout_s, res.last_seen,
                   res.attach_deadline),
             name="EngineCoreMonitor",
@@ -492,7 +492,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         proc = self.resources.proc
         assert proc is not None
         proc.join(1.0)
-        how = _describe_exit(proc.pid, proc.exitcode)
+        how = describe_exit(proc.pid, proc.exitcode)
         reason = self._startup_reason()
         if reason is None:
             return EngineStartupError(
@@ -527,11 +527,11 @@ class MPClient(_AttachSide, EngineCoreClient):
         logger.warning("engine core died: %s", cause)
         err = self._dead_error()
         self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
-        self._wake_waiters(_DEAD)
+        self._wake_waiters(DEAD_MARKER)
 
     def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
         for fut in futures:
-            _set_future(fut, err, None)
+            set_future(fut, err, None)
 
     def _wake_waiters(self, marker: object) -> None:
         raise NotImplementedError
@@ -567,7 +567,7 @@ class MPClient(_AttachSide, EngineCoreClient):
             return
         err: EngineWireError = ClientClosedError(self._closed_message)
         self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.CLIENT_SHUTDOWN), err)
-        self._wake_waiters(_CLOSED)
+        self._wake_waiters(CLOSED_MARKER)
         if timeout is not None:
             self.resources.shutdown_timeout = timeout
         try:
@@ -655,7 +655,7 @@ class MPClient(_AttachSide, EngineCoreClient):
                         send(sock, frames[0], ZMQ_SNDMORE)
                     send(sock, frames[-1])
                 except BaseException:
-                    _end_message(sock)
+                    end_message(sock)
                     raise
                 return
             # Aux frames are zero-copy views of the caller's arrays: keep them (and their
@@ -670,7 +670,7 @@ class MPClient(_AttachSide, EngineCoreClient):
                     flags = zmq.SNDMORE if i < last else 0
                     trackers.append(sock.send(frame, flags, copy=False, track=True))
             except BaseException:
-                _end_message(sock)
+                end_message(sock)
                 raise
             pending.append((trackers, frames))
 
@@ -703,7 +703,7 @@ class MPClient(_AttachSide, EngineCoreClient):
                 send(sock, self.identity, ZMQ_SNDMORE)
                 send(sock, payload)
             except BaseException:
-                _end_message(sock)
+                end_message(sock)
                 raise
         return True
 
@@ -723,7 +723,7 @@ class MPClient(_AttachSide, EngineCoreClient):
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
         self._track_add(request)
-        with _SigintHold():  # raised after the except below: the ADD went out whole
+        with SigintHold():  # raised after the except below: the ADD went out whole
             try:
                 self._send(RequestType.ADD, request)
             except BaseException:
@@ -780,9 +780,9 @@ class MPClient(_AttachSide, EngineCoreClient):
         the batch with its stream columns expanded, or a marker's error. The marker goes back
         first, so it wakes the next waiter too; a shutdown is reported over a death (the
         caller closed the client after its engine died)."""
-        if item is _DEAD or item is _CLOSED:
+        if item is DEAD_MARKER or item is CLOSED_MARKER:
             self._outputs.put_nowait(item)
-            if item is _CLOSED or self.is_closed:
+            if item is CLOSED_MARKER or self.is_closed:
                 raise ClientClosedError(self._closed_message)
             raise self._dead_error()
         out: EngineCoreOutputs = item if self._columnar else item.expanded()
@@ -900,7 +900,7 @@ class MPClient(_AttachSide, EngineCoreClient):
                     raise
         elif not sock.get(ZMQ_RCVMORE):
             return self._on_frames([first])  # no trailer: integrity reports it
-        return self._on_frames(recv_rest(sock, [first], _MAX_PARTS))
+        return self._on_frames(recv_rest(sock, [first], MAX_PARTS))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engine pid={self.engine_pid} {self.lifecycle.state.name}>"

@@ -26,13 +26,13 @@ from ..protocol.messages import (
     EngineCoreRequest,
 )
 from ..spec.errors import ClientClosedError
-from ._background import _SigintHold
+from ._background import SigintHold
 from .args import (
     MAX_WAIT_SLICE_S,
     check_timeout,
 )
 from .client import SyncClientMixin
-from .mp_client import _CLOSED, _DEAD, MPClient, _only_markers
+from .mp_client import CLOSED_MARKER, DEAD_MARKER, MPClient, only_markers
 from .zmq_io import ZMQ_NOBLOCK
 
 __all__ = ["SyncMPClient"]
@@ -453,7 +453,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
     def _drop_backlog(self) -> None:
         q = self._outputs
         with q.mutex:  # atomically: a reader never finds it empty in between
-            kept = _only_markers(q.queue)
+            kept = only_markers(q.queue)
             q.queue.clear()
             q.queue.extend(kept)
 
@@ -477,7 +477,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
         # A Ctrl-C between taking a batch and returning it would lose the batch and leave
         # its requests live for good: held past the return value, then the batch is kept
         # for the next call.
-        hold = _SigintHold()
+        hold = SigintHold()
         hold.__enter__()
         out = None
         try:
@@ -500,7 +500,7 @@ class SyncMPClient(SyncClientMixin, MPClient):
             except queue.Empty:
                 item = None
             else:
-                if item is not _DEAD and item is not _CLOSED:
+                if item is not DEAD_MARKER and item is not CLOSED_MARKER:
                     self._track_outputs(item)
         if item is None:
             if self.is_dead:

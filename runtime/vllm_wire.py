@@ -56,8 +56,8 @@ from ..protocol.messages import (
     UtilityRequest,
 )
 from ..protocol.results import plain_result
-from ._engine_input import _InputSide
-from ._engine_shared import IDLE_WAKE_S, _Control
+from ._engine_input import InputSide
+from ._engine_shared import IDLE_WAKE_S, Control
 from .engine_proc import EngineCoreProc, run_engine_core
 from .faults import FaultPoint
 
@@ -369,7 +369,7 @@ class VllmWireEngineProc(EngineCoreProc):
         except BaseException as e:
             self._input_error = e
             logger.exception("engine input thread failed")
-            self.input_queue.put((_Control.SHUTDOWN, e))
+            self.input_queue.put((Control.SHUTDOWN, e))
         finally:
             sock.close(linger=0)
 
@@ -382,7 +382,7 @@ class VllmWireEngineProc(EngineCoreProc):
                 try:
                     self._fault(FaultPoint.AFTER_READY)
                 except Exception as e:
-                    self.input_queue.put((_Control.SHUTDOWN, e))
+                    self.input_queue.put((Control.SHUTDOWN, e))
                     return
         kind, body = frames[0], frames[1] if len(frames) > 1 else b""
         if kind == _ADD:
@@ -394,7 +394,7 @@ class VllmWireEngineProc(EngineCoreProc):
             try:
                 payload: Any = request_from_vllm(v)
             except ValueError as e:
-                self.input_queue.put((_Control.REJECT_ADD, (v.request_id, str(e))))
+                self.input_queue.put((Control.REJECT_ADD, (v.request_id, str(e))))
                 return
             rtype = RequestType.ADD
         elif kind == _ABORT:
@@ -419,11 +419,11 @@ class VllmWireEngineProc(EngineCoreProc):
             try:
                 self._fault(FaultPoint.INPUT_DECODED)
             except Exception as e:
-                self.input_queue.put((_Control.SHUTDOWN, e))
+                self.input_queue.put((Control.SHUTDOWN, e))
                 return
         if rtype is RequestType.ABORT:
             self.engine.mid_step_aborts.extend(payload)
-        elif rtype is RequestType.UTILITY and _InputSide._serve_idle_call(self, payload):
+        elif rtype is RequestType.UTILITY and InputSide._serve_idle_call(self, payload):
             return
         self.input_queue.put((rtype, payload))
 
@@ -438,7 +438,7 @@ class VllmWireEngineProc(EngineCoreProc):
             logger.warning("rejected malformed ADD (no id): %s", why)
             return
         logger.warning("rejected malformed ADD for %.80r: %.300s", rid, why)
-        self.input_queue.put((_Control.REJECT_ADD, (rid, why)))
+        self.input_queue.put((Control.REJECT_ADD, (rid, why)))
 
 
 def run_vllm_engine(config: Any, *, input_address: str, output_address: str,
@@ -458,7 +458,7 @@ def run_vllm_engine(config: Any, *, input_address: str, output_address: str,
 
 def main(argv: list[str] | None = None) -> None:
     from .config import EngineConfig
-    from .engine_proc import _configure_logging
+    from .engine_proc import configure_logging
     from .faults import FaultPlan
 
     ap = argparse.ArgumentParser(prog="python -m enginewire.runtime.vllm_wire")
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--startup-delay-s", type=float, default=0.0)
     ap.add_argument("--heartbeat-interval-s", type=float, default=None)
     args = ap.parse_args(argv)
-    _configure_logging()
+    configure_logging()
     config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
     fault = None if args.fault is None else msgspec.json.decode(args.fault.encode(),
                                                                  type=FaultPlan)

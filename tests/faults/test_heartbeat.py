@@ -1,4 +1,4 @@
-"""The client's heartbeat deadline (runtime/mp_client.py ``_monitor_engine``): a silent engine is
+"""The client's heartbeat deadline (runtime/mp_client.py ``monitor_engine``): a silent engine is
 declared dead once nothing arrived for the deadline, measured from its last message, and an
 engine that keeps talking never is."""
 
@@ -10,7 +10,7 @@ import time
 import weakref
 from typing import Any
 
-from enginewire.runtime._background import _monitor_engine
+from enginewire.runtime._background import monitor_engine
 
 DEADLINE_S = 0.3
 BOUND_S = 5.0
@@ -36,7 +36,7 @@ def start_monitor(client: FakeClient, last_seen: list[float]) -> tuple[threading
 
     def run() -> None:
         try:
-            _monitor_engine(ref, None, stop_r, DEADLINE_S, last_seen)
+            monitor_engine(ref, None, stop_r, DEADLINE_S, last_seen)
         finally:
             os.close(stop_r)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from enginewire import make_client
-from enginewire.runtime.engine_proc import EngineCoreProc, _Control
+from enginewire.runtime.engine_proc import Control, EngineCoreProc
 
 BOUND_S = 30.0
 Attach = Callable[..., contextlib.AbstractContextManager[Any]]
@@ -47,7 +47,7 @@ def attach_client(tmp_path: Path) -> Attach:
         finally:
             client.shutdown()
             if "proc" in holder:
-                holder["proc"].input_queue.put((_Control.SHUTDOWN, None))
+                holder["proc"].input_queue.put((Control.SHUTDOWN, None))
             server.join(BOUND_S)
             assert not server.is_alive()
 

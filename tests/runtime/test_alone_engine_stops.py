@@ -19,7 +19,7 @@ import msgspec
 
 from enginewire import make_client
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import _process_main
+from enginewire.runtime.engine_proc import process_main
 
 CONFIG = EngineConfig(model="null")
 ALONE_S = 14.0  # past the 10 s it took the old engine's pipe to fill at this interval
@@ -29,7 +29,7 @@ GRACE_S = 5.0  # docs/runtime.md: within a second or so, 4 s when outputs are fl
 def _start(tmp_path: Path) -> tuple[multiprocessing.process.BaseProcess, str, str]:
     inp, out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
     mp = multiprocessing.get_context("spawn")
-    proc = mp.Process(target=_process_main, args=(type(CONFIG), msgspec.msgpack.encode(CONFIG),
+    proc = mp.Process(target=process_main, args=(type(CONFIG), msgspec.msgpack.encode(CONFIG),
                       {"input_address": inp, "output_address": out,
                        "heartbeat_interval_s": 0.01}), daemon=True)
     proc.start()

@@ -28,7 +28,7 @@ from enginewire.protocol.messages import (
     RequestType,
 )
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import EngineCoreProc, _Control
+from enginewire.runtime.engine_proc import Control, EngineCoreProc
 from enginewire.spec import (
     ATTACH,
     SESSION,
@@ -184,7 +184,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[Any, Any, EngineCoreProc, list[Trac
     try:
         yield router, pull, proc, trace
     finally:
-        proc.input_queue.put((_Control.SHUTDOWN, None))
+        proc.input_queue.put((Control.SHUTDOWN, None))
         server.join(30)
         router.close(0)
         pull.close(0)

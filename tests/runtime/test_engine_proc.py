@@ -44,9 +44,9 @@ from enginewire.runtime import IpcDir, cleanup_stale_dirs, make_client
 from enginewire.runtime._engine_output import _Retired
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine_proc import (
+    Control,
     EngineCoreProc,
-    _Control,
-    _process_main,
+    process_main,
     run_engine_core,
 )
 from enginewire.spec import (
@@ -127,7 +127,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Peer, EngineCoreProc, list[Any]]]:
     try:
         yield peer, proc, trace
     finally:
-        proc.input_queue.put((_Control.SHUTDOWN, None))
+        proc.input_queue.put((Control.SHUTDOWN, None))
         loop.join(BOUND_S)
         assert not loop.is_alive()
         proc.close()
@@ -398,7 +398,7 @@ def test_big_batches_use_the_output_thread_only_when_a_step_leaves_it_time(
         else:
             assert queued == [], "batches went through the output thread"
     finally:
-        proc.input_queue.put((_Control.SHUTDOWN, None))
+        proc.input_queue.put((Control.SHUTDOWN, None))
         loop.join(BOUND_S)
         proc.close()
         peer.close()
@@ -453,7 +453,7 @@ def test_finished_requests_are_torn_down_behind_their_batch(
         wait_until(lambda: proc.output_queue.qsize() == 0, BOUND_S, "the queue drained")
         assert proc.engine.scheduler.ended == [] and proc.engine.num_live_requests() == 0
     finally:
-        proc.input_queue.put((_Control.SHUTDOWN, None))
+        proc.input_queue.put((Control.SHUTDOWN, None))
         loop.join(BOUND_S)
         proc.close()
         peer.close()
@@ -462,7 +462,7 @@ def test_finished_requests_are_torn_down_behind_their_batch(
 def _spawn_engine(tmp: Path, **kwargs: Any) -> Any:
     mp = multiprocessing.get_context("spawn")
     base = {"input_address": f"ipc://{tmp}/in", "output_address": f"ipc://{tmp}/out"}
-    p = mp.Process(target=_process_main,
+    p = mp.Process(target=process_main,
                    args=(EngineConfig, msgspec.msgpack.encode(CONFIG), {**base, **kwargs}),
                    daemon=True)
     p.start()
@@ -989,7 +989,7 @@ def test_a_dead_input_thread_is_a_fatal_error(tmp_path: Path,
         assert peer.pull.recv_multipart() == [ENGINE_DEAD_SENTINEL]
     finally:
         if thread.is_alive():
-            proc.input_queue.put((_Control.SHUTDOWN, None))
+            proc.input_queue.put((Control.SHUTDOWN, None))
             thread.join(BOUND_S)
         proc.close()
         peer.close()
@@ -1042,7 +1042,7 @@ def test_an_engine_no_front_end_reached_closes_without_the_flush_linger(tmp_path
     loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
     loop.start()
     time.sleep(0.5)  # beats queue up for a peer that never comes
-    proc.input_queue.put((_Control.SHUTDOWN, None))
+    proc.input_queue.put((Control.SHUTDOWN, None))
     loop.join(BOUND_S)
     t0 = time.monotonic()
     proc.close()

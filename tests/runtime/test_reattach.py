@@ -26,7 +26,7 @@ from enginewire import make_client
 from enginewire.protocol.messages import EngineCoreRequest, SamplingParams
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine import EngineCore
-from enginewire.runtime.engine_proc import _process_main
+from enginewire.runtime.engine_proc import process_main
 from enginewire.runtime.model import TinyRandomSource, dense_greedy
 from enginewire.spec import ENGINE, EngineState, UtilityError, validate_trace
 
@@ -117,7 +117,7 @@ def standalone_engine(tmp: Path, config: EngineConfig = SLOW_NULL,
     """An engine process that outlives its front ends (what ``enginewire engine`` runs)."""
     inp, out = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
     mp = multiprocessing.get_context("spawn")
-    proc = mp.Process(target=_process_main, args=(type(config), msgspec.msgpack.encode(config),
+    proc = mp.Process(target=process_main, args=(type(config), msgspec.msgpack.encode(config),
                       {"input_address": inp, "output_address": out,
                        "heartbeat_interval_s": 0.1, **kwargs}), daemon=True)
     proc.start()

@@ -20,7 +20,7 @@ import zmq
 from enginewire.protocol.codec import Encoder, Limits, decode_outputs, decode_ready, encode_input
 from enginewire.protocol.messages import AttachRequest, RequestType
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import EngineCoreProc, _Control
+from enginewire.runtime.engine_proc import Control, EngineCoreProc
 
 ROUNDS = 100
 BOUND_S = 5.0
@@ -53,7 +53,7 @@ def peer(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
         yield router, pull
     finally:
         if "proc" in holder:
-            holder["proc"].input_queue.put((_Control.SHUTDOWN, None))
+            holder["proc"].input_queue.put((Control.SHUTDOWN, None))
         server.join(30)
         router.close(0)
         pull.close(0)

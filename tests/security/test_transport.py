@@ -30,7 +30,7 @@ from enginewire.protocol.codec import Limits
 from enginewire.protocol.messages import PROTOCOL_VERSION, ReadyResponse, RequestType
 from enginewire.runtime import make_client
 from enginewire.runtime.config import EngineConfig
-from enginewire.runtime.engine_proc import _process_main
+from enginewire.runtime.engine_proc import process_main
 from enginewire.runtime.security import KeyPair, generate_keypair, local_engine_pair
 from enginewire.spec import EngineStartupError, UtilityError, UtilityTimeoutError
 from enginewire.testing.conformance import request
@@ -272,7 +272,7 @@ def test_oversized_frames_never_reach_engine_memory(secure: Any) -> None:
 def _spawn_engine(input_address: str, output_address: str, **kwargs: Any) -> Any:
     mp = multiprocessing.get_context("spawn")
     args = {"input_address": input_address, "output_address": output_address, **kwargs}
-    p = mp.Process(target=_process_main,
+    p = mp.Process(target=process_main,
                    args=(EngineConfig, msgspec.msgpack.encode(CONFIG), args), daemon=True)
     p.start()
     return p
