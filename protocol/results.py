@@ -93,7 +93,7 @@ def wrap_typed(value: Any) -> Any:
         if hasattr(cls, "__dataclass_fields__"):
             # Its fields as a map, each wrapped: a registered dataclass inside survives.
             return TypedStruct(name, {f: wrap_typed(getattr(value, f))
-                                       for f in cls.__dataclass_fields__}, value)
+                                      for f in cls.__dataclass_fields__}, value)
         return TypedStruct(name, value)
     if cls is list or cls is tuple:
         if _SCALAR_TYPES.issuperset(map(type, value)):  # one C-level pass for a flat list

@@ -67,7 +67,7 @@ def defines() -> list[str]:
 
 
 def fire_inline(mach: Machine[Any, Any], var: str | None = None, *,
-                 indexed: bool = False, flag: str = "v_spec_conformance") -> list[str]:
+                indexed: bool = False, flag: str = "v_spec_conformance") -> list[str]:
     """A constant ``hidden`` lookup array (outside the state vector) and the inline reading it.
 
     Inline if-chains per row made ``pan.c`` take minutes to compile; a table does not.
