@@ -65,7 +65,7 @@ class NotApplicable(unittest.SkipTest):
 # --- driver ----------------------------------------------------------------------------------
 
 
-class _LoopThread:
+class LoopThread:
     """An event loop on a daemon thread, so async clients get a blocking facade."""
 
     def __init__(self) -> None:
@@ -110,7 +110,7 @@ class ClientUnderTest:
     client: Any
     kind: str
     trace: list[TraceEntry] | None = None
-    loop: _LoopThread | None = None
+    loop: LoopThread | None = None
     closed: bool = field(default=False)
     inject: Injector | None = None
 
@@ -121,7 +121,7 @@ class ClientUnderTest:
         if self.kind == "async" and self.loop is None:
             # Its calls are coroutines: without a loop the driver would call the sync names,
             # which an async client does not have (an AttributeError in the first scenario).
-            self.loop = _LoopThread()
+            self.loop = LoopThread()
 
     @property
     def multiprocess(self) -> bool:
@@ -240,7 +240,7 @@ class _BuiltinInjector:
     its engine sent (``open_client`` gives it to every client it builds)."""
 
     client: Any
-    loop: _LoopThread | None = None
+    loop: LoopThread | None = None
 
     def track_as_sent(self, request: EngineCoreRequest) -> None:
         self.client._track_add(request)
@@ -389,7 +389,7 @@ def open_client(
     if trace is None:
         trace = []
     if kind == "async":
-        loop = _LoopThread()
+        loop = LoopThread()
         try:
             if construct_in_loop:
                 async def build() -> Any:
@@ -420,31 +420,31 @@ class Finished:
     num_cached_tokens: int = 0  # the most any of its outputs reported
 
 
-_PROMPT = [1, 2, 3, 4]
+PROMPT = [1, 2, 3, 4]
 
 
-def max_new_tokens(cut: ClientUnderTest, prompt_len: int = len(_PROMPT)) -> int | None:
+def max_new_tokens(cut: ClientUnderTest, prompt_len: int = len(PROMPT)) -> int | None:
     """How many tokens a request with a ``prompt_len``-token prompt can run before
     ``max_model_len`` ends it (None when the client does not say its config)."""
     mml = getattr(getattr(cut.client, "config", None), "max_model_len", None)
     return None if mml is None else int(mml) - prompt_len
 
 
-def _fit(cut: ClientUnderTest, want: int, what: str, minimum: int = 1) -> int:
+def fit(cut: ClientUnderTest, want: int, what: str, minimum: int = 1) -> int:
     """``want`` tokens, or fewer when ``max_model_len`` allows fewer (at least ``minimum``)."""
     room = max_new_tokens(cut)
     if room is None or room >= want:
         return want
     if room < minimum:
-        raise NotApplicable(f"{what} needs {minimum} tokens after a {len(_PROMPT)}-token prompt;"
-                            f" max_model_len={room + len(_PROMPT)} leaves {room}")
+        raise NotApplicable(f"{what} needs {minimum} tokens after a {len(PROMPT)}-token prompt;"
+                            f" max_model_len={room + len(PROMPT)} leaves {room}")
     return room
 
 
 def request(rid: str, max_tokens: int = 20, prompt: list[int] | None = None) -> EngineCoreRequest:
     """A request that runs exactly ``max_tokens`` tokens (EOS ignored)."""
     return EngineCoreRequest(
-        rid, prompt or list(_PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        rid, prompt or list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     )
 
 
@@ -505,7 +505,7 @@ def stop_process(pid: int, bound: float = WAIT_S) -> None:
                              f" (thread states {states})")
 
 
-def _expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: str) -> None:
+def expect_dead(fut: concurrent.futures.Future[Any], killed_at: float, what: str) -> None:
     try:
         fut.result(timeout=DEATH_BOUND_S + 5)
     except EngineDeadError as e:

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from .coverage_html import write_coverage_html, write_reproducers
-from .mutant_runs import MUTANT_ERROR, _new_report_path, _run_mutant, _run_mutant_table
-from .reproducer import _reproducer
-from .unreached import UNREACHED, _why_unreached
+from .mutant_runs import MUTANT_ERROR, new_report_path, run_mutant, run_mutant_table
+from .reproducer import reproducer_program
+from .unreached import UNREACHED, why_unreached
 
 __all__ = [
     "ALL_CLIENTS",
@@ -367,9 +367,9 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 result.failure, result.flaky, first = _failure_of(e, stats)
                 notes = [str(n) for n in getattr(e, "__notes__", [])]
                 # A flaky report's printed steps are its replay's: the first program wins.
-                result.reproducer = _reproducer([] if first else lines + notes, kind, model,
-                                                faults, first or stats.failed_program,
-                                                factory, dp)
+                result.reproducer = reproducer_program([] if first else lines + notes, kind, model,
+                                                       faults, first or stats.failed_program,
+                                                       factory, dp)
                 if reference is not None:
                     result.reproducer = _with_reference(result.reproducer, model, dp)
                 break
@@ -450,7 +450,7 @@ def _with_reference(program: str, model: str, dp: tuple[int, str] | None) -> str
     return "\n".join(out)
 
 
-# How _why_unreached words a transition nothing explains (a gap, not a declared reason).
+# How why_unreached words a transition nothing explains (a gap, not a declared reason).
 _GAP = "NOT REACHED in this run"
 
 
@@ -616,11 +616,11 @@ def run_campaign(
             duration is not None and seed is None):
         seed = _choose_seed()  # each mutant's child runs seeded rounds, replayable with it
     if mutants_all:
-        return _run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
-                                 results_dir=out_dir, duration=duration)
+        return run_mutant_table(kinds, examples=examples, steps=steps, seed=seed, model=model,
+                                results_dir=out_dir, duration=duration)
     if mutant is not None and mutants.active() != mutant:
-        row = _run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
-                          model=model, results_dir=out_dir, duration=duration)
+        row = run_mutant(mutant, kinds, examples=examples, steps=steps, seed=seed,
+                         model=model, results_dir=out_dir, duration=duration)
         if row.get("error"):
             print(f"mutant {mutant}: ERROR ({row['detail']})", file=sys.stderr)
             return MUTANT_ERROR
@@ -776,7 +776,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     observed = frozenset(k[0] for k in coverage.seen)
     data_parallel = [_kind_of(r.client, dp)[1] is not None for r in results]
     never = [{"transition": t,
-              "why": _why_unreached(t, observed=observed, data_parallel=any(data_parallel))}
+              "why": why_unreached(t, observed=observed, data_parallel=any(data_parallel))}
              for t in cov.pop("never_reached_transitions")]
     cov["never_reached"] = never
     # Hits per transition reached (the HTML page colours each by its count).
@@ -804,7 +804,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
         "failed": any(r.failure is not None for r in results),
     }
     prefix = "campaign" if mutants.active() is None else f"mutant-{mutants.active()}"
-    path = _new_report_path(out_dir, prefix)
+    path = new_report_path(out_dir, prefix)
     # Beside the JSON, which names them: the coverage page and each failure's reproducer file.
     write_reproducers(report, out_dir, path.stem)
     html_path = path.with_suffix(".html")

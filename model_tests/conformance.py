@@ -80,8 +80,8 @@ from ..spec import (
 
 # The driver, the helpers and the engine-breaking scenarios: one import for every user.
 from ._conformance_driver import (
-    _PROMPT,
     CLIENT_KINDS,
+    PROMPT,
     WAIT_S,
     ClientFactory,
     ClientUnderTest,
@@ -89,9 +89,9 @@ from ._conformance_driver import (
     Finished,
     Injector,
     NotApplicable,
-    _fit,
     check_trace,
     collect,
+    fit,
     injector,
     max_new_tokens,
     open_client,
@@ -167,10 +167,10 @@ def check_generate(cut: ClientUnderTest, n: int = 10, max_tokens: int | None = N
     explicit value the config cannot hold raises ``ValueError``."""
     room = max_new_tokens(cut)
     if max_tokens is None:
-        max_tokens = _fit(cut, 20, "check_generate")
+        max_tokens = fit(cut, 20, "check_generate")
     elif room is not None and max_tokens > room:
         raise ValueError(f"check_generate(max_tokens={max_tokens}): max_model_len leaves"
-                         f" {room} tokens after a {len(_PROMPT)}-token prompt")
+                         f" {room} tokens after a {len(PROMPT)}-token prompt")
     ids = [f"{prefix}-{i}" for i in range(n)]
     for rid in ids:
         cut.add_request(request(rid, max_tokens))
@@ -189,8 +189,8 @@ def check_abort_half(cut: ClientUnderTest, n: int = 10, prefix: str = "abort") -
     ids = [f"{prefix}-{i}" for i in range(n)]
     aborted = ids[::2]
     kept = ids[1::2]
-    long_n = _fit(cut, 200, "check_abort_half")
-    short_n = _fit(cut, 20, "check_abort_half")
+    long_n = fit(cut, 200, "check_abort_half")
+    short_n = fit(cut, 20, "check_abort_half")
     may_race = long_n < 200 and cut.multiprocess
     for rid in ids:
         cut.add_request(request(rid, long_n if rid in aborted else short_n))
@@ -257,7 +257,7 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
     abort), what cannot be sent is refused alike on every transport, a request the engine
     cannot accept finishes with ERROR, and the client keeps serving."""
     short, long_ = f"{prefix}"[:1], f"{prefix}"[:1] + "Z"  # "aZ" as a str iterates to "a"
-    n = _fit(cut, 6, "check_bad_arguments")
+    n = fit(cut, 6, "check_bad_arguments")
     cut.add_request(request(short, max_tokens=n))
     cut.add_request(request(long_, max_tokens=n))
     call = cut._call  # the raw call: ClientUnderTest's own timeout arithmetic stays out
@@ -321,7 +321,7 @@ def check_bad_arguments(cut: ClientUnderTest, prefix: str = "arg") -> None:
 def check_duplicate_request_id(cut: ClientUnderTest, prefix: str = "dup") -> None:
     """A live duplicate id is refused before sending; reuse after finish is fine."""
     rid = f"{prefix}-0"
-    n = _fit(cut, 5, "check_duplicate_request_id")
+    n = fit(cut, 5, "check_duplicate_request_id")
     cut.add_request(request(rid, n))
     try:
         cut.add_request(request(rid, n))
@@ -337,7 +337,7 @@ def check_duplicate_request_id(cut: ClientUnderTest, prefix: str = "dup") -> Non
 
 def check_sleep_wake(cut: ClientUnderTest, level: int, mode: str, prefix: str = "sleep") -> None:
     """sleep(level, mode) then wake_up: in-flight requests end as the mode says."""
-    n = _fit(cut, 20, "check_sleep_wake")
+    n = fit(cut, 20, "check_sleep_wake")
     try:
         _sleep_wake(cut, level, mode, prefix, n)
     except BaseException:
@@ -433,7 +433,7 @@ def check_rejected_add_spares_live_request(cut: ClientUnderTest, prefix: str = "
     rid = f"{prefix}-0"
     # Long enough to be live still when the pause lands (on a data-parallel client the pause
     # goes to every engine, after the ADD went to one).
-    n = _fit(cut, 64, "check_rejected_add_spares_live_request")
+    n = fit(cut, 64, "check_rejected_add_spares_live_request")
     cut.add_request(request(rid, n))
     # Parked, the request stays live however fast the engine is, until the rejection was
     # handled (the echo below is answered after it, in order).

@@ -25,8 +25,8 @@ from ._conformance_driver import (
     WAIT_S,
     ClientFactory,
     NotApplicable,
-    _expect_dead,
     check_trace,
+    expect_dead,
     request,
     stop_process,
 )
@@ -52,7 +52,7 @@ def check_kill_during_get_output(factory: ClientFactory) -> None:
         pid = cut.engine_pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        _expect_dead(fut, time.monotonic(), "blocked get_output")
+        expect_dead(fut, time.monotonic(), "blocked get_output")
         try:
             cut.add_request(request("after-death"))
         except EngineDeadError:
@@ -89,7 +89,7 @@ def check_kill_during_utility(factory: ClientFactory) -> None:
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         for f in futs:
-            _expect_dead(f, killed, "pending utility")
+            expect_dead(f, killed, "pending utility")
         assert cut.client.pending_utility_calls() == 0, (
             f"{cut.client.pending_utility_calls()} utility calls left pending")
         check_trace(cut)
@@ -170,7 +170,7 @@ def check_engine_fatal_error(factory: ClientFactory) -> None:
         check_trace(cut)
 
 
-_ORPHAN_SCRIPT = textwrap.dedent("""
+ORPHAN_SCRIPT = textwrap.dedent("""
     import sys
     from enginewire.runtime import make_client
     from enginewire.runtime.config import EngineConfig
@@ -185,7 +185,7 @@ _ORPHAN_SCRIPT = textwrap.dedent("""
 def check_client_kill_engine_exits(config_kwargs: dict[str, Any], *, is_async: bool = False
                                    ) -> None:
     """SIGKILL of the client process: its engine exits by itself within ORPHAN_BOUND_S."""
-    check_exits_with_parent(_ORPHAN_SCRIPT.format(config=config_kwargs, is_async=is_async),
+    check_exits_with_parent(ORPHAN_SCRIPT.format(config=config_kwargs, is_async=is_async),
                             "orphaned engine")
 
 

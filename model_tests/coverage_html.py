@@ -48,7 +48,7 @@ _BIN_WIDTHS = (1.4, 1.9, 2.4, 2.9, 3.4)
 _UNREACHED_COLOUR = "#8c8c8c"
 _GAP_COLOUR = "#d62728"
 _DASH = "5 4"
-# How _why_unreached in campaign.py words a transition with no declared reason.
+# How why_unreached in campaign.py words a transition with no declared reason.
 _GAP = "NOT REACHED in this run"
 _NO_REASON = "no declared reason"
 # A layout is a few milliseconds; the bound is for a dot that hangs.

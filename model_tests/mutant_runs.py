@@ -27,7 +27,7 @@ MUTANT_TIMEOUT_S = 300.0
 MUTANT_ERROR = 3
 
 
-def _new_report_path(out_dir: Path, prefix: str) -> Path:
+def new_report_path(out_dir: Path, prefix: str) -> Path:
     """``<prefix>-<stamp>-<pid>.json``, created here (exclusively) so that concurrent runs,
     or two runs of one process in the same second, never write the same file."""
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -41,9 +41,9 @@ def _new_report_path(out_dir: Path, prefix: str) -> Path:
     raise AssertionError("unreachable")
 
 
-def _run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: int | None,
-                model: str, results_dir: Path, duration: float | None = None
-                ) -> dict[str, Any]:
+def run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: int | None,
+               model: str, results_dir: Path, duration: float | None = None
+               ) -> dict[str, Any]:
     """One campaign in a child process with the mutant switched on: one derandomized round
     of ``examples``, or with ``duration`` the seeded rounds of a duration run, each of its
     clients a share (as a campaign of that length runs), stopping at its first detection."""
@@ -122,14 +122,14 @@ def _last_line(log: Path) -> str:
     return lines[-1][:200] if lines else "no output"
 
 
-def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int | None,
-                      model: str, results_dir: Path, duration: float | None = None) -> int:
+def run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int | None,
+                     model: str, results_dir: Path, duration: float | None = None) -> int:
     from . import mutants
 
     rows = []
     for name in mutants.BANK:
-        row = _run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
-                          results_dir=results_dir, duration=duration)
+        row = run_mutant(name, kinds, examples=examples, steps=steps, seed=seed, model=model,
+                         results_dir=results_dir, duration=duration)
         rows.append(row)
         found = f" in {row['seconds']} s ({row['client']})" if row["detected"] else ""
         print(f"  {name:<44} {_verdict(row)}{found}", flush=True)
@@ -142,7 +142,7 @@ def _run_mutant_table(kinds: list[str], *, examples: int, steps: int, seed: int 
               f"{'' if r['examples'] is None else r['examples']:>8} "
               f"{'' if r['seconds'] is None else r['seconds']:>8} "
               f"{'' if r['wall_s'] is None else r['wall_s']:>6}  {r.get('client', '')}")
-    path = _new_report_path(results_dir, "mutants")
+    path = new_report_path(results_dir, "mutants")
     path.write_text(json.dumps(rows, indent=2))
     applicable = [r for r in rows if r["applicable"]]
     undetected = [r["mutant"] for r in applicable if not r["detected"]]

@@ -19,7 +19,7 @@ from ._conformance_driver import Declared, declared_contract, left_behind_as_dec
 from ._harness import describe_leaks, exited, wait_until
 from .bounds import WAIT_S, check_shutdown_took
 from .campaign_stats import CampaignStats
-from .conformance_breaking import _ORPHAN_SCRIPT
+from .conformance_breaking import ORPHAN_SCRIPT
 from .oracle import OracleViolation, ResourceSnapshot, check_released
 
 ClientFactory = Callable[..., cf.ClientUnderTest]
@@ -74,7 +74,7 @@ def _resolved_device(config: Any) -> str:
 
 
 # warm_up_key of every factory warm-up this process ran: process-wide state is made once.
-_WARMED: set[object] = set()
+WARMED: set[object] = set()
 
 
 def warm_up_process(factory: Any) -> None:
@@ -83,10 +83,10 @@ def warm_up_process(factory: Any) -> None:
     throwaway client first, so a leak check's snapshot already includes that state."""
     warm_up = getattr(factory, "warm_up", None)
     key = getattr(factory, "warm_up_key", warm_up)
-    if warm_up is None or key in _WARMED:
+    if warm_up is None or key in WARMED:
         return
     warm_up()
-    _WARMED.add(key)
+    WARMED.add(key)
 
 
 def ensure_resource_tracker() -> None:
@@ -99,7 +99,7 @@ def ensure_resource_tracker() -> None:
 
 
 @dataclass
-class _Live:
+class Live:
     """One client incarnation and what its teardown must check."""
 
     cut: cf.ClientUnderTest
@@ -117,9 +117,9 @@ class ClientPool:
     def __init__(self, factory: ClientFactory, stats: CampaignStats) -> None:
         self.factory = factory
         self.stats = stats
-        self._idle: _Live | None = None
+        self._idle: Live | None = None
 
-    def acquire(self) -> _Live:
+    def acquire(self) -> Live:
         if self._idle is not None:
             live, self._idle = self._idle, None
             return live
@@ -135,10 +135,10 @@ class ClientPool:
         self.stats.seconds["(engine start)"] += time.monotonic() - start
         res = getattr(cut.client, "resources", None)
         ipc = getattr(getattr(res, "ipc_dir", None), "path", None)
-        return _Live(cut, before, cut.engine_pid, None if ipc is None else str(ipc),
-                     declared_contract(self.factory))
+        return Live(cut, before, cut.engine_pid, None if ipc is None else str(ipc),
+                    declared_contract(self.factory))
 
-    def release(self, live: _Live) -> None:
+    def release(self, live: Live) -> None:
         if self._idle is not None:
             close_and_check(self._idle)
         self._idle = live
@@ -149,7 +149,7 @@ class ClientPool:
             close_and_check(live)
 
 
-def close_and_check(live: _Live, *, check: bool = True) -> float:
+def close_and_check(live: Live, *, check: bool = True) -> float:
     """Shut the client down; check that everything was released. Returns the seconds taken."""
     start = time.monotonic()
     live.cut.shutdown()
@@ -167,13 +167,13 @@ def close_and_check(live: _Live, *, check: bool = True) -> float:
     return took
 
 
-def _check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
+def check_orphan_exits(config_kwargs: dict[str, Any]) -> None:
     """SIGKILL a client process; its engine must exit by itself within ORPHAN_BOUND_S. An
     engine that does not is killed here, so a failing check leaks nothing."""
     import subprocess
     import sys
 
-    script = _ORPHAN_SCRIPT.format(config=config_kwargs, is_async=False)
+    script = ORPHAN_SCRIPT.format(config=config_kwargs, is_async=False)
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     engine_pid = None

@@ -3,12 +3,12 @@ the client kind (built-in, standalone, a factory, data parallel) that ran it."""
 
 from __future__ import annotations
 
-__all__ = ["_reproducer"]
+__all__ = ["reproducer_program"]
 
 
-def _reproducer(lines: list[str], kind: str, model: str, faults: bool,
-                recorded: list[str] | None = None, factory: str | None = None,
-                dp: tuple[int, str] | None = None) -> str:
+def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
+                       recorded: list[str] | None = None, factory: str | None = None,
+                       dp: tuple[int, str] | None = None) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
     runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
     timing-dependent failure can make it), the program the machine recorded of the

@@ -36,7 +36,7 @@ from .bounds import (
     RuleLimits,
 )
 from .campaign_stats import CampaignStats
-from .pools import _WARMED as _WARMED  # re-exported: tests/model_tests/test_process_warm_up.py
+from .pools import WARMED as WARMED  # re-exported: tests/model_tests/test_process_warm_up.py
 from .pools import (
     ClientFactory,
     ClientPool,

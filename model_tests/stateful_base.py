@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from .reference import DifferentialOracle
 
 
-def _note(text: str) -> None:
+def safe_note(text: str) -> None:
     """``hypothesis.note`` inside a test; nothing when a reproducer runs as a plain program
     (where ``note`` raises)."""
     with contextlib.suppress(InvalidArgument):
@@ -89,10 +89,10 @@ class _AddDraws(TypedDict):
 # A stop position counts from the end when negative (-1: the last token allowed), drawn as
 # often as one from the start: a stop on the last position is a boundary (vLLM's check_stop
 # tested the length cap first), which a uniform draw met once in 24.
-_ADD_DRAWS = _AddDraws(prompt=st.lists(st.integers(3, 511), min_size=1, max_size=8),
-                       max_tokens=st.integers(1, 24), seed=st.integers(0, 2**31 - 1),
-                       stop_at=st.none() | st.sampled_from([-1, -2]) | st.integers(0, 23),
-                       reuse=st.integers(0, 7))
+ADD_DRAWS = _AddDraws(prompt=st.lists(st.integers(3, 511), min_size=1, max_size=8),
+                      max_tokens=st.integers(1, 24), seed=st.integers(0, 2**31 - 1),
+                      stop_at=st.none() | st.sampled_from([-1, -2]) | st.integers(0, 23),
+                      reuse=st.integers(0, 7))
 
 
 class CampaignMachine(RuleBasedStateMachine):
@@ -213,7 +213,7 @@ class CampaignMachine(RuleBasedStateMachine):
         that depends on timing cannot be replayed (Hypothesis reports it as flaky)."""
         if len(self.oracle.live_ids()) + n <= MAX_LIVE:
             return False
-        _note(f"{rule}: {MAX_LIVE} requests live already; skipped")
+        safe_note(f"{rule}: {MAX_LIVE} requests live already; skipped")
         return True
 
     def _closed_refusal(self) -> tuple[type[BaseException], ...]:
@@ -503,7 +503,7 @@ class CampaignMachine(RuleBasedStateMachine):
             if self._full("add_at_limit"):
                 return
             if limit == "model_len" and getattr(self.cut.client, "config", None) is None:
-                _note("add_at_limit: the client has no config; max_model_len unknown")
+                safe_note("add_at_limit: the client has no config; max_model_len unknown")
                 return
             rid = self._fresh_id()
             self._add_at_limit(rid, limit, delta, seed)
@@ -698,7 +698,7 @@ class CampaignMachine(RuleBasedStateMachine):
             if "records no trace" not in str(e) and "no such utility" not in str(e):
                 raise
             self.stats.engine_untraced = True
-            _note(f"the engines keep no trace to drain ({e}): their side is not cross-checked")
+            safe_note(f"the engines keep no trace to drain ({e}): their side is not cross-checked")
             return
         replies = replies if isinstance(replies, list) else [replies]
         views = self._engine_views(len(replies))
@@ -878,7 +878,7 @@ class CampaignMachine(RuleBasedStateMachine):
             return
         try:
             if self._busy is not None:
-                _note(f"rule {self._busy} did not finish; discarding its client")
+                safe_note(f"rule {self._busy} did not finish; discarding its client")
                 self._finish_client(check=False)
                 return
             if self.oracle.phase is not Phase.ALIVE:

@@ -80,12 +80,12 @@ from .oracle import (
     check_traces,
     null_tokens,
 )
-from .pools import ClientFactory, ClientPool, _check_orphan_exits, _Live, close_and_check
-from .stateful_base import _ADD_DRAWS, CampaignMachine, _note
+from .pools import ClientFactory, ClientPool, Live, check_orphan_exits, close_and_check
+from .stateful_base import ADD_DRAWS, CampaignMachine, safe_note
 
 __all__ = ["EngineClientStateMachine"]
 
-_MALFORMED = (
+MALFORMED = (
     [b"\x07\x90"],  # unknown request type
     [RequestType.ADD.value + b"\xc1"],  # not msgpack
     [RequestType.ABORT.value + b"\x91\x07"],  # ids must be strings
@@ -99,7 +99,7 @@ _MALFORMED = (
 class EngineClientStateMachine(CampaignMachine):
     """Random add/abort/utility/sleep/pause/crash/shutdown sequences, judged by the oracle."""
 
-    live: _Live
+    live: Live
     # How long an engine's death may take to be seen. A launched engine's exit is seen at
     # once (its process sentinel); StandaloneEngineStateMachine widens it by the heartbeat
     # deadline, all that tells an attached client of a death.
@@ -150,7 +150,7 @@ class EngineClientStateMachine(CampaignMachine):
         for line in self.limits.notes(self.multiprocess):
             if line not in self.stats.limits_notes:
                 self.stats.limits_notes.append(line)
-            _note(line)
+            safe_note(line)
         # Tokens of prompts as the engine reported them cached (num_cached_tokens), by id.
         self._cached: dict[str, int] = {}
         self._prompt_lens: dict[str, int] = {}
@@ -250,7 +250,7 @@ class EngineClientStateMachine(CampaignMachine):
         return super()._request(rid, prompt, *args, **kwargs)
 
     @precondition(lambda self: self.alive)
-    @rule(**_ADD_DRAWS, ignore_eos=st.booleans(), temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    @rule(**ADD_DRAWS, ignore_eos=st.booleans(), temperature=st.sampled_from([0.0, 0.7, 1.0]),
           top_p=st.sampled_from([1.0, 0.9]))
     def add(self, prompt: list[int], max_tokens: int, seed: int, stop_at: int | None,
             ignore_eos: bool, temperature: float, top_p: float, reuse: int) -> None:
@@ -296,11 +296,11 @@ class EngineClientStateMachine(CampaignMachine):
             self.oracle.abort(ids)
             self._drain(ids)
             if self.multiprocess and n < MIN_JUDGED_LONG_TOKENS:
-                _note(f"add_then_abort: {n}-token requests (max_model_len) may outrun the"
+                safe_note(f"add_then_abort: {n}-token requests (max_model_len) may outrun the"
                      " abort; not judged")
                 return
             if gap > ABORT_GAP_S:
-                _note(f"add_then_abort: {gap * 1000:.1f} ms between the sends; not judged")
+                safe_note(f"add_then_abort: {gap * 1000:.1f} ms between the sends; not judged")
                 return
             self._expect_aborted(ids, "right after its ADD", "the abort overtook its ADD")
 
@@ -540,7 +540,7 @@ class EngineClientStateMachine(CampaignMachine):
                 if self.oracle.requests[rid].finish is not FinishReason.ERROR:
                     raise OracleViolation(f"{rid!r} sent again while live did not end ERROR")
             else:
-                _note("engine_duplicate: nothing live in the engine")
+                safe_note("engine_duplicate: nothing live in the engine")
             if slept:
                 if self.cut.wake_up(None) is not True:
                     raise OracleViolation("wake_up(None) after sleep(1, keep) was not full")
@@ -568,7 +568,7 @@ class EngineClientStateMachine(CampaignMachine):
                 self._drain([rid])
                 ids.append(rid)
             if others:
-                _note(f"prefix_cache_hit: {others} live; the cache hit is not judged")
+                safe_note(f"prefix_cache_hit: {others} live; the cache hit is not judged")
                 return
             if self.alive and self._cached.get(ids[1], 0) < self.limits.block_size:
                 raise OracleViolation(
@@ -694,7 +694,7 @@ class EngineClientStateMachine(CampaignMachine):
             self._await_death(blocked, start, how)
 
     @precondition(lambda self: self.alive and self.faults and self.multiprocess)
-    @rule(frames=st.sampled_from(_MALFORMED) | st.lists(st.binary(max_size=6), min_size=1,
+    @rule(frames=st.sampled_from(MALFORMED) | st.lists(st.binary(max_size=6), min_size=1,
                                                          max_size=3).map(
         lambda f: [b"\x09" + part for part in f]))  # an unknown type byte on every part
     def malformed_frame(self, frames: list[bytes]) -> None:
@@ -719,7 +719,7 @@ class EngineClientStateMachine(CampaignMachine):
             self._orphans += 1
             self.stats.faults["client_sigkill"] += 1
             assert self.orphan_config is not None
-            _check_orphan_exits(self.orphan_config)
+            check_orphan_exits(self.orphan_config)
 
     # -- shutdown and restart ---------------------------------------------------------------
 

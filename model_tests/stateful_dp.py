@@ -62,7 +62,7 @@ from .bounds import MAX_LIVE, RULE_DEATH_BOUND_S, WAIT_S, RuleLimits, check_shut
 from .campaign_stats import CampaignStats
 from .oracle import DPOracle, OracleViolation, Phase, ResourceSnapshot, check_reaped, check_released
 from .pools import ensure_resource_tracker
-from .stateful_base import _ADD_DRAWS, CampaignMachine
+from .stateful_base import ADD_DRAWS, CampaignMachine
 
 __all__ = ["DPClientPool", "DataParallelStateMachine", "dp_factory"]
 
@@ -254,7 +254,7 @@ class DataParallelStateMachine(CampaignMachine):
     # -- requests ---------------------------------------------------------------------------
 
     @precondition(lambda self: self.alive)
-    @rule(**_ADD_DRAWS, pin=_PINS)
+    @rule(**ADD_DRAWS, pin=_PINS)
     def add(self, prompt: list[int], max_tokens: int, seed: int, stop_at: int | None,
             pin: int | None, reuse: int) -> None:
         with self._rule("add", locals()):

@@ -28,9 +28,9 @@ from . import conformance as cf
 from .bounds import LONG_MAX_TOKENS, MAX_LIVE, RULE_DEATH_BOUND_S, SHUTDOWN_BOUND_S, WAIT_S
 from .campaign_stats import CampaignStats
 from .oracle import Oracle, OracleViolation, ResourceSnapshot, check_released
-from .pools import ClientPool, _Live, close_and_check, ensure_resource_tracker
-from .stateful_base import _note
-from .stateful_client import _MALFORMED, EngineClientStateMachine
+from .pools import ClientPool, Live, close_and_check, ensure_resource_tracker
+from .stateful_base import safe_note
+from .stateful_client import MALFORMED, EngineClientStateMachine
 
 __all__ = ["AttachPool", "StandaloneEngine", "StandaloneEngineStateMachine"]
 
@@ -221,7 +221,7 @@ class AttachPool(ClientPool):
         """The engine's death (``how``) was seen: its exit is judged when it is reaped."""
         self._died = how
 
-    def acquire(self) -> _Live:
+    def acquire(self) -> Live:
         idle = self._idle
         if idle is not None and (self._condemned or idle.cut.kind != self.kind):
             self._idle = None
@@ -243,12 +243,12 @@ class AttachPool(ClientPool):
             self.stats.engines_started += 1
             self.stats.seconds["(engine start)"] += time.monotonic() - start
 
-    def attach(self, kind: str) -> _Live:
+    def attach(self, kind: str) -> Live:
         before = ResourceSnapshot.take()
         start = time.monotonic()
         cut = self.engine.attach(kind)
         self.stats.seconds["(attach)"] += time.monotonic() - start
-        return _Live(cut, before, None, None)
+        return Live(cut, before, None, None)
 
     def close(self) -> None:
         try:
@@ -437,7 +437,7 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         front end went), when it stopped, and the call it holds pending (``_judge_held``)."""
         self.stats.faults[fault] += 1
         if fault == "malformed_frame":
-            for frames in _MALFORMED:
+            for frames in MALFORMED:
                 self.cut.client.send_raw_frames(list(frames))
         elif fault == "step_delay":  # the step the request left running takes next
             self._arm(f"step:1:delay:{FAULT_DELAY_S}")
@@ -473,8 +473,8 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
                     f"a call held by a SIGSTOPped engine raised EngineDeadError as its front"
                     f" end went, {window:.2f} s after the stop (heartbeat deadline"
                     f" {ATTACHED_HEARTBEAT_TIMEOUT_S} s)") from None
-            _note(f"handover_after_fault: the stop lasted {window:.2f} s, past the heartbeat"
-                  " deadline: the front end saw the engine die first")
+            safe_note(f"handover_after_fault: the stop lasted {window:.2f} s, past the heartbeat"
+                      " deadline: the front end saw the engine die first")
         except concurrent.futures.TimeoutError:
             raise OracleViolation("a call held by a SIGSTOPped engine was never woken as its"
                                   " front end went") from None

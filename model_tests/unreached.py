@@ -3,7 +3,7 @@ gap.
 
 ``UNREACHED`` holds the transitions no campaign reaches, each with its reason (unreachable by
 this runtime, not observable from the campaign's process, covered by tests instead of rules);
-``_why_unreached`` adds the reasons that depend on the run (no engine trace drained, one
+``why_unreached`` adds the reasons that depend on the run (no engine trace drained, one
 engine only). A transition a report misses and nothing here explains is a gap: a rule should
 reach it. tests/model_tests/test_campaign.py checks the table against the spec machines.
 """
@@ -123,8 +123,8 @@ _ONE_ENGINE = ("not driven by this run: membership is the data-parallel client's
                " core per client here; --engines N drives it)")
 
 
-def _why_unreached(item: str, *, engine_observed: bool = True,
-                   data_parallel: bool = False, observed: frozenset[str] | None = None) -> str:
+def why_unreached(item: str, *, engine_observed: bool = True,
+                  data_parallel: bool = False, observed: frozenset[str] | None = None) -> str:
     """Why ``item`` was never reached: its declared reason, else what this run did not do.
     ``observed``: the machines with any step in the run (None: every engine-side machine
     when ``engine_observed``, none otherwise)."""

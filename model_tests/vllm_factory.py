@@ -71,7 +71,7 @@ from ..spec.errors import (
     UtilityError,
     UtilityTimeoutError,
 )
-from ._conformance_driver import ClientUnderTest, Declared, NotApplicable, _LoopThread
+from ._conformance_driver import ClientUnderTest, Declared, LoopThread, NotApplicable
 from .bounds import RULE_DEATH_BOUND_S
 
 __all__ = ["VLLM_CONTRACT", "VllmClientAdapter", "VllmFactory", "vllm_async", "vllm_available",
@@ -280,7 +280,7 @@ class VllmClientAdapter:
     multiprocess = True
 
     def __init__(self, kind: str, config: Any, *, fault: Any = None, startup_delay_s: float = 0.0,
-                 heartbeat_interval_s: float | None = None, loop: _LoopThread | None = None,
+                 heartbeat_interval_s: float | None = None, loop: LoopThread | None = None,
                  client_addresses: tuple[str, str] | None = None,
                  engine_connect: tuple[str, str] | None = None,
                  ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
@@ -682,7 +682,7 @@ def _make(kind: str, options: dict[str, Any]) -> ClientUnderTest:
     if "input_address" in options:
         addresses = (str(options["input_address"]), str(options["output_address"]))
     connect = options.get("engine_connect")
-    loop = _LoopThread() if kind == "async" else None
+    loop = LoopThread() if kind == "async" else None
     try:
         client = VllmClientAdapter(
             kind, config, fault=plan,

@@ -29,7 +29,7 @@ def test_unset_seed_is_printed_and_recorded(tmp_path: Path,
 
 
 def test_report_files_never_collide(tmp_path: Path) -> None:
-    paths = {campaign._new_report_path(tmp_path, "campaign") for _ in range(3)}
+    paths = {campaign.new_report_path(tmp_path, "campaign") for _ in range(3)}
     assert len(paths) == 3 and all(p.exists() for p in paths)
     for _ in range(2):  # two runs in (most likely) the same second
         assert main([*TINY, "--seed", "1", "--results-dir", str(tmp_path)]) == 0

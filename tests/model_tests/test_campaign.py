@@ -24,14 +24,14 @@ from enginewire.spec import ClientState
 from enginewire.testing import mutants
 from enginewire.testing.campaign import (
     _failure_of,
-    _reproducer,
     _seed_only_draws,
     _settings,
+    reproducer_program,
     run_campaign,
 )
 from enginewire.testing.oracle import Coverage, Oracle, OracleViolation, null_tokens
 from enginewire.testing.stateful import CampaignStats
-from enginewire.testing.unreached import UNREACHED, _why_unreached
+from enginewire.testing.unreached import UNREACHED, why_unreached
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it
 
@@ -124,18 +124,18 @@ def test_unreached_table_names_only_spec_transitions() -> None:
 
 
 def test_report_gives_every_unreached_transition_a_reason() -> None:
-    assert _why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN") == UNREACHED[
+    assert why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN") == UNREACHED[
         ("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN")]
-    assert _why_unreached("engine RUNNING -SHUTDOWN-> SHUTDOWN").startswith("NOT REACHED")
+    assert why_unreached("engine RUNNING -SHUTDOWN-> SHUTDOWN").startswith("NOT REACHED")
     # A run with no in-process client cannot see the engine's side: not called a gap there.
-    unseen = _why_unreached("engine RUNNING -SHUTDOWN-> SHUTDOWN", engine_observed=False)
+    unseen = why_unreached("engine RUNNING -SHUTDOWN-> SHUTDOWN", engine_observed=False)
     assert unseen.startswith("not observed") and "--client inproc" in unseen
-    assert _why_unreached("client READY -SHUTDOWN-> SHUTDOWN", engine_observed=False
-                          ).startswith("NOT REACHED")
-    assert _why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN", engine_observed=False
-                          ) == UNREACHED[("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN")]
+    assert why_unreached("client READY -SHUTDOWN-> SHUTDOWN", engine_observed=False
+                         ).startswith("NOT REACHED")
+    assert why_unreached("engine SHUTDOWN -SHUTDOWN-> SHUTDOWN", engine_observed=False
+                         ) == UNREACHED[("engine", "SHUTDOWN", "SHUTDOWN", "SHUTDOWN")]
     # Every client kind kills engines now (standalone included): a death no rule drove is a gap.
-    assert _why_unreached("utility PENDING -ENGINE_DIED-> FAILED_DEAD").startswith("NOT REACHED")
+    assert why_unreached("utility PENDING -ENGINE_DIED-> FAILED_DEAD").startswith("NOT REACHED")
 
 
 def test_coverage_lists_what_was_never_reached() -> None:
@@ -152,20 +152,21 @@ def test_reproducer_falls_back_to_the_recorded_program() -> None:
     the reproducer then, made runnable like a shrunk one."""
     recorded = ["state = EngineClientStateMachine()", "state.echo(value=[1, 'a'])",
                 "state.crash(how='sigkill', observers=True)"]
-    text = _reproducer(["Traceback ...", "FlakyStrategyDefinition: ..."], "sync", "null", True,
-                       recorded)
+    text = reproducer_program(["Traceback ...", "FlakyStrategyDefinition: ..."], "sync", "null",
+                              True, recorded)
     assert "Not shrunk" in text
     assert "state = EngineClientStateMachine(factory, kind='sync'" in text
     assert text.splitlines()[-2:] == recorded[1:]
     # A program Hypothesis printed (shrunk) wins over the record.
-    shrunk = _reproducer(["state = EngineClientStateMachine()", "state.poll()"], "sync",
-                         "null", True, recorded)
+    shrunk = reproducer_program(["state = EngineClientStateMachine()", "state.poll()"], "sync",
+                                "null", True, recorded)
     assert "Not shrunk" not in shrunk and shrunk.splitlines()[-1] == "state.poll()"
     compile(text, "<reproducer>", "exec")  # valid Python as printed
     # A standalone run's program builds its engine and pool, and stops the engine at the end.
-    lone = _reproducer(["state = StandaloneEngineStateMachine()",
-                        "state.handover_after_vanish(left=1, then='asleep', next_kind='async')"],
-                       "standalone", "null", True)
+    lone = reproducer_program(
+        ["state = StandaloneEngineStateMachine()",
+         "state.handover_after_vanish(left=1, then='asleep', next_kind='async')"],
+        "standalone", "null", True)
     assert "state = StandaloneEngineStateMachine(pool, faults=True" in lone
     assert lone.splitlines()[-1] == "pool.close()"
     compile(lone, "<reproducer>", "exec")

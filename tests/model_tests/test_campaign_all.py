@@ -79,9 +79,9 @@ def test_a_mutant_run_on_all_offers_every_kind(
         asked.append(kinds)
         return {"detected": False, "applicable": False, "detail": "stub"}
 
-    monkeypatch.setattr(campaign, "_run_mutant", run_mutant)
+    monkeypatch.setattr(campaign, "run_mutant", run_mutant)
     run_campaign(client="all", mutant="duplicate_live_id_accepted", results_dir=str(tmp_path))
-    # Every kind is offered; _run_mutant keeps those the mutant's bank entry names (the
+    # Every kind is offered; run_mutant keeps those the mutant's bank entry names (the
     # membership class's are the data-parallel ones).
     assert asked == [list(ALL_CLIENTS)]
 

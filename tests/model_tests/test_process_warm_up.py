@@ -91,7 +91,7 @@ def test_the_pool_runs_the_factorys_warm_up_once_before_its_snapshot(tmp_path) -
         _cycle(factory)
         assert calls == 1
     finally:
-        stateful._WARMED.discard(factory.warm_up_key)
+        stateful.WARMED.discard(factory.warm_up_key)
         factory.close()
 
 
