@@ -18,7 +18,7 @@ from typing import Any
 
 from .contention import BackgroundLoad
 from .floor import freeze_heap
-from .ipc import _prompts, null_config, ours_round
+from .ipc import null_config, ours_round, random_prompts
 
 
 def ab_rounds(ks: tuple[int, ...], reps: int, contended: int | None) -> list[dict[str, Any]]:
@@ -37,7 +37,7 @@ def ab_rounds(ks: tuple[int, ...], reps: int, contended: int | None) -> list[dic
         if contended is not None:
             stack.enter_context(BackgroundLoad(contended))
         for k in ks:
-            prompts = _prompts(k, k)
+            prompts = random_prompts(k, k)
             for c in (plain, columnar):  # warm-up
                 ours_round(c, k, prompts, f"w{k}-{id(c)}")
             got: dict[int, list[float]] = {id(plain): [], id(columnar): []}

@@ -273,7 +273,7 @@ async def _async_all(
                                "echo_async_p50")
         if pipe is not None:
             for k in ks:
-                prompts = _prompts(k, k)
+                prompts = random_prompts(k, k)
                 await ours_round_async(client, k, prompts, f"aw{k}")
                 floor_round(pipe, k, prompts, f"aw{k}")
                 o, f = [], []
@@ -315,7 +315,7 @@ def bench_async(
 # --- token delivery --------------------------------------------------------------------------
 
 
-def _prompts(k: int, seed: int) -> list[list[int]]:
+def random_prompts(k: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(_VOCAB_LO, _VOCAB_HI) for _ in range(PROMPT_LEN)] for _ in range(k)]
 
@@ -452,7 +452,7 @@ def bench_delivery(
     """Tokens/s at the caller, ours vs the floor pipeline, no compute."""
     rows = []
     for k in ks:
-        prompts = _prompts(k, k)
+        prompts = random_prompts(k, k)
         o, f = _alternate(
             partial(_ours_at, client, k, prompts, "d"),
             partial(_floor_at, peer, k, prompts, "d", 0.0),
@@ -493,7 +493,7 @@ def bench_compute(
     slept = measure_sleep(delay_s)
     rows = []
     for k in ks:
-        prompts = _prompts(k, k)
+        prompts = random_prompts(k, k)
         o, f = _alternate(
             partial(_ours_at, client, k, prompts, "c"),
             partial(_floor_at, peer, k, prompts, "c", delay_s),
@@ -617,7 +617,7 @@ def _engine_step_us(k: int, quick: bool) -> float:
 
     eng = EngineCore(null_config(k))
     try:
-        for req in _our_requests(k, _prompts(k, 7), "s"):
+        for req in _our_requests(k, random_prompts(k, 7), "s"):
             eng.add_request(req)
         eng.step()  # prefill
         xs = []
@@ -639,7 +639,7 @@ def bench_inproc(k: int, reps: int) -> list[dict[str, Any]]:
     from ..runtime.engine import EngineCore
 
     config = null_config(k)
-    prompts = _prompts(k, 11)
+    prompts = random_prompts(k, 11)
     client = InprocClient(config)
     eng = EngineCore(config)
     try:

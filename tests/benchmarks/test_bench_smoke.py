@@ -74,7 +74,7 @@ def test_delivery_rows(rig: dict[str, Any]) -> None:
 
 def test_floor_round_delivers_every_token(rig: dict[str, Any]) -> None:
     k = 5
-    r = ipc.floor_round(rig["floor"]["pipeline"], k, ipc._prompts(k, 0), "t")
+    r = ipc.floor_round(rig["floor"]["pipeline"], k, ipc.random_prompts(k, 0), "t")
     # First batch to last: 63 steps at batch k carry all but the first token of each request.
     assert r["steps"] == ipc.MAX_TOKENS - 1
     assert r["tok_s"] * r["window_s"] == pytest.approx(k * (ipc.MAX_TOKENS - 1))
@@ -198,7 +198,7 @@ def test_delivery_reads_a_columnar_client_by_its_columns(rig: dict[str, Any]) ->
     client = make_client(_CONFIG, multiprocess=True, asyncio=False, columnar_outputs=True)
     try:
         k = 8
-        r = ipc.ours_round(client, k, ipc._prompts(k, k), "col")
+        r = ipc.ours_round(client, k, ipc.random_prompts(k, k), "col")
         assert r["steps"] == ipc.MAX_TOKENS - 1
         assert r["tok_s"] * r["window_s"] == pytest.approx(k * (ipc.MAX_TOKENS - 1))
     finally:
