@@ -149,8 +149,9 @@ class Oracle:
         # ids not judged (sent before the first drain of this model); each engine's replay.
         self.engine_pending: list[tuple[str, FinishReason, int]] = []
         self.engine_unjudged: set[str] = set()
-        # id -> how its endings went on the client (a violation names what led to it)
-        self.finish_log: dict[str, deque[str]] = {}
+        # id -> its last endings on the client, (reason, engine, judged): a violation names
+        # what led to it (formatted then, not per output)
+        self.finish_log: dict[str, deque[tuple[FinishReason, int, bool]]] = {}
         self.engine_sides: dict[int, _EngineSide] = {}
         self.trace_incomplete = 0  # records the engines dropped past their bound
         # A read raised EngineDeadError (``death_read``): the death reached the caller. Where
@@ -339,8 +340,7 @@ class Oracle:
         self.finished_ids.append(m.rid)
         judged = self._engine_judges(m)
         self.finish_log.setdefault(m.rid, deque(maxlen=8)).append(
-            f"{reason.name} from engine {self._finish_engine()}"
-            + ("" if judged else " (not judged)"))
+            (reason, self._finish_engine(), judged))
         if judged:
             self.engine_pending.append((m.rid, reason, self._finish_engine()))
 
@@ -416,8 +416,11 @@ class Oracle:
                     f"{rid!r} finished {reason.name} on the client, but"
                     f" {_engine_name(label)}'s own lifecycle ended it {got} (want {want}):"
                     " the engine's books disagree with what it sent (its steps for that id:"
-                    f" {'; '.join(side.steps.get(rid, ()))}; the client's endings:"
-                    f" {', '.join(self.finish_log.get(rid, ()))})")
+                    + ";".join(f" {b} -{e}-> {a}{' (baseline)' if base else ''}"
+                                for b, e, a, base in side.steps.get(rid, ()))
+                    + "; the client's endings:"
+                    + ",".join(f" {r.name} from engine {i}{'' if j else ' (not judged)'}"
+                               for r, i, j in self.finish_log.get(rid, ())) + ")")
         self.engine_pending = keep
 
 
@@ -506,8 +509,9 @@ class _EngineSide:
     # id -> the finished states of its lifecycles begun after the baseline, in engine order
     finished: dict[str, deque[str]] = field(default_factory=dict)
     incomplete: bool = False  # records were dropped: requests are no longer judged
-    # id -> its last steps as recorded (a violation names what led to it)
-    steps: dict[str, deque[str]] = field(default_factory=dict)
+    # id -> its last steps as recorded, (before, event, after, in a baseline drain): a
+    # violation names what led to it (formatted then, not per record)
+    steps: dict[str, deque[tuple[str, str, str, bool]]] = field(default_factory=dict)
 
     def live_requests(self) -> list[str]:
         return sorted(r for r, s in self.requests.items() if s in _E_LIVE)
@@ -539,8 +543,7 @@ class _EngineSide:
                 elif was is not None and b != was:
                     raise jump(f"request {rid!r}", was, f"{b} -{e}-> {a}")
                 self.requests[rid] = a
-                self.steps.setdefault(rid, deque(maxlen=12)).append(
-                    f"{b} -{e}-> {a}{' (baseline)' if baseline else ''}")
+                self.steps.setdefault(rid, deque(maxlen=12)).append((b, e, a, baseline))
                 if a in _E_FINISHED and b not in _E_FINISHED and rid in self.ours:
                     self.finished.setdefault(rid, deque()).append(a)
         if reply.dropped:

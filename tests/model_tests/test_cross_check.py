@@ -82,11 +82,14 @@ def test_an_ending_the_engine_booked_otherwise_names_both_sides() -> None:
     o.abort(["r1"])
     finished(o, "r1", FinishReason.ABORT)
     with pytest.raises(OracleViolation, match="'r1' finished ABORT on the client, but engine 0's"
-                       " own lifecycle ended it FINISHED_ERROR"):
+                       " own lifecycle ended it FINISHED_ERROR") as caught:
         o.judge_engine_traces([(0, reply(
             (*_ADD, "r1"), ("engine", "IDLE", "WORK_ARRIVED", "RUNNING"),
             ("engine_request", "WAITING", "ERROR", "FINISHED_ERROR", "r1"),
             ("engine", "RUNNING", "ALL_FINISHED", "IDLE")), RUNNING)])
+    # and the history of each side that led there
+    assert ("its steps for that id: UNKNOWN -ADD-> WAITING; WAITING -ERROR-> FINISHED_ERROR;"
+            " the client's endings: ABORT from engine 0)") in str(caught.value)
 
 
 def test_a_finish_the_engine_never_made_is_a_violation() -> None:
