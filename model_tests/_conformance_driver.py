@@ -258,7 +258,7 @@ class _BuiltinInjector:
             client._outputs.put(batch)
         elif isinstance(client, AsyncMPClient) and self.loop is not None:
             async def put() -> None:  # on the loop: an asyncio.Queue is not thread-safe
-                client._ensure_reader()
+                client.bind_loop()
                 assert client._outputs is not None
                 client._outputs.put_nowait(batch)
 

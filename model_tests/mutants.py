@@ -197,7 +197,7 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "an ADD on a client whose engine died is dropped silently instead of raising"
            " EngineDeadError (the caller waits for outputs that never come)", _MP,
            kind="after_end", patches=(_in(
-               "mp_client:MPClient._send_add",
+               "mp_client:MPClient.send_add",
                ("self._track_add(request)",
                 "if self.is_dead:\n    return\nself._track_add(request)")),)),
     # The books balance (each holder counts its reference) and the null model never reads
@@ -308,19 +308,16 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            " the lock: a death and restart in between raise AttributeError (not EngineDeadError"
            " naming the engine) and leave the call's UTILITY lifecycle without its outcome",
            _DP, kind="membership", patches=(
-               _in("dp_client:SyncDPClient.call_utility",
-                   ("result = client.call_utility(method, *args, timeout=timeout)",
-                    "result = m.client.call_utility(method, *args, timeout=timeout)")),
-               _in("dp_client:AsyncDPClient.call_utility_async",
-                   ("result = await client.call_utility_async(method, *args, timeout=timeout)",
-                    "result = await m.client.call_utility_async(method, *args,"
-                    " timeout=timeout)")),
-               _in("dp_client:SyncDPClient._call_all",
-                   ("for _, client in targets]", "for m, _ in targets for client in"
-                    " (m.client,)]")),
-               _in("dp_client:AsyncDPClient._call_all_async",
-                   ("for _, client in targets)", "for m, _ in targets for client in"
-                    " (m.client,))")),
+               _in("dp_client:SyncDPClient._call_each",
+                   ("return [_attempt(targets[0][1], method, args, timeout)]",
+                    "return [_attempt(targets[0][0].client, method, args, timeout)]"),
+                   ("for _, client in targets]",
+                    "for s, _ in targets for client in (s.client,)]")),
+               _in("dp_client:AsyncDPClient._call_each_async",
+                   ("return iter([(True, await targets[0][1].call_utility_async(",
+                    "return iter([(True, await targets[0][0].client.call_utility_async("),
+                   ("for _, client in targets)",
+                    "for s, _ in targets for client in (s.client,))")),
            )),
     # Issue 44, item 8: the group's power state moved only by a call every engine answered
     # in time (the combined reply), never by a late reply or one lost with its engine.

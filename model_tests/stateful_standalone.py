@@ -76,8 +76,8 @@ _HANDOVER_DRAWS = _HandoverDraws(
     next_kind=st.sampled_from(ATTACH_KINDS))
 
 
-def _no_abort() -> None:
-    """Stands in for a client's ``_abort_left_behind``: the front end goes without a word."""
+def _no_abort(_request_ids: list[str]) -> None:
+    """Stands in for a client's ``abort_left_behind``: the front end goes without a word."""
 
 
 class StandaloneEngine:
@@ -489,7 +489,7 @@ class StandaloneEngineStateMachine(EngineClientStateMachine):
         else:
             # What a SIGKILLed front end leaves (tests/runtime/test_reattach.py kills a child
             # process; this costs no interpreter): its requests running, no ABORT sent.
-            client._abort_left_behind = _no_abort
+            client.abort_left_behind = _no_abort
         start = time.monotonic()
         client.shutdown()  # the async loop stays up until its waiters are judged
         took = time.monotonic() - start

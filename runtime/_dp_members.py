@@ -1,6 +1,12 @@
 """A data-parallel client's members (dp_client.py): one-engine clients that tell their
 owner when anything arrives in their output queue, when their engine dies and when a power
-reply (sleep, wake-up, pause, resume: in time or late) moved their lifecycle."""
+reply (sleep, wake-up, pause, resume: in time or late) moved their lifecycle.
+
+``Member`` is everything the data-parallel client uses of one: ``MPClient``'s member surface
+(``send_add``, ``send_abort``, ``dead_cause``, ``bind_loop``, ``abort_left_behind``) and what
+this module adds (``has_output``, ``take``, ``read_to_end``). A member tracks no request: its
+owner does, once (one CLIENT_REQUEST lifecycle per request, where the caller reads).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,48 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from ..protocol.messages import EngineCoreOutputs
+from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest
+from ..spec.client import ClientEvent, ClientState
 from ..spec.errors import EngineDeadError
+from ..spec.machine import Lifecycle
 from .async_mp_client import AsyncMPClient
-from .mp_client import MPClient
+from .mp_client import BackgroundResources, MPClient
 from .sync_mp_client import SyncMPClient
 
-__all__ = ["AsyncMember", "SyncMember"]
+__all__ = ["AsyncMember", "Member", "SyncMember"]
+
+
+class Member(Protocol):
+    """One engine's client as its data-parallel owner sees it."""
+
+    engine_index: int
+    # Every batch of this (dead) incarnation was taken: the owner reads it no more. A flag on
+    # the incarnation itself, not an id() in the owner: ids are reused once it is freed.
+    read_to_end: bool
+    lifecycle: Lifecycle[ClientState, ClientEvent]
+    resources: BackgroundResources
+    ready_response: Any
+
+    @property
+    def is_dead(self) -> bool: ...
+    @property
+    def is_closed(self) -> bool: ...
+    @property
+    def dead_cause(self) -> BaseException | None: ...
+    @property
+    def engine_pid(self) -> int | None: ...
+    def send_add(self, request: EngineCoreRequest) -> None: ...
+    def send_abort(self, request_ids: list[str]) -> None: ...
+    def abort_left_behind(self, request_ids: list[str]) -> None: ...
+    def bind_loop(self) -> None: ...
+    def has_output(self) -> bool: ...
+    def take(self) -> EngineCoreOutputs | None: ...
+    def pending_utility_calls(self) -> int: ...
+    def queued_outputs(self) -> int: ...
+    def send_raw_frames(self, frames: list[bytes]) -> None: ...
+    def shutdown(self, timeout: float | None = None) -> None: ...
 
 
 class _NotifyingQueue(queue.Queue[Any]):
@@ -46,12 +85,11 @@ class _NotifyingAsyncQueue(asyncio.Queue[Any]):
 class _MemberMixin:
     """What a member adds to a one-engine client: it tells its owner of arrivals and death."""
 
+    _tracks_requests = False  # its owner tracks them (one lifecycle per request)
     _dp_notify: Callable[[], None]
     _dp_died: Callable[[MPClient, BaseException], None]
     _dp_power: Callable[[], None]
     _abandon: threading.Event | None
-    # Every batch of this (dead) incarnation was taken: the owner reads it no more. A flag on
-    # the incarnation itself, not an id() in the owner: ids are reused once it is freed.
     read_to_end: bool
 
     def __init__(self, config: Any, *, notify: Callable[[], None],

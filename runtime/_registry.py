@@ -1,7 +1,11 @@
-"""The utility-call registry of a multi-process client: one ``UTILITY`` lifecycle per call,
-registered before its frame is sent, ended exactly once (a reply, a death, a shutdown, a
-cancel or a timeout); a reply with no entry is dropped. Shared by the sync and async
-clients (mp_client.py).
+"""The drivers of the UTILITY machine (spec/utility.py), one lifecycle per call.
+
+``UtilityRegistry``: a multi-process client's calls, registered before their frame is sent,
+each ended exactly once (a reply, a death, a shutdown, a cancel or a timeout); a reply with
+no entry is dropped. Shared by the sync and async clients (mp_client.py).
+``utility_outcome``: a call answered in the caller's own thread (the in-process client, the
+data-parallel client over its engines): its error ends the lifecycle with the event
+spec/utility.py maps it to, so no client decides an outcome of its own.
 """
 
 from __future__ import annotations
@@ -9,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..protocol.codec import decode_utility_result
@@ -26,9 +31,9 @@ from ..spec.errors import (
     UtilityError,
 )
 from ..spec.machine import Lifecycle, TraceEntry
-from ..spec.utility import UTILITY, UtilityEvent, UtilityState
+from ..spec.utility import UTILITY, UtilityEvent, UtilityState, outcome_of
 
-__all__ = ["UtilityRegistry"]
+__all__ = ["UtilityRegistry", "utility_outcome"]
 
 # One logger for the multi-process client, whichever of its modules logs.
 logger = logging.getLogger("enginewire.runtime.mp_client")
@@ -36,6 +41,20 @@ logger = logging.getLogger("enginewire.runtime.mp_client")
 
 # Late replies remembered (to record their drop in the trace); bounded, oldest forgotten.
 _LATE_MEMORY = 256
+
+
+@contextlib.contextmanager
+def utility_outcome(lc: Lifecycle[Any, UtilityEvent]) -> Iterator[None]:
+    """Around one call whose outcome is known in this thread: an error raised inside fires
+    the event spec/utility.py maps it to (``outcome_of``) unless ``lc`` has ended already;
+    the caller fires REPLY_OK itself once it has the result."""
+    try:
+        yield
+    except BaseException as e:
+        event = outcome_of(e)
+        if event is not None and lc.can(event):
+            lc.fire(event)
+        raise
 
 
 # --- utility registry ------------------------------------------------------------------------

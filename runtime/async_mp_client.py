@@ -99,9 +99,9 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
             asyncio.get_running_loop()
         except RuntimeError:
             return  # lazily, on first use inside a loop
-        self._ensure_reader()
+        self.bind_loop()
 
-    def _ensure_reader(self) -> None:
+    def bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         bound = self._loop
         if bound is loop:
@@ -224,11 +224,11 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         call_on_loop(self._loop, fn)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._ensure_reader()
-        self._send_add(request)
+        self.bind_loop()
+        self.send_add(request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self._send_abort(request_ids)
+        self.send_abort(request_ids)
 
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Next batch; an empty batch if ``timeout`` passes first (see ``SyncMPClient``)."""
@@ -260,7 +260,7 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
         if out is not None:
             return out
         q = self._outputs
-        assert q is not None  # bound by _output_first's _ensure_reader
+        assert q is not None  # bound by _output_first's bind_loop
         if q.empty():
             if self.is_dead:
                 raise self._dead_error()
@@ -270,12 +270,12 @@ class AsyncMPClient(AsyncUtilityMethods, MPClient):
     def _accept(self, item: Any) -> EngineCoreOutputs:
         """A dequeued item as ``get_output_async`` returns it: tracked where it was taken,
         on the loop, so concurrent callers track batches in queue order."""
-        if item is not DEAD_MARKER and item is not CLOSED_MARKER:
+        if item is not DEAD_MARKER and item is not CLOSED_MARKER and self._tracks_requests:
             self._track_outputs(item)
         return self._output_of(item)
 
     def _new_call(self) -> asyncio.Future[Any]:
-        self._ensure_reader()
+        self.bind_loop()
         assert self._loop is not None
         return self._loop.create_future()
 

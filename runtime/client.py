@@ -64,7 +64,8 @@ from ..spec.request import (
     ClientRequestEvent,
     ClientRequestState,
 )
-from ..spec.utility import UTILITY, UtilityEvent, outcome_of
+from ..spec.utility import UTILITY, UtilityEvent
+from ._registry import utility_outcome
 from ._utilities import SyncUtilityMethods
 from .args import (
     check_method,
@@ -338,6 +339,37 @@ class EngineCoreClient(abc.ABC):
             else:
                 return refused
 
+    def _refuse_unsent(self, outputs: EngineCoreOutputs, sid_ix: list[int], out_ix: list[int]
+                       ) -> SpecViolation:
+        """The stream ids and outputs at these positions are for requests this channel was
+        never sent, though this client tracks them (a data-parallel member speaking for
+        another engine's request): refused as an unknown id is, touching nothing of those
+        requests; the rest of the batch is tracked and redelivered. The error to raise."""
+        import msgspec
+
+        sids, outs = outputs.stream_ids, outputs.outputs
+        skip_s, skip_o = set(sid_ix), set(out_ix)
+        rest = msgspec.structs.replace(
+            outputs,
+            outputs=[o for i, o in enumerate(outs) if i not in skip_o],
+            stream_ids=[r for i, r in enumerate(sids) if i not in skip_s],
+            stream_tokens=[t for i, t in enumerate(outputs.stream_tokens) if i not in skip_s])
+        with self._state_lock:
+            self._track_outputs(rest)  # its own refusals are raised first
+            bad_s = [(i, self._unsent(None)) for i in sid_ix]
+            bad_o = [(i, self._unsent(outs[i].finish_reason)) for i in out_ix]
+            return self._refuse(outputs, bad_s, bad_o)
+
+    def _unsent(self, reason: Any) -> SpecViolation:
+        """The error of an output (``reason`` None) or finish for a request never sent."""
+        lc = CLIENT_REQUEST.lifecycle(trace=self.trace)
+        try:
+            lc.fire(ClientRequestEvent.OUTPUT if reason is None
+                    else _FINISH_EVENTS[FinishReason(reason)])
+        except SpecViolation as e:
+            return e
+        raise AssertionError("a new request lifecycle took an output")  # the spec says no
+
     def _refuse(self, outputs: EngineCoreOutputs, bad_sids: list[tuple[int, SpecViolation]],
                 bad_outs: list[tuple[int, SpecViolation]]) -> SpecViolation:
         """Queue ``outputs`` less its refused outputs for the next get_output; the error to
@@ -524,44 +556,39 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                               UtilityRequest(0, 0, method, list(args)))
         check_sendable(RequestType.UTILITY, frames)
         lc = self._new_utility_lifecycle()
-        try:
-            wired = decode_input(frames)[1]
-        except ProtocolError as e:  # as the engine process answers a malformed call
-            lc.fire(UtilityEvent.REPLY_ERROR)
-            raise UtilityError(str(method), f"malformed call: {e}") from e
-        assert isinstance(wired, UtilityRequest)
-        with self._engine_lock:
+        with utility_outcome(lc):  # an error ends the call as spec/utility.py maps it
             try:
-                self.ensure_alive()
-                result = self.engine.call_utility(wired.method, wired.args)
-                if isinstance(result, concurrent.futures.Future):
-                    result = self._drive_deferred(result, method, timeout, lc)
-            except _TimedOut as e:  # its lifecycle already says so
-                raise e.error from None
-            except (EngineDeadError, ClientClosedError) as e:
-                event = outcome_of(e)  # spec/utility.py's map
-                assert event is not None
-                lc.fire(event)
-                raise
-            except Exception as e:
-                lc.fire(UtilityEvent.REPLY_ERROR)
-                # Same message a remote engine would send, so both transports read alike.
-                message = utility_output(0, method, error=e).failure_message or str(e)
-                raise UtilityError(method, message) from e
-            # What the engine process could not send fails here too, and a registered type
-            # comes back as itself: both transports return the same thing.
-            reply = utility_output(0, method, result=result)
-            if reply.failure_message is not None:
-                lc.fire(UtilityEvent.REPLY_ERROR)
-                raise UtilityError(method, reply.failure_message)
-            result = decode_utility_result(reply.result)
-            lc.fire(UtilityEvent.REPLY_OK)
-            if wired.method in POWER_METHODS:
-                self._on_power_reply(wired.method, result)
+                wired = decode_input(frames)[1]
+            except ProtocolError as e:  # as the engine process answers a malformed call
+                raise UtilityError(str(method), f"malformed call: {e}") from e
+            assert isinstance(wired, UtilityRequest)
+            with self._engine_lock:
+                try:
+                    self.ensure_alive()
+                    result = self.engine.call_utility(wired.method, wired.args)
+                    if isinstance(result, concurrent.futures.Future):
+                        result = self._drive_deferred(result, method, timeout)
+                except _TimedOut as e:
+                    raise e.error from None
+                except (EngineDeadError, ClientClosedError):
+                    raise
+                except Exception as e:
+                    # Same message a remote engine would send, so both transports read alike.
+                    message = utility_output(0, method, error=e).failure_message or str(e)
+                    raise UtilityError(method, message) from e
+                # What the engine process could not send fails here too, and a registered
+                # type comes back as itself: both transports return the same thing.
+                reply = utility_output(0, method, result=result)
+                if reply.failure_message is not None:
+                    raise UtilityError(method, reply.failure_message)
+                result = decode_utility_result(reply.result)
+                lc.fire(UtilityEvent.REPLY_OK)
+                if wired.method in POWER_METHODS:
+                    self._on_power_reply(wired.method, result)
         return result
 
     def _drive_deferred(self, fut: concurrent.futures.Future[Any], method: str,
-                        timeout: float | None, lc: Lifecycle[Any, UtilityEvent]) -> Any:
+                        timeout: float | None) -> Any:
         """A deferred reply's result. Nothing else steps the engine in-process: it is
         stepped while it has work; otherwise the future is waited on (a user's utility that
         another thread resolves). A shutdown from another thread waits for the engine lock:
@@ -574,7 +601,6 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
                 raise ClientClosedError(self._closed_message)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                lc.fire(UtilityEvent.TIMEOUT)
                 assert timeout is not None
                 raise _TimedOut(UtilityTimeoutError(method, timeout))
             if engine.has_unfinished_requests() or engine.has_pending_outputs():

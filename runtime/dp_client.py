@@ -3,28 +3,29 @@
 Theory of operation
 -------------------
 Rule 1: the client drives its own CLIENT lifecycle and one CLIENT_REQUEST lifecycle per
-request, as every client does, and one MEMBERSHIP lifecycle per engine index
-(spec/membership.py); which members take work and which still count are the spec's named
-sets, never a state spelled here.
+request, as every client does (its engines' clients track none: the requests are tracked
+once, here), and one MEMBERSHIP lifecycle per engine index (spec/membership.py); which
+members take work and which still count are the spec's named sets, never a state spelled
+here.
 Rule 2: the loss of one engine is not the loss of the client. Its live requests end with an
 output whose ``finish_reason`` is ``ERROR``, after every batch it sent before dying; its
 pending utility calls raise ``EngineDeadError`` naming it; new requests go to the others.
 The client itself is DEAD only when no engine is left (vLLM fails the whole front end).
 
-Each engine core is a *member*: a one-engine client of its own (``SyncMPClient`` or
-``AsyncMPClient``: process, sockets, handshake, monitor, utility registry, teardown), so
-every hardening of the one-engine client holds per engine, and a replacement engine has a
-channel of its own: nothing meant for its predecessor can reach it. A member's output queue
-wakes this client whenever something is put in it; ``get_output`` takes the next batch from
-the members in turn, so a busy engine cannot starve another's outputs.
+Three owners, each in its module: the **membership** (``_dp_membership.py``: the engine
+indexes, the start, death, restart and teardown of their incarnations), the **router**
+(``_dp_router.py``: where an ADD goes, which incarnation each live request was sent to, the
+load figures) and this **facade**: the requests, the client's lifecycle, delivery and the
+utility calls. ``_DPClient`` holds every step but the wait, as ``MPClient`` does for one
+engine: ``SyncDPClient`` and ``AsyncDPClient`` differ only in how they block.
 
-Routing: an ADD goes to ``EngineCoreRequest.data_parallel_rank`` when set, else to the
-serving engine with the lowest load, ``4 * waiting + running`` as the engine last reported
-them (``SchedulerStats`` on its step batches), with the ADDs sent since that report counted
-as waiting, each term capped by the requests this client has in flight there (a report
-taken just before the last request finished does not make an idle engine look busy). Ties
-go to fewer requests in flight, then round robin, so N idle engines fill evenly. An abort
-goes to the owning engine only.
+Each engine core is a *member* (``_dp_members.Member``): a one-engine client of its own
+(``SyncMPClient`` or ``AsyncMPClient``: process, sockets, handshake, monitor, utility
+registry, teardown), so every hardening of the one-engine client holds per engine, and a
+replacement engine has a channel of its own: nothing meant for its predecessor can reach it.
+A member's output queue wakes this client whenever something is put in it; ``get_output``
+takes the next batch from the members in turn, so a busy engine cannot starve another's
+outputs. An abort goes to the owning engine only.
 
 Start-up: every engine starts at once and the client is ready when all are; any engine
 that fails to start, or dies before the others are up, fails the construction (nothing is
@@ -41,12 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -55,28 +55,17 @@ from ..protocol.codec import check_no_dataclass
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
 from ..spec.client import CLIENT_ASLEEP, CLIENT_LIVE, RESUMED, SLEPT, ClientEvent
-from ..spec.errors import (
-    ClientClosedError,
-    EngineDeadError,
-    EngineStartupError,
-)
-from ..spec.machine import Lifecycle, TraceEntry
-from ..spec.membership import (
-    MEMBER_LEFT,
-    MEMBER_ROUTABLE,
-    MEMBERSHIP,
-    MembershipEvent,
-    MembershipState,
-)
-from ..spec.utility import UtilityEvent, outcome_of
-from ._dp_members import AsyncMember, SyncMember
+from ..spec.errors import ClientClosedError, EngineDeadError
+from ..spec.machine import TraceEntry
+from ..spec.membership import MembershipState
+from ..spec.utility import UtilityEvent
+from ._background import SigintHold
+from ._dp_members import AsyncMember, Member, SyncMember
+from ._dp_membership import Membership, Slot
+from ._dp_router import Router
+from ._registry import utility_outcome
 from ._utilities import AsyncUtilityMethods
-from .args import (
-    MAX_WAIT_SLICE_S,
-    check_method,
-    check_request_ids,
-    check_timeout,
-)
+from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
 from .async_mp_client import call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
@@ -89,18 +78,9 @@ __all__ = ["AsyncDPClient", "SyncDPClient"]
 
 logger = logging.getLogger(__name__)
 
-
-
-# A crash loop's bound: an incarnation that dies within RESTART_STABLE_S of its handshake died
-# "at once". Each such death in a row waits RESTART_BACKOFF_S, doubled per death up to
-# RESTART_BACKOFF_MAX_S, before the next start; after ``restart_limit`` of them in a row the
-# index stays DEAD (membership's DEAD: no RESTART is fired) and its cause says why.
-RESTART_STABLE_S = 5.0
-RESTART_BACKOFF_S = 0.25
-RESTART_BACKOFF_MAX_S = 4.0
-# How long a dead incarnation's process may take to go after SIGKILL before its replacement is
-# refused: two engines under one index would share a device and (on Ray) an actor.
-GONE_BOUND_S = 10.0
+# One utility call's targets: each serving slot with the incarnation taken for it under the
+# state lock (a death and restart may set ``slot.client`` to None the moment it is released).
+Targets = list[tuple[Slot, Any]]
 
 
 def _combine(how: str, results: list[Any]) -> Any:
@@ -116,65 +96,8 @@ def _combine(how: str, results: list[Any]) -> Any:
     return results[0]  # "first"
 
 
-class _Member:
-    """One engine index: its membership lifecycle, its current client and load figures."""
-
-    def __init__(self, index: int, trace: list[TraceEntry] | None) -> None:
-        self.index = index
-        self.lifecycle: Lifecycle[MembershipState, MembershipEvent] = MEMBERSHIP.lifecycle(
-            trace=trace)
-        # SyncMember | AsyncMember; None while restarting. Changed only under the client's
-        # state lock: a path that uses it takes it once, under that lock, and keeps that value
-        # (a restart may set None at any moment outside it).
-        self.client: Any = None
-        # Dead incarnations whose queued batches are still to be read (then ERROR outputs):
-        # all a dead incarnation still owes. Read to its end, it is shut down and forgotten.
-        self.retired: list[Any] = []
-        self.cause: BaseException | None = None
-        self.restarts = 0
-        self.serving_since = 0.0  # monotonic time of the current incarnation's handshake
-        self.quick_deaths = 0  # consecutive incarnations that died within RESTART_STABLE_S
-        self.waiting = 0  # the engine's last report
-        self.running = 0
-        self.sent_since_report = 0
-
-    def reset_load(self) -> None:
-        self.waiting = self.running = self.sent_since_report = 0
-
-    @property
-    def routable(self) -> bool:
-        client = self.client
-        return (self.lifecycle.state in MEMBER_ROUTABLE and client is not None
-                and not client.is_dead)
-
-    def load(self) -> tuple[int, int]:
-        # In flight: the engine's own client tracks each live request it was sent.
-        client = self.client
-        n = 0 if client is None else len(client._requests)
-        return 4 * min(self.waiting + self.sent_since_report, n) + min(self.running, n), n
-
-
-def _ensure_gone(dead: Any, index: int) -> None:
-    """Kill dead incarnation ``dead``'s engine process and wait (bounded) until it is gone;
-    ``EngineStartupError`` if it outlives the bound. An attached engine is not ours to kill."""
-    proc = dead.resources.proc
-    if proc is None:
-        return
-    try:
-        if proc.is_alive():
-            proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
-            proc.join(GONE_BOUND_S)
-        alive = proc.is_alive()
-    except ValueError:  # closed: its reaper shut the incarnation down, process included
-        return
-    if alive:
-        raise EngineStartupError(
-            f"engine {index}'s previous process (pid {proc.pid}) was still alive"
-            f" {GONE_BOUND_S:g} s after SIGKILL; no replacement is started beside it")
-
-
 class _DPClient(EngineCoreClient):
-    """What the sync and async data-parallel clients share: members, routing, death."""
+    """Every step of the sync and async data-parallel clients but the wait."""
 
     multiprocess = True
     _member_type: type[SyncMember] | type[AsyncMember]
@@ -198,23 +121,16 @@ class _DPClient(EngineCoreClient):
         self.options = opts
         self._engine_options = (ClientOptions() if opts.engine_options is None
                                 else opts.engine_options)
-        self._restart = opts.restart_dead_engines
-        self._restart_limit = opts.restart_limit
         # Read here too (members pass batches through as they come).
         self._columnar = self._engine_options.columnar_outputs
-        self._abandon = threading.Event()
-        self._members = [_Member(i, trace) for i in range(self.data_parallel_size)]
-        self._owner: dict[str, Any] = {}  # request id -> the member client it was sent to
+        self._router = Router(self.data_parallel_size)
         self._failed: list[EngineCoreOutputs] = []  # ERROR batches not yet returned
-        self._turn = 0  # where the routing's round robin starts
-        self._turn_out = 0  # the member get_output looks at first
-        self._last_routed = 0
+        self._turn_out = 0  # the engine get_output looks at first
         self._utility_turn = 0
-        # Restarts and reaps in progress: teardown joins them, so a dead incarnation being
-        # shut down is waited for without being kept once it is gone.
-        self._threads: set[threading.Thread] = set()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._placement: Any = None  # RayEngines for the "ray" backend
+        # Members and the membership call back through weak references: a client dropped
+        # without shutdown is not kept alive by its engines' threads.
         ref = weakref.ref(self)
 
         def notify() -> None:
@@ -225,14 +141,39 @@ class _DPClient(EngineCoreClient):
         def died(member: MPClient, cause: BaseException) -> None:
             client = ref()
             if client is not None:
-                client._member_died(member, cause)
+                client._membership.died(cast(Member, member), cause)
 
         def power() -> None:
             client = ref()
             if client is not None:
                 client._follow_members_power()
 
+        def live() -> bool:
+            client = ref()
+            return client is not None and not client.is_closed and not client.is_dead
+
+        def all_dead(cause: BaseException) -> None:
+            client = ref()
+            if client is not None:
+                client._mark_dead(cause)
+
+        def replaced(index: int) -> None:
+            client = ref()
+            if client is not None:
+                client._router.reset(index)
+
+        def build(index: int) -> Member:
+            client = ref()
+            if client is None:
+                raise ClientClosedError("the client was dropped")
+            return client._build(index)
+
         self._notify_cb, self._died_cb, self._power_cb = notify, died, power
+        self._membership = Membership(
+            self.data_parallel_size, lock=self._state_lock, trace=trace, build=build,
+            restart=opts.restart_dead_engines, restart_limit=opts.restart_limit, live=live,
+            changed=notify, all_dead=all_dead, follow_power=power, replaced=replaced)
+        self._slots = self._membership.slots
         try:
             if config.data_parallel_backend == "ray":
                 from .ray_backend import RayEngines
@@ -241,15 +182,17 @@ class _DPClient(EngineCoreClient):
                 strategy = cast("Strategy", opts.ray_placement_strategy)
                 self._placement = RayEngines(self.data_parallel_size, strategy=strategy,
                                              address=opts.ray_address)
-            self._start_all()
+            self._membership.start_all()
+            with self._state_lock:
+                self._apply_ready(self._slots[0].client.ready_response)
+                self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
         except BaseException:
             self._mark_closed()
             self._teardown()
             raise
 
-    # -- members ----------------------------------------------------------------------------
-
-    def _build(self, index: int) -> Any:
+    def _build(self, index: int) -> Member:
+        """A new incarnation of engine ``index``, started (its handshake done)."""
         engine = self.options.for_engine(index)
         if self._placement is not None:
             if self._engine_options.transport == "ipc":  # the default; ipc stays on one host
@@ -257,125 +200,11 @@ class _DPClient(EngineCoreClient):
             engine["engine_launcher"] = self._placement.launcher(index)
         return self._member_type(
             self.config, notify=self._notify_cb, died=self._died_cb, power=self._power_cb,
-            abandon=self._abandon, options=self._engine_options, engine_index=index, **engine)
-
-    def _start_all(self) -> None:
-        """Start every engine at once (each waits for its own handshake)."""
-        n = self.data_parallel_size
-        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart"
-                                                   ) as pool:
-            futures = [pool.submit(self._build, i) for i in range(n)]
-            errors: list[tuple[int, BaseException]] = []
-            for i, fut in enumerate(futures):
-                try:
-                    self._members[i].client = fut.result()
-                except BaseException as e:  # each is reported below
-                    errors.append((i, e))
-                    self._abandon.set()  # the others need not finish starting
-        if errors:
-            i, first = errors[0]
-            raise EngineStartupError(
-                f"engine {i} of {n} failed to start: {first}") from first
-        with self._state_lock:
-            # The client is ready once every engine is: one that died after its own
-            # handshake, while the others were still starting, fails the construction too
-            # (as the two-engine model says, spec/compose_dp.py).
-            for m in self._members:
-                if m.client.is_dead:
-                    cause = m.client._dead_cause
-                    raise EngineStartupError(
-                        f"engine {m.index} of {n} died while the others started: {cause}"
-                    ) from cause
-            now = time.monotonic()
-            for m in self._members:
-                m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
-                m.serving_since = now
-            self._apply_ready(self._members[0].client.ready_response)
-            self.lifecycle.fire(ClientEvent.HANDSHAKE_OK)
+            abandon=self._membership.abandon, options=self._engine_options,
+            engine_index=index, **engine)
 
     def _notify(self) -> None:
         raise NotImplementedError
-
-    def _member_died(self, client: MPClient, cause: BaseException) -> None:
-        """A member's engine died (its monitor, reader or a send saw it); idempotent."""
-        with self._state_lock:
-            m = self._members[client.engine_index]
-            if m.client is not client or m.lifecycle.state not in MEMBER_ROUTABLE:
-                return  # a retired incarnation, a second notice, or a shutdown
-            m.lifecycle.fire(MembershipEvent.DIED)
-            m.cause = cause
-            restart = self._restart and not self.is_closed
-            if restart:
-                quick = time.monotonic() - m.serving_since < RESTART_STABLE_S
-                m.quick_deaths = m.quick_deaths + 1 if quick else 0
-                if m.quick_deaths > self._restart_limit:
-                    restart = False
-                    m.cause = EngineDeadError(
-                        f"engine {m.index} is not restarted again: {m.quick_deaths}"
-                        f" incarnations in a row died within {RESTART_STABLE_S:g} s of their"
-                        f" start (restart_limit={self._restart_limit}); last: {cause}")
-                    m.cause.__cause__ = cause
-            if restart:
-                m.lifecycle.fire(MembershipEvent.RESTART)
-                m.retired.append(client)
-                m.client = None
-                m.reset_load()
-                delay = 0.0 if not m.quick_deaths else min(
-                    RESTART_BACKOFF_S * 2 ** (m.quick_deaths - 1), RESTART_BACKOFF_MAX_S)
-                thread = threading.Thread(target=self._restart_member, args=(m, client, delay),
-                                          name=f"EngineCoreRestart_{m.index}", daemon=True)
-                self._threads.add(thread)
-                thread.start()
-            left = [x.index for x in self._members if x.lifecycle.state in MEMBER_LEFT]
-            logger.warning("engine %d died (%s); engines left: %s", m.index, m.cause, left)
-            if not left:
-                self._mark_dead(self._all_dead_cause())
-            self._follow_members_power()
-        self._notify()
-
-    def _all_dead_cause(self) -> BaseException:
-        causes = ", ".join(f"engine {m.index}: {m.cause}" for m in self._members)
-        return EngineDeadError(f"every engine core of this client is dead ({causes})")
-
-    def _restart_member(self, m: _Member, dead: Any, delay: float) -> None:
-        """Start a replacement for ``dead`` under index ``m.index``, once ``dead``'s process
-        is gone (killed here: a hung engine declared dead by its heartbeat is still alive,
-        and on Ray its actor runs one engine at a time) and after ``delay`` (a crash loop's
-        backoff; a shutdown ends the wait)."""
-        try:
-            if delay and self._abandon.wait(delay):
-                raise ClientClosedError("the client was shut down during the restart backoff")
-            _ensure_gone(dead, m.index)
-            client = self._build(m.index)
-        except BaseException as e:  # reported as the member's death
-            with self._state_lock:
-                # Still waiting for this replacement's handshake (not shut down meanwhile).
-                if m.lifecycle.can(MembershipEvent.HANDSHAKE_OK):
-                    m.lifecycle.fire(MembershipEvent.DIED)
-                    m.cause = e
-                    logger.warning("engine %d: its replacement failed to start: %s", m.index, e)
-                    if not any(x.lifecycle.state in MEMBER_LEFT for x in self._members):
-                        self._mark_dead(self._all_dead_cause())
-            self._notify()
-            return
-        finally:
-            self._threads.discard(threading.current_thread())
-        with self._state_lock:
-            keep = (not self.is_closed and not self.is_dead
-                    and m.lifecycle.can(MembershipEvent.HANDSHAKE_OK))
-            if keep:
-                m.client = client
-                m.restarts += 1
-                m.serving_since = time.monotonic()
-                m.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
-                logger.info("engine %d restarted (pid %s)", m.index, client.engine_pid)
-                self._follow_members_power()
-        if not keep:
-            client.shutdown()
-        self._notify()
-
-    def _serving(self) -> list[_Member]:
-        return [m for m in self._members if m.routable]
 
     def _follow_members_power(self) -> None:
         """The client's power state is its serving engines': in ``CLIENT_ASLEEP`` while any
@@ -388,7 +217,7 @@ class _DPClient(EngineCoreClient):
             lc = self.lifecycle
             if lc.state not in CLIENT_LIVE:
                 return
-            clients = [m.client for m in self._members if m.routable]
+            clients = [s.client for s in self._slots if s.routable]
             if not clients:
                 return
             asleep = any(c.lifecycle.state in CLIENT_ASLEEP for c in clients)
@@ -399,70 +228,40 @@ class _DPClient(EngineCoreClient):
 
     def _no_engine(self) -> EngineDeadError:
         self.ensure_alive()
-        states = ", ".join(f"{m.index}: {m.lifecycle.state.value}" for m in self._members)
-        return EngineDeadError(f"no engine core is serving ({states})")
+        return EngineDeadError(f"no engine core is serving ({self._membership.describe()})")
 
-    def _engine_died(self, m: _Member, error: EngineDeadError) -> EngineDeadError:
-        """``error`` from engine ``m``'s client, naming the engine."""
-        err = EngineDeadError(f"engine {m.index} of {self.data_parallel_size} died; see"
+    def _engine_died(self, s: Slot, error: EngineDeadError) -> EngineDeadError:
+        """``error`` from engine ``s``'s client, naming the engine."""
+        err = EngineDeadError(f"engine {s.index} of {self.data_parallel_size} died; see"
                               " __cause__ and the engine log")
         err.__cause__ = error.__cause__ or error
         return err
 
     # -- requests ---------------------------------------------------------------------------
 
-    def _pick(self, request: EngineCoreRequest, tried: set[int]) -> _Member:
-        rank = request.data_parallel_rank
-        if rank is not None:
-            if isinstance(rank, bool) or not isinstance(rank, int) or not (
-                    0 <= rank < self.data_parallel_size):
-                raise ValueError(f"data_parallel_rank={rank!r}: must be None or an engine"
-                                 f" index in [0, {self.data_parallel_size})")
-            m = self._members[rank]
-            if not m.routable or rank in tried:
-                raise EngineDeadError(f"engine {rank} (the request's data_parallel_rank) is"
-                                      f" {m.lifecycle.state.value}")
-            return m
-        n = self.data_parallel_size
-        best: _Member | None = None
-        best_key: tuple[int, int, int] | None = None
-        for k in range(n):
-            m = self._members[(self._turn + k) % n]
-            if m.index in tried or not m.routable:
-                continue
-            key = (*m.load(), k)
-            if best_key is None or key < best_key:
-                best, best_key = m, key
-        if best is None:
-            raise self._no_engine()
-        self._turn = (best.index + 1) % n
-        return best
-
     def _route_add(self, request: EngineCoreRequest) -> None:
-        if not isinstance(request, EngineCoreRequest):
-            raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
-        rid = request.request_id
+        """Track ``request`` (once: here), pick its engine, send it there. A Ctrl-C is held
+        until the ADD went out whole and was recorded, so the request is never forgotten
+        while an engine runs it."""
+        rid = request.request_id if isinstance(request, EngineCoreRequest) else None
+        router, slots = self._router, self._slots
         tried: set[int] = set()
-        with self._state_lock:  # members never call back into it while holding their locks
-            self._track_add(request)
+        with SigintHold(), self._state_lock:  # members never call back holding their locks
+            self._track_add(request)  # TypeError for what is not a request
+            assert rid is not None
             try:
                 while True:
-                    m = self._pick(request, tried)
-                    client = m.client
+                    s = router.pick(request, slots, tried)
+                    if s is None:
+                        raise self._no_engine()
+                    client = s.client
                     try:
-                        client._send_add(request)
+                        client.send_add(request)
                     except EngineDeadError:
-                        tried.add(m.index)  # it died since: the request never left
+                        tried.add(s.index)  # it died since: the request never left
                         continue
-                    owner = self._owner
-                    owner[rid] = client
-                    self._last_routed = m.index
-                    m.sent_since_report += 1
-                    if len(owner) > 2 * len(self._requests) + 64:
-                        # Entries of finished requests are dropped here, in bulk, not per
-                        # output: aborts and deaths read only the live ones.
-                        live = self._requests
-                        self._owner = {r: c for r, c in owner.items() if r in live}
+                    requests = self._requests
+                    router.routed(rid, s.index, client, requests, len(requests))
                     return
             except BaseException:
                 self._untrack_add(rid)
@@ -477,13 +276,14 @@ class _DPClient(EngineCoreClient):
         groups: dict[int, tuple[Any, list[str]]] = {}
         with self._state_lock:
             self._track_abort(ids)
+            owner = self._router.owner
             for rid in ids:
-                client = self._owner.get(rid)
+                client = owner(rid)
                 if client is not None and not client.is_dead:
                     groups.setdefault(id(client), (client, []))[1].append(rid)
         for client, group in groups.values():
             try:
-                client._send_abort(group)
+                client.send_abort(group)
             except (EngineDeadError, ClientClosedError):
                 pass  # died or replaced since: its requests end with ERROR instead
 
@@ -497,75 +297,58 @@ class _DPClient(EngineCoreClient):
             if self._failed:
                 return self._deliver_failed()
             n = self.data_parallel_size
+            slots = self._slots
             for k in range(n):
-                m = self._members[(self._turn_out + k) % n]
-                for client in (*m.retired, m.client):
-                    if client is None or client.read_to_end or not client.has_output():
+                s = slots[(self._turn_out + k) % n]
+                for client in s.incarnations():  # a snapshot: a drain may retire one
+                    if client.read_to_end or not client.has_output():
                         continue
                     try:
                         out = client.take()
-                    except EngineDeadError:
-                        self._drain_done(m, client)
-                        if self._failed:
-                            return self._deliver_failed()
-                        continue
-                    except ClientClosedError:  # its engine was stopped: gone, as a death
-                        self._drain_done(m, client)
+                    except (EngineDeadError, ClientClosedError):
+                        # Read to its end (a stopped engine is gone, as a death).
+                        self._drain_done(s, client)
                         if self._failed:
                             return self._deliver_failed()
                         continue
                     if out is None:
                         continue
-                    self._turn_out = (m.index + 1) % n
-                    return self._deliver(m, client, out)
+                    self._turn_out = (s.index + 1) % n
+                    return self._deliver(s, client, out)
             return None
 
-    def _deliver(self, m: _Member, client: Any, out: EngineCoreOutputs) -> EngineCoreOutputs:
-        if out.engine_index != m.index:
-            out = msgspec.structs.replace(out, engine_index=m.index)
-        stats = out.scheduler_stats
-        if stats is not None and client is m.client:
-            m.waiting, m.running, m.sent_since_report = stats.num_waiting, stats.num_running, 0
-        # No per-output work beyond the tracking: the engine's own client already refused
-        # any output for a request it was not sent (an id lives in one engine's client).
+    def _deliver(self, s: Slot, client: Member, out: EngineCoreOutputs) -> EngineCoreOutputs:
+        if out.engine_index != s.index:
+            out = msgspec.structs.replace(out, engine_index=s.index)
+        # The one tracking of these requests: an output the spec forbids (an id this client
+        # never sent, an output after its finish, one for a request another engine runs)
+        # raises here, the rest tracked and redelivered.
+        router = self._router
+        foreign = router.foreign(client, out.stream_ids, out.outputs)
+        if foreign is not None:
+            skip = set(foreign[1])
+            router.delivered(s.index, client, client is s.client,
+                             [o for i, o in enumerate(out.outputs) if i not in skip], None)
+            raise self._refuse_unsent(out, *foreign)
         self._track_outputs(out)
+        router.delivered(s.index, client, client is s.client, out.outputs, out.scheduler_stats)
         return out
 
-    def _drain_done(self, m: _Member, client: Any) -> None:
+    def _drain_done(self, s: Slot, client: Member) -> None:
         """Every batch of dead ``client`` was returned: its requests still live here end
         with ERROR (one batch), unless no engine is left (the client is then DEAD)."""
-        client.read_to_end = True
-        if client in m.retired:
-            # Read to its end: its process, sockets and reader go now, off this lock (a
-            # dead engine's teardown may wait out a grace), and teardown waits for the
-            # reaper; once it is done nothing here refers to the incarnation.
-            m.retired.remove(client)
-            reaper = threading.Thread(target=self._reap, args=(client,),
-                                      name=f"EngineCoreReap_{m.index}", daemon=True)
-            self._threads.add(reaper)
-            reaper.start()
-        if client is m.client and m.lifecycle.state in MEMBER_ROUTABLE:
-            self._member_died(client, client._dead_cause or ClientClosedError(
-                f"engine {m.index}'s client was shut down"))
-        owner = self._owner
-        rids = [rid for rid, c in owner.items() if c is client]
-        for rid in rids:
-            del owner[rid]
-        if client is m.client:
-            m.reset_load()
-        live = set(self.live_requests()) if rids else set()
+        current = client is s.client
+        self._membership.read_to_end(s, client)
+        rids = self._router.release(client)
+        if current:
+            self._router.reset(s.index)
+        live = self._requests
         rids = [r for r in rids if r in live]
         if rids and not self.is_dead and not self.is_closed:
-            why = f"engine {m.index} died: {m.cause or client._dead_cause}"
+            why = f"engine {s.index} died: {s.cause or client.dead_cause}"
             self._failed.append(EngineCoreOutputs(
-                engine_index=m.index, timestamp=EngineCoreOutputs.now(),
+                engine_index=s.index, timestamp=EngineCoreOutputs.now(),
                 outputs=[EngineCoreOutput(r, [], FinishReason.ERROR, error=why) for r in rids]))
-
-    def _reap(self, client: Any) -> None:
-        try:
-            client.shutdown()
-        finally:
-            self._threads.discard(threading.current_thread())
 
     def _deliver_failed(self) -> EngineCoreOutputs:
         out = self._failed.pop(0)
@@ -578,44 +361,55 @@ class _DPClient(EngineCoreClient):
         err.__cause__ = self._dead_cause
         return err
 
+    def _output_step(self, deadline: float | None) -> EngineCoreOutputs | None:
+        """One look of ``get_output``: a batch, the empty batch of a passed deadline, the
+        error of a closed or dead client; None when the caller is to wait."""
+        if self.is_closed:
+            raise ClientClosedError(self._closed_message)
+        out = self._take()
+        if out is not None:
+            return out
+        if self.is_dead:
+            raise self._dead_error()
+        if deadline is not None and deadline - time.monotonic() <= 0:
+            return EngineCoreOutputs()
+        return None
+
     # -- utilities --------------------------------------------------------------------------
 
-    def _utility_member(self) -> tuple[_Member, Any]:
+    def _utility_member(self) -> tuple[Slot, Any]:
         """The next serving engine in turn and its client, taken together under the lock:
-        the caller uses that client (a death and restart may set ``m.client`` to None the
+        the caller uses that client (a death and restart may set ``s.client`` to None the
         moment the lock is released; the client taken then raises EngineDeadError)."""
         with self._state_lock:
             self.ensure_alive()
-            serving = self._serving()
+            serving = self._membership.serving()
             if not serving:
                 raise self._no_engine()
-            m = serving[self._utility_turn % len(serving)]
+            s = serving[self._utility_turn % len(serving)]
             self._utility_turn += 1
-            return m, m.client
+            return s, s.client
 
-    def _targets(self, method: str, args: Sequence[Any]) -> list[tuple[_Member, Any]]:
+    def _targets(self, method: str, args: Sequence[Any]) -> Targets:
         """Every serving engine with its client, taken under the lock (``_utility_member``)."""
         check_method(method)
         check_no_dataclass(tuple(args))
         with self._state_lock:
             self.ensure_alive()
-            serving = self._serving()
+            serving = self._membership.serving()
             if not serving:
                 raise self._no_engine()
-            return [(m, m.client) for m in serving]
+            return [(s, s.client) for s in serving]
 
-    @contextlib.contextmanager
-    def _utility_lifecycle(self) -> Iterator[Lifecycle[Any, UtilityEvent]]:
-        """One UTILITY lifecycle per call on this client (its engines' clients keep their
-        own): the caller fires REPLY_OK; an error fires the outcome its type names."""
-        lc = self._new_utility_lifecycle()
-        try:
-            yield lc
-        except BaseException as e:
-            event = outcome_of(e)  # spec/utility.py's map, the same for every client
-            if event is not None and lc.can(event):
-                lc.fire(event)
-            raise
+    def _plan(self, method: str, args: tuple[Any, ...], every: bool) -> tuple[Targets, bool]:
+        """What a call does before it waits, once its lifecycle began: its targets (every
+        serving engine, or the next one in turn) and whether the replies combine into one."""
+        if every:
+            return self._targets(method, args), False
+        decl = UTILITY_DECLARATIONS.get(method)
+        if decl is not None and decl.every_engine is not None:
+            return self._targets(method, args), True
+        return [self._utility_member()], False
 
     def _after_all(self, method: str, results: list[Any]) -> Any:
         """The combined reply of a call every engine answered. A power call's effect on the
@@ -624,19 +418,29 @@ class _DPClient(EngineCoreClient):
         assert decl.every_engine is not None
         return _combine(decl.every_engine, results)
 
-    def _outcomes(self, targets: list[tuple[_Member, Any]],
-                  outcomes: Iterator[tuple[bool, Any]]) -> list[Any]:
+    def _outcomes(self, targets: Targets, outcomes: Iterable[tuple[bool, Any]]) -> list[Any]:
+        """The results in target order; the first failure (in that order) raised once every
+        engine answered, a death named by its engine."""
         results: list[Any] = []
         error: BaseException | None = None
-        for (m, _), (ok, value) in zip(targets, outcomes, strict=True):
+        for (s, _), (ok, value) in zip(targets, outcomes, strict=True):
             if ok:
                 results.append(value)
             elif error is None:
-                error = (self._engine_died(m, value) if isinstance(value, EngineDeadError)
+                error = (self._engine_died(s, value) if isinstance(value, EngineDeadError)
                          else value)
         if error is not None:
             raise error
         return results
+
+    def _finish(self, method: str, targets: Targets, combine: bool, every: bool,
+                outcomes: Iterable[tuple[bool, Any]]) -> Any:
+        """The call's result from its targets' outcomes: one engine's, the combined reply,
+        or (``call_utility_all``) one per engine."""
+        results = self._outcomes(targets, outcomes)
+        if combine:
+            return self._after_all(method, results)
+        return results if every else results[0]
 
     # -- reporting --------------------------------------------------------------------------
 
@@ -644,27 +448,26 @@ class _DPClient(EngineCoreClient):
     def engines(self) -> dict[int, MembershipState]:
         """Each engine index's membership state (spec/membership.py)."""
         with self._state_lock:
-            return {m.index: m.lifecycle.state for m in self._members}
+            return self._membership.states()
 
     @property
     def dead_engines(self) -> list[int]:
         """The engine indexes not serving now (dead, or restarting after a death)."""
         with self._state_lock:
-            return [m.index for m in self._members if m.lifecycle.state not in MEMBER_ROUTABLE
-                    and m.lifecycle.state not in MEMBERSHIP.terminal]
+            return self._membership.not_serving()
 
     @property
     def engine_pids(self) -> list[int | None]:
         with self._state_lock:
-            clients = [m.client for m in self._members]
+            clients = [s.client for s in self._slots]
         return [None if c is None else c.engine_pid for c in clients]
 
     def send_raw_frames(self, frames: list[bytes], engine_index: int | None = None) -> None:
         """``MPClient.send_raw_frames`` to engine ``engine_index`` (default: the engine the
         last ADD went to): for conformance tests that put malformed input on the wire."""
         with self._state_lock:
-            index = self._last_routed if engine_index is None else engine_index
-            client = self._members[index].client
+            index = self._router.last_routed if engine_index is None else engine_index
+            client = self._slots[index].client
             if client is None:
                 raise self._no_engine()
         client.send_raw_frames(frames)
@@ -672,20 +475,19 @@ class _DPClient(EngineCoreClient):
     def engine_client(self, index: int) -> Any:
         """The one-engine client behind engine ``index`` (for tests and the fault harness);
         None while that engine restarts."""
-        return self._members[index].client
+        return self._slots[index].client
 
     def pending_utility_calls(self) -> int:
         with self._state_lock:
-            clients = [c for m in self._members for c in (m.client,) if c is not None]
+            clients = [s.client for s in self._slots if s.client is not None]
         return sum(c.pending_utility_calls() for c in clients)
 
     def queued_outputs(self) -> int:
         with self._state_lock:
             n = len(self._failed) + len(self._redeliver)
-            for m in self._members:
-                for c in (*m.retired, m.client):
-                    if c is not None and not c.read_to_end:
-                        n += c.queued_outputs()
+            for c in self._membership.held():
+                if not c.read_to_end:
+                    n += c.queued_outputs()
             return n
 
     # -- shutdown ---------------------------------------------------------------------------
@@ -695,29 +497,26 @@ class _DPClient(EngineCoreClient):
         everything; idempotent."""
         if timeout is not None:
             check_timeout(timeout)
+        self._abort_left_behind()
         self._mark_closed()
         self._teardown(timeout)
 
-    def _teardown(self, timeout: float | None = None) -> None:
-        self._abandon.set()
+    def _abort_left_behind(self) -> None:
+        """Before the requests are forgotten: an attached engine outlives this client, so it
+        is told to abort what it still runs for us (``MPClient.abort_left_behind``)."""
         with self._state_lock:
-            clients = [c for m in self._members for c in (*m.retired, m.client)
-                       if c is not None]
-            for m in self._members:
-                if m.lifecycle.can(MembershipEvent.SHUTDOWN):
-                    m.lifecycle.fire(MembershipEvent.SHUTDOWN)
+            if self.is_closed or self.is_dead:
+                return
+            live = self._requests
+            held = [(c, self._router.sent_to(c, live)) for s in self._slots
+                    for c in (s.client,) if c is not None]
+        for client, rids in held:
+            client.abort_left_behind(rids)
+
+    def _teardown(self, timeout: float | None = None) -> None:
+        with self._state_lock:
             self._failed.clear()
-        if len(clients) == 1:
-            clients[0].shutdown(timeout)
-        elif clients:
-            threads = [threading.Thread(target=c.shutdown, args=(timeout,),
-                                        name="EngineCoreStop", daemon=True) for c in clients]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        for t in list(self._threads):  # a restart gives up within a poll slice
-            t.join()
+        self._membership.teardown(timeout)
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -729,6 +528,21 @@ class _DPClient(EngineCoreClient):
     def __repr__(self) -> str:
         states = ", ".join(f"{i}:{s.value}" for i, s in self.engines.items())
         return f"<{type(self).__name__} engines=[{states}] {self.lifecycle.state.name}>"
+
+
+def _attempt(client: Any, method: str, args: tuple[Any, ...], timeout: float | None
+             ) -> tuple[bool, Any]:
+    try:
+        return True, client.call_utility(method, *args, timeout=timeout)
+    except Exception as e:  # handed back in order, raised by _outcomes
+        return False, e
+
+
+def _result(fut: concurrent.futures.Future[Any]) -> tuple[bool, Any]:
+    try:
+        return True, fut.result()
+    except Exception as e:  # as _attempt
+        return False, e
 
 
 class SyncDPClient(SyncClientMixin, _DPClient):
@@ -758,78 +572,51 @@ class SyncDPClient(SyncClientMixin, _DPClient):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self.is_closed:
-                raise ClientClosedError(self._closed_message)
             seen = self._arrivals
-            out = self._take()
+            out = self._output_step(deadline)
             if out is not None:
                 return out
-            if self.is_dead:
-                raise self._dead_error()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return EngineCoreOutputs()
+            slice_s = (MAX_WAIT_SLICE_S if deadline is None
+                       else min(deadline - time.monotonic(), MAX_WAIT_SLICE_S))
             with self._arrival:
                 if self._arrivals == seen:
-                    self._arrival.wait(MAX_WAIT_SLICE_S if remaining is None
-                                       else min(remaining, MAX_WAIT_SLICE_S))
+                    self._arrival.wait(slice_s)
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        timeout = check_timeout(timeout)
-        check_method(method)
-        decl = UTILITY_DECLARATIONS.get(method)
-        with self._utility_lifecycle() as lc:
-            if decl is not None and decl.every_engine is not None:
-                result = self._after_all(method, self._call_all(method, args, timeout))
-            else:
-                m, client = self._utility_member()
-                try:
-                    result = client.call_utility(method, *args, timeout=timeout)
-                except EngineDeadError as e:
-                    raise self._engine_died(m, e) from None
-            lc.fire(UtilityEvent.REPLY_OK)
-        return result
+        return self._call(method, args, timeout, every=False)
 
     def call_utility_all(self, method: str, *args: Any, timeout: float | None = None
                          ) -> list[Any]:
         """``call_utility`` on every serving engine at once; their results in index order.
         The first failure (in index order) is raised once every engine answered."""
-        timeout = check_timeout(timeout)
-        with self._utility_lifecycle() as lc:
-            results = self._call_all(method, args, timeout)
-            lc.fire(UtilityEvent.REPLY_OK)
-        return results
+        result: list[Any] = self._call(method, args, timeout, every=True)
+        return result
 
-    def _call_all(self, method: str, args: tuple[Any, ...], timeout: float | None
-                  ) -> list[Any]:
-        targets = self._targets(method, args)
+    def _call(self, method: str, args: tuple[Any, ...], timeout: float | None, every: bool
+              ) -> Any:
+        timeout = check_timeout(timeout)  # bad arguments begin no call
+        check_method(method)
+        lc = self._new_utility_lifecycle()
+        with utility_outcome(lc):
+            targets, combine = self._plan(method, args, every)
+            result = self._finish(method, targets, combine, every,
+                                  self._call_each(method, args, timeout, targets))
+            lc.fire(UtilityEvent.REPLY_OK)
+        return result
+
+    def _call_each(self, method: str, args: tuple[Any, ...], timeout: float | None,
+                   targets: Targets) -> list[tuple[bool, Any]]:
+        """Each target's outcome: the one target's in this thread, several at once."""
         if len(targets) == 1:
-            only = targets[0][1]
-            calls: list[Callable[[], Any]] = [
-                lambda: only.call_utility(method, *args, timeout=timeout)]
-            return self._outcomes(targets, map(_attempt, calls))
+            return [_attempt(targets[0][1], method, args, timeout)]
         with self._state_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self.data_parallel_size, thread_name_prefix="EngineCoreUtility")
             pool = self._pool
-        futures = [pool.submit(client.call_utility, method, *args, timeout=timeout)
+        futures = [pool.submit(_attempt, client, method, args, timeout)
                    for _, client in targets]
-        return self._outcomes(targets, (_result(f) for f in futures))
-
-
-def _attempt(call: Callable[[], Any]) -> tuple[bool, Any]:
-    try:
-        return True, call()
-    except Exception as e:  # handed back in order, raised by _outcomes
-        return False, e
-
-
-def _result(fut: concurrent.futures.Future[Any]) -> tuple[bool, Any]:
-    try:
-        return True, fut.result()
-    except Exception as e:  # as _attempt
-        return False, e
+        return [f.result() for f in futures]
 
 
 class AsyncDPClient(AsyncUtilityMethods, _DPClient):
@@ -853,17 +640,14 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
         if self.is_closed:
             raise ClientClosedError(self._closed_message)
         with self._state_lock:  # each member's clients taken once, under the lock
-            clients = [c for m in self._members for c in (*m.retired, m.client)
-                       if c is not None]
-        if self._loop is not loop:
-            for c in clients:
-                if not c.is_closed:
-                    c._ensure_reader()
+            clients = self._membership.held()
+        rebind = self._loop is not loop
+        for c in clients:
+            # A replacement built off the loop binds too (``bind_loop`` is a no-op when bound).
+            if not c.is_closed:
+                c.bind_loop()
+        if rebind:
             self._loop, self._arrived = loop, asyncio.Event()
-        else:
-            for c in clients:
-                if c._loop is not loop and not c.is_closed:
-                    c._ensure_reader()  # a replacement, built off the loop
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._bind()
@@ -883,61 +667,57 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
             event = self._arrived
             assert event is not None
             event.clear()  # on the loop: nothing is put between this and the look below
-            out = self._take()
+            out = self._output_step(deadline)
             if out is not None:
                 return out
-            if self.is_dead:
-                raise self._dead_error()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return EngineCoreOutputs()
+            slice_s = (MAX_WAIT_SLICE_S if deadline is None
+                       else min(deadline - time.monotonic(), MAX_WAIT_SLICE_S))
             try:
-                async with asyncio.timeout(min(remaining or MAX_WAIT_SLICE_S,
-                                               MAX_WAIT_SLICE_S)):
+                async with asyncio.timeout(slice_s):
                     await event.wait()
             except TimeoutError:
                 pass
 
     async def call_utility_async(self, method: str, *args: Any,
                                  timeout: float | None = None) -> Any:
-        timeout = check_timeout(timeout)
-        check_method(method)
-        self._bind()
-        decl = UTILITY_DECLARATIONS.get(method)
-        with self._utility_lifecycle() as lc:
-            if decl is not None and decl.every_engine is not None:
-                result = self._after_all(method, await self._call_all_async(method, args,
-                                                                            timeout))
-            else:
-                m, client = self._utility_member()
-                try:
-                    result = await client.call_utility_async(method, *args, timeout=timeout)
-                except EngineDeadError as e:
-                    raise self._engine_died(m, e) from None
-            lc.fire(UtilityEvent.REPLY_OK)
-        return result
+        return await self._call_async(method, args, timeout, every=False)
 
     async def call_utility_all_async(self, method: str, *args: Any,
                                      timeout: float | None = None) -> list[Any]:
         """See ``SyncDPClient.call_utility_all``."""
-        timeout = check_timeout(timeout)
-        self._bind()
-        with self._utility_lifecycle() as lc:
-            results = await self._call_all_async(method, args, timeout)
-            lc.fire(UtilityEvent.REPLY_OK)
-        return results
+        result: list[Any] = await self._call_async(method, args, timeout, every=True)
+        return result
 
-    async def _call_all_async(self, method: str, args: tuple[Any, ...],
-                              timeout: float | None) -> list[Any]:
-        targets = self._targets(method, args)
+    async def _call_async(self, method: str, args: tuple[Any, ...], timeout: float | None,
+                          every: bool) -> Any:
+        timeout = check_timeout(timeout)  # bad arguments begin no call
+        check_method(method)
+        self._bind()
+        lc = self._new_utility_lifecycle()
+        with utility_outcome(lc):
+            targets, combine = self._plan(method, args, every)
+            outcomes = await self._call_each_async(method, args, timeout, targets)
+            result = self._finish(method, targets, combine, every, outcomes)
+            lc.fire(UtilityEvent.REPLY_OK)
+        return result
+
+    async def _call_each_async(self, method: str, args: tuple[Any, ...],
+                               timeout: float | None, targets: Targets
+                               ) -> Iterator[tuple[bool, Any]]:
+        """Each target's outcome, all awaited at once; a cancellation is the caller's."""
+        if len(targets) == 1:
+            try:
+                return iter([(True, await targets[0][1].call_utility_async(
+                    method, *args, timeout=timeout))])
+            except Exception as e:  # handed back, raised by _outcomes
+                return iter([(False, e)])
         got = await asyncio.gather(
             *(client.call_utility_async(method, *args, timeout=timeout) for _, client in targets),
             return_exceptions=True)
-        outcomes = ((not isinstance(g, BaseException), g) for g in got)
-        for g in got:  # a cancellation is the caller's, not an engine's outcome
+        for g in got:
             if isinstance(g, asyncio.CancelledError):
                 raise g
-        return self._outcomes(targets, outcomes)
+        return ((not isinstance(g, BaseException), g) for g in got)
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
         await asyncio.to_thread(self.shutdown, timeout)
@@ -947,3 +727,4 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown_async()
+

@@ -557,7 +557,7 @@ class MPClient(AttachSide, EngineCoreClient):
             timeout = math.inf if checked is None else checked
         if self._forked_off:
             return  # the engine, sockets and files are the parent's (see _after_fork_in_child)
-        self._abort_left_behind()
+        self.abort_left_behind(self.live_requests())
         if not self._mark_closed():
             # A second caller returns when the first one's teardown has ended, not before:
             # "shutdown returned" means the engine is gone, for every caller.
@@ -606,18 +606,16 @@ class MPClient(AttachSide, EngineCoreClient):
             # polling the parent's pid).
             proc.forget()
 
-    def _abort_left_behind(self) -> None:
-        """An attached engine outlives this front end: abort what it still runs for us, so it
-        stops spending steps on that before the next front end attaches (which would drop
-        it). A launched engine is stopped instead."""
+    def abort_left_behind(self, request_ids: list[str]) -> None:
+        """Before a shutdown: an attached engine outlives this front end, so abort what it
+        still runs for us (``request_ids``), and it stops spending steps on that before the
+        next front end attaches (which would drop it). A launched engine is stopped instead.
+        The member surface: a data-parallel owner names the requests it tracks."""
         res = self.resources
-        if res.proc is not None or self.is_closed or self.is_dead:
-            return
-        live = self.live_requests()
-        if not live:
+        if res.proc is not None or self.is_closed or self.is_dead or not request_ids:
             return
         try:
-            self._send_abort(live)
+            self.send_abort(request_ids)
         except EngineWireError:  # closed or dead in between: nothing left to stop
             return
         # A close with linger 0 would discard the ABORT if it is still queued; with no
@@ -717,11 +715,29 @@ class MPClient(AttachSide, EngineCoreClient):
                 raise ClientClosedError(self._closed_message)
             sock.send_multipart([self.identity, *frames])
 
-    def _send_add(self, request: EngineCoreRequest) -> None:
+    # -- the member surface (runtime/_dp_members.py's ``Member``) -------------------------------
+    #
+    # What a data-parallel client uses of each engine's client; the one-engine clients'
+    # add/abort are these too. A member's owner tracks the requests (one CLIENT_REQUEST
+    # lifecycle per request, kept where the caller reads): then ``_tracks_requests`` is off.
+
+    # Off on a data-parallel member: its owner tracks the requests it routes, once.
+    _tracks_requests = True
+
+    @property
+    def dead_cause(self) -> BaseException | None:
+        """Why the engine died (None while it lives): the monitor's, reader's or send's cause."""
+        return self._dead_cause
+
+    def send_add(self, request: EngineCoreRequest) -> None:
+        """Send an ADD without waiting (tracked first, where this client tracks requests)."""
         if not isinstance(request, EngineCoreRequest):
             raise TypeError(f"add_request expects an EngineCoreRequest, got {type(request)!r}")
         if request.client_index != self.client_index:
             request = msgspec.structs.replace(request, client_index=self.client_index)
+        if not self._tracks_requests:  # the owner tracks it, and holds a Ctrl-C around both
+            self._send(RequestType.ADD, request)
+            return
         self._track_add(request)
         with SigintHold():  # raised after the except below: the ADD went out whole
             try:
@@ -730,14 +746,16 @@ class MPClient(AttachSide, EngineCoreClient):
                 self._untrack_add(request.request_id)
                 raise
 
-    def _send_abort(self, request_ids: list[str]) -> None:
+    def send_abort(self, request_ids: list[str]) -> None:
+        """Send ABORTs for ``request_ids`` without waiting; a no-op once the engine died."""
         ids = check_request_ids(request_ids)
         if self.is_closed:
             raise ClientClosedError(self._closed_message)
         # On a dead engine an abort is a silent no-op: error paths must not raise twice.
         if not ids or self.is_dead:
             return
-        ids = self._track_abort(ids)
+        if self._tracks_requests:
+            ids = self._track_abort(ids)
         # In messages the engine takes (Limits.max_batch ids each): a longer list used to be
         # refused whole by the engine, so a live request in it never got its ABORT.
         step = (self._security[4] or DEFAULT_LIMITS).max_batch
@@ -753,10 +771,10 @@ class MPClient(AttachSide, EngineCoreClient):
     # each keeps for itself: the sync client's reader blocks its thread (``_SyncReader``), the
     # async client awaits an ``asyncio`` queue or future.
 
-    def _ensure_reader(self) -> None:
+    def bind_loop(self) -> None:
         """Make sure a reader delivers what a caller is about to wait for: nothing to do for
         the sync client, whose reader starts with it; the async client's binds to the running
-        loop (async_mp_client.py)."""
+        loop (async_mp_client.py). Part of the member surface."""
 
     def _output_first(self) -> EngineCoreOutputs | None:
         """What ``get_output`` does before it looks at the queue: the closed error, the
@@ -768,7 +786,7 @@ class MPClient(AttachSide, EngineCoreClient):
         if self._pending_sends:
             with self.resources.send_lock:
                 self._reclaim_sends()
-        self._ensure_reader()
+        self.bind_loop()
         if self._redeliver:
             with self._state_lock:  # two threads must not both take the last one
                 if self._redeliver:

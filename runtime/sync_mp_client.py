@@ -458,10 +458,10 @@ class SyncMPClient(SyncClientMixin, MPClient):
             q.queue.extend(kept)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send_add(request)
+        self.send_add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self._send_abort(request_ids)
+        self.send_abort(request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """Next batch; an empty batch if ``timeout`` passes first. Outputs queued before a
@@ -500,7 +500,8 @@ class SyncMPClient(SyncClientMixin, MPClient):
             except queue.Empty:
                 item = None
             else:
-                if item is not DEAD_MARKER and item is not CLOSED_MARKER:
+                if (item is not DEAD_MARKER and item is not CLOSED_MARKER
+                        and self._tracks_requests):
                     self._track_outputs(item)
         if item is None:
             if self.is_dead:

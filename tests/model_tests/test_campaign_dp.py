@@ -84,7 +84,8 @@ def _fail_everyone(monkeypatch: pytest.MonkeyPatch) -> None:
     real = dp_client._DPClient._drain_done
 
     def drain_done(self: Any, m: Any, client: Any) -> None:
-        others = [rid for rid, c in self._owner.items() if c is not client]
+        others = [rid for rid in self.live_requests()
+                  if self._router.owner(rid) not in (None, client)]
         n = len(self._failed)
         real(self, m, client)
         if len(self._failed) > n and others:
@@ -93,7 +94,7 @@ def _fail_everyone(monkeypatch: pytest.MonkeyPatch) -> None:
             batch.outputs.extend(dp_client.EngineCoreOutput(r, [], dp_client.FinishReason.ERROR,
                                                             error=why) for r in others)
             for rid in others:
-                del self._owner[rid]
+                del self._router._owner[rid]
 
     monkeypatch.setattr(dp_client._DPClient, "_drain_done", drain_done)
 

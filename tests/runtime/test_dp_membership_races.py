@@ -139,7 +139,7 @@ def test_dead_incarnations_are_not_kept(kind: str) -> None:
             return all(r() is None for r in dead)
 
         wait_until(forgotten, BOUND_S, "every dead incarnation forgotten")
-        assert not any(m.retired for m in client._members)
+        assert not any(m.retired for m in client._slots)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -152,7 +152,7 @@ def test_a_crash_loop_backs_off_then_stays_dead(kind: str) -> None:
         starts: list[float] = []
         deadline = time.monotonic() + BOUND_S * 2
         n = 0
-        while "not restarted again" not in str(client._members[0].cause):
+        while "not restarted again" not in str(client._slots[0].cause):
             assert time.monotonic() < deadline, client.engines
             if client.engines[0] is MembershipState.SERVING and client.engine_client(0):
                 c = client.engine_client(0)
@@ -177,7 +177,7 @@ def test_a_crash_loop_backs_off_then_stays_dead(kind: str) -> None:
             dp("add_request", req("pinned", rank=0))
         dp("add_request", req("elsewhere"))
         assert dp.collect({"elsewhere"})["elsewhere"][1] == 1
-        assert "not restarted again" in str(client._members[0].cause)
+        assert "not restarted again" in str(client._slots[0].cause)
 
 
 def test_restart_limit_is_checked() -> None:
