@@ -9,7 +9,7 @@ and async (generated into ``runtime/_utilities.py`` by ``render_wrappers``), the
 reply moves the client's lifecycle (``power``, a ``spec.client.PowerReply``), the table in
 ``docs/utilities.md`` and the tests that call every wrapper (``example``). Adding a utility is
 one entry here, the engine method of the same name, and ``python -m
-enginewire.testing.generate``; the freshness check in CI fails until the last step is done.
+enginewire._tools.generate``; the freshness check in CI fails until the last step is done.
 
 A declaration holds data and functions, never source text. What a wrapper does beyond sending
 its parameters is a module-level function declared here (``check``, ``wire``) or a type
@@ -17,7 +17,7 @@ its parameters is a module-level function declared here (``check``, ``wire``) or
 path (``echo``: nothing to check or convert) has no call beyond the send. The parameters'
 annotations and defaults are the generated ``def`` line's text, nothing more.
 
-Pure data, checks and text generation, no I/O (``enginewire.testing.generate`` writes the
+Pure data, checks and text generation, no I/O (``enginewire._tools.generate`` writes the
 files).
 """
 
@@ -275,7 +275,7 @@ LOOP_THREAD_METHODS: frozenset[str] = frozenset(u.name for u in UTILITIES if u.l
 
 # --- the generated wrappers (runtime/_utilities.py) ----------------------------------------
 
-_GENERATOR = "python -m enginewire.testing.generate"
+_GENERATOR = "python -m enginewire._tools.generate"
 _WIDTH = 100  # ruff's line length: the generated file is linted like the rest
 # Where the generated module sits: a function of ours is imported relative to it.
 _WRAPPERS_PACKAGE = "enginewire.runtime"
