@@ -101,7 +101,7 @@ def _spec_check(args: argparse.Namespace) -> int:
 
 
 def _spec_diagrams(args: argparse.Namespace) -> int:
-    from .testing.generate import write_diagrams
+    from ._tools.generate import write_diagrams
 
     out = _writable_dir("--out", args.out)
     try:

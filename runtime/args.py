@@ -2,18 +2,16 @@
 
 A bad argument is refused here with a ``TypeError`` or ``ValueError`` that names it, the
 same on every client; the engine would refuse most of them too, but only after a round trip
-and as a ``UtilityError`` blaming the call.
+and as a ``UtilityError`` blaming the call. The checks of a utility's own arguments live with
+its declaration (``protocol/utilities.py``), where the generated wrappers find them.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
 from collections.abc import Iterable
 from typing import Any
-
-from ..protocol.utilities import PAUSE_MODES, SLEEP_LEVELS
 
 # The longest wait handed to a blocking primitive at once: pyzmq's poll and RCVTIMEO take
 # int32 milliseconds and Condition.wait overflows past threading.TIMEOUT_MAX, so a longer
@@ -24,10 +22,7 @@ __all__ = [
     "check_method",
     "check_option_seconds",
     "check_request_ids",
-    "check_sleep_args",
     "check_timeout",
-    "check_wake_tags",
-    "profile_args",
 ]
 
 
@@ -80,37 +75,9 @@ def check_request_ids(request_ids: Any, what: str = "abort_requests") -> list[st
     return ids
 
 
-def check_wake_tags(tags: Any) -> list[str] | None:
-    """``None`` (everything) or a list of memory tags; a bare str is refused, not split."""
-    if tags is None:
-        return None
-    if isinstance(tags, (str, bytes)) or not isinstance(tags, Iterable):
-        raise TypeError(f"wake_up tags must be a list such as ['weights'] or None, got {tags!r}")
-    return list(tags)
-
-
-def check_sleep_args(level: int, mode: str) -> None:
-    # type(): True and 1.0 compare equal to 1 but are not levels (sleep(True) reached the
-    # engine and came back as a UtilityError).
-    if type(level) is not int or level not in SLEEP_LEVELS:
-        raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
-
-
 def check_method(method: Any) -> str:
     """A utility's name, refused here when it is not a str (it was sent, and came back as a
     UtilityError blaming a "malformed call")."""
     if not isinstance(method, str):
         raise TypeError(f"a utility method is named by a str, got {method!r}")
     return method
-
-
-def profile_args(is_start: Any, path: Any) -> tuple[str, str | None]:
-    """``profile``'s wire arguments; a non-bool start flag (profile("stop") would start it)
-    or a path that is not a str/PathLike is refused before anything is sent."""
-    if not isinstance(is_start, bool):
-        raise TypeError(f"profile(is_start) must be True or False, got {is_start!r}")
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"profile(path) must be a str, a PathLike or None, got {path!r}")
-    return ("start" if is_start else "stop"), (None if path is None else os.fspath(path))

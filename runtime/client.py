@@ -46,7 +46,7 @@ from ..protocol.messages import (
 )
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
 from ..protocol.utilities import PAUSE_MODES as SLEEP_MODES
-from ..protocol.utilities import POWER_METHODS
+from ..protocol.utilities import POWER_METHODS, check_sleep_args
 from ..spec.client import CLIENT, ClientEvent, ClientState
 from ..spec.errors import (
     ClientClosedError,
@@ -71,7 +71,6 @@ from .args import (
     check_method,
     check_option_flag,
     check_request_ids,
-    check_sleep_args,
     check_timeout,
 )
 from .config import EngineConfig

@@ -10,6 +10,7 @@ root=$PWD
 stage=build/typecheck
 rm -rf "$stage"; mkdir -p "$stage/enginewire"
 for f in enginewire/*.py; do ln -s "$root/$f" "$stage/$f"; done
+ln -s "$root/enginewire/_tools" "$stage/enginewire/_tools"
 ln -s "$root/spec" "$stage/enginewire/spec"
 ln -s "$root/protocol" "$stage/enginewire/protocol"
 ln -s "$root/runtime" "$stage/enginewire/runtime"

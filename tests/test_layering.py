@@ -68,7 +68,9 @@ RULES = (
          " socket, thread, event-loop, process or file module (socket I/O is"
          " runtime/zmq_io.py's)",
          # Per-thread decoder caches: thread-local storage, no thread started or waited on.
-         allowed=frozenset({"threading.local"})),
+         # A path argument's type and its str (profile's, protocol/utilities.py): no file
+         # touched.
+         allowed=frozenset({"threading.local", "os.PathLike", "os.fspath"})),
     Rule("runtime", ("enginewire.runtime",),
          ("enginewire.spec", "enginewire.protocol", "enginewire.runtime"), (),
          "runtime/ imports spec/ and protocol/, never the test harness (model_tests/, installed"
@@ -251,6 +253,8 @@ def test_the_scan_sees_relative_and_lazy_imports() -> None:
      "    import zmq\n", "protocol"),
     ("enginewire.protocol.x", "def f():\n    from threading import Thread\n", "protocol"),
     ("enginewire.protocol.x", "from threading import local\n", None),
+    ("enginewire.protocol.x", "from os import PathLike, fspath\n", None),
+    ("enginewire.protocol.x", "from os import remove\n", "protocol"),
     ("enginewire.protocol.x", "from ..runtime import zmq_io\n", "protocol"),
     ("enginewire.protocol.x", "from enginewire.cli import main\n", "protocol"),
     ("enginewire.protocol.x", "from ..spec.errors import ProtocolError\n", None),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import enginewire
-from enginewire.testing import generate
+from enginewire._tools import generate
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("enginewire", "enginewire/spec", "enginewire/protocol", "enginewire/runtime",
@@ -78,7 +78,7 @@ def test_wheel_holds_every_package_typed_and_licensed(wheel: Path) -> None:
         assert f"{pkg}/__init__.py" in names, pkg
         assert f"{pkg}/py.typed" in names, f"{pkg}: no py.typed"
     for f in ("enginewire/spec/_tables.py", "enginewire/spec/enginewire.pml",
-              "enginewire/__main__.py", "enginewire/cli.py"):
+              "enginewire/__main__.py", "enginewire/cli.py", "enginewire/_tools/generate.py"):
         assert f in names, f
     assert f"{info}/licenses/LICENSE" in names
     assert meta["Version"] == enginewire.__version__
@@ -102,7 +102,7 @@ def test_generator_in_a_wheel_install_refuses_to_write(wheel: Path, tmp_path: Pa
     env = dict(os.environ, PYTHONPATH=str(site))
     for args in (["--check"], []):
         res = subprocess.run(
-            [sys.executable, "-m", "enginewire.testing.generate", *args], cwd=tmp_path,
+            [sys.executable, "-m", "enginewire._tools.generate", *args], cwd=tmp_path,
             env=env, capture_output=True, text=True, timeout=60,
         )
         lines = res.stderr.strip().splitlines()
@@ -117,7 +117,7 @@ def test_generator_in_a_wheel_install_refuses_to_write(wheel: Path, tmp_path: Pa
     out.mkdir()
     for args, rc in ((["--check"], 1), ([], 0), (["--check"], 0)):
         res = subprocess.run(
-            [sys.executable, "-m", "enginewire.testing.generate", *args, "--root", str(out)],
+            [sys.executable, "-m", "enginewire._tools.generate", *args, "--root", str(out)],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
         )
         assert res.returncode == rc, (args, res.stdout, res.stderr)

@@ -8,12 +8,12 @@ import os
 
 import pytest
 
+from enginewire._tools.generate import ROOT
 from enginewire.spec import MEMBERSHIP
 from enginewire.spec import compose_dp as d
 from enginewire.spec.compose_dp import BUGS, DPComposition, World
 from enginewire.spec.explore import ExploreResult, explore_dp, uncovered_rows
 from enginewire.spec.properties import DP_PROPERTIES, dp_control_targets
-from enginewire.testing.generate import ROOT
 from enginewire.testing.spec_check import run_spin, spin_available
 
 DP_PML = (ROOT / "spec" / "enginewire_dp.pml").read_text()

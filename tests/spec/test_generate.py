@@ -6,11 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from enginewire.spec import MACHINES
-from enginewire.spec.diagrams import render_dot, render_mermaid
-from enginewire.spec.promela import render_promela
-from enginewire.spec.promela_dp import render_promela_dp
-from enginewire.testing.generate import (
+from enginewire._tools.generate import (
     ROOT,
     check_generated,
     generated_files,
@@ -18,11 +14,15 @@ from enginewire.testing.generate import (
     write_diagrams,
     write_generated,
 )
+from enginewire.spec import MACHINES
+from enginewire.spec.diagrams import render_dot, render_mermaid
+from enginewire.spec.promela import render_promela
+from enginewire.spec.promela_dp import render_promela_dp
 
 
 def test_committed_generated_files_are_fresh() -> None:
     stale = check_generated()
-    assert not stale, f"stale: {stale}; run `python -m enginewire.testing.generate`"
+    assert not stale, f"stale: {stale}; run `python -m enginewire._tools.generate`"
     assert main(["--check"]) == 0
 
 
@@ -40,7 +40,7 @@ def test_check_names_missing_and_stale_files_and_write_fixes_them(tmp_path: Path
 
 def test_generation_is_independent_of_the_hash_seed() -> None:
     code = (
-        "from enginewire.testing.generate import generated_files\n"
+        "from enginewire._tools.generate import generated_files\n"
         "import hashlib\n"
         "h = hashlib.sha256()\n"
         "for p, t in generated_files().items(): h.update(str(p).encode() + t.encode())\n"

@@ -12,11 +12,11 @@ import re
 
 import pytest
 
+from enginewire._tools.generate import ROOT
 from enginewire.spec.compose import BUGS
 from enginewire.spec.explore import ExploreResult
 from enginewire.spec.properties import PROPERTIES, control_targets
 from enginewire.testing import spec_check
-from enginewire.testing.generate import ROOT
 from enginewire.testing.spec_check import run_spin, spin_available
 
 if not spin_available():

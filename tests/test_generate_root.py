@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from enginewire.testing import generate
+from enginewire._tools import generate
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checkout_copy(tmp_path: Path) -> Path:

@@ -1,8 +1,11 @@
 """Write, or check fresh, every file generated from the spec tables.
 
-``python -m enginewire.testing.generate`` rewrites them; ``--check`` writes nothing and exits
-1 naming each stale or missing file (trio's ``gen_exports.py --test``). The generators
-themselves are pure functions in ``enginewire.spec``; only this module touches files.
+``python -m enginewire._tools.generate`` rewrites them; ``--check`` writes nothing and exits
+1 naming each stale or missing file (trio's ``_tools/gen_exports.py --test``). The generated
+files are production code and docs, so their generator sits in the top package, not in the
+test harness. The renderers themselves are pure functions beside their declarations
+(``enginewire.spec``, ``enginewire.protocol``, ``enginewire.runtime.options``); only this
+module touches files.
 
 The generated files belong to a source checkout. In an editable install the checkout is found
 from this file; in a wheel install this file sits in site-packages, so the default root is
@@ -36,9 +39,9 @@ __all__ = [
     "write_generated",
 ]
 
-# The repository root: model_tests/ sits directly under it (editable install). In a wheel
-# install this is site-packages/enginewire, which is not a checkout (see _checkout_root).
-ROOT = Path(__file__).resolve().parent.parent
+# The repository root: enginewire/_tools/ sits two levels under it (editable install). In a
+# wheel install this is site-packages, which is not a checkout (see _checkout_root).
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class NotACheckoutError(FileNotFoundError):
@@ -175,7 +178,7 @@ def write_diagrams(out: Path) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m enginewire.testing.generate",
+        prog="python -m enginewire._tools.generate",
         description="Rewrite (or, with --check, verify) every file generated from the spec "
         "tables in an enginewire source checkout.",
     )
@@ -201,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in stale:
             print(f"stale: {path.relative_to(root)}", file=sys.stderr)
         if stale:
-            print("Generated files are outdated; run `python -m enginewire.testing.generate`.",
+            print("Generated files are outdated; run `python -m enginewire._tools.generate`.",
                   file=sys.stderr)
             return 1
         return 0
