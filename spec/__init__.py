@@ -16,7 +16,7 @@ from .errors import (
     UtilityTimeoutError,
 )
 from .machine import Lifecycle, Machine, TraceEntry, Transition, validate_trace
-from .membership import MEMBERSHIP, MembershipEvent, MembershipState
+from .membership import MEMBERSHIP, SCALE, MembershipEvent, MembershipState, ScaleEvent, ScaleState
 from .request import (
     CLIENT_REQUEST,
     ENGINE_REQUEST,
@@ -31,7 +31,7 @@ from .utility import UTILITY, UtilityEvent, UtilityState
 
 # Every machine, in a fixed order (generators iterate this, never a set).
 MACHINES: tuple[Machine, ...] = (  # type: ignore[type-arg]
-    CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY, MEMBERSHIP, ATTACH, SESSION,
+    CLIENT, ENGINE, ENGINE_REQUEST, CLIENT_REQUEST, UTILITY, MEMBERSHIP, SCALE, ATTACH, SESSION,
 )
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "ENGINE_REQUEST",
     "MACHINES",
     "MEMBERSHIP",
+    "SCALE",
     "SESSION",
     "UTILITY",
     "AttachEvent",
@@ -63,6 +64,8 @@ __all__ = [
     "MembershipEvent",
     "MembershipState",
     "ProtocolError",
+    "ScaleEvent",
+    "ScaleState",
     "SessionEvent",
     "SessionState",
     "SpecViolation",

@@ -25,28 +25,49 @@ SHUTDOWN ends every member, whatever its state.
 The client's power state (``client.py``) is its serving members': in ``CLIENT_ASLEEP`` while
 any serving engine's client is, awake once none is (spec/compose_dp.py checks it against
 late replies, a target lost mid-call and replacements, which start awake).
+
+Elastic scaling (``scale(n)``): a *slot* is one tenure of an index. A joining engine is a new
+slot, STARTING; the scale commits once every joiner's handshake arrived (each HANDSHAKE_OK
+fired together, then they take work); a joiner that fails to start fails the scale and every
+other joiner of it is REMOVED (the previous set keeps serving). A leaving engine is LEAVE'd
+to DRAINING the moment the scale is called: it takes no new request or call, its live
+requests finish (or, at the drain deadline or without a drain, are aborted), then DRAINED
+makes it REMOVED, once its process is gone. A leaver that dies is simply gone (its live
+requests end with ERROR; it is never restarted). A dead or restarting index may be removed
+at once. REMOVED is final for that slot: an index that joins again is a new slot with a new
+channel and identity, so nothing of an earlier tenure reaches it. One scale runs at a time,
+and none while the client sleeps (``SCALE``, below).
 """
 
 from __future__ import annotations
 
 from enum import Enum
 
+from .client import CLIENT_ASLEEP, ClientState
 from .machine import Machine, Transition
 
 __all__ = [
     "MEMBERSHIP",
+    "MEMBER_DOWN",
+    "MEMBER_IN_SET",
     "MEMBER_LEFT",
     "MEMBER_ROUTABLE",
+    "SCALE",
+    "SCALE_REFUSED",
     "MembershipEvent",
     "MembershipState",
+    "ScaleEvent",
+    "ScaleState",
 ]
 
 
 class MembershipState(Enum):
     STARTING = "starting"
     SERVING = "serving"
+    DRAINING = "draining"
     DEAD = "dead"
     RESTARTING = "restarting"
+    REMOVED = "removed"
     SHUT_DOWN = "shut_down"
 
 
@@ -54,6 +75,9 @@ class MembershipEvent(Enum):
     HANDSHAKE_OK = "handshake_ok"
     DIED = "died"
     RESTART = "restart"
+    LEAVE = "leave"
+    DRAINED = "drained"
+    REMOVE = "remove"
     SHUTDOWN = "shutdown"
 
 
@@ -61,28 +85,77 @@ S, E = MembershipState, MembershipEvent
 
 MEMBER_ROUTABLE: frozenset[MembershipState] = frozenset({S.SERVING})
 """Requests, aborts and utility calls go only to an engine in one of these states."""
-MEMBER_LEFT: frozenset[MembershipState] = frozenset({S.STARTING, S.SERVING, S.RESTARTING})
+MEMBER_LEFT: frozenset[MembershipState] = frozenset(
+    {S.STARTING, S.SERVING, S.DRAINING, S.RESTARTING})
 """An engine still counts: the client is DEAD only when none of its members is in one."""
+MEMBER_DOWN: frozenset[MembershipState] = frozenset({S.DEAD, S.RESTARTING})
+"""An index of the set that is not serving because its engine died (``dead_engines``)."""
+MEMBER_IN_SET: frozenset[MembershipState] = frozenset(
+    {S.STARTING, S.SERVING, S.DEAD, S.RESTARTING})
+"""The indexes the client is meant to have (``data_parallel_size``): not leaving or gone."""
 
 MEMBERSHIP: Machine[MembershipState, MembershipEvent] = Machine(
     name="membership",
     states=MembershipState,
     events=MembershipEvent,
     initial=S.STARTING,
-    terminal=frozenset({S.SHUT_DOWN}),
+    terminal=frozenset({S.SHUT_DOWN, S.REMOVED}),
     doc=__doc__ or "",
     transitions=(
-        Transition(S.STARTING, E.HANDSHAKE_OK, S.SERVING),
+        Transition(S.STARTING, E.HANDSHAKE_OK, S.SERVING,
+                   note="with every other engine of its start or scale"),
         Transition(S.STARTING, E.DIED, S.DEAD, note="failed to start"),
+        Transition(S.STARTING, E.REMOVE, S.REMOVED, note="a joiner of a scale that failed"),
         Transition(S.SERVING, E.DIED, S.DEAD, note="its live requests end with ERROR"),
+        Transition(S.SERVING, E.LEAVE, S.DRAINING, note="scale down: no new work from now"),
+        Transition(S.DRAINING, E.DRAINED, S.REMOVED,
+                   note="its requests ended (the rest aborted at the deadline), process gone"),
+        Transition(S.DRAINING, E.DIED, S.REMOVED,
+                   note="a dead leaver is gone: its live requests end with ERROR"),
         Transition(S.DEAD, E.DIED, S.DEAD, note="second notice"),
         Transition(S.DEAD, E.RESTART, S.RESTARTING,
                    note="only with restart_dead_engines, within restart_limit"),
+        Transition(S.DEAD, E.REMOVE, S.REMOVED, note="scale down takes a dead index at once"),
         Transition(S.RESTARTING, E.HANDSHAKE_OK, S.SERVING, note="same index, a new channel"),
         Transition(S.RESTARTING, E.DIED, S.DEAD, note="the replacement failed to start"),
+        Transition(S.RESTARTING, E.REMOVE, S.REMOVED,
+                   note="scale down abandons the replacement"),
         *(Transition(s, E.SHUTDOWN, S.SHUT_DOWN)
-          for s in (S.STARTING, S.SERVING, S.DEAD, S.RESTARTING)),
+          for s in (S.STARTING, S.SERVING, S.DRAINING, S.DEAD, S.RESTARTING)),
         Transition(S.SHUT_DOWN, E.SHUTDOWN, S.SHUT_DOWN, note="idempotent"),
         Transition(S.SHUT_DOWN, E.DIED, S.SHUT_DOWN, note="exit after shutdown is expected"),
+        Transition(S.REMOVED, E.DIED, S.REMOVED, note="exit after removal is expected"),
+        Transition(S.REMOVED, E.SHUTDOWN, S.REMOVED, note="gone already"),
+    ),
+)
+
+
+class ScaleState(Enum):
+    IDLE = "idle"
+    SCALING = "scaling"
+
+
+class ScaleEvent(Enum):
+    BEGIN = "begin"
+    END = "end"
+
+
+SCALE_REFUSED: frozenset[ClientState] = CLIENT_ASLEEP
+"""Client states in which ``scale`` is refused (a SpecViolation naming the state): a joiner
+starts awake, so a sleeping group would be neither asleep nor awake."""
+
+SCALE: Machine[ScaleState, ScaleEvent] = Machine(
+    name="scale",
+    states=ScaleState,
+    events=ScaleEvent,
+    initial=ScaleState.IDLE,
+    terminal=frozenset(),
+    doc="One data-parallel client's scale operations: one at a time (a BEGIN while SCALING "
+        "is a SpecViolation, and the running scale goes on).",
+    transitions=(
+        Transition(ScaleState.IDLE, ScaleEvent.BEGIN, ScaleState.SCALING,
+                   note="scale(n) called; joiners start, leavers drain"),
+        Transition(ScaleState.SCALING, ScaleEvent.END, ScaleState.IDLE,
+                   note="joiners serving and leavers gone, or the scale failed"),
     ),
 )
