@@ -34,6 +34,9 @@ class Member(Protocol):
     # Every batch of this (dead) incarnation was taken: the owner reads it no more. A flag on
     # the incarnation itself, not an id() in the owner: ids are reused once it is freed.
     read_to_end: bool
+    # Why a scale-down took this incarnation (its requests still live then end ABORT with
+    # this as their error); None for one that died.
+    removal: str | None
     lifecycle: Lifecycle[ClientState, ClientEvent]
     resources: BackgroundResources
     ready_response: Any
@@ -52,6 +55,8 @@ class Member(Protocol):
     def bind_loop(self) -> None: ...
     def has_output(self) -> bool: ...
     def take(self) -> EngineCoreOutputs | None: ...
+    def watch_finishes(self) -> None: ...
+    def finishes_arrived(self) -> frozenset[str] | set[str]: ...
     def pending_utility_calls(self) -> int: ...
     def queued_outputs(self) -> int: ...
     def send_raw_frames(self, frames: list[bytes]) -> None: ...
@@ -59,27 +64,32 @@ class Member(Protocol):
 
 
 class _NotifyingQueue(queue.Queue[Any]):
-    """A sync member's output queue: every put also wakes the data-parallel client."""
+    """A sync member's output queue: every put is told to the member (``_arrived``)."""
 
-    def __init__(self, notify: Callable[[], None]) -> None:
+    def __init__(self, arrived: Callable[[Any], None]) -> None:
         super().__init__()
-        self._notify = notify
+        self._arrived = arrived
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(item, block, timeout)
-        self._notify()
+        self._arrived(item)
 
 
 class _NotifyingAsyncQueue(asyncio.Queue[Any]):
-    """An async member's output queue (on its loop): every put wakes the client."""
+    """An async member's output queue (on its loop): every put is told to the member."""
 
-    def __init__(self, notify: Callable[[], None]) -> None:
+    def __init__(self, arrived: Callable[[Any], None]) -> None:
         super().__init__()
-        self._notify = notify
+        self._arrived = arrived
 
     def put_nowait(self, item: Any) -> None:
         super().put_nowait(item)
-        self._notify()
+        self._arrived(item)
+
+
+def _finishes(item: Any) -> list[str]:
+    outs = getattr(item, "outputs", None)  # a batch, or a marker
+    return [o.request_id for o in outs if o.finish_reason is not None] if outs else []
 
 
 class _MemberMixin:
@@ -91,6 +101,10 @@ class _MemberMixin:
     _dp_power: Callable[[], None]
     _abandon: threading.Event | None
     read_to_end: bool
+    removal: str | None
+    # While a scale-down drains this engine: the ids whose finishing output has arrived in
+    # its queue (read or not). None otherwise: no per-batch work on the serving path.
+    _finished: set[str] | None = None
 
     def __init__(self, config: Any, *, notify: Callable[[], None],
                  died: Callable[[MPClient, BaseException], None], power: Callable[[], None],
@@ -99,7 +113,33 @@ class _MemberMixin:
         self._dp_notify, self._dp_died, self._dp_power = notify, died, power
         self._abandon = abandon
         self.read_to_end = False
+        self.removal = None
         super().__init__(config, **options)  # type: ignore[call-arg]
+
+    def _arrived(self, item: Any) -> None:
+        """Something was put in the output queue (the reader's thread, or the loop)."""
+        finished = self._finished
+        if finished is not None:
+            finished.update(_finishes(item))
+        self._dp_notify()
+
+    def _queued(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _death_expected(self) -> bool:
+        return self.removal is not None
+
+    def watch_finishes(self) -> None:
+        """From now on, note each finishing output as it arrives (a drain's end is every
+        request finished at the engine, read or not). Set before the queue is looked at:
+        a batch put meanwhile is noted by its put or seen in the queue (a C-level copy)."""
+        finished: set[str] = set()
+        self._finished = finished
+        for item in self._queued():
+            finished.update(_finishes(item))
+
+    def finishes_arrived(self) -> frozenset[str] | set[str]:
+        return self._finished or frozenset()
 
     def _on_power_reply(self, method: str, result: Any) -> None:
         # The owner's power state is derived from its members' (dp_client.py): told after
@@ -120,7 +160,10 @@ class _MemberMixin:
 
 class SyncMember(_MemberMixin, SyncMPClient):
     def _new_output_queue(self) -> queue.Queue[Any]:
-        return _NotifyingQueue(self._dp_notify)
+        return _NotifyingQueue(self._arrived)
+
+    def _queued(self) -> list[Any]:
+        return list(self._outputs.queue)
 
     def has_output(self) -> bool:
         return bool(self._outputs.qsize() or self._redeliver)
@@ -133,7 +176,11 @@ class SyncMember(_MemberMixin, SyncMPClient):
 
 class AsyncMember(_MemberMixin, AsyncMPClient):
     def _new_output_queue(self) -> asyncio.Queue[Any]:
-        return _NotifyingAsyncQueue(self._dp_notify)
+        return _NotifyingAsyncQueue(self._arrived)
+
+    def _queued(self) -> list[Any]:
+        q = self._outputs
+        return [] if q is None else list(q._queue)  # type: ignore[attr-defined]
 
     def has_output(self) -> bool:
         q = self._outputs

@@ -20,6 +20,9 @@ from typing import Any
 from ..spec.errors import ClientClosedError, EngineDeadError, EngineStartupError
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.membership import (
+    MEMBER_DOWN,
+    MEMBER_GONE,
+    MEMBER_IN_SET,
     MEMBER_LEFT,
     MEMBER_ROUTABLE,
     MEMBERSHIP,
@@ -54,8 +57,8 @@ GONE_BOUND_S = 10.0
 class Slot:
     """One engine index: its membership lifecycle and its incarnations."""
 
-    __slots__ = ("cause", "client", "index", "lifecycle", "quick_deaths", "restarts",
-                 "retired", "serving_since")
+    __slots__ = ("cause", "client", "index", "lifecycle", "quick_deaths", "removing",
+                 "restarts", "retired", "serving_since")
 
     def __init__(self, index: int, trace: list[TraceEntry] | None) -> None:
         self.index = index
@@ -72,6 +75,9 @@ class Slot:
         self.restarts = 0
         self.serving_since = 0.0  # monotonic time of the current incarnation's handshake
         self.quick_deaths = 0  # consecutive incarnations that died within RESTART_STABLE_S
+        # Set by a scale-down once the drain ended: its engine's exit then is DRAINED, not a
+        # death.
+        self.removing = False
 
     @property
     def routable(self) -> bool:
@@ -109,7 +115,8 @@ class Membership:
     """The engine indexes of one data-parallel client and their incarnations."""
 
     def __init__(self, size: int, *, lock: threading.RLock, trace: list[TraceEntry] | None,
-                 build: Callable[[int], Member], restart: bool, restart_limit: int,
+                 build: Callable[[int, threading.Event], Member], restart: bool,
+                 restart_limit: int,
                  live: Callable[[], bool], changed: Callable[[], None],
                  all_dead: Callable[[BaseException], None],
                  follow_power: Callable[[], None], replaced: Callable[[int], None]) -> None:
@@ -126,6 +133,8 @@ class Membership:
         # Restarts and reaps in progress: teardown joins them, so a dead incarnation being
         # shut down is waited for without being kept once it is gone.
         self._threads: set[threading.Thread] = set()
+        # The abandon events of the scales starting engines now: teardown sets them too.
+        self._starts: set[threading.Event] = set()
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -136,12 +145,17 @@ class Membership:
         return any(s.lifecycle.state in MEMBER_LEFT for s in self.slots)
 
     def states(self) -> dict[int, MembershipState]:
-        return {s.index: s.lifecycle.state for s in self.slots}
+        """Each index's state, less the slots gone for good (``scale``)."""
+        return {s.index: s.lifecycle.state for s in self.slots
+                if s.lifecycle.state not in MEMBER_GONE}
 
     def not_serving(self) -> list[int]:
-        """Indexes neither serving nor ended for good (dead, or restarting after a death)."""
-        return [s.index for s in self.slots if s.lifecycle.state not in MEMBER_ROUTABLE
-                and s.lifecycle.state not in MEMBERSHIP.terminal]
+        """Indexes of the set whose engine died (dead, or restarting after a death)."""
+        return [s.index for s in self.slots if s.lifecycle.state in MEMBER_DOWN]
+
+    def in_set(self) -> list[Slot]:
+        """The slots the client is meant to have: not leaving, not gone."""
+        return [s for s in self.slots if s.lifecycle.state in MEMBER_IN_SET]
 
     def held(self) -> list[Any]:
         """Every incarnation still held, dead ones included."""
@@ -156,20 +170,30 @@ class Membership:
 
     # -- start --------------------------------------------------------------------------------
 
+    def _build_all(self, slots: list[Slot], abandon: threading.Event
+                   ) -> tuple[list[tuple[Slot, Member]], list[tuple[int, BaseException]]]:
+        """Start the engines of ``slots`` at once (each waits for its own handshake); the
+        first failure abandons the others' starts."""
+        built: list[tuple[Slot, Member]] = []
+        errors: list[tuple[int, BaseException]] = []
+        with concurrent.futures.ThreadPoolExecutor(len(slots), thread_name_prefix="EngineCoreStart"
+                                                   ) as pool:
+            futures = [pool.submit(self._build, s.index, abandon) for s in slots]
+            for s, fut in zip(slots, futures, strict=True):
+                try:
+                    built.append((s, fut.result()))
+                except BaseException as e:  # each is reported by the caller
+                    errors.append((s.index, e))
+                    abandon.set()  # the others need not finish starting
+        return built, errors
+
     def start_all(self) -> None:
         """Start every engine at once (each waits for its own handshake); the group is
         SERVING once all are, else ``EngineStartupError`` naming the first that failed."""
         n = self.size
-        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="EngineCoreStart"
-                                                   ) as pool:
-            futures = [pool.submit(self._build, i) for i in range(n)]
-            errors: list[tuple[int, BaseException]] = []
-            for i, fut in enumerate(futures):
-                try:
-                    self.slots[i].client = fut.result()
-                except BaseException as e:  # each is reported below
-                    errors.append((i, e))
-                    self.abandon.set()  # the others need not finish starting
+        built, errors = self._build_all(self.slots, self.abandon)
+        for s, client in built:
+            s.client = client
         if errors:
             i, first = errors[0]
             raise EngineStartupError(
@@ -189,43 +213,163 @@ class Membership:
                 s.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
                 s.serving_since = now
 
+    # -- scale --------------------------------------------------------------------------------
+
+    def add_slots(self, count: int, trace: list[TraceEntry] | None) -> list[Slot]:
+        """``count`` new slots, STARTING, at the lowest free indexes (a gone slot's index is
+        free: its dead incarnations still to be read move to the new slot). Under the lock."""
+        new: list[Slot] = []
+        for i, old in enumerate(self.slots):
+            if len(new) == count:
+                break
+            if old.lifecycle.state in MEMBER_GONE:
+                slot = Slot(i, trace)
+                slot.retired = old.retired
+                self.slots[i] = slot
+                new.append(slot)
+        while len(new) < count:
+            slot = Slot(len(self.slots), trace)
+            self.slots.append(slot)
+            new.append(slot)
+        return new
+
+    def join(self, slots: list[Slot]) -> None:
+        """Start the engines of new ``slots`` and make them SERVING together; if any fails to
+        start (or dies before the others are up, or the client closes), every one of them is
+        REMOVED, the engines started are stopped, and ``EngineStartupError`` names it."""
+        abandon = threading.Event()
+        self._starts.add(abandon)
+        if self.abandon.is_set():
+            abandon.set()
+        try:
+            built, errors = self._build_all(slots, abandon)
+        finally:
+            self._starts.discard(abandon)
+        with self._lock:
+            for s, client in built:
+                if client.is_dead and not errors:
+                    errors.append((s.index, EngineStartupError(
+                        f"engine {s.index} died while the others joined: {client.dead_cause}")))
+            if not errors and not self._live():
+                errors.append((slots[0].index, ClientClosedError(
+                    "the client was shut down while engines joined")))
+            if not errors:
+                now = time.monotonic()
+                for s, client in built:
+                    s.client = client
+                    s.serving_since = now
+                    s.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)
+                self._follow_power()
+            else:
+                failed = {i for i, _ in errors}
+                for s in slots:
+                    if s.index in failed and s.lifecycle.can(MembershipEvent.DIED):
+                        s.lifecycle.fire(MembershipEvent.DIED)
+                    if s.lifecycle.can(MembershipEvent.REMOVE):
+                        s.lifecycle.fire(MembershipEvent.REMOVE)
+        if not errors:
+            self._changed()
+            return
+        for _, client in built:
+            client.shutdown()
+        i, first = errors[0]
+        if isinstance(first, ClientClosedError):
+            raise first
+        raise EngineStartupError(
+            f"engine {i} failed to join: {first}; the scale was undone (engines"
+            f" {[s.index for s in self.in_set()]} serve as before)") from first
+
+    def leave(self, s: Slot) -> None:
+        """Scale-down takes ``s`` out of the set now: a serving engine DRAINS (no new work),
+        a dead or restarting one is REMOVED at once. Under the lock."""
+        if s.lifecycle.can(MembershipEvent.LEAVE):
+            s.lifecycle.fire(MembershipEvent.LEAVE)
+        elif s.lifecycle.can(MembershipEvent.REMOVE):
+            s.lifecycle.fire(MembershipEvent.REMOVE)
+            if s.client is not None:  # a replacement's start lost the race: it goes too
+                s.retired.append(s.client)
+                s.client = None
+
+    def remove(self, s: Slot, client: Member) -> None:
+        """A drained leaver goes: its process killed and gone (bounded), then DRAINED (its
+        exit is no death); its batches still queued are read, then it is shut down."""
+        with self._lock:
+            if s.client is not client:
+                return  # it died during the drain: gone already
+            s.removing = True
+            client.removal = f"engine {s.index} was removed by a scale-down"
+        try:
+            ensure_gone(client, s.index)
+        finally:
+            self.died(client, ClientClosedError(f"engine {s.index} was removed by a scale"))
+
+    # -- death and restart --------------------------------------------------------------------
+
     # -- death and restart --------------------------------------------------------------------
 
     def died(self, client: Member, cause: BaseException) -> None:
-        """Incarnation ``client``'s engine died (its monitor, reader or a send saw it);
-        idempotent: a retired incarnation, a second notice or a shutdown change nothing."""
+        """Incarnation ``client``'s engine died (its monitor, reader or a send saw it), or a
+        scale stopped it; idempotent: a retired incarnation, a second notice or a shutdown
+        change nothing."""
         with self._lock:
-            s = self.slots[client.engine_index]
-            if s.client is not client or s.lifecycle.state not in MEMBER_ROUTABLE:
+            i = client.engine_index
+            s = self.slots[i] if i < len(self.slots) else None
+            if s is None or s.client is not client:
                 return
-            s.lifecycle.fire(MembershipEvent.DIED)
-            s.cause = cause
-            restart = self._restart and self._live()
-            if restart:
-                quick = time.monotonic() - s.serving_since < RESTART_STABLE_S
-                s.quick_deaths = s.quick_deaths + 1 if quick else 0
-                if s.quick_deaths > self._restart_limit:
-                    restart = False
-                    s.cause = EngineDeadError(
-                        f"engine {s.index} is not restarted again: {s.quick_deaths}"
-                        f" incarnations in a row died within {RESTART_STABLE_S:g} s of their"
-                        f" start (restart_limit={self._restart_limit}); last: {cause}")
-                    s.cause.__cause__ = cause
-            if restart:
-                s.lifecycle.fire(MembershipEvent.RESTART)
+            lc = s.lifecycle
+            if lc.can(MembershipEvent.DRAINED):
+                # A leaver: gone either way, never restarted; its batches are still read. A
+                # planned exit (the drain ended) is DRAINED, any other a death (its live
+                # requests then end with ERROR).
+                lc.fire(MembershipEvent.DRAINED if s.removing else MembershipEvent.DIED)
+                if not s.removing:
+                    s.cause = cause
                 s.retired.append(client)
                 s.client = None
                 self._replaced(s.index)
-                delay = 0.0 if not s.quick_deaths else min(
-                    RESTART_BACKOFF_S * 2 ** (s.quick_deaths - 1), RESTART_BACKOFF_MAX_S)
-                self._spawn(self._restart_slot, (s, client, delay),
-                            f"EngineCoreRestart_{s.index}")
-            left = [x.index for x in self.slots if x.lifecycle.state in MEMBER_LEFT]
-            logger.warning("engine %d died (%s); engines left: %s", s.index, s.cause, left)
-            if not left:
-                self._all_dead(self.all_dead_cause())
-            self._follow_power()
+            elif lc.state in MEMBER_ROUTABLE:
+                self._serving_died(s, client, cause)
+            else:
+                return
+            self._after_loss(s)
         self._changed()
+
+    def _serving_died(self, s: Slot, client: Member, cause: BaseException) -> None:
+        """A serving engine died: DEAD, then (with restarts, within the limit) RESTARTING
+        with a replacement starting. Under the lock."""
+        s.lifecycle.fire(MembershipEvent.DIED)
+        s.cause = cause
+        restart = self._restart and self._live()
+        if restart:
+            quick = time.monotonic() - s.serving_since < RESTART_STABLE_S
+            s.quick_deaths = s.quick_deaths + 1 if quick else 0
+            if s.quick_deaths > self._restart_limit:
+                restart = False
+                s.cause = EngineDeadError(
+                    f"engine {s.index} is not restarted again: {s.quick_deaths}"
+                    f" incarnations in a row died within {RESTART_STABLE_S:g} s of their"
+                    f" start (restart_limit={self._restart_limit}); last: {cause}")
+                s.cause.__cause__ = cause
+        if restart:
+            s.lifecycle.fire(MembershipEvent.RESTART)
+            s.retired.append(client)
+            s.client = None
+            self._replaced(s.index)
+            delay = 0.0 if not s.quick_deaths else min(
+                RESTART_BACKOFF_S * 2 ** (s.quick_deaths - 1), RESTART_BACKOFF_MAX_S)
+            self._spawn(self._restart_slot, (s, client, delay), f"EngineCoreRestart_{s.index}")
+
+    def _after_loss(self, s: Slot) -> None:
+        """Engine ``s`` stopped serving (a death, or a scale took it): the client is DEAD if
+        no engine is left, and its power state follows the rest. Under the lock."""
+        left = [x.index for x in self.slots if x.lifecycle.state in MEMBER_LEFT]
+        if s.removing:
+            logger.info("engine %d left (a scale-down); engines left: %s", s.index, left)
+        else:
+            logger.warning("engine %d died (%s); engines left: %s", s.index, s.cause, left)
+        if not left:
+            self._all_dead(self.all_dead_cause())
+        self._follow_power()
 
     def _spawn(self, target: Callable[..., None], args: tuple[Any, ...], name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -241,7 +385,7 @@ class Membership:
             if delay and self.abandon.wait(delay):
                 raise ClientClosedError("the client was shut down during the restart backoff")
             ensure_gone(dead, s.index)
-            client = self._build(s.index)
+            client = self._build(s.index, self.abandon)
         except BaseException as e:  # reported as the member's death
             with self._lock:
                 # Still waiting for this replacement's handshake (not shut down meanwhile).
@@ -276,7 +420,7 @@ class Membership:
         if client in s.retired:
             s.retired.remove(client)
             self._spawn(self._reap, (client,), f"EngineCoreReap_{s.index}")
-        if client is s.client and s.lifecycle.state in MEMBER_ROUTABLE:
+        if client is s.client:
             self.died(client, client.dead_cause or ClientClosedError(
                 f"engine {s.index}'s client was shut down"))
 
@@ -291,6 +435,8 @@ class Membership:
     def teardown(self, timeout: float | None) -> None:
         """Stop every incarnation (all at once) and join the restarts and reaps."""
         self.abandon.set()
+        for start in list(self._starts):
+            start.set()
         with self._lock:
             clients = self.held()
             for s in self.slots:

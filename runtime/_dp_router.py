@@ -57,6 +57,14 @@ class Router:
         ids = self._sent_ids.get(client)
         return 0 if ids is None else len(ids)
 
+    def grow(self, size: int) -> None:
+        """Room for indexes up to ``size`` (a scale-up); a reused index starts from nothing."""
+        extra = size - self._size
+        if extra > 0:
+            for figures in (self._waiting, self._running, self._sent):
+                figures.extend([0] * extra)
+            self._size = size
+
     def load(self, index: int, client: Any) -> tuple[int, int]:
         n = self.in_flight(client)
         return (4 * min(self._waiting[index] + self._sent[index], n)
@@ -67,7 +75,7 @@ class Router:
         """The slot ``request`` goes to; None when no engine serves. ``tried``: indexes whose
         send failed for this request already. A rank that is not serving is an error."""
         rank = request.data_parallel_rank
-        n = self._size
+        n = len(slots)
         if rank is not None:
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
                 raise ValueError(f"data_parallel_rank={rank!r}: must be None or an engine"

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 import weakref
@@ -55,9 +56,9 @@ from ..protocol.codec import check_no_dataclass
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
 from ..spec.client import CLIENT_ASLEEP, CLIENT_LIVE, RESUMED, SLEPT, ClientEvent
-from ..spec.errors import ClientClosedError, EngineDeadError
+from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation
 from ..spec.machine import TraceEntry
-from ..spec.membership import MembershipState
+from ..spec.membership import SCALE, SCALE_REFUSED, MembershipState, ScaleEvent
 from ..spec.utility import UtilityEvent
 from ._background import SigintHold
 from ._dp_members import AsyncMember, Member, SyncMember
@@ -65,11 +66,17 @@ from ._dp_membership import Membership, Slot
 from ._dp_router import Router
 from ._registry import utility_outcome
 from ._utilities import AsyncUtilityMethods
-from .args import MAX_WAIT_SLICE_S, check_method, check_request_ids, check_timeout
+from .args import (
+    MAX_WAIT_SLICE_S,
+    check_method,
+    check_option_flag,
+    check_request_ids,
+    check_timeout,
+)
 from .async_mp_client import call_on_loop
 from .client import EngineCoreClient, SyncClientMixin
 from .mp_client import MPClient
-from .options import ClientOptions, DataParallelOptions
+from .options import PER_ENGINE, ClientOptions, DataParallelOptions
 
 if TYPE_CHECKING:
     from .ray_backend import Strategy
@@ -77,6 +84,12 @@ if TYPE_CHECKING:
 __all__ = ["AsyncDPClient", "SyncDPClient"]
 
 logger = logging.getLogger(__name__)
+
+# How often a scale-down looks whether its leavers' requests finished.
+_DRAIN_POLL_S = 0.01
+
+# The most engines one call_utility_all asks at once (a larger group waits for a thread).
+_UTILITY_THREADS = 32
 
 # One utility call's targets: each serving slot with the incarnation taken for it under the
 # state lock (a death and restart may set ``slot.client`` to None the moment it is released).
@@ -117,13 +130,14 @@ class _DPClient(EngineCoreClient):
                     raise ValueError(f"{name}: only the data_parallel_backend 'ray' places"
                                      f" engines (this config's is {backend!r})")
         super().__init__(config, trace=trace)
-        self.data_parallel_size: int = config.data_parallel_size
+        n = config.data_parallel_size
         self.options = opts
         self._engine_options = (ClientOptions() if opts.engine_options is None
                                 else opts.engine_options)
         # Read here too (members pass batches through as they come).
         self._columnar = self._engine_options.columnar_outputs
-        self._router = Router(self.data_parallel_size)
+        self._router = Router(n)
+        self._scaling = SCALE.lifecycle(trace=trace)
         self._failed: list[EngineCoreOutputs] = []  # ERROR batches not yet returned
         self._turn_out = 0  # the engine get_output looks at first
         self._utility_turn = 0
@@ -162,15 +176,15 @@ class _DPClient(EngineCoreClient):
             if client is not None:
                 client._router.reset(index)
 
-        def build(index: int) -> Member:
+        def build(index: int, abandon: threading.Event) -> Member:
             client = ref()
             if client is None:
                 raise ClientClosedError("the client was dropped")
-            return client._build(index)
+            return client._build(index, abandon)
 
         self._notify_cb, self._died_cb, self._power_cb = notify, died, power
         self._membership = Membership(
-            self.data_parallel_size, lock=self._state_lock, trace=trace, build=build,
+            n, lock=self._state_lock, trace=trace, build=build,
             restart=opts.restart_dead_engines, restart_limit=opts.restart_limit, live=live,
             changed=notify, all_dead=all_dead, follow_power=power, replaced=replaced)
         self._slots = self._membership.slots
@@ -180,7 +194,7 @@ class _DPClient(EngineCoreClient):
 
                 # One of ray_backend.STRATEGIES: DataParallelOptions checked it.
                 strategy = cast("Strategy", opts.ray_placement_strategy)
-                self._placement = RayEngines(self.data_parallel_size, strategy=strategy,
+                self._placement = RayEngines(n, strategy=strategy,
                                              address=opts.ray_address)
             self._membership.start_all()
             with self._state_lock:
@@ -191,8 +205,9 @@ class _DPClient(EngineCoreClient):
             self._teardown()
             raise
 
-    def _build(self, index: int) -> Member:
-        """A new incarnation of engine ``index``, started (its handshake done)."""
+    def _build(self, index: int, abandon: threading.Event) -> Member:
+        """A new incarnation of engine ``index``, started (its handshake done); ``abandon``
+        set gives its start up."""
         engine = self.options.for_engine(index)
         if self._placement is not None:
             if self._engine_options.transport == "ipc":  # the default; ipc stays on one host
@@ -200,7 +215,7 @@ class _DPClient(EngineCoreClient):
             engine["engine_launcher"] = self._placement.launcher(index)
         return self._member_type(
             self.config, notify=self._notify_cb, died=self._died_cb, power=self._power_cb,
-            abandon=self._membership.abandon, options=self._engine_options,
+            abandon=abandon, options=self._engine_options,
             engine_index=index, **engine)
 
     def _notify(self) -> None:
@@ -296,8 +311,8 @@ class _DPClient(EngineCoreClient):
                 return self._redeliver.popleft()
             if self._failed:
                 return self._deliver_failed()
-            n = self.data_parallel_size
             slots = self._slots
+            n = len(slots)
             for k in range(n):
                 s = slots[(self._turn_out + k) % n]
                 for client in s.incarnations():  # a snapshot: a drain may retire one
@@ -345,10 +360,17 @@ class _DPClient(EngineCoreClient):
         live = self._requests
         rids = [r for r in rids if r in live]
         if rids and not self.is_dead and not self.is_closed:
-            why = f"engine {s.index} died: {s.cause or client.dead_cause}"
+            # A scale-down's leaver ends what it still ran as aborted (its stop reason says
+            # why), a dead engine as ERROR.
+            removal = client.removal
+            if removal is not None:
+                ends = [EngineCoreOutput(r, [], FinishReason.ABORT, stop_reason=removal)
+                        for r in rids]
+            else:
+                why = f"engine {s.index} died: {s.cause or client.dead_cause}"
+                ends = [EngineCoreOutput(r, [], FinishReason.ERROR, error=why) for r in rids]
             self._failed.append(EngineCoreOutputs(
-                engine_index=s.index, timestamp=EngineCoreOutputs.now(),
-                outputs=[EngineCoreOutput(r, [], FinishReason.ERROR, error=why) for r in rids]))
+                engine_index=s.index, timestamp=EngineCoreOutputs.now(), outputs=ends))
 
     def _deliver_failed(self) -> EngineCoreOutputs:
         out = self._failed.pop(0)
@@ -442,7 +464,116 @@ class _DPClient(EngineCoreClient):
             return self._after_all(method, results)
         return results if every else results[0]
 
+    # -- scale ------------------------------------------------------------------------------
+
+    def _scale(self, n: int, drain: bool, drain_timeout_s: float,
+               remove: Sequence[int] | None) -> None:
+        """``scale``'s steps, for both clients (the async one runs them in a thread)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale: n={n!r} must be an int >= 1 (the engines to serve with)")
+        check_option_flag(drain, "drain")
+        if (isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, int | float)
+                or not math.isfinite(drain_timeout_s) or drain_timeout_s < 0):
+            raise ValueError(f"scale: drain_timeout_s={drain_timeout_s!r} must be a finite"
+                             " number of seconds >= 0")
+        if remove is not None and (not isinstance(remove, list | tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) for i in remove)
+                or len(set(remove)) != len(remove)):
+            raise ValueError(f"scale: remove={remove!r} must be a list of distinct engine"
+                             " indexes")
+        joiners, leavers = self._scale_begin(n, remove)
+        try:
+            if joiners:
+                self._membership.join(joiners)
+            if leavers:
+                self._drain_out(leavers, drain_timeout_s if drain else 0.0)
+        finally:
+            with self._state_lock:
+                self._scaling.fire(ScaleEvent.END)
+
+    def _scale_begin(self, n: int, remove: Sequence[int] | None
+                     ) -> tuple[list[Slot], list[Slot]]:
+        """Under the lock: refuse what the spec refuses, BEGIN, then the joiners' new slots
+        (STARTING) or the leavers taken out of the set (no new work from now)."""
+        with self._state_lock:
+            self.ensure_alive()
+            state = self.lifecycle.state
+            if state in SCALE_REFUSED or not self._scaling.can(ScaleEvent.BEGIN):
+                err = SpecViolation(SCALE.name, self._scaling.state.name, ScaleEvent.BEGIN.name)
+                why = (f"the client is {state.value}: wake it up first (a joiner starts awake,"
+                       " so the group would be neither asleep nor awake)"
+                       if state in SCALE_REFUSED else
+                       "another scale of this client is running (one scale at a time)")
+                err.args = (f"scale: {why}; nothing changed ({err})",)
+                raise err
+            if self._placement is not None or not self._engine_options.launch_engine or any(
+                    getattr(self.options, name) is not None for name in PER_ENGINE):
+                raise ValueError(
+                    "scale: only a client that launches its engines on this host (the 'mp'"
+                    " backend, no per-engine addresses) scales; this one's engines are"
+                    + (" Ray actors" if self._placement is not None
+                       else " attached or given per-engine addresses"))
+            members = self._membership.in_set()
+            have = [s.index for s in members]
+            if remove is not None:
+                unknown = sorted(set(remove) - set(have))
+                if unknown:
+                    raise ValueError(f"scale: remove={list(remove)!r} names {unknown}, not"
+                                     f" engines of this client (its engines: {have})")
+                if len(have) - len(remove) != n:
+                    raise ValueError(f"scale: n={n} with remove={list(remove)!r}: removing"
+                                     f" {len(remove)} of {len(have)} engines leaves"
+                                     f" {len(have) - len(remove)}")
+            self._scaling.fire(ScaleEvent.BEGIN)
+            joiners: list[Slot] = []
+            leavers: list[Slot] = []
+            if n > len(have):
+                joiners = self._membership.add_slots(n - len(have), self.trace)
+                self._router.grow(len(self._slots))
+            elif n < len(have):
+                chosen = set(remove) if remove is not None else set(have[n:])
+                leavers = [s for s in members if s.index in chosen]
+                for s in leavers:
+                    self._membership.leave(s)
+                    if s.client is not None:
+                        s.client.watch_finishes()
+                self._follow_members_power()
+            return joiners, leavers
+
+    def _drain_out(self, leavers: list[Slot], drain_s: float) -> None:
+        """Each leaver's live requests finish (at its engine: read or not) until ``drain_s``
+        has passed; what is left then is aborted; then its process goes (bounded)."""
+        deadline = time.monotonic() + drain_s
+        waiting = list(leavers)
+        while waiting:
+            with self._state_lock:
+                live = self._requests
+                left = []
+                for s in waiting:
+                    client = s.client
+                    if client is None or self.is_closed:
+                        continue  # died meanwhile (gone already), or the client closes
+                    done = client.finishes_arrived()
+                    rids = [r for r in self._router.sent_to(client, live) if r not in done]
+                    left.append((s, client, rids))
+            late = time.monotonic() >= deadline
+            for s, client, rids in left:
+                if not rids or late:
+                    # What is left ends ABORT here once the backlog is read (``_drain_done``):
+                    # the engine's own abort could not say why, and its process goes anyway.
+                    self._membership.remove(s, client)
+            waiting = [s for s, _, rids in left if rids and not late]
+            if waiting:
+                time.sleep(_DRAIN_POLL_S)
+
     # -- reporting --------------------------------------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many engines this client serves with now (``scale`` changes it): the indexes
+        of its set, a dead one too (not those leaving)."""
+        with self._state_lock:
+            return len(self._membership.in_set())
 
     @property
     def engines(self) -> dict[int, MembershipState]:
@@ -566,6 +697,20 @@ class SyncDPClient(SyncClientMixin, _DPClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         self._route_abort(request_ids)
 
+    def scale(self, n: int, *, drain: bool = True, drain_timeout_s: float = 30.0,
+              remove: Sequence[int] | None = None) -> None:
+        """Grow or shrink the set of engines to ``n`` while requests flow; returns when the
+        new set is in place (every joiner serving, every leaver's process gone).
+
+        Joiners start with this client's config and backend and take work only once all
+        are up; one that fails to start undoes the scale (``EngineStartupError`` naming it).
+        Leavers (``remove``, default the highest indexes) take no new work from this call
+        on; with ``drain`` their live requests finish until ``drain_timeout_s``, and what
+        is left then (everything, without ``drain``) ends with ``FinishReason.ABORT`` and an
+        error saying the engine was removed; their pending calls raise ``EngineDeadError``.
+        One scale at a time, none while the client sleeps: a ``SpecViolation`` says why."""
+        self._scale(n, drain, drain_timeout_s, remove)
+
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next batch from any engine (its ``engine_index`` says which); an empty batch
         if ``timeout`` passes first. ``EngineDeadError`` only once no engine is left."""
@@ -610,9 +755,9 @@ class SyncDPClient(SyncClientMixin, _DPClient):
         if len(targets) == 1:
             return [_attempt(targets[0][1], method, args, timeout)]
         with self._state_lock:
-            if self._pool is None:
+            if self._pool is None:  # its threads start as calls need them
                 self._pool = concurrent.futures.ThreadPoolExecutor(
-                    self.data_parallel_size, thread_name_prefix="EngineCoreUtility")
+                    _UTILITY_THREADS, thread_name_prefix="EngineCoreUtility")
             pool = self._pool
         futures = [pool.submit(_attempt, client, method, args, timeout)
                    for _, client in targets]
@@ -655,6 +800,14 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self._route_abort(request_ids)
+
+    async def scale_async(self, n: int, *, drain: bool = True, drain_timeout_s: float = 30.0,
+                          remove: Sequence[int] | None = None) -> None:
+        """See ``SyncDPClient.scale``. The steps run in a worker thread (the loop keeps
+        serving meanwhile); a cancelled caller does not stop a scale that began."""
+        self._bind()
+        await asyncio.to_thread(self._scale, n, drain, drain_timeout_s, remove)
+        self._bind()  # the joiners read on this loop from now on
 
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         """See ``SyncDPClient.get_output``."""

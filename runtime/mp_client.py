@@ -524,10 +524,15 @@ class MPClient(AttachSide, EngineCoreClient):
         """Called from the monitor or the reader; safe to call more than once."""
         if not self._mark_dead(cause):
             return
-        logger.warning("engine core died: %s", cause)
+        logger.log(logging.INFO if self._death_expected() else logging.WARNING,
+                   "engine core died: %s", cause)
         err = self._dead_error()
         self._deliver_failures(self._utilities.fail_all(err, UtilityEvent.ENGINE_DIED), err)
         self._wake_waiters(DEAD_MARKER)
+
+    def _death_expected(self) -> bool:
+        """The owner stopped this engine on purpose (a data-parallel scale-down)."""
+        return False
 
     def _deliver_failures(self, futures: list[Any], err: BaseException) -> None:
         for fut in futures:

@@ -49,6 +49,7 @@ from .machine import Machine, Transition
 __all__ = [
     "MEMBERSHIP",
     "MEMBER_DOWN",
+    "MEMBER_GONE",
     "MEMBER_IN_SET",
     "MEMBER_LEFT",
     "MEMBER_ROUTABLE",
@@ -93,6 +94,9 @@ MEMBER_DOWN: frozenset[MembershipState] = frozenset({S.DEAD, S.RESTARTING})
 MEMBER_IN_SET: frozenset[MembershipState] = frozenset(
     {S.STARTING, S.SERVING, S.DEAD, S.RESTARTING})
 """The indexes the client is meant to have (``data_parallel_size``): not leaving or gone."""
+MEMBER_GONE: frozenset[MembershipState] = frozenset({S.REMOVED})
+"""A slot that left the client for good (``scale``): not reported, its index free to join
+again as a new slot."""
 
 MEMBERSHIP: Machine[MembershipState, MembershipEvent] = Machine(
     name="membership",
