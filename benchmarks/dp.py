@@ -8,6 +8,12 @@ tokens/s over one engine's, both measured in this run. Two engines must reach 1.
 *Routing cost*: microseconds per ``add_request`` on the N-engine client against the
 one-engine client, both sending to idle engines that answer each request with one token:
 what choosing an engine and keeping its load figures costs per request.
+
+*Elastic scaling* (``scale``): seconds from ``scale(N + 1)`` to the joiner serving, against
+starting a one-engine client in the same run (what a joiner costs beyond an engine's start);
+seconds to drain one engine out of an idle set, against shutting a one-engine client down;
+and the tokens/s of a steady stream while one engine joins and one leaves, over the same
+stream's rate with no scale (a ratio near 1: serving holds while the set changes).
 """
 
 from __future__ import annotations
@@ -78,6 +84,58 @@ def _us_per_add(engines: int, n: int, reps: int) -> list[float]:
     return costs
 
 
+def _scale_times(engines: int, reps: int) -> tuple[list[float], list[float], list[float],
+                                                   list[float]]:
+    """Seconds to scale up by one and to drain one out, and their floors: a one-engine
+    client's start and shutdown."""
+    up, out, start, stop = [], [], [], []
+    cfg = _config(engines, 0.0, SEQS)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        one: Any = make_client(_config(1, 0.0, SEQS), multiprocess=True, asyncio=False)
+        start.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        one.shutdown()
+        stop.append(time.perf_counter() - t0)
+        client: Any = make_client(cfg, multiprocess=True, asyncio=False)
+        try:
+            t0 = time.perf_counter()
+            client.scale(engines + 1)
+            up.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            client.scale(engines)
+            out.append(time.perf_counter() - t0)
+        finally:
+            client.shutdown()
+    return up, start, out, stop
+
+
+def _tokens_while_scaling(engines: int, requests: int, reps: int) -> tuple[list[float],
+                                                                           list[float]]:
+    """Tokens/s of one stream with a scale up and a scale down (drained) in its middle, and
+    of the same stream without."""
+    steady, scaling = [], []
+    client: Any = make_client(_config(engines, STEP_DELAY_S, SEQS), multiprocess=True,
+                              asyncio=False)
+    try:
+        for rep in range(2 * reps):
+            with_scale = rep % 2 == 1
+            rids = {f"e{rep}-{i}" for i in range(requests)}
+            t0 = time.perf_counter()
+            for rid in sorted(rids):
+                client.add_request(EngineCoreRequest(
+                    rid, [1, 2, 3], SamplingParams(max_tokens=TOKENS, ignore_eos=True)))
+            if with_scale:
+                client.scale(engines + 1)
+                client.scale(engines)  # the joiner leaves again, drained
+            _drain(client, rids)
+            (scaling if with_scale else steady).append(
+                requests * TOKENS / (time.perf_counter() - t0))
+    finally:
+        client.shutdown()
+    return scaling, steady
+
+
 def bench_dp(engines: int = 2, quick: bool = False, *, reps: int | None = None,
              rounds: int | None = None, n_adds: int | None = None) -> list[dict[str, Any]]:
     """The two rows: N engines' tokens/s over one's, and µs per routed ADD over one's.
@@ -109,5 +167,26 @@ def bench_dp(engines: int = 2, quick: bool = False, *, reps: int | None = None,
         "unit": "µs", "ours": ours, "ours_spread": [min(add_many), max(add_many)],
         "floor": floor, "floor_spread": [min(add_one), max(add_one)],
         "ratio": ours / floor, "routing_us": ours - floor,
+    })
+    scale_reps = 1 if quick or reps == 1 else 2
+    up, start, out, stop = _scale_times(engines, scale_reps)
+    for name, ours_s, floor_s, what in (
+            ("scale-up by one engine to serving", up, start, "one engine's start"),
+            ("drain one idle engine out", out, stop, "one engine's shutdown")):
+        ours, floor = statistics.median(ours_s), statistics.median(floor_s)
+        rows.append({
+            "section": "dp", "name": f"s, {name}, {engines} engines (floor: {what})",
+            "unit": "s", "ours": ours, "ours_spread": [min(ours_s), max(ours_s)],
+            "floor": floor, "floor_spread": [min(floor_s), max(floor_s)],
+            "ratio": ours / floor,
+        })
+    scaling, steady = _tokens_while_scaling(engines, SEQS * engines * 2, scale_reps)
+    ours, floor = statistics.median(scaling), statistics.median(steady)
+    rows.append({
+        "section": "dp", "name": f"tokens/s while one engine joins and one leaves, {engines}"
+        " engines (floor: the same stream, no scale)",
+        "unit": "tok/s", "ours": ours, "ours_spread": [min(scaling), max(scaling)],
+        "floor": floor, "floor_spread": [min(steady), max(steady)],
+        "ratio": ours / floor, "speedup": ours / floor,
     })
     return rows

@@ -81,6 +81,8 @@ def generate(
     seed: int,
     on_text: Callable[[str], None] | None = None,
     engine_options: dict[str, Any] | None = None,
+    scale: tuple[int, int] | None = None,
+    on_scale: Callable[[str], None] | None = None,
 ) -> GenerateResult:
     from .runtime.config import EngineConfig
     from .runtime.factory import make_client
@@ -94,6 +96,18 @@ def generate(
     request = EngineCoreRequest("generate-0", ids, params)
     result = GenerateResult()
     emit = on_text or (lambda s: None)
+
+    scaled = scale is None
+
+    def scale_due() -> bool:
+        # Once, when --after-tokens tokens streamed: the request streams on through it.
+        return not scaled and scale is not None and len(result.token_ids) >= scale[1]
+
+    def scaled_to(n: int, took: float, c: Any) -> None:
+        nonlocal scaled
+        scaled = True
+        if on_scale is not None:
+            on_scale(f"[scaled to {n} engines in {took:.2f} s: {sorted(c.engines)}]")
 
     def consume(outputs: EngineCoreOutputs, start: float) -> bool:
         for out in outputs.outputs:
@@ -124,7 +138,11 @@ def generate(
                 start = time.perf_counter()
                 await c.add_request_async(request)
                 while not consume(await c.get_output_async(), start):
-                    pass
+                    if scale_due():
+                        assert scale is not None
+                        t0 = time.perf_counter()
+                        await c.scale_async(scale[0])
+                        scaled_to(scale[0], time.perf_counter() - t0, c)
                 result.total_s = time.perf_counter() - start
             finally:
                 await c.shutdown_async()
@@ -137,7 +155,11 @@ def generate(
         start = time.perf_counter()
         c.add_request(request)
         while not consume(c.get_output(timeout=300.0), start):
-            pass
+            if scale_due():
+                assert scale is not None
+                t0 = time.perf_counter()
+                c.scale(scale[0])
+                scaled_to(scale[0], time.perf_counter() - t0, c)
         result.total_s = time.perf_counter() - start
     return result
 
@@ -157,6 +179,7 @@ def run_generate(
     temperature: float,
     seed: int,
     engines: int = 1,
+    scale: tuple[int, int] | None = None,
 ) -> int:
     ids = None
     if prompt_tokens is not None:  # "" too: an empty list must not fall back to --prompt
@@ -179,6 +202,8 @@ def run_generate(
             seed=seed,
             on_text=_print_now,
             engine_options={"data_parallel_size": engines} if engines > 1 else None,
+            scale=scale,
+            on_scale=lambda note: print(f"\n{note}", file=sys.stderr),
         )
     except FileNotFoundError as exc:
         print(f"enginewire generate: error: {exc}", file=sys.stderr)

@@ -120,6 +120,11 @@ def _generate(args: argparse.Namespace) -> int:
     if args.engines > 1 and args.client == "inproc":
         raise UsageError(f"--engines {args.engines} needs --client sync or async: an"
                          " in-process client steps one engine in this thread")
+    if (args.scale_to is None) != (args.after_tokens is None):
+        raise UsageError("--scale-to and --after-tokens go together (scale to N engines once"
+                         " that many tokens streamed)")
+    if args.scale_to is not None and args.engines < 2:
+        raise UsageError("--scale-to needs a data-parallel client: --engines 2 or more")
 
     name = args.model.lower()
     if name.endswith(".gguf") or name.startswith("smollm2"):
@@ -135,6 +140,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
         engines=args.engines,
+        scale=None if args.scale_to is None else (args.scale_to, args.after_tokens),
     )
 
 
@@ -604,6 +610,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--engines", type=_int_in(1, 256), default=1, metavar="N",
         help="data parallel: a client over N engine cores (not with --client inproc)")
+    gen.add_argument(
+        "--scale-to", type=_int_in(1, 256), default=None, metavar="N",
+        help="data parallel: scale the client to N engines mid-stream (with --after-tokens)")
+    gen.add_argument(
+        "--after-tokens", type=_int_in(1), default=None, metavar="K",
+        help="with --scale-to: scale once K tokens streamed")
     gen.set_defaults(handler=_generate)
 
     eng = sub.add_parser(

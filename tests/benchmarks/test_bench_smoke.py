@@ -175,8 +175,13 @@ def test_dp_rows() -> None:
     from enginewire.benchmarks.dp import bench_dp
 
     rows = bench_dp(2, reps=1, rounds=1, n_adds=50)
-    _check(rows, "dp", 2)
+    _check(rows, "dp", 5)
     assert rows[0]["key"] == "dp_scaling_2" and rows[0]["speedup"] > 0
+    # Issue 46: the scale rows (time to serve with one more, to drain one out; tokens/s
+    # while the set changes).
+    assert [r["unit"] for r in rows[2:]] == ["s", "s", "tok/s"]
+    assert "scale-up" in rows[2]["name"] and "drain" in rows[3]["name"]
+    assert rows[4]["speedup"] > 0
     with pytest.raises(ValueError, match="at least 2"):
         bench_dp(1)
 

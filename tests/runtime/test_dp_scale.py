@@ -218,3 +218,28 @@ def test_a_call_pending_on_a_leaver_fails_naming_it(kind: str) -> None:
         t.join(BOUND_S)
         assert got and isinstance(got[0], EngineDeadError), got
         assert "engine 1" in str(got[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_scales_mid_stream(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from enginewire.cli import main
+
+    rc = main(["generate", "--model", "null", "--prompt-tokens", "1,2,3", "--client", kind,
+               "--engines", "2", "--scale-to", "3", "--after-tokens", "4", "--max-tokens", "12"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "[scaled to 3 engines in" in err and "[0, 1, 2]" in err
+    assert "12 tokens, finish=length" in err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--scale-to", "3"], "go together"),
+    (["--after-tokens", "3"], "go together"),
+    (["--scale-to", "3", "--after-tokens", "3"], "--engines 2 or more"),
+])
+def test_generate_scale_flags_are_checked(argv: list[str], says: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from enginewire.cli import main
+
+    assert main(["generate", "--model", "null", *argv]) == 2
+    assert says in capsys.readouterr().err
