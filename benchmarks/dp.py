@@ -114,7 +114,8 @@ def _tokens_while_scaling(engines: int, requests: int, reps: int) -> tuple[list[
                                                                            list[float]]:
     """Tokens/s of one stream with a scale up and a scale down (drained) in its middle, and
     of the same stream without."""
-    steady, scaling = [], []
+    steady: list[float] = []
+    scaling: list[float] = []
     client: Any = make_client(_config(engines, STEP_DELAY_S, SEQS), multiprocess=True,
                               asyncio=False)
     try:
