@@ -67,6 +67,10 @@ class Outcome(enum.StrEnum):
     # Data parallel (fault_matrix_dp.py): the faulty engine's work ended with ERROR, the
     # other engines served on, the client lives.
     ONE_DOWN = "one_down"
+    # Scale (fault_matrix_scale.py): a joiner's fault undid the scale-up, the previous set
+    # serves; a leaver's fault ended its work once and the others serve on.
+    SCALE_UNDONE = "scale_undone"
+    LEFT = "left"
     # A user's factory refused the cell's options (NotApplicable): skipped, not failed.
     NOT_APPLICABLE = "not_applicable"
 

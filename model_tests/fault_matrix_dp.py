@@ -270,6 +270,9 @@ def run_dp_fault_matrix(
     if bad:
         raise ValueError(f"client kinds {bad}: the data-parallel cells run on sync and async")
     config = config if config is not None else fm._default_config()
+    from .fault_matrix_scale import scale_cells
+
+    extra: list[Any] = [*dp_cells(kinds, quick, config, engines),
+                        *scale_cells(kinds, quick, config, engines)]
     return fm.run_fault_matrix(kinds, quick, results_dir, config=config, cells=[],
-                               extra_cells=list(dp_cells(kinds, quick, config, engines)),
-                               echo=echo)
+                               extra_cells=extra, echo=echo)

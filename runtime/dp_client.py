@@ -58,7 +58,7 @@ from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
 from ..spec.client import CLIENT_ASLEEP, CLIENT_LIVE, RESUMED, SLEPT, ClientEvent
 from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation
 from ..spec.machine import TraceEntry
-from ..spec.membership import SCALE, SCALE_REFUSED, MembershipState, ScaleEvent
+from ..spec.membership import MEMBER_GONE, SCALE, SCALE_REFUSED, MembershipState, ScaleEvent
 from ..spec.utility import UtilityEvent
 from ._background import SigintHold
 from ._dp_members import AsyncMember, Member, SyncMember
@@ -506,15 +506,18 @@ class _DPClient(EngineCoreClient):
                        "another scale of this client is running (one scale at a time)")
                 err.args = (f"scale: {why}; nothing changed ({err})",)
                 raise err
-            if self._placement is not None or not self._engine_options.launch_engine or any(
-                    getattr(self.options, name) is not None for name in PER_ENGINE):
+            if self._placement is not None or not self._engine_options.launch_engine:
                 raise ValueError(
                     "scale: only a client that launches its engines on this host (the 'mp'"
-                    " backend, no per-engine addresses) scales; this one's engines are"
-                    + (" Ray actors" if self._placement is not None
-                       else " attached or given per-engine addresses"))
+                    " backend) scales; this one's engines are"
+                    + (" Ray actors" if self._placement is not None else " attached"))
             members = self._membership.in_set()
             have = [s.index for s in members]
+            given = [name for name in PER_ENGINE if getattr(self.options, name) is not None]
+            if given and n > len(have):
+                raise ValueError(f"scale: n={n} adds engines, and {', '.join(given)} name"
+                                 " one address per engine of the set this client started"
+                                 " with; a joiner would have none (shrinking is fine)")
             if remove is not None:
                 unknown = sorted(set(remove) - set(have))
                 if unknown:
@@ -589,8 +592,13 @@ class _DPClient(EngineCoreClient):
 
     @property
     def engine_pids(self) -> list[int | None]:
+        """Each index's engine pid (None while it restarts, or for an index a scale-down
+        left free below a serving one)."""
         with self._state_lock:
-            clients = [s.client for s in self._slots]
+            slots = list(self._slots)
+            while slots and slots[-1].lifecycle.state in MEMBER_GONE:
+                slots.pop()
+            clients = [s.client for s in slots]
         return [None if c is None else c.engine_pid for c in clients]
 
     def send_raw_frames(self, frames: list[bytes], engine_index: int | None = None) -> None:

@@ -232,7 +232,8 @@ class DataParallelOptions:
             " that engine connects instead of its client's addresses (a proxy in between)"))
     engine_fault: Mapping[int, Any] | None = field(default=None, metadata=_doc(
         "`{index: fault}`: a fault for some engines only (the others get none), each"
-        " parsed to a `FaultPlan` here; one fault for every engine is"
+        " parsed to a `FaultPlan` here; an index at or past `data_parallel_size` is the"
+        " engine a `scale` adds there; one fault for every engine is"
         " `engine_options.engine_fault`"))
     engine_options: ClientOptions | None = field(default=None, metadata=_doc(
         "the `ClientOptions` of every engine's client; `None`: the defaults"))
@@ -325,18 +326,14 @@ class DataParallelOptions:
         return dataclasses.replace(base, **mine, engine_options=engine)
 
     def check_engines(self, n: int) -> None:
-        """``ValueError`` unless every per-engine entry fits ``n`` engines."""
+        """``ValueError`` unless every per-engine list fits ``n`` engines (the fault map may
+        name indexes a scale adds later)."""
         for name in PER_ENGINE:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(
                     f"{name}={list(value)!r}: a data-parallel client takes one per engine, a"
                     f" list of {n} in engine index order")
-        if self.engine_fault is not None:
-            bad = [k for k in self.engine_fault if k >= n]
-            if bad:
-                raise ValueError(f"engine_fault: keys {bad!r} are not engine indexes in"
-                                 f" [0, {n})")
 
     def for_engine(self, index: int) -> dict[str, Any]:
         """What engine ``index``'s client gets beside ``engine_options``: its entries of the

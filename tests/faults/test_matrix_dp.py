@@ -12,6 +12,7 @@ from enginewire.cli import main
 from enginewire.faults import Fault, run_dp_fault_matrix
 from enginewire.runtime.config import EngineConfig
 from enginewire.testing.fault_matrix_dp import DPCell, dp_cells
+from enginewire.testing.fault_matrix_scale import SCALE_FAULTS, ScaleCell, scale_cells
 
 
 @pytest.mark.slow
@@ -24,7 +25,9 @@ def test_quick_dp_cells_are_one_down(tmp_path: Path) -> None:
     assert rc == 0 and not failed, failed
     names = {r["cell"] for r in report["results"]}
     assert any("sigkill" in n for n in names) and any("bitflip" in n for n in names)
-    assert all(r["outcome"] == "one_down" for r in report["results"])
+    assert any("/scale/" in n for n in names)  # issue 46: a leaver killed in its drain
+    assert all(r["outcome"] == ("left" if "/scale/" in r["cell"] else "one_down")
+               for r in report["results"])
 
 
 def test_every_way_to_go_has_a_cell_on_both_clients() -> None:
@@ -33,6 +36,26 @@ def test_every_way_to_go_has_a_cell_on_both_clients() -> None:
     actions = {str(c.fault.action) for c in cells if c.fault is not None}
     assert {"sigkill", "sigstop", "raise", "exit"} <= actions
     assert sum(c.rule is not None for c in cells) == 2
+
+
+def test_every_scale_fault_has_a_cell_on_both_clients() -> None:
+    cells = scale_cells(["sync", "async", "inproc"], quick=False, config=EngineConfig())
+    assert {(c.client, c.how) for c in cells} == {
+        (k, h) for k in ("sync", "async") for h in SCALE_FAULTS}
+    assert {c.expected.value for c in cells} == {"scale_undone", "left"}
+    with pytest.raises(ValueError, match="how"):
+        ScaleCell("sync", EngineConfig(), "nosuch")
+    with pytest.raises(ValueError, match="client"):
+        ScaleCell("inproc", EngineConfig(), "joiner")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [h for h in SCALE_FAULTS if h != "leaver-kill"])
+def test_each_scale_cell_passes(how: str, tmp_path: Path) -> None:
+    # (leaver-kill: the quick matrix above runs it)
+    cell = ScaleCell("sync", EngineConfig(model="tiny", max_num_seqs=4), how)
+    result = cell(str(tmp_path))
+    assert result.passed, (result.outcome, result.detail, result.leaks)
 
 
 def test_bad_cells_and_arguments_are_refused() -> None:

@@ -6,7 +6,6 @@ removal, an index that rejoins is a new engine, one scale at a time, none while 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -148,26 +147,25 @@ def test_remove_picks_the_leavers_and_bad_arguments_change_nothing(kind: str) ->
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_joiner_that_fails_to_start_undoes_the_scale(kind: str) -> None:
-    with open_dp(kind) as d:
+    # A fault for index 2 only: the engine a scale adds there.
+    with open_dp(kind, engine_fault={2: Fault(point="before_ready", action="exit")}) as d:
         c = d.client
-        # A fault for index 2 only, as the options would carry one for a joiner.
-        c.options = dataclasses.replace(c.options, engine_fault={
-            2: Fault(point="before_ready", action="exit")})
+        pids = c.engine_pids
         with pytest.raises(EngineStartupError, match="engine 2 failed to join"):
             d("scale", 3)
         assert c.engines == {0: SERVING, 1: SERVING} and c.data_parallel_size == 2
+        assert c.engine_pids == pids
         assert d("call_utility_all", "echo", 2) == [2, 2]
-        c.options = dataclasses.replace(c.options, engine_fault=None)
-        d("scale", 3)  # and a later scale works
-        assert c.data_parallel_size == 3
+        d("scale", 1)  # and later scales work
+        d("scale", 2)
+        assert c.data_parallel_size == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_scale_at_a_time_and_none_while_asleep(kind: str) -> None:
-    with open_dp(kind) as d:
+    with open_dp(kind, engine_fault={2: Fault(point="before_ready", action="delay",
+                                              arg=1.5)}) as d:
         c = d.client
-        c.options = dataclasses.replace(c.options, engine_fault={
-            2: Fault(point="before_ready", action="delay", arg=1.5)})
         errors: list[BaseException] = []
 
         def slow() -> None:
