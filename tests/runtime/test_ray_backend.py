@@ -116,27 +116,6 @@ def test_an_engine_on_another_host_gets_no_loopback_no_ipc_no_plaintext() -> Non
             _check_reach({**ok, **bad}, there, here, "e")
 
 
-def test_a_local_ray_is_reachable_from_this_host_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With no cluster to join, the Ray the client starts is on loopback: ray.init alone
-    turned its 127.0.0.1 into this host's network address, where every Ray service listened
-    on all interfaces."""
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("needs Ray not initialized here (RayEngines starts its own)")
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    engines = RayEngines(1, ready_timeout_s=BOUND_S)
-    try:
-        client = client_on(engines, 0)  # an engine and its tcp channel too
-        try:
-            serve_one(client, "r0")
-            assert_on_loopback(ray, engines)
-        finally:
-            client.shutdown()
-    finally:
-        engines.close()
-    assert not ray.is_initialized()
-
-
 def test_a_local_ray_off_loopback_is_refused_and_stopped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Should Ray ever put its node on the host's address despite us (the single-host mode
@@ -154,6 +133,10 @@ def test_a_local_ray_off_loopback_is_refused_and_stopped(
 
 
 def test_local_cluster_serves_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no cluster to join, the client starts a local Ray (one start for these checks,
+    not one each): it serves, a start-up failure's reason crosses it, it is reachable from
+    this host only (on loopback: ray.init alone turned its 127.0.0.1 into this host's network
+    address, where every Ray service listened on all interfaces), and it leaves nothing."""
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("needs Ray not initialized here (RayEngines starts its own)")
@@ -184,6 +167,7 @@ def test_local_cluster_serves_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch
         # ... and the actor launches again once its engine is gone.
         again = client_on(engines, 0)
         serve_one(again, "r1")
+        assert_on_loopback(ray, engines)  # an engine and its tcp channel up too
         again.shutdown()
         assert snapshot()[0] <= before[0], "the failed launch left file descriptors"
     finally:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from enginewire.spec.explore import ExploreResult
+from enginewire.testing import spec_check
 from enginewire.testing.spec_check import (
     UNEXERCISED,
     SpecReport,
@@ -13,7 +17,24 @@ from enginewire.testing.spec_check import (
 )
 
 
+@pytest.fixture
+def explored_spec(monkeypatch: pytest.MonkeyPatch, composed: ExploreResult,
+                  composed_dp: ExploreResult) -> None:
+    """``run_spec_check`` explores each model as specified (no control on, nothing else set):
+    the explorations tests/spec/conftest.py's session fixtures already made (and
+    tests/spec/test_explore.py and test_compose_dp.py assert on), not made again here. A run
+    with a control on, or any other argument, still explores afresh."""
+    def shared(real: Any, spec: ExploreResult) -> Any:
+        def run(bug: str | None = None, **kw: Any) -> ExploreResult:
+            return spec if bug is None and not kw else real(bug, **kw)
+        return run
+
+    monkeypatch.setattr(spec_check, "explore", shared(spec_check.explore, composed))
+    monkeypatch.setattr(spec_check, "explore_dp", shared(spec_check.explore_dp, composed_dp))
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("explored_spec")
 def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> None:
     lines: list[str] = []
     rc = run_spec_check(negative="shutdown_skips_join", spin=False, out=lines.append)
@@ -25,6 +46,7 @@ def test_negative_control_as_the_spec_fails_with_a_shortest_counterexample() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("explored_spec")
 def test_a_two_engine_control_as_the_spec_fails_that_model_only() -> None:
     lines: list[str] = []
     rc = run_spec_check(negative="route_to_restarting", spin=False, controls=False,
@@ -74,6 +96,7 @@ def test_a_gap_fails_the_report_and_is_named() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("explored_spec")
 def test_quick_runs_the_spec_and_only_the_quick_controls(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``--quick`` checks every property on the spec itself and runs only QUICK_CONTROLS of
