@@ -81,7 +81,7 @@ from .options import PER_ENGINE, ClientOptions, DataParallelOptions
 if TYPE_CHECKING:
     from .ray_backend import Strategy
 
-__all__ = ["AsyncDPClient", "SyncDPClient"]
+__all__ = ["AsyncDPClient", "EngineReport", "SyncDPClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,17 @@ _UTILITY_THREADS = 32
 # One utility call's targets: each serving slot with the incarnation taken for it under the
 # state lock (a death and restart may set ``slot.client`` to None the moment it is released).
 Targets = list[tuple[Slot, Any]]
+
+
+class EngineReport(msgspec.Struct, frozen=True, kw_only=True):
+    """``engine_reports()``: one engine index of a data-parallel client, as it sees it."""
+
+    index: int
+    state: MembershipState
+    pid: int | None  # None while it restarts (or for an attached engine)
+    in_flight: int  # requests sent there and not yet seen finished
+    restarts: int  # replacements started under this index so far
+    cause: str | None  # why it last died, if it did
 
 
 def _combine(how: str, results: list[Any]) -> Any:
@@ -577,6 +588,24 @@ class _DPClient(EngineCoreClient):
         of its set, a dead one too (not those leaving)."""
         with self._state_lock:
             return len(self._membership.in_set())
+
+    def engine_reports(self) -> list[EngineReport]:
+        """One record per engine index still reported (``engines``): its membership state
+        and what the client knows of it, without asking the engines (``call_utility_all(
+        "get_stats")`` asks each serving one)."""
+        with self._state_lock:
+            reports = []
+            for s in self._slots:
+                if s.lifecycle.state in MEMBER_GONE:
+                    continue
+                client = s.client
+                reports.append(EngineReport(
+                    index=s.index, state=s.lifecycle.state,
+                    pid=None if client is None else client.engine_pid,
+                    in_flight=0 if client is None else self._router.in_flight(client),
+                    restarts=s.restarts,
+                    cause=None if s.cause is None else str(s.cause)))
+            return reports
 
     @property
     def engines(self) -> dict[int, MembershipState]:

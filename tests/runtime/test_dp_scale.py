@@ -64,17 +64,23 @@ def test_scale_up_then_down_while_requests_flow(kind: str) -> None:
         ends = _ends(d, {f"a{i}" for i in range(4)} | {"on2"})
         assert ends["on2"][1] == 2 and ends["on2"][0].finish_reason is FinishReason.LENGTH
         assert all(o.finish_reason is FinishReason.LENGTH for o, _ in ends.values())
+        reports = c.engine_reports()
+        assert [(r.index, r.state, r.restarts, r.cause) for r in reports] == [
+            (0, SERVING, 0, None), (1, SERVING, 0, None), (2, SERVING, 0, None)]
+        assert [r.pid for r in reports] == c.engine_pids and all(
+            r.in_flight == 0 for r in reports)
         pid = c.engine_pids[2]
         for i in range(6):
             d("add_request", req(f"b{i}", n=20))
         d("scale", 2)  # drains engine 2: its requests finish normally
         assert c.engines == {0: SERVING, 1: SERVING} and c.data_parallel_size == 2
+        assert [r.index for r in c.engine_reports()] == [0, 1]
         assert not _alive(pid), "the leaver's process outlived scale()"
         ends = _ends(d, {f"b{i}" for i in range(6)})
         assert all(o.finish_reason is FinishReason.LENGTH for o, _ in ends.values()), ends
         assert d("call_utility_all", "echo", 1) == [1, 1]
         with pytest.raises(EngineDeadError, match="engine 2"):
-            d("add_request", req("to2", rank=2))  # out of range now: a ValueError? no: gone
+            d("add_request", req("to2", rank=2))  # a removed index takes nothing
         assert c.live_requests() == []
 
 
