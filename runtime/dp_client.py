@@ -223,6 +223,7 @@ class _DPClient(EngineCoreClient):
         if self._placement is not None:
             if self._engine_options.transport == "ipc":  # the default; ipc stays on one host
                 engine["transport"] = "tcp"  # across hosts: tcp, CURVE on by default
+            self._placement.add(index)  # a joiner's actor (placed already: nothing)
             engine["engine_launcher"] = self._placement.launcher(index)
         return self._member_type(
             self.config, notify=self._notify_cb, died=self._died_cb, power=self._power_cb,
@@ -493,11 +494,21 @@ class _DPClient(EngineCoreClient):
             raise ValueError(f"scale: remove={remove!r} must be a list of distinct engine"
                              " indexes")
         joiners, leavers = self._scale_begin(n, remove)
+        placement = self._placement
         try:
             if joiners:
-                self._membership.join(joiners)
+                try:
+                    self._membership.join(joiners)
+                except BaseException:
+                    if placement is not None:  # the undone joiners' actors go too
+                        for s in joiners:
+                            placement.remove(s.index)
+                    raise
             if leavers:
                 self._drain_out(leavers, drain_timeout_s if drain else 0.0)
+                if placement is not None:  # a leaver's actor and its own bundle go
+                    for s in leavers:
+                        placement.remove(s.index)
         finally:
             with self._state_lock:
                 self._scaling.fire(ScaleEvent.END)
@@ -517,11 +528,9 @@ class _DPClient(EngineCoreClient):
                        "another scale of this client is running (one scale at a time)")
                 err.args = (f"scale: {why}; nothing changed ({err})",)
                 raise err
-            if self._placement is not None or not self._engine_options.launch_engine:
-                raise ValueError(
-                    "scale: only a client that launches its engines on this host (the 'mp'"
-                    " backend) scales; this one's engines are"
-                    + (" Ray actors" if self._placement is not None else " attached"))
+            if not self._engine_options.launch_engine:
+                raise ValueError("scale: only a client that launches its engines (the 'mp'"
+                                 " or 'ray' backend) scales; this one's are attached")
             members = self._membership.in_set()
             have = [s.index for s in members]
             given = [name for name in PER_ENGINE if getattr(self.options, name) is not None]

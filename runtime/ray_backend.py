@@ -417,6 +417,10 @@ class RayEngines:
         self._owns_ray = False
         self._sigterm: tuple[Any, Any] = (None, None)
         self._pg: Any = None
+        # A scale's joiners past the first ``n``: one placement group (one bundle) each.
+        self._own_pgs: dict[int, Any] = {}
+        # Indexes a scale-down removed: no actor until a scale-up adds them again.
+        self._free: set[int] = set()
         self._actors: list[Any] = []
         self._where: list[tuple[str, str, int]] = []
         self._handles: list[RayEngineProcess] = []
@@ -461,6 +465,8 @@ class RayEngines:
             return cls.options(scheduling_strategy=strategy, **options).remote()
 
         self._new_actor = new_actor  # a dead actor's bundle gets a new one (a restart)
+        self._actor_cls, self._actor_options = cls, options
+        self._resources = dict(resources)
         for i in range(self.n):
             self._actors.append(new_actor(i))
         try:
@@ -482,6 +488,78 @@ class RayEngines:
             return self._launch(index, config_type, config_bytes, kwargs, name)
 
         return launch
+
+    def add(self, index: int) -> None:
+        """Place an actor for engine ``index`` (a scale-up): one an earlier scale-down freed
+        gets a new actor in its own bundle again; one past every bundle so far gets a
+        placement group of its own (one bundle; a group's strategy spans its own bundles
+        only: Ray cannot grow a placement group)."""
+        ray = self._ray
+        with self._lock:
+            if self._closed:
+                raise EngineStartupError("RayEngines is closed")
+            if index < len(self._actors) and index not in self._free:
+                return  # placed already
+            while len(self._actors) <= index:  # joiners are placed at once, in any order
+                self._free.add(len(self._actors))
+                self._actors.append(None)
+                self._where.append(("", "", 0))
+        actor = self._actor_for(index)
+        try:
+            where = ray.get(actor.where.remote(), timeout=self._ready_timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise
+        with self._lock:
+            self._actors[index], self._where[index] = actor, where
+            self._free.discard(index)
+
+    def _actor_for(self, index: int) -> Any:
+        """A new actor in engine ``index``'s bundle: the first group's, or (past it) one of
+        its own, made here on first need."""
+        if index < self.n:
+            return self._new_actor(index)
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self._ray
+        pg = self._own_pgs.get(index)
+        if pg is None:
+            pg = placement_group([dict(self._resources)], strategy="PACK")
+            ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout)
+            if not ready:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
+                raise EngineStartupError(
+                    f"Ray could not place engine {index}'s bundle of {self._resources}"
+                    f" within {self._ready_timeout:g} s (ready_timeout_s); the cluster"
+                    f" has {ray.available_resources()} available")
+            with self._lock:
+                self._own_pgs[index] = pg
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                    placement_group_bundle_index=0)
+        return self._actor_cls.options(scheduling_strategy=strategy,
+                                       **self._actor_options).remote()
+
+    def remove(self, index: int) -> None:
+        """Engine ``index`` left (a scale-down): its actor is killed (its engine follows) and
+        a placement group of its own removed; a bundle of the first group stays reserved
+        for the index's return (Ray cannot shrink a placement group). Idempotent."""
+        ray = self._ray
+        with self._lock:
+            if self._closed or index >= len(self._actors) or index in self._free:
+                return
+            self._free.add(index)
+            actor = self._actors[index]
+            pg = self._own_pgs.pop(index, None)
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
 
     def node_of(self, index: int) -> str:
         """The Ray node id actor ``index`` runs on."""
@@ -511,12 +589,14 @@ class RayEngines:
             handle._done.wait(max(0.0, deadline - time.monotonic()))
         for handle in handles:
             handle._orphan("its Ray actor was killed (RayEngines.close)")
-        if self._pg is not None:
-            pg, self._pg = self._pg, None
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
-            with contextlib.suppress(Exception):
-                remove_placement_group(pg)
+        pgs = [self._pg, *self._own_pgs.values()]
+        self._pg, self._own_pgs = None, {}
+        for pg in pgs:
+            if pg is not None:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(pg)
         if self._owns_ray:
             self._owns_ray = False
             _stop_ray(ray, self._sigterm)
@@ -536,7 +616,9 @@ class RayEngines:
             if self._closed:
                 raise EngineStartupError("RayEngines is closed")
             old = self._actors[index]
-            self._actors[index] = actor = self._new_actor(index)
+        actor = self._actor_for(index)
+        with self._lock:
+            self._actors[index] = actor
         with contextlib.suppress(Exception):
             ray.kill(old, no_restart=True)
         self._where[index] = ray.get(actor.where.remote(), timeout=self._ready_timeout)
@@ -544,8 +626,11 @@ class RayEngines:
     def _check_index(self, index: int) -> None:
         if self._closed:
             raise EngineStartupError("RayEngines is closed")
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.n:
-            raise ValueError(f"index={index!r}: must be an integer in [0, {self.n})")
+        n = len(self._actors) or self.n
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+            raise ValueError(f"index={index!r}: must be an integer in [0, {n})")
+        if index in self._free:
+            raise ValueError(f"index={index}: its engine left (a scale-down); add() it first")
 
     def _launch(self, index: int, config_type: type, config_bytes: bytes,
                 kwargs: dict[str, Any], name: str) -> RayEngineProcess:
