@@ -9,9 +9,10 @@ the machine tables of this package, and an event the tables forbid is a violatio
 ``MEMBER_LEFT``) exactly as the runtime does.
 Rule 2: this model is about what data parallelism adds, so everything one engine already
 does is left to the one-engine model: no aborts, attach, hangs or corrupt frames here, and of
-power only what a group adds (below). It is bounded: ``N`` engines, ``REQS`` request slots
-(ids, reusable once finished), one utility call, one power call, ``BUDGET`` owner actions,
-``FAULTS`` engine deaths, channels of ``IN_CAP`` and ``OUT_CAP`` frames.
+power only what a group adds (below). It is bounded: ``N`` engine indexes, ``REQS`` request
+slots (ids, reusable once finished), one utility call, one power call, ``BUDGET`` owner
+actions (scales included), ``FAULTS`` engine deaths, channels of ``IN_CAP`` and ``OUT_CAP``
+frames.
 
 The owner constructs the client with or without restarts (``restart_dead_engines``). The
 constructor waits for every engine's handshake; an engine lost before then fails the
@@ -40,10 +41,37 @@ claims a state its engines are not in, and no power reply can find the client in
 with no row for it (``dp_power_follows_engines``, ``dp_spec_conformance``). Requests are
 stepped whatever the power state: what sleeping does to them is the one-engine model's.
 
+Scale (``scale(n)``, membership's "Elastic scaling"): with the client live and not asleep
+(``SCALE_REFUSED``), no power call in progress and no other scale running (``SCALE``: one at
+a time), the owner may make one index leave, as long as the other stays in the set
+(``MEMBER_IN_SET``), or make a removed index join again; both are owner calls of ``BUDGET``,
+so a leave, a join of the same index and one request, call or shutdown() fit in a run, and
+requests, the utility call and deaths (``FAULTS``) race the scale. A serving leaver is LEAVE'd
+to DRAINING at once: nothing new is routed to it (it is not in ``MEMBER_ROUTABLE``) while
+what it already holds goes on; the drain ends (the client's ``drain_ends`` step) when none
+of its requests or calls is live, or at its deadline, which may fire at any time (at once:
+``drain=False``): what is still its own then ends, requests with ABORT and the call with
+EngineDeadError. Either way the client kills and reaps the process, closes its channel and
+fires DRAINED (REMOVED); its monitor's later report of that exit loops in REMOVED. A leaver
+that dies first is REMOVED by DIED, its work failed like any dead engine's, and it is never
+restarted. A dead or restarting index is REMOVEd at once (a replacement is killed). A
+joiner is a new slot: a new membership lifecycle in STARTING, a new incarnation (the restart
+numbering, so its frames and channel are its own) and a fresh process; the scale's waiter
+for it exists before it starts, and its handshake (SERVING, then it takes work) or its
+death (DIED, then REMOVE) wakes it; a joiner that misses its handshake deadline is REMOVEd
+from STARTING and killed. A scale ends (``SCALE`` END) when its leaver is REMOVED or its
+joiner serves or failed, or when shutdown() fails it. The client is DEAD only when no
+member is in ``MEMBER_LEFT``, so a draining leaver still counts, and a removal can be what
+leaves none (``dp_client_dead_iff_none_left``).
+
 Every frame carries the incarnation of the engine it was sent to or by, so the model can
 tell a frame meant for a predecessor from one meant for its replacement
-(``dp_fresh_channel``). Negative controls (``BUGS``) are one-line deviations, carried by the
-generated ``spec/enginewire_dp.pml`` under ``#ifdef BUG_<NAME>``.
+(``dp_fresh_channel``); bit 7 of a frame (``FROM_REMOVED``) is ground truth no client reads:
+a removed tenure's process sent it (``dp_removed_engine_silent``; only the negative control
+``removed_identity_reused`` leaves such a process running and hands its identity to the
+joiner, as vLLM PR #37357's removed Ray actors did). Negative controls (``BUGS``) are
+one-line deviations, carried by the generated ``spec/enginewire_dp.pml`` under
+``#ifdef BUG_<NAME>``.
 """
 
 from __future__ import annotations
@@ -65,11 +93,16 @@ from .client import (
 from .compose import Action
 from .engine import ENGINE, EngineEvent, EngineState
 from .membership import (
+    MEMBER_IN_SET,
     MEMBER_LEFT,
     MEMBER_ROUTABLE,
     MEMBERSHIP,
+    SCALE,
+    SCALE_REFUSED,
     MembershipEvent,
     MembershipState,
+    ScaleEvent,
+    ScaleState,
 )
 from .request import (
     CLIENT_REQUEST,
@@ -101,7 +134,7 @@ FAULTS = 2  # engine deaths: two, so that both engines can be lost, or a replace
 IN_CAP = 2
 OUT_CAP = 2
 
-# ---- frames: kind in the low 3 bits, request slot in bit 3, incarnation above ---------------
+# ---- frames: kind in the low 3 bits, request slot in bit 3, incarnation in bits 4-6 ----------
 IN_MSGS = ("ADD", "UTIL", "SLEEP", "WAKE")
 OUT_MSGS = ("HS", "FIN", "UREPLY", "DEAD", "SLEPT", "WOKE")
 I_ADD, I_UTIL, I_SLEEP, I_WAKE = 1, 2, 3, 4
@@ -111,15 +144,25 @@ O_HS, O_FIN, O_UREPLY, O_DEAD, O_SLEPT, O_WOKE = 1, 2, 3, 4, 5, 6
 P_NONE, P_SLEEP, P_WAKE = 0, 1, 2
 
 
+# Bit 7 is the model's ground truth, read by no client: the frame was sent by the process of a
+# removed tenure (only a removed engine left running sends one: BUG removed_identity_reused).
+FROM_REMOVED = 1 << 7
+
+
 def frame(kind: int, slot: int, gen: int) -> int:
     return kind | slot << 3 | gen << 4
 
 
+def gen_of(msg: int) -> int:
+    """The incarnation (identity) a frame names."""
+    return (msg >> 4) & 7
+
+
 # ---- world layout ----------------------------------------------------------------------------
 _GLOBAL = ("client", "started", "restart_on", "util", "uown", "ugen", "closing", "budget",
-           "faults", "pcall", "pmask", "ppart", "pfail")
+           "faults", "pcall", "pmask", "ppart", "pfail", "scale", "sjoin", "sleave", "swait")
 _PER_REQ = ("creq", "own", "ogen", "ereq")  # own/ogen: the engine and incarnation it went to
-_PER_ENGINE = ("mem", "eng", "gen", "inq", "outq", "exited", "seen", "asleep", "mslp")
+_PER_ENGINE = ("mem", "eng", "gen", "inq", "outq", "exited", "seen", "asleep", "mslp", "zombie")
 FIELDS: tuple[str, ...] = (
     *_GLOBAL,
     *(f"{name}{r}" for name in _PER_REQ for r in range(REQS)),
@@ -128,9 +171,9 @@ FIELDS: tuple[str, ...] = (
 )
 _AT = {name: i for i, name in enumerate(FIELDS)}
 (C, STARTED, RESTART_ON, UTIL, UOWN, UGEN, CLOSING, BUDGET_LEFT, FAULTS_LEFT, PCALL, PMASK,
- PPART, PFAIL) = (_AT[n] for n in _GLOBAL)
+ PPART, PFAIL, SCALE_ST, SJOIN, SLEAVE, SWAIT) = (_AT[n] for n in _GLOBAL)
 CREQ, OWN, OGEN, EREQ = (tuple(_AT[f"{n}{r}"] for r in range(REQS)) for n in _PER_REQ)
-MEM, ENG, GEN, INQ, OUTQ, EXITED, SEEN, ASLEEP, MSLP = (
+MEM, ENG, GEN, INQ, OUTQ, EXITED, SEEN, ASLEEP, MSLP, ZOMBIE = (
     tuple(_AT[f"{n}{i}"] for i in range(N)) for n in _PER_ENGINE)
 BAD = _AT["bad"]
 # started: the owner has constructed the client (choosing restarts or not); seen: the monitor
@@ -140,6 +183,11 @@ BAD = _AT["bad"]
 # bit each); under the negative control power_follows_combined_reply only (nothing else reads
 # them, so SPIN keeps them out of its state vector elsewhere): ppart, one of them woke only
 # partly; pfail, one died before replying or the owner stopped waiting.
+# scale: the SCALE machine's state; sjoin / sleave: the index the running scale joins or
+# removes, plus one (0: none); swait: the scale's waiter for its joiner is armed (set with the
+# joiner's start, but for the negative control join_waiter_after_event). zombie: the identity,
+# plus one, of a removed tenure's process still running on this index (only under the negative
+# control removed_identity_reused: the protocol reaps a leaver before it is REMOVED).
 NO_UTIL = -1
 World = tuple[Any, ...]
 
@@ -154,16 +202,23 @@ BUGS = (
     "replacement_unmonitored",
     "reader_forgets_replacement",
     "power_follows_combined_reply",
+    "route_to_leaver",
+    "deadline_forgets_live",
+    "join_waiter_after_event",
+    "joiner_death_unwaited",
+    "removed_identity_reused",
+    "draining_not_counted",
 )
 
 # The machines whose every row this model must exercise (the others are the one-engine
 # model's; it fires some of their rows too).
-COVERS = (MEMBERSHIP,)
+COVERS = (MEMBERSHIP, SCALE)
 UNEXERCISED: dict[tuple[str, str], str] = {}
 
 CS, CE = ClientState, ClientEvent
 ES, EE = EngineState, EngineEvent
 MS, ME = MembershipState, MembershipEvent
+SS, SE = ScaleState, ScaleEvent
 RS, RE = EngineRequestState, EngineRequestEvent
 QS, QE = ClientRequestState, ClientRequestEvent
 US, UE = UtilityState, UtilityEvent
@@ -171,10 +226,14 @@ US, UE = UtilityState, UtilityEvent
 C_CONSTRUCTING, C_DEAD, C_SHUTDOWN = ix(CS.CONSTRUCTING), ix(CS.DEAD), ix(CS.SHUTDOWN)
 C_LIVE = frozenset(ix(s) for s in CLIENT_LIVE)
 C_ASLEEP = frozenset(ix(s) for s in CLIENT_ASLEEP)
-M_STARTING, M_SERVING, M_DEAD, M_RESTARTING, M_SHUT_DOWN = (
-    ix(s) for s in (MS.STARTING, MS.SERVING, MS.DEAD, MS.RESTARTING, MS.SHUT_DOWN))
+M_STARTING, M_SERVING, M_DRAINING, M_DEAD, M_RESTARTING, M_REMOVED, M_SHUT_DOWN = (
+    ix(s) for s in (MS.STARTING, MS.SERVING, MS.DRAINING, MS.DEAD, MS.RESTARTING, MS.REMOVED,
+                    MS.SHUT_DOWN))
 M_ROUTABLE = frozenset(ix(s) for s in MEMBER_ROUTABLE)
 M_LEFT = frozenset(ix(s) for s in MEMBER_LEFT)
+M_IN_SET = frozenset(ix(s) for s in MEMBER_IN_SET)
+S_IDLE, S_SCALING = ix(SS.IDLE), ix(SS.SCALING)
+C_SCALE_REFUSED = frozenset(ix(s) for s in SCALE_REFUSED)
 E_CONSTRUCTING, E_IDLE, E_RUNNING = ix(ES.CONSTRUCTING), ix(ES.IDLE), ix(ES.RUNNING)
 E_LOOP = frozenset({E_IDLE, E_RUNNING})  # the states this model's engines serve input in
 R_UNKNOWN, R_WAITING = ix(RS.UNKNOWN), ix(RS.WAITING)
@@ -212,6 +271,7 @@ class DPComposition:
         self.t_ereq = Table(ENGINE_REQUEST)
         self.t_creq = Table(CLIENT_REQUEST)
         self.t_util = Table(UTILITY)
+        self.t_scale = Table(SCALE)
         self.actions: tuple[Action, ...] = self._actions()
 
     def initial(self) -> World:
@@ -220,6 +280,7 @@ class DPComposition:
         w[UTIL] = NO_UTIL
         w[BUDGET_LEFT] = BUDGET
         w[FAULTS_LEFT] = FAULTS
+        w[SCALE_ST] = S_IDLE
         for r in range(REQS):
             w[CREQ[r]] = ix(QS.UNKNOWN)
             w[EREQ[r]] = R_UNKNOWN
@@ -301,11 +362,17 @@ class DPComposition:
         if self.bug != "restart_reuses_channel":
             s.w[INQ[i]] = s.w[OUTQ[i]] = ()
 
+    def _any_left(self, s: _Step) -> bool:
+        """Whether a member still counts for the client (BUG draining_not_counted: a
+        draining leaver does not, as before elastic scaling)."""
+        counted = M_LEFT - {M_DRAINING} if self.bug == "draining_not_counted" else M_LEFT
+        return any(s.w[MEM[j]] in counted for j in range(N))
+
     def _notice(self, s: _Step, i: int) -> None:
         """The client learns that engine ``i``'s current incarnation is gone."""
         bug = self.bug
         before = s.w[MEM[i]]
-        s.fire(MEM[i], self.t_mem, ME.DIED)  # DEAD and SHUT_DOWN loop: a later notice
+        s.fire(MEM[i], self.t_mem, ME.DIED)  # DEAD, REMOVED and SHUT_DOWN loop: a later notice
         if before not in M_LEFT:
             return
         if s.w[C] == C_CONSTRUCTING:  # an engine lost before every handshake: start-up fails
@@ -325,12 +392,53 @@ class DPComposition:
             s.w[ENG[i]] = E_CONSTRUCTING
             s.w[EXITED[i]] = s.w[SEEN[i]] = 0
             s.w[ASLEEP[i]] = s.w[MSLP[i]] = 0  # it starts awake, and its client with it
-        left = any(s.w[MEM[j]] in M_LEFT for j in range(N))
-        if not left or (bug == "client_dies_with_first_member" and s.w[C] != C_DEAD):
+        elif before == M_DRAINING:  # a dead leaver is gone (REMOVED), never restarted
+            s.w[ASLEEP[i]] = s.w[MSLP[i]] = 0
+            if s.w[SLEAVE] == i + 1:
+                self._end_scale(s)
+        elif before == M_STARTING:  # a joiner that failed to start fails its scale
+            s.fire(MEM[i], self.t_mem, ME.REMOVE)
+            if bug != "joiner_death_unwaited":
+                self._wake_waiter(s, i)
+        if not self._any_left(s) or (bug == "client_dies_with_first_member"
+                                     and s.w[C] != C_DEAD):
             s.fire(C, self.t_client, CE.ENGINE_DIED)
             if bug == "fail_only_when_client_dies":  # the one-engine client's death path
                 for j in range(N):
                     self._fail_owned(s, j)
+        self._derive_power(s)
+
+    # ---- scale -------------------------------------------------------------------------------
+    def _end_scale(self, s: _Step) -> None:
+        """The running scale returns (done, failed, or failed by shutdown())."""
+        s.fire(SCALE_ST, self.t_scale, SE.END)
+        s.w[SJOIN] = s.w[SLEAVE] = s.w[SWAIT] = 0
+
+    def _wake_waiter(self, s: _Step, i: int) -> None:
+        """Joiner ``i`` handshook or failed: its scale's waiter wakes, and the scale returns.
+        An event with no waiter yet is lost (BUG join_waiter_after_event arms it too late)."""
+        if s.w[SJOIN] == i + 1 and s.w[SWAIT]:
+            self._end_scale(s)
+
+    def _removed(self, s: _Step, i: int) -> None:
+        """The client made member ``i`` REMOVED itself (drained, its deadline, a dead or
+        restarting index, a joiner too late): it kills and reaps the process and closes its
+        channel; a scale waiting for that index returns; the client is DEAD if none is left.
+        BUG removed_identity_reused: the process is left running on its channel (its exit
+        is never noticed), and a later joiner takes its identity (``scale_join``)."""
+        if self.bug == "removed_identity_reused":
+            if not s.w[EXITED[i]]:
+                s.w[ZOMBIE[i]] = s.w[GEN[i]] + 1
+            self._engine_exits(s, i)
+            s.w[SEEN[i]] = 1
+        else:
+            self._engine_exits(s, i)  # its monitor reports the exit later: REMOVED loops
+            s.w[INQ[i]] = s.w[OUTQ[i]] = ()
+        s.w[ASLEEP[i]] = s.w[MSLP[i]] = 0
+        if i + 1 in (s.w[SLEAVE], s.w[SJOIN]):
+            self._end_scale(s)
+        if s.w[C] in C_LIVE and not self._any_left(s):
+            s.fire(C, self.t_client, CE.ENGINE_DIED)
         self._derive_power(s)
 
     def _engine_exits(self, s: _Step, i: int) -> None:
@@ -358,8 +466,9 @@ class DPComposition:
             acts.append(Action(actor, name, fn))
 
         def routable(w: World, i: int) -> bool:
-            return w[MEM[i]] in M_ROUTABLE or (bug == "route_to_restarting"
-                                               and w[MEM[i]] == M_RESTARTING)
+            return w[MEM[i]] in M_ROUTABLE or (
+                bug == "route_to_restarting" and w[MEM[i]] == M_RESTARTING) or (
+                bug == "route_to_leaver" and w[MEM[i]] == M_DRAINING)
 
         def owner_may_call(w: World) -> bool:
             return bool(w[STARTED] and not w[CLOSING] and w[BUDGET_LEFT] > 0)
@@ -412,10 +521,11 @@ class DPComposition:
             add("user", f"call_utility_{i}", call_utility)
 
         def power_call(w: World) -> Iterator[tuple[str, World]]:
-            # One call of the owner's at a time, none while a request is live (bounds: what
-            # the model must show is a power call against deaths, restarts, late replies and
-            # its own timeout; requests beside a sleep are the one-engine model's).
+            # One call of the owner's at a time, none while a request is live or a scale runs
+            # (bounds: what the model must show is a power call against deaths, restarts, late
+            # replies and its own timeout; requests beside a sleep are the one-engine model's).
             if not (owner_may_call(w) and w[PCALL] == P_NONE and w[UTIL] == NO_UTIL
+                    and w[SCALE_ST] == S_IDLE
                     and w[C] in C_LIVE and not any(w[q] in Q_LIVE for q in CREQ)):
                 return
             targets = [i for i in range(N) if routable(w, i)]
@@ -446,6 +556,67 @@ class DPComposition:
         add("user", "power_call", power_call)
         add("user", "power_call_times_out", power_gives_up)
 
+        # -- scale(n): one index leaves, or a removed index joins again -----------------------
+        def may_scale(w: World) -> bool:
+            # Refused on a sleeping client (SCALE_REFUSED), one at a time (SCALE), not during
+            # a power call (bounds, as above); requests and calls go on while it runs.
+            return bool(owner_may_call(w) and w[C] in C_LIVE and w[C] not in C_SCALE_REFUSED
+                        and w[PCALL] == P_NONE and w[SCALE_ST] == S_IDLE)
+
+        for i in range(N):
+            def leave(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                # The index leaves; the other stays in the set (scale(n) keeps n >= 1).
+                if not (may_scale(w) and w[MEM[i]] in M_IN_SET and w[MEM[1 - i]] in M_IN_SET):
+                    return
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.fire(SCALE_ST, self.t_scale, SE.BEGIN)
+                s.w[SLEAVE] = i + 1
+                if s.w[MEM[i]] == M_SERVING:
+                    s.fire(MEM[i], self.t_mem, ME.LEAVE)  # no new work from now: drains
+                    self._derive_power(s)
+                else:  # a dead or restarting index goes at once (a replacement is killed)
+                    s.fire(MEM[i], self.t_mem, ME.REMOVE)
+                    self._removed(s, i)
+                yield f"scale_leave_{i}", s.freeze()
+
+            def join(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                if not (may_scale(w) and w[MEM[i]] == M_REMOVED):
+                    return
+                s = _Step(self, w)
+                s.w[BUDGET_LEFT] -= 1
+                s.fire(SCALE_ST, self.t_scale, SE.BEGIN)
+                s.w[MEM[i]] = M_STARTING  # a new slot: a membership lifecycle of its own
+                if bug != "removed_identity_reused":
+                    s.w[GEN[i]] += 1  # a new identity, and a fresh channel (closed at removal)
+                s.w[ENG[i]] = E_CONSTRUCTING
+                s.w[EXITED[i]] = s.w[SEEN[i]] = 0
+                s.w[SJOIN] = i + 1
+                # The waiter for "joiner ready" exists before the joiner starts.
+                s.w[SWAIT] = int(bug != "join_waiter_after_event")
+                yield f"scale_join_{i}", s.freeze()
+
+            def join_times_out(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                # The joiner's handshake deadline: the scale fails, the joiner is REMOVED.
+                if w[SJOIN] == i + 1 and w[SWAIT] and w[MEM[i]] == M_STARTING:
+                    s = _Step(self, w)
+                    s.fire(MEM[i], self.t_mem, ME.REMOVE)
+                    self._removed(s, i)
+                    yield f"scale_join_times_out_{i}", s.freeze()
+
+            add("user", f"scale_leave_{i}", leave)
+            add("user", f"scale_join_{i}", join)
+            add("user", f"scale_join_times_out_{i}", join_times_out)
+
+        if bug == "join_waiter_after_event":
+            def arm_waiter(w: World) -> Iterator[tuple[str, World]]:
+                if w[SCALE_ST] == S_SCALING and w[SJOIN] and not w[SWAIT]:
+                    s = _Step(self, w)
+                    s.w[SWAIT] = 1
+                    yield "scale_waits_for_joiner", s.freeze()
+
+            add("user", "scale_waits_for_joiner", arm_waiter)
+
         def shutdown(w: World) -> Iterator[tuple[str, World]]:
             if owner_may_call(w) and (w[C] in C_LIVE or w[C] == C_DEAD):
                 s = _Step(self, w)
@@ -453,6 +624,8 @@ class DPComposition:
                 s.w[CLOSING] = 1
                 for i in range(N):
                     s.fire(MEM[i], self.t_mem, ME.SHUTDOWN)
+                if s.w[SCALE_ST] == S_SCALING:  # the running scale fails (the client closed)
+                    self._end_scale(s)
                 yield "shutdown", s.freeze()
             elif w[CLOSING] and w[BUDGET_LEFT] > 0 and w[C] == C_SHUTDOWN:
                 s = _Step(self, w)  # shutdown() again: idempotent
@@ -490,6 +663,28 @@ class DPComposition:
         add("client", "shutdown_finish", finish)
 
         for i in range(N):
+            def drain_ends(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                """A leaver's drain ends: it finished its work, or its deadline fired (with
+                drain=False, at once) and what is still its own ends now: requests with ABORT,
+                the call with EngineDeadError. Either way the client kills and reaps it."""
+                if w[MEM[i]] != M_DRAINING:
+                    return
+                live = [r for r in range(REQS) if w[CREQ[r]] in Q_LIVE and owns(w, r, i)]
+                call = w[UTIL] == U_PENDING and w[UOWN] == i and w[UGEN] == w[GEN[i]]
+                s = _Step(self, w)
+                if live or call:
+                    if bug != "deadline_forgets_live":
+                        for r in live:
+                            s.fire(CREQ[r], self.t_creq, QE.FINISH_ABORT)
+                        if call:
+                            s.fire(UTIL, self.t_util, UE.ENGINE_DIED)
+                s.fire(MEM[i], self.t_mem, ME.DRAINED)
+                self._removed(s, i)
+                yield (f"drain_deadline_{i}" if live or call else f"leaver_drained_{i}"), s.freeze()
+
+            add("client", f"drain_ends_{i}", drain_ends)
+
+        for i in range(N):
             def reader(w: World, i: int = i) -> Iterator[tuple[str, World]]:
                 if not (w[OUTQ[i]] and w[MEM[i]] in M_LEFT and w[C] not in (C_DEAD, C_SHUTDOWN)):
                     return
@@ -498,10 +693,13 @@ class DPComposition:
                 s = _Step(self, w)
                 msg, s.w[OUTQ[i]] = s.w[OUTQ[i]][0], s.w[OUTQ[i]][1:]
                 kind, r = msg & 7, (msg >> 3) & 1
-                if msg >> 4 != s.w[GEN[i]]:
+                if gen_of(msg) != s.w[GEN[i]]:
                     s.flag("dp_fresh_channel")  # a frame of the predecessor's
+                elif msg & FROM_REMOVED:
+                    s.flag("dp_removed_engine_silent")  # taken as the current tenure's
                 elif kind == O_HS:
                     s.fire(MEM[i], self.t_mem, ME.HANDSHAKE_OK)
+                    self._wake_waiter(s, i)
                     ready = all(s.w[MEM[j]] in M_ROUTABLE for j in range(N))
                     if (s.w[C] == C_CONSTRUCTING and ready) or (
                             bug == "every_handshake_readies_client"):
@@ -563,7 +761,7 @@ class DPComposition:
                 for partial in ((False, True) if kind == I_WAKE and w[ASLEEP[i]] else (False,)):
                     s = _Step(self, w)
                     s.w[INQ[i]] = s.w[INQ[i]][1:]
-                    if msg >> 4 != s.w[GEN[i]]:
+                    if gen_of(msg) != s.w[GEN[i]]:
                         s.flag("dp_fresh_channel")  # a frame sent to the predecessor
                     elif kind == I_ADD:
                         s.fire(EREQ[r], self.t_ereq, RE.ADD)
@@ -624,6 +822,20 @@ class DPComposition:
                     yield f"crash_with_sentinel_{i}", s.freeze()
 
         add("fault", "faults", faults)
+
+        if bug == "removed_identity_reused":
+            for i in range(N):
+                def removed_sends(w: World, i: int = i) -> Iterator[tuple[str, World]]:
+                    # The removed process, still running, announces itself under its identity
+                    # on the index's channel, which a joiner now reads.
+                    if w[ZOMBIE[i]] and w[MEM[i]] in M_LEFT and len(w[OUTQ[i]]) < OUT_CAP:
+                        s = _Step(self, w)
+                        s.w[OUTQ[i]] = (*s.w[OUTQ[i]],
+                                        frame(O_HS, 0, s.w[ZOMBIE[i]] - 1) | FROM_REMOVED)
+                        s.w[ZOMBIE[i]] = 0
+                        yield f"removed_engine_sends_{i}", s.freeze()
+
+                add("fault", f"removed_engine_sends_{i}", removed_sends)
         return tuple(acts)
 
 
@@ -631,7 +843,7 @@ def describe_world(world: World) -> dict[str, object]:
     """A readable view of a world (enum names instead of ints) for counterexamples."""
     enums: dict[str, type[Enum]] = {
         "client": ClientState, "creq": ClientRequestState, "ereq": EngineRequestState,
-        "mem": MembershipState, "eng": EngineState,
+        "mem": MembershipState, "eng": EngineState, "scale": ScaleState,
     }
     out: dict[str, object] = {}
     for i, name in enumerate(FIELDS):
@@ -645,6 +857,7 @@ def describe_world(world: World) -> dict[str, object]:
             v = ("none", "sleep", "wake_up")[v]
         elif base in ("inq", "outq"):
             names = IN_MSGS if base == "inq" else OUT_MSGS
-            v = [f"{names[(m & 7) - 1]}(slot {(m >> 3) & 1}, gen {m >> 4})" for m in v]
+            v = [f"{names[(m & 7) - 1]}(slot {(m >> 3) & 1}, gen {gen_of(m)}"
+                 f"{', from a removed process' if m & FROM_REMOVED else ''})" for m in v]
         out[name] = v
     return out

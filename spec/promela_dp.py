@@ -22,7 +22,7 @@ from . import MACHINES
 from . import compose_dp as dp
 from .client import CLIENT
 from .engine import ENGINE
-from .membership import MEMBERSHIP
+from .membership import MEMBERSHIP, SCALE
 from .promela import (
     defines,
     finish_promela,
@@ -49,6 +49,7 @@ _VARS = (
     (ENGINE_REQUEST, "ereq", True),
     (CLIENT_REQUEST, "creq", True),
     (UTILITY, "util", False),
+    (SCALE, "scale", False),
 )
 _FLAG = "v_dp_spec_conformance"
 
@@ -70,26 +71,30 @@ def _constants() -> list[str]:
         f"#define P_NONE {dp.P_NONE}",
         f"#define P_SLEEP {dp.P_SLEEP}",
         f"#define P_WAKE {dp.P_WAKE}",
+        f"#define FROM_REMOVED {dp.FROM_REMOVED}",
     ]
     out += [f"#define I_{name} {i + 1}" for i, name in enumerate(dp.IN_MSGS)]
     out += [f"#define O_{name} {i + 1}" for i, name in enumerate(dp.OUT_MSGS)]
     out += [
         "#define FRAME(k, s, g) ((k) | ((s) << 3) | ((g) << 4))",
+        "#define GEN_OF(m) (((m) >> 4) & 7)",
         _indexed_macro("creq_live", "creq", dp.Q_LIVE),
         _indexed_macro("creq_free", "creq", dp.Q_FREE),
         _indexed_macro("ereq_live", "ereq", dp.R_LIVE),
         _indexed_macro("member_left", "mem", dp.M_LEFT),
         _indexed_macro("member_routable", "mem", dp.M_ROUTABLE),
+        _indexed_macro("member_in_set", "mem", dp.M_IN_SET),
         _indexed_macro("engine_in_loop", "eng", dp.E_LOOP),
         "#define left_state(x) (" + " || ".join(
             f"x == {i}" for i in sorted(dp.M_LEFT)) + ")",
         set_macro("client_live", "client", dp.C_LIVE),
         set_macro("client_asleep", "client", dp.C_ASLEEP),
+        set_macro("client_scale_refused", "client", dp.C_SCALE_REFUSED),
         "#define owns(r, i) (own[r] == i && ogen[r] == gen[i])",
         "#define calls(i) (uown == i && ugen == gen[i])",
         "#define all_routable (" + " && ".join(
             f"member_routable({i})" for i in range(dp.N)) + ")",
-        "#define any_left (" + " || ".join(f"member_left({i})" for i in range(dp.N)) + ")",
+        "#define any_left (" + " || ".join(f"counted({i})" for i in range(dp.N)) + ")",
         "#define any_free (" + " || ".join(f"creq_free({r})" for r in range(dp.REQS)) + ")",
         "#define any_live (" + " || ".join(f"creq_live({r})" for r in range(dp.REQS)) + ")",
         "#define any_serving (" + " || ".join(
@@ -129,24 +134,25 @@ bit started; bit restart_on;
 short util = NO_UTIL; byte uown; byte ugen;
 bit closing; byte budget = BUDGET; byte faults = FAULTS;
 byte pcall = P_NONE; byte pmask; bit ppart; bit pfail;
+byte scale = SCALE_S_IDLE; byte sjoin; byte sleave; bit swait;
 byte creq[REQS]; byte own[REQS]; byte ogen[REQS]; byte ereq[REQS];
 byte mem[N]; byte eng[N]; byte gen[N];
 chan inq[N] = [IN_CAP] of { byte };
 chan outq[N] = [OUT_CAP + 2] of { byte }; /* the sentinel, and a replacement's handshake
                                               behind a reused channel, go past the cap */
-bit exited[N]; bit seen[N]; bit asleep[N]; bit mslp[N];
+bit exited[N]; bit seen[N]; bit asleep[N]; bit mslp[N]; byte zombie[N];
 /* safety flags set by the model where a property is a statement about one step */
 bit v_dp_spec_conformance; bit v_dp_death_fails_its_own; bit v_dp_routes_to_serving;
-bit v_dp_request_ends_once; bit v_dp_fresh_channel;
+bit v_dp_request_ends_once; bit v_dp_fresh_channel; bit v_dp_removed_engine_silent;
 /* scratch, reset to 0 after every use so it does not split states */
 byte msg; byte kind; byte slot; byte rr; byte before; byte nxt;
 hidden short ti;
 
 $fire_inlines
 
-#ifdef BUG_ROUTE_TO_RESTARTING
+#if defined(BUG_ROUTE_TO_RESTARTING)
 #define ROUTABLE(i) (member_routable(i) || mem[i] == MEMBERSHIP_S_RESTARTING)
-#else
+#elif !defined(BUG_ROUTE_TO_LEAVER)
 #define ROUTABLE(i) member_routable(i)
 #endif
 #ifdef BUG_DEATH_FAILS_EVERY_ENGINE
@@ -174,7 +180,27 @@ $fire_inlines
 #else
 #define WATCHES(i) 1
 #endif
+#ifdef BUG_ROUTE_TO_LEAVER
+#define ROUTABLE(i) (member_routable(i) || mem[i] == MEMBERSHIP_S_DRAINING)
+#endif
+#ifdef BUG_DRAINING_NOT_COUNTED
+#define counted(x) (member_left(x) && mem[x] != MEMBERSHIP_S_DRAINING)
+#else
+#define counted(x) member_left(x)
+#endif
+#ifdef BUG_REMOVED_IDENTITY_REUSED
+#define NEW_IDENTITY(x) skip
+#else
+#define NEW_IDENTITY(x) gen[x]++
+#endif
+#ifdef BUG_JOIN_WAITER_AFTER_EVENT
+#define ARMED_AT_START 0
+#else
+#define ARMED_AT_START 1
+#endif
 #define OWNER_MAY_CALL (started && !closing && budget > 0)
+#define MAY_SCALE (OWNER_MAY_CALL && client_live && !client_scale_refused && pcall == P_NONE
+                   && scale == SCALE_S_IDLE)
 
 inline fail_owned(dead) {
   /* exactly the dead engine's live requests and pending call end (or, under a bug, all) */
@@ -225,6 +251,14 @@ inline power_settled(x, part, died) {
 
 inline drain(ch) { do :: ch?msg :: empty(ch) -> break od; msg = 0 }
 
+/* the running scale returns (done, failed, or failed by shutdown()) */
+inline end_scale() { fire_scale(SCALE_E_END, G_NONE); sjoin = 0; sleave = 0; swait = 0 }
+
+/* joiner x handshook or failed: its scale's waiter wakes (an event with no waiter is lost) */
+inline wake_waiter(x) {
+  if :: sjoin == x + 1 && swait -> end_scale() :: else -> skip fi
+}
+
 inline close_channel(i) {
 #ifndef BUG_RESTART_REUSES_CHANNEL
   drain(inq[i]); drain(outq[i])
@@ -254,6 +288,15 @@ $construction_failed
               fire_mem(i, MEMBERSHIP_E_RESTART, G_NONE); gen[i]++;
               eng[i] = ENGINE_S_CONSTRUCTING; exited[i] = 0; seen[i] = 0;
               asleep[i] = 0; mslp[i] = 0
+           :: before == MEMBERSHIP_S_DRAINING -> /* a dead leaver is gone, never restarted */
+              asleep[i] = 0; mslp[i] = 0;
+              if :: sleave == i + 1 -> end_scale() :: else -> skip fi
+           :: before == MEMBERSHIP_S_STARTING -> /* a joiner failed to start: so does its scale */
+              fire_mem(i, MEMBERSHIP_E_REMOVE, G_NONE);
+#ifndef BUG_JOINER_DEATH_UNWAITED
+              wake_waiter(i);
+#endif
+              skip
            :: else -> skip fi;
         if :: !any_left || DIES_EARLY ->
               fire_client(CLIENT_E_ENGINE_DIED, G_NONE);
@@ -274,6 +317,21 @@ inline engine_exits(i) {
 $reset_ereq
 }
 
+/* the client made member x REMOVED itself: it kills and reaps the process, closes its
+   channel; a scale waiting for x returns; the client is DEAD if no member is left */
+inline removed(x) {
+#ifdef BUG_REMOVED_IDENTITY_REUSED
+  if :: !exited[x] -> zombie[x] = gen[x] + 1 :: else -> skip fi;
+  engine_exits(x); seen[x] = 1;
+#else
+  engine_exits(x); drain(inq[x]); drain(outq[x]);
+#endif
+  asleep[x] = 0; mslp[x] = 0;
+  if :: sleave == x + 1 || sjoin == x + 1 -> end_scale() :: else -> skip fi;
+  if :: client_live && !any_left -> fire_client(CLIENT_E_ENGINE_DIED, G_NONE) :: else -> skip fi;
+  derive_power()
+}
+
 inline route(i, k, s) {
   if :: !member_routable(i) -> v_dp_routes_to_serving = 1 :: else -> skip fi;
   inq[i]!FRAME(k, s, gen[i])
@@ -284,7 +342,8 @@ end: do
   :: atomic { !started -> started = 1 }
   :: atomic { !started -> started = 1; restart_on = 1 }
 $user_per_engine
-  :: atomic { OWNER_MAY_CALL && pcall == P_NONE && util == NO_UTIL && client_live && !any_live
+  :: atomic { OWNER_MAY_CALL && pcall == P_NONE && util == NO_UTIL && scale == SCALE_S_IDLE
+              && client_live && !any_live
               && $any_target && $targets_have_room ->
        budget--;
        if :: client_asleep -> pcall = P_WAKE :: else -> pcall = P_SLEEP fi;
@@ -294,9 +353,14 @@ $power_route }
 #else
   :: atomic { pcall != P_NONE && pmask != 0 -> power_ends() } /* its timeout */
 #endif
+$user_scale
+#ifdef BUG_JOIN_WAITER_AFTER_EVENT
+  :: atomic { scale == SCALE_S_SCALING && sjoin != 0 && !swait -> swait = 1 }
+#endif
   :: atomic { OWNER_MAY_CALL && (client_live || client == CLIENT_S_DEAD) ->
        budget--; closing = 1;
-$members_shutdown }
+$members_shutdown;
+       if :: scale == SCALE_S_SCALING -> end_scale() :: else -> skip fi }
   :: atomic { closing && budget > 0 && client == CLIENT_S_SHUTDOWN -> /* again: idempotent */
        budget--; fire_client(CLIENT_E_SHUTDOWN, G_NONE);
 $members_shutdown }
@@ -312,6 +376,7 @@ $finish_requests;
        if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_CLIENT_SHUTDOWN, G_NONE)
           :: else -> skip fi;
        pcall = P_NONE; pmask = 0; ppart = 0; pfail = 0 }
+$drain_ends
   od
 }
 
@@ -321,11 +386,13 @@ end: do
               && client != CLIENT_S_SHUTDOWN && READS(i) ->
        outq[i]?msg; kind = msg & 7; slot = (msg >> 3) & 1;
        if
-       :: (msg >> 4) != gen[i] -> v_dp_fresh_channel = 1 /* a frame of the predecessor's */
+       :: GEN_OF(msg) != gen[i] -> v_dp_fresh_channel = 1 /* a frame of the predecessor's */
+       :: GEN_OF(msg) == gen[i] && (msg & FROM_REMOVED) != 0 ->
+          v_dp_removed_engine_silent = 1 /* a removed process's, taken as this tenure's */
        :: else ->
           if
           :: kind == O_HS ->
-             fire_mem(i, MEMBERSHIP_E_HANDSHAKE_OK, G_NONE);
+             fire_mem(i, MEMBERSHIP_E_HANDSHAKE_OK, G_NONE); wake_waiter(i);
              if :: (client == CLIENT_S_CONSTRUCTING && all_routable) || EVERY_HS ->
                    fire_client(CLIENT_E_HANDSHAKE_OK, G_NONE)
                 :: else -> skip fi;
@@ -366,7 +433,7 @@ end: do
   :: atomic { !exited[i] && nempty(inq[i]) && engine_in_loop(i) && len(outq[i]) < OUT_CAP ->
        inq[i]?msg; kind = msg & 7; slot = (msg >> 3) & 1;
        if
-       :: (msg >> 4) != gen[i] -> v_dp_fresh_channel = 1 /* a frame sent to the predecessor */
+       :: GEN_OF(msg) != gen[i] -> v_dp_fresh_channel = 1 /* a frame sent to the predecessor */
        :: else ->
           if :: kind == I_ADD ->
                 fire_ereq(slot, ENGINE_REQUEST_E_ADD, G_NONE);
@@ -395,6 +462,9 @@ proctype Fault() {
 end: do
   :: atomic { started && faults > 0 && !closing -> faults = 0 }
 $fault_per_engine
+#ifdef BUG_REMOVED_IDENTITY_REUSED
+$zombie_per_engine
+#endif
   od
 }
 
@@ -422,6 +492,30 @@ _USER = r"""  :: atomic { OWNER_MAY_CALL && client_live && ROUTABLE({i}) && len(
   :: atomic { OWNER_MAY_CALL && util == NO_UTIL && pcall == P_NONE && client_live
               && ROUTABLE({i}) && len(inq[{i}]) < IN_CAP ->
        budget--; util = UTILITY_S_PENDING; uown = {i}; ugen = gen[{i}]; route({i}, I_UTIL, 0) }"""
+
+_SCALE = r"""  :: atomic {{ MAY_SCALE && member_in_set({i}) && member_in_set({j}) ->
+       budget--; fire_scale(SCALE_E_BEGIN, G_NONE); sleave = {i} + 1;
+       if :: mem[{i}] == MEMBERSHIP_S_SERVING -> fire_mem({i}, MEMBERSHIP_E_LEAVE, G_NONE);
+             derive_power()
+          :: else -> fire_mem({i}, MEMBERSHIP_E_REMOVE, G_NONE); removed({i})
+       fi }}
+  :: atomic {{ MAY_SCALE && mem[{i}] == MEMBERSHIP_S_REMOVED ->
+       budget--; fire_scale(SCALE_E_BEGIN, G_NONE); mem[{i}] = MEMBERSHIP_S_STARTING;
+       NEW_IDENTITY({i}); eng[{i}] = ENGINE_S_CONSTRUCTING; exited[{i}] = 0; seen[{i}] = 0;
+       sjoin = {i} + 1; swait = ARMED_AT_START }}
+  :: atomic {{ sjoin == {i} + 1 && swait && mem[{i}] == MEMBERSHIP_S_STARTING ->
+       fire_mem({i}, MEMBERSHIP_E_REMOVE, G_NONE); removed({i}) }}"""
+
+_DRAIN = r"""  :: atomic {{ mem[{i}] == MEMBERSHIP_S_DRAINING ->
+#ifndef BUG_DEADLINE_FORGETS_LIVE
+{abort_live}
+       if :: util == UTILITY_S_PENDING && calls({i}) -> fire_util(UTILITY_E_ENGINE_DIED, G_NONE)
+          :: else -> skip fi;
+#endif
+       fire_mem({i}, MEMBERSHIP_E_DRAINED, G_NONE); removed({i}) }}"""
+
+_ZOMBIE = r"""  :: atomic {{ zombie[{i}] != 0 && member_left({i}) && len(outq[{i}]) < OUT_CAP ->
+       outq[{i}]!(FRAME(O_HS, 0, zombie[{i}] - 1) | FROM_REMOVED); zombie[{i}] = 0 }}"""
 
 _FAULT = r"""  :: atomic {{ started && faults > 0 && !closing && !exited[{i}] ->
        faults--; engine_exits({i}) }}
@@ -483,6 +577,12 @@ def render_promela_dp() -> str:
         "first_mine": _first("mine({k}, i)", "rr", dp.REQS),
         "fault_per_engine": "\n".join(
             _FAULT.format(i=i) for i in range(dp.N)),
+        "user_scale": "\n".join(_SCALE.format(i=i, j=1 - i) for i in range(dp.N)),
+        "drain_ends": "\n".join(_DRAIN.format(i=i, abort_live="\n".join(
+            f"       if :: creq_live({r}) && owns({r}, {i}) ->"
+            f" fire_creq({r}, CLIENT_REQUEST_E_FINISH_ABORT, G_NONE) :: else -> skip fi;"
+            for r in range(dp.REQS))) for i in range(dp.N)),
+        "zombie_per_engine": "\n".join(_ZOMBIE.format(i=i) for i in range(dp.N)),
         "run_per_engine": "\n".join(
             f"    run Engine({i}); run Reader({i}); run Monitor({i});" for i in range(dp.N)),
         "ltl": ltl_blocks(DP_PROPERTIES),

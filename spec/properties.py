@@ -271,11 +271,13 @@ PROPERTIES: tuple[Property, ...] = SAFETY + LIVENESS
 # In Promela the per-engine and per-request fields are arrays (``mem[i]``, ``creq[r]``); the
 # macros ``creq_live(r)``, ``member_left(i)`` ... are generated from the same named sets.
 
+_OWNS_LIVE = (dp.M_SERVING, dp.M_DRAINING, dp.M_SHUT_DOWN)
+
+
 def _settled(w: World, gen: int, owner: int) -> bool:
     """A live request or pending call is its engine's current incarnation's, and that engine
-    is serving (or being shut down, which fails it at the end)."""
-    return bool(w[dp.GEN[owner]] == gen
-                and w[dp.MEM[owner]] in (dp.M_SERVING, dp.M_SHUT_DOWN))
+    is serving or draining (or being shut down, which fails it at the end)."""
+    return bool(w[dp.GEN[owner]] == gen and w[dp.MEM[owner]] in _OWNS_LIVE)
 
 
 def _none_left_behind(w: World) -> bool:
@@ -295,7 +297,7 @@ def _each(fmt: str, n: int, join: str) -> str:
 
 _DP_SETTLED = (
     "(gen[{own}] == {gen} && (mem[{own}] == MEMBERSHIP_S_SERVING "
-    "|| mem[{own}] == MEMBERSHIP_S_SHUT_DOWN))"
+    "|| mem[{own}] == MEMBERSHIP_S_DRAINING || mem[{own}] == MEMBERSHIP_S_SHUT_DOWN))"
 )
 _DP_NONE_LEFT_BEHIND = " && ".join(
     [f"(!creq_live({r}) || " + _DP_SETTLED.format(own=f"own[{r}]", gen=f"ogen[{r}]") + ")"
@@ -305,6 +307,20 @@ _DP_NONE_LEFT_BEHIND = " && ".join(
 _DP_ANY_LEFT = _each("member_left({i})", dp.N, "||")
 _DP_ANY_LIVE = _each("creq_live({i})", dp.REQS, "||")
 _DP_ANY_RESTARTING = _each("mem[{i}] == MEMBERSHIP_S_RESTARTING", dp.N, "||")
+
+
+def _removed_owes_nothing(w: World) -> bool:
+    """No live request or pending call belongs to an engine whose member is REMOVED."""
+    for r in range(dp.REQS):
+        if w[dp.CREQ[r]] in dp.Q_LIVE and w[dp.MEM[w[dp.OWN[r]]]] == dp.M_REMOVED:
+            return False
+    return bool(w[dp.UTIL] != dp.U_PENDING or w[dp.MEM[w[dp.UOWN]]] != dp.M_REMOVED)
+
+
+_DP_REMOVED_OWES_NOTHING = " && ".join(
+    [f"!(creq_live({r}) && mem[own[{r}]] == MEMBERSHIP_S_REMOVED)" for r in range(dp.REQS)]
+    + [f"!(util == {dp.U_PENDING} && mem[uown] == MEMBERSHIP_S_REMOVED)"]
+)
 
 
 def _power_follows(w: World) -> bool:
@@ -343,8 +359,9 @@ DP_SAFETY: tuple[Property, ...] = (
     _safety(
         "dp_routes_to_serving",
         "A request or utility call is only ever sent to an engine whose member is serving "
-        "(MEMBER_ROUTABLE), never to a dead, starting or restarting one.",
-        ("route_to_restarting",),
+        "(MEMBER_ROUTABLE), never to a dead, starting (a joiner too) or restarting one, nor to "
+        "a leaver once it drains.",
+        ("route_to_restarting", "route_to_leaver"),
         "!v_dp_routes_to_serving",
         _dp_flag("dp_routes_to_serving"),
     ),
@@ -369,8 +386,9 @@ DP_SAFETY: tuple[Property, ...] = (
     _safety(
         "dp_client_dead_iff_none_left",
         "The client is DEAD only when no member is left (MEMBER_LEFT is empty), and a "
-        "constructed client that is not shutting down is DEAD once none is.",
-        ("client_dies_with_first_member",),
+        "constructed client that is not shutting down is DEAD once none is (a draining "
+        "leaver still counts).",
+        ("client_dies_with_first_member", "draining_not_counted"),
         f"(client != {dp.C_DEAD} || !{_DP_ANY_LEFT}) && (!client_live || closing "
         f"|| {_DP_ANY_LEFT})",
         lambda w: (w[dp.C] != dp.C_DEAD or not _any_left(w))
@@ -384,6 +402,25 @@ DP_SAFETY: tuple[Property, ...] = (
         ("power_follows_combined_reply",),
         f"(!client_live || !{_DP_ANY_SERVING} || (client_asleep == {_DP_ANY_SERVING_ASLEEP}))",
         _power_follows,
+    ),
+    _safety(
+        "dp_leaver_work_ends",
+        "Every request and call an engine accepted has ended by the time its member is "
+        "REMOVED, however it left: finished by the engine while it drained, with ABORT (and "
+        "EngineDeadError for the call) at the drain deadline, or with ERROR if it died "
+        "(exactly once: a second end has no row in the request and utility tables).",
+        ("deadline_forgets_live",),
+        _DP_REMOVED_OWES_NOTHING,
+        _removed_owes_nothing,
+    ),
+    _safety(
+        "dp_removed_engine_silent",
+        "No frame of a removed engine is accepted: after a scale-down its process is reaped "
+        "before its member is REMOVED, and an index that joins again has a new identity and "
+        "channel, so nothing of the earlier tenure is taken as the joiner's (vLLM #37357).",
+        ("removed_identity_reused",),
+        "!v_dp_removed_engine_silent",
+        _dp_flag("dp_removed_engine_silent"),
     ),
 )
 
@@ -402,6 +439,15 @@ DP_LIVENESS: tuple[Property, ...] = (
         ("reader_forgets_replacement",),
         (_DP_ANY_RESTARTING, lambda w: any(w[x] == dp.M_RESTARTING for x in dp.MEM)),
         (f"!{_DP_ANY_RESTARTING}", lambda w: not any(w[x] == dp.M_RESTARTING for x in dp.MEM)),
+    ),
+    _live(
+        "dp_scale_terminates",
+        "Every scale eventually returns (done, failed, or failed by shutdown()), even when a "
+        "joiner or a leaver dies during it: the joiner's waiter exists before the joiner "
+        "starts, and a joiner's death wakes it too (vLLM #37357).",
+        ("join_waiter_after_event", "joiner_death_unwaited"),
+        (f"scale == {dp.S_SCALING}", lambda w: w[dp.SCALE_ST] == dp.S_SCALING),
+        (f"scale != {dp.S_SCALING}", lambda w: w[dp.SCALE_ST] != dp.S_SCALING),
     ),
 )
 

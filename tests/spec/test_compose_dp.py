@@ -9,7 +9,7 @@ import os
 import pytest
 
 from enginewire._tools.generate import ROOT
-from enginewire.spec import MEMBERSHIP
+from enginewire.spec import MEMBERSHIP, SCALE
 from enginewire.spec import compose_dp as d
 from enginewire.spec.compose_dp import BUGS, DPComposition, World
 from enginewire.spec.explore import ExploreResult, explore_dp, uncovered_rows
@@ -28,8 +28,10 @@ def test_the_two_engine_model_satisfies_every_property(composed_dp: ExploreResul
 
 
 def test_every_membership_row_is_exercised(composed_dp: ExploreResult) -> None:
+    # the scale operation's rows too: LEAVE, DRAINED, REMOVE from STARTING, DEAD and
+    # RESTARTING, a draining leaver's death and shutdown, REMOVED's loops, and SCALE's own
     missing = uncovered_rows(composed_dp, d.COVERS)
-    assert missing == {MEMBERSHIP.name: []}
+    assert missing == {MEMBERSHIP.name: [], SCALE.name: []}
     assert d.UNEXERCISED == {}
 
 
@@ -41,6 +43,15 @@ def test_every_property_has_a_control_and_every_control_a_target() -> None:
     for name in ("dp_death_fails_its_own", "dp_routes_to_serving", "dp_request_ends_once",
                  "dp_fresh_channel"):
         assert any(name in ps for ps in targets.values()), name
+    # the elastic issue's (#46): routing, a leaver's work, a scale's end, a removed engine's
+    # frames, the client's death; and the two bugs of vLLM PR #37357
+    for bug, name in (("route_to_leaver", "dp_routes_to_serving"),
+                      ("deadline_forgets_live", "dp_leaver_work_ends"),
+                      ("join_waiter_after_event", "dp_scale_terminates"),
+                      ("joiner_death_unwaited", "dp_scale_terminates"),
+                      ("removed_identity_reused", "dp_removed_engine_silent"),
+                      ("draining_not_counted", "dp_client_dead_iff_none_left")):
+        assert name in targets[bug], (bug, name)
 
 
 @pytest.mark.parametrize("bug", BUGS)
@@ -146,6 +157,96 @@ def test_an_engine_lost_during_construction_fails_it() -> None:
         v = _names(w)
         assert v["client"] == "SHUTDOWN" and (v["mem0"], v["mem1"]) == ("SHUT_DOWN", "SHUT_DOWN")
         assert all(w[x] for x in d.EXITED)
+
+
+# ---- scale: the runs spec/membership.py's "Elastic scaling" describes ----------------------
+
+def _labels(w: World) -> set[str]:
+    return {lab for lab, _ in DPComposition().successors(w)}
+
+
+def test_a_leaver_takes_no_new_work_and_its_requests_finish_before_it_is_removed() -> None:
+    run = ("construct", *_UP, "add_request_0", "engine_receive_0", "scale_leave_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["scale"], v["creq0"]) == ("DRAINING", "SCALING", "SENT")
+        labels = _labels(w)
+        assert "add_request_0" not in labels and "call_utility_0" not in labels
+        assert "add_request_1" in labels and not any(x.startswith("scale_") for x in labels)
+    run = (*run, "engine_finish_0", "receive_output_0", "leaver_drained_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["scale"], v["creq0"]) == ("REMOVED", "IDLE", "FINISHED_STOPPED")
+        assert w[d.EXITED[0]] and v["client"] == "RUNNING"
+    # the monitor's report of the exit the client caused loops in REMOVED
+    for w in _follow((*run, "process_exit_noticed_0")):
+        assert _names(w)["mem0"] == "REMOVED" and not w[d.BAD]
+
+
+def test_at_the_drain_deadline_a_leaver_s_work_ends_with_abort_and_its_call_fails() -> None:
+    run = ("construct", *_UP, "add_request_0", "call_utility_0", "scale_leave_0",
+           "drain_deadline_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["scale"]) == ("REMOVED", "IDLE")
+        assert (v["creq0"], v["util"]) == ("FINISHED_ABORTED", "FAILED_DEAD")
+        assert v["inq0"] == v["outq0"] == [] and w[d.EXITED[0]]
+
+
+def test_a_leaver_that_dies_is_gone_never_restarted() -> None:
+    run = ("construct_with_restarts", *_UP, "add_request_0", "scale_leave_0",
+           "crash_silently_0", "process_exit_noticed_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["gen0"], v["scale"]) == ("REMOVED", 0, "IDLE")
+        assert v["creq0"] == "FINISHED_ERROR" and v["client"] == "RUNNING"
+
+
+def test_a_dead_index_is_removed_at_once_and_the_client_dies_with_its_last_member() -> None:
+    run = ("construct", *_UP, "crash_silently_0", "process_exit_noticed_0", "scale_leave_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["mem1"], v["scale"], v["client"]) == (
+            "REMOVED", "SERVING", "IDLE", "READY")
+    for w in _follow(("construct", *_UP, "scale_leave_1", "crash_silently_0",
+                      "process_exit_noticed_0")):
+        assert _names(w)["client"] == "READY"  # the draining leaver still counts
+    for w in _follow(("construct", *_UP, "scale_leave_1", "crash_silently_0",
+                      "process_exit_noticed_0", "leaver_drained_1")):
+        assert _names(w)["client"] == "DEAD"
+
+
+def test_a_removed_index_joins_again_as_a_new_slot_serving_only_after_its_handshake() -> None:
+    run = ("construct", *_UP, "scale_leave_0", "leaver_drained_0", "scale_join_0")
+    for w in _follow(run):
+        v = _names(w)
+        assert (v["mem0"], v["gen0"], v["scale"]) == ("STARTING", 1, "SCALING")
+        labels = _labels(w)
+        assert "add_request_0" not in labels and "add_request_1" in labels
+    for w in _follow((*run, "engine_start_0", "receive_output_0")):
+        v = _names(w)
+        assert (v["mem0"], v["scale"]) == ("SERVING", "IDLE")
+        assert "add_request_0" in _labels(w)
+    # a joiner that dies before its handshake, or misses its deadline, fails the scale
+    for tail in (("crash_silently_0", "process_exit_noticed_0"), ("scale_join_times_out_0",)):
+        for w in _follow((*run, *tail)):
+            v = _names(w)
+            assert (v["mem0"], v["scale"], v["mem1"]) == ("REMOVED", "IDLE", "SERVING"), tail
+
+
+def test_one_scale_at_a_time_and_none_while_the_client_sleeps() -> None:
+    for w in _follow(("construct", *_UP, "scale_leave_0")):
+        assert not any(x.startswith(("scale_leave", "scale_join")) for x in _labels(w))
+    for w in _follow(("construct", *_UP, "sleep", "engine_receive_0", "engine_receive_1",
+                      "receive_output_0", "receive_output_1")):
+        assert _names(w)["client"] == "SLEEPING"
+        assert not any(x.startswith("scale_") for x in _labels(w))
+
+
+def test_shutdown_ends_a_running_scale() -> None:
+    for w in _follow(("construct", *_UP, "scale_leave_0", "shutdown")):
+        v = _names(w)
+        assert (v["mem0"], v["mem1"], v["scale"]) == ("SHUT_DOWN", "SHUT_DOWN", "IDLE")
 
 
 # ---- SPIN ---------------------------------------------------------------------------------

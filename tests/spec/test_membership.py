@@ -13,7 +13,17 @@ from enginewire.spec import (
     compose,
     compose_dp,
 )
-from enginewire.spec.membership import MEMBER_LEFT, MEMBER_ROUTABLE
+from enginewire.spec.client import CLIENT_ASLEEP
+from enginewire.spec.membership import (
+    MEMBER_DOWN,
+    MEMBER_IN_SET,
+    MEMBER_LEFT,
+    MEMBER_ROUTABLE,
+    SCALE,
+    SCALE_REFUSED,
+    ScaleEvent,
+    ScaleState,
+)
 from enginewire.spec.promela_dp import render_promela_dp
 
 S, E = MembershipState, MembershipEvent
@@ -21,11 +31,20 @@ S, E = MembershipState, MembershipEvent
 
 def test_membership_is_a_machine_of_the_spec_with_the_names_the_runtime_uses() -> None:
     assert MEMBERSHIP in MACHINES
-    assert [s.name for s in S] == ["STARTING", "SERVING", "DEAD", "RESTARTING", "SHUT_DOWN"]
-    assert [e.name for e in E] == ["HANDSHAKE_OK", "DIED", "RESTART", "SHUTDOWN"]
+    assert [s.name for s in S] == [
+        "STARTING", "SERVING", "DRAINING", "DEAD", "RESTARTING", "REMOVED", "SHUT_DOWN"]
+    assert [e.name for e in E] == [
+        "HANDSHAKE_OK", "DIED", "RESTART", "LEAVE", "DRAINED", "REMOVE", "SHUTDOWN"]
     assert MEMBER_ROUTABLE == {S.SERVING}
-    assert MEMBER_LEFT == {S.STARTING, S.SERVING, S.RESTARTING}
-    assert MEMBER_ROUTABLE <= MEMBER_LEFT and MEMBERSHIP.terminal == {S.SHUT_DOWN}
+    assert MEMBER_LEFT == {S.STARTING, S.SERVING, S.DRAINING, S.RESTARTING}
+    assert MEMBER_DOWN == {S.DEAD, S.RESTARTING}
+    assert MEMBER_IN_SET == {S.STARTING, S.SERVING, S.DEAD, S.RESTARTING}
+    assert MEMBER_ROUTABLE <= MEMBER_IN_SET and MEMBER_DOWN <= MEMBER_IN_SET
+    assert MEMBER_ROUTABLE <= MEMBER_LEFT and S.DRAINING not in MEMBER_IN_SET
+    assert MEMBERSHIP.terminal == {S.SHUT_DOWN, S.REMOVED}
+    assert [s.name for s in ScaleState] == ["IDLE", "SCALING"]
+    assert [e.name for e in ScaleEvent] == ["BEGIN", "END"]
+    assert SCALE in MACHINES and SCALE_REFUSED == CLIENT_ASLEEP
 
 
 def test_every_machine_is_covered_by_exactly_one_composed_model() -> None:
@@ -47,9 +66,37 @@ def test_a_death_is_sticky_until_a_restart_and_shutdown_ends_every_state() -> No
         assert (state, E.SHUTDOWN, None) in MEMBERSHIP.table()
 
 
+def test_a_leaver_drains_to_removed_and_removed_is_final() -> None:
+    lc = MEMBERSHIP.lifecycle()
+    lc.fire(E.HANDSHAKE_OK)
+    lc.fire(E.LEAVE)
+    assert lc.state is S.DRAINING and lc.state not in MEMBER_ROUTABLE
+    assert not lc.can(E.RESTART) and not lc.can(E.HANDSHAKE_OK)
+    lc.fire(E.DRAINED)
+    assert lc.state is S.REMOVED and lc.state not in MEMBER_LEFT
+    for event in E:  # only the expected exit and a shutdown reach a removed slot: both loop
+        assert lc.can(event) == (event in (E.DIED, E.SHUTDOWN))
+    # a dead leaver is gone, never restarted; a dead or restarting index goes at once
+    for path in ((E.HANDSHAKE_OK, E.LEAVE, E.DIED), (E.HANDSHAKE_OK, E.DIED, E.REMOVE),
+                 (E.HANDSHAKE_OK, E.DIED, E.RESTART, E.REMOVE), (E.REMOVE,)):
+        lc = MEMBERSHIP.lifecycle()
+        for event in path:
+            lc.fire(event)
+        assert lc.state is S.REMOVED, path
+
+
+def test_one_scale_at_a_time() -> None:
+    lc = SCALE.lifecycle()
+    lc.fire(ScaleEvent.BEGIN)
+    assert not lc.can(ScaleEvent.BEGIN)
+    lc.fire(ScaleEvent.END)
+    assert lc.state is ScaleState.IDLE and not lc.can(ScaleEvent.END)
+
+
 def test_the_promela_sets_are_generated_from_the_named_sets() -> None:
     pml = render_promela_dp()
-    for name, states in (("member_left", MEMBER_LEFT), ("member_routable", MEMBER_ROUTABLE)):
+    for name, states in (("member_left", MEMBER_LEFT), ("member_routable", MEMBER_ROUTABLE),
+                         ("member_in_set", MEMBER_IN_SET)):
         line = next(x for x in pml.splitlines() if x.startswith(f"#define {name}(x)"))
         ixs = {int(i) for i in re.findall(r"mem\[x\] == (\d+)", line)}
         assert ixs == {list(S).index(s) for s in states}, line
