@@ -290,6 +290,7 @@ QUICK_CONTROLS: tuple[str, ...] = (
     "no_monitor",  # liveness: a death nobody notices
     "death_fails_every_engine",  # data parallel: one engine's loss fails the others' work
     "replacement_unmonitored",  # data parallel: a replacement's death nobody notices
+    "join_waiter_after_event",  # elastic: the scale-up's waiter armed too late (vLLM #37357)
 )
 
 
