@@ -327,6 +327,9 @@ def _campaign(args: argparse.Namespace) -> int:
                              " without --factory, --mutant or --mutants")
         if args.backend == "ray":
             _require("ray", f"enginewire campaign {what}")
+    if args.elastic and (args.engines < 2 or args.backend != "mp"):
+        raise UsageError("--elastic scales a data-parallel client of local engines: give it"
+                         " with --engines 2 or more on --backend mp")
     return int(run_campaign(
         client=args.client,
         examples=args.examples,
@@ -344,6 +347,7 @@ def _campaign(args: argparse.Namespace) -> int:
         engines=args.engines,
         backend=args.backend,
         model_coverage=args.model_coverage,
+        elastic=args.elastic,
     ))
 
 
@@ -533,6 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", choices=("mp", "ray"), default="mp",
         help="where the data-parallel engines run: mp (local processes) or ray (Ray actors;"
         " EngineConfig.data_parallel_backend)",
+    )
+    camp.add_argument(
+        "--elastic", action="store_true",
+        help="with --engines N (mp): the data-parallel machine also scales its client up and"
+        " down (1 to 3 engines) while requests stream, a call is pending or an engine dies"
+        " (model_tests/stateful_dp_elastic.py)",
     )
     camp.set_defaults(handler=_campaign)
 

@@ -262,7 +262,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 duration: float | None, model: str, profile: str, results_dir: Path,
                 shrink: bool, progress: Any,
                 factory: str | None = None,
-                dp: tuple[int, str] | None = None) -> tuple[ClientResult, Any]:
+                dp: tuple[int, str] | None = None,
+                elastic: bool = False) -> tuple[ClientResult, Any]:
     import hypothesis.core
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
@@ -321,8 +322,10 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         machine: Any
         if dp is not None:
             from .stateful_dp import DataParallelStateMachine
+            from .stateful_dp_elastic import ElasticDPStateMachine
 
-            machine = DataParallelStateMachine(pool, kind=kind, faults=faults,
+            machine = (ElasticDPStateMachine if elastic else DataParallelStateMachine)(
+                                               pool, kind=kind, faults=faults,
                                                exact_tokens=model == "null",
                                                vocab_size=vocab_size, stats=stats,
                                                min_life=min_life)
@@ -369,7 +372,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 # A flaky report's printed steps are its replay's: the first program wins.
                 result.reproducer = reproducer_program([] if first else lines + notes, kind, model,
                                                        faults, first or stats.failed_program,
-                                                       factory, dp)
+                                                       factory, dp, elastic=elastic)
                 if reference is not None:
                     result.reproducer = _with_reference(result.reproducer, model, dp)
                 break
@@ -540,6 +543,7 @@ def run_campaign(
     engines: int = 1,
     backend: str = "mp",
     model_coverage: bool = False,
+    elastic: bool = False,
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
     ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
@@ -549,7 +553,10 @@ def run_campaign(
     "ray") runs the data-parallel machine (``stateful_dp.py``) on sync and async clients over
     that many engine cores (``EngineConfig.data_parallel_size``/``data_parallel_backend``).
     ``model_coverage`` adds the coverage of what the composed model reaches to the report
-    (model_coverage.py; one exploration, tens of seconds)."""
+    (model_coverage.py; one exploration, tens of seconds). ``elastic`` runs the
+    data-parallel machine with its scale rules (``stateful_dp_elastic.py``): engines join
+    and leave while requests stream; it needs the data-parallel machine on the 'mp'
+    backend (or a mutant of the bank's "elastic" class)."""
     from . import mutants
 
     mutants.apply_from_env()  # a mutant child's first step (module docstring)
@@ -587,6 +594,12 @@ def run_campaign(
             raise ValueError(f"engines={engines}, backend={backend!r}: the data-parallel"
                              " machine runs the built-in clients without the mutant bank:"
                              " drop the factory or the mutants")
+    if not isinstance(elastic, bool):
+        raise ValueError(f"elastic must be True or False, got {elastic!r}")
+    if elastic and mutants.active() is None and (dp is None or backend != "mp"):
+        raise ValueError(f"elastic: scales a data-parallel client of local engines; give"
+                         f" engines >= 2 with backend 'mp' (got engines={engines},"
+                         f" backend={backend!r})")
     if model_coverage and (mutant is not None or mutants_all):
         raise ValueError("model_coverage: a mutant run reports detections, not coverage")
     if factory is not None:
@@ -659,7 +672,8 @@ def run_campaign(
             return _run_kinds(kinds, client=client, examples=examples, steps=steps,
                               seed=seed, faults=faults, duration=duration, model=model,
                               profile=profile, out_dir=out_dir, verbose=verbose,
-                              factory=factory, dp=dp, model_coverage=model_coverage)
+                              factory=factory, dp=dp, model_coverage=model_coverage,
+                              elastic=elastic)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -690,7 +704,8 @@ def _hypothesis_home(out_dir: Path) -> Path | None:
 def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed: int | None,
                faults: bool, duration: float | None, model: str, profile: str,
                out_dir: Path, verbose: bool = False, factory: str | None = None,
-               dp: tuple[int, str] | None = None, model_coverage: bool = False) -> int:
+               dp: tuple[int, str] | None = None, model_coverage: bool = False,
+               elastic: bool = False) -> int:
     from ..runtime._engine_trace import ENGINE_TRACE_ENV
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
@@ -713,7 +728,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
                                  seed=seed, faults=faults, duration=duration, model=model,
                                  profile=profile, out_dir=out_dir, verbose=verbose,
                                  engine_log=engine_log, factory=factory, dp=dp,
-                                 model_coverage=model_coverage)
+                                 model_coverage=model_coverage, elastic=elastic)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -726,7 +741,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                       seed: int | None, faults: bool, duration: float | None, model: str,
                       profile: str, out_dir: Path, verbose: bool,
                       engine_log: Path | None, factory: str | None = None,
-                      dp: tuple[int, str] | None = None, model_coverage: bool = False) -> int:
+                      dp: tuple[int, str] | None = None, model_coverage: bool = False,
+                      elastic: bool = False) -> int:
     from . import mutants
     from .oracle import Coverage
 
@@ -759,7 +775,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                                    faults=faults, duration=share, model=model,
                                    profile=profile, results_dir=out_dir,
                                    shrink=not stop_at_first, progress=tick, factory=factory,
-                                   dp=kind_dp)
+                                   dp=kind_dp, elastic=elastic and kind_dp is not None)
             res.client, res.engine_cores = kind, 1 if kind_dp is None else kind_dp[0]
             results.append(res)
             coverage.merge(cov)
@@ -799,7 +815,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                      "faults": faults, "duration": duration, "model": model,
                      "profile": profile, "mutant": mutants.active(), "factory": factory,
                      "engines": 1 if dp is None else dp[0],
-                     "backend": "mp" if dp is None else dp[1]},
+                     "backend": "mp" if dp is None else dp[1], "elastic": elastic},
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }

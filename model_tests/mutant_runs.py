@@ -64,6 +64,8 @@ def run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: 
     args = {"client": wanted[0] if len(wanted) == 1 else "all", "examples": examples,
             "steps": steps, "seed": seed, "faults": True, "model": model,
             "results_dir": str(results_dir), "profile": "ci", "duration": duration}
+    if kind == "elastic":  # shows only where engines join and leave (stateful_dp_elastic.py)
+        args["elastic"] = True
     code = ("import json, sys\n"
             "from enginewire.testing.campaign import run_campaign\n"
             f"sys.exit(run_campaign(**json.loads({json.dumps(json.dumps(args))})))\n")

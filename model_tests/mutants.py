@@ -56,6 +56,8 @@ KINDS: dict[str, str] = {
     "requests": "a request's own protocol (a live id sent twice)",
     "membership": "data-parallel membership (a death and restart racing the client's own"
                   " paths: a member's state read outside the lock, a power state left behind)",
+    "elastic": "elastic data parallel (engines joining and leaving a serving client: routing"
+               " to a leaver or a joiner, a leaver's requests never ended)",
 }
 
 
@@ -89,6 +91,8 @@ _MP = ("sync", "async")
 _ALL = ("inproc", *_MP)
 _LONE = ("standalone",)
 _DP = ("dp-sync", "dp-async")  # the data-parallel clients, on 2 engines (campaign.py)
+# A mutant of the "elastic" class runs the data-parallel machine with its scale rules
+# (stateful_dp_elastic.py; mutant_runs.py passes elastic=True to its campaign).
 BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("pending_utility_not_failed_on_death",
            "utility futures pending when the engine dies are never failed (they hang)", _MP,
@@ -334,6 +338,39 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
                     "if decl.power is not None:\n"
                     "    self._on_power_reply(method, combined)\n"
                     "return combined")),
+           )),
+    # Issue 46: a leaving engine takes no new work from the moment scale() is called. The
+    # router here still counts a DRAINING engine as serving (vLLM's scale-down kept routing to
+    # the engines it was draining until the reconfiguration finished).
+    Mutant("dp_leaver_still_routed",
+           "a data-parallel client's router still picks an engine that is leaving (DRAINING,"
+           " from the scale-down's call on) for routed ADDs", _DP, kind="elastic",
+           patches=(_in("_dp_router:Router.pick",
+                        ("s.lifecycle.state not in MEMBER_ROUTABLE",
+                         's.lifecycle.state.name not in ("SERVING", "DRAINING")')),)),
+    Mutant("dp_leaver_leftovers_never_ended",
+           "a scale-down's leaver is shut down with requests still live on it (no drain, or"
+           " past its deadline), and their ABORT batch is dropped: they never end", _DP,
+           kind="elastic", patches=(_in(
+               "dp_client:_DPClient._drain_done",
+               ("ends = [EngineCoreOutput(r, [], FinishReason.ABORT, stop_reason=removal)\n"
+                "        for r in rids]",
+                "ends = []")),)),
+    Mutant("dp_joiner_serves_before_commit",
+           "a scale-up's joiner serves as soon as its own handshake arrives, while the other"
+           " joiners still start (it takes requests before the scale commits, and a failed"
+           " scale would have to take them back)", _DP, kind="elastic", patches=(
+               _in("_dp_membership:Membership._build_all",
+                   ("built.append((s, fut.result()))",
+                    "built.append((s, fut.result()))\n"
+                    "if abandon is not self.abandon:\n"
+                    "    with self._lock:\n"
+                    "        s.client = built[-1][1]\n"
+                    "        s.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)")),
+               _in("_dp_membership:Membership.join",
+                   ("s.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)",
+                    "if s.lifecycle.can(MembershipEvent.HANDSHAKE_OK):\n"
+                    "    s.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)")),
            )),
 )}
 

@@ -647,18 +647,33 @@ class DPOracle(Oracle):
     waits for it even when it was parked). The client is DEAD only when every engine is."""
 
     def __init__(self, *, exact_tokens: bool, engines: int,
-                 dead: Iterable[int] = ()) -> None:
+                 dead: Iterable[int] = (), members: Iterable[int] | None = None) -> None:
         super().__init__(exact_tokens=exact_tokens)
-        self.engines = engines
+        # The indexes of the client's set (``data_parallel_size`` of them): 0..engines-1
+        # until a scale (stateful_dp_elastic.py) takes some out or adds others.
+        self.members: list[int] = sorted(range(engines) if members is None else members)
         self.dead: set[int] = set(dead)
+        # Indexes that left by a scale-down (not in the set since), and those joining now.
+        self.gone: set[int] = set()
+        self.joining: set[int] = set()
+        # rid -> the engines that served when it was added: no other may send its outputs.
+        self.allowed: dict[str, frozenset[int]] = {}
+        # rid -> the leaver it was live on when a scale took it out, where only that removal
+        # (not an abort the test sent) may end it ABORT: its stop reason must name the removal.
+        self.removed_on: dict[str, int] = {}
         self.placed: dict[str, int] = {}  # rid -> the engine it was pinned to or seen on
         self.avoid: dict[str, frozenset[int]] = {}  # rid -> engines dead when it was added
         self.may_fail_on: dict[str, set[int]] = {}  # rid -> engines whose death may end it
         self.doomed: set[str] = set()  # known to run on an engine that died: must end
         self._batch_engine: int | None = None
 
+    @property
+    def engines(self) -> int:
+        """How many engines the client's set has (``data_parallel_size``)."""
+        return len(self.members)
+
     def serving(self) -> list[int]:
-        return [i for i in range(self.engines) if i not in self.dead]
+        return [i for i in self.members if i not in self.dead]
 
     def add(self, rid: str, max_tokens: int, expected: list[int] | None,
             stop_index: int | None, *, invalid: bool = False, rank: int | None = None,
@@ -668,8 +683,10 @@ class DPOracle(Oracle):
         if rank is not None:
             self.placed[rid] = rank
         self.avoid[rid] = frozenset(self.dead if avoid is None else avoid)
+        self.allowed[rid] = frozenset(i for i in self.serving() if i not in self.joining)
         self.may_fail_on[rid] = set()
         self.doomed.discard(rid)
+        self.removed_on.pop(rid, None)
 
     def engine_died(self, index: int, *, restarted: bool = False) -> None:
         """Engine ``index`` was killed and its death seen (``restarted``: a replacement under
@@ -688,6 +705,51 @@ class DPOracle(Oracle):
             if not self.serving():
                 self.died()
 
+    def abort(self, ids: Iterable[str]) -> None:
+        ids = list(ids)
+        super().abort(ids)
+        for rid in ids:  # an abort of the test's own may end it now, with no stop reason
+            self.removed_on.pop(rid, None)
+
+    def pause(self, mode: str, level: int | None = None) -> list[str]:
+        if mode == "abort":  # ends what still runs ABORT, with no stop reason
+            self.removed_on.clear()
+        return super().pause(mode, level)
+
+    def joined(self, indexes: Iterable[int]) -> None:
+        """A scale-up committed: ``indexes`` serve from now (new engines, new channels)."""
+        for i in indexes:
+            self.gone.discard(i)
+            self.dead.discard(i)
+            self.engine_sides.pop(i, None)  # a reused index is another engine
+            if i not in self.members:
+                self.members.append(i)
+        self.members.sort()
+        self.joining.clear()
+
+    def left(self, index: int) -> None:
+        """A scale-down took engine ``index`` out of the set (from the moment ``scale`` was
+        called). Each request live there ends exactly once: normally (its drain), ABORT
+        naming the removal (the rest at the drain's end), or ERROR where the leaver died
+        meanwhile; a request not yet seen anywhere may have gone there too. Its records
+        went with it: what it finished is not judged against its trace."""
+        self.engine_pending = [p for p in self.engine_pending if p[2] != index]
+        self.engine_sides.pop(index, None)
+        for rid in self.live_ids():
+            where = self.placed.get(rid)
+            if where is None or where == index:
+                m = self.requests[rid]
+                self.may_fail_on[rid].add(index)
+                if not m.abort_ok:
+                    m.abort_ok = True
+                    self.removed_on[rid] = index
+            if where == index:
+                self.doomed.add(rid)
+        if index in self.members:
+            self.members.remove(index)
+        self.dead.discard(index)
+        self.gone.add(index)
+
     def must_finish_ids(self) -> list[str]:
         doomed = {r for r in self.doomed if not self.requests[r].finished}
         return sorted(set(super().must_finish_ids()) | doomed)
@@ -703,6 +765,19 @@ class DPOracle(Oracle):
                 raise OracleViolation(
                     f"{rid!r} was added while engine {e} was dead, yet engine {e} sent an"
                     " output for it: a request was routed to a dead engine")
+            allowed = self.allowed.get(rid)
+            if allowed is not None and e not in allowed:
+                raise OracleViolation(
+                    f"{rid!r} was added while engines {sorted(allowed)} served, yet engine"
+                    f" {e} sent an output for it: a request was routed to an engine that was"
+                    " not serving (joining, leaving or removed)")
+            if (rid in self.removed_on and out.finish_reason is not None
+                    and FinishReason(out.finish_reason) is FinishReason.ABORT
+                    and "removed" not in str(out.stop_reason)):
+                raise OracleViolation(
+                    f"{rid!r} was live on engine {self.removed_on[rid]} when a scale removed"
+                    f" it and no abort was sent, yet it ended ABORT with stop reason"
+                    f" {out.stop_reason!r}, which does not name the removal")
             where = self.placed.get(rid)
             if where is None:
                 self.placed[rid] = e

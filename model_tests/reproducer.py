@@ -8,7 +8,7 @@ __all__ = ["reproducer_program"]
 
 def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
                        recorded: list[str] | None = None, factory: str | None = None,
-                       dp: tuple[int, str] | None = None) -> str:
+                       dp: tuple[int, str] | None = None, *, elastic: bool = False) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
     runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
     timing-dependent failure can make it), the program the machine recorded of the
@@ -27,18 +27,21 @@ def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
         "from enginewire.testing.campaign import _config",
     ]
     if dp is not None:
+        machine = "ElasticDPStateMachine" if elastic else "DataParallelStateMachine"
         head += [
             "from enginewire.testing.stateful import CampaignStats",
             "from enginewire.testing.stateful_dp import (",
             "    DataParallelStateMachine, DPClientPool, dp_factory)",
+            *(["from enginewire.testing.stateful_dp_elastic import ElasticDPStateMachine"]
+              if elastic else []),
             "",
             "# In a script, under `if __name__ == '__main__':` (the engine processes are spawned).",
             f"pool = DPClientPool(dp_factory({kind!r}, _config({model!r}, {dp[0]!r},"
             f" {dp[1]!r})), CampaignStats())",
         ]
-        made = (f"state = DataParallelStateMachine(pool, kind={kind!r}, faults={faults!r},"
+        made = (f"state = {machine}(pool, kind={kind!r}, faults={faults!r},"
                 f" exact_tokens={model == 'null'!r})")
-        first = "state = DataParallelStateMachine("
+        first = f"state = {machine}("
     elif kind == "standalone":
         head += [
             "from enginewire.testing.stateful import (",

@@ -247,8 +247,10 @@ class DataParallelStateMachine(CampaignMachine):
         self.restarts = restarts
         client = self.live.cut.client
         self.limits = RuleLimits.of(client.config)
+        # The set as the client has it: a pooled client a scale changed keeps its indexes.
         self.oracle = DPOracle(exact_tokens=self.exact_tokens,
-                               engines=int(client.data_parallel_size), dead=self.live.dead)
+                               engines=int(client.data_parallel_size), dead=self.live.dead,
+                               members=sorted(client.engines))
         self._life = 0
 
     # -- requests ---------------------------------------------------------------------------
@@ -262,7 +264,7 @@ class DataParallelStateMachine(CampaignMachine):
                 return
             tokens = self._prompt(*prompt)[:self.limits.max_model_len - 1]
             rid = self._pick_id(reuse)
-            rank = None if pin is None else pin % self.engines
+            rank = None if pin is None else self.oracle.members[pin % self.engines]
             req, expected, stop_index = self._request(rid, tokens, max_tokens, seed, stop_at,
                                                       rank=rank)
             if rank is not None and rank in self.oracle.dead:
@@ -682,7 +684,7 @@ class DataParallelStateMachine(CampaignMachine):
         problem = self._client_state_problem()
         if problem is None and self.oracle.phase is Phase.ALIVE:
             want = {i: (MembershipState.DEAD if i in self.oracle.dead
-                        else MembershipState.SERVING) for i in range(self.engines)}
+                        else MembershipState.SERVING) for i in self.oracle.members}
             if client.engines != want:
                 problem = (f"engines are {self._states()}; the model says"
                            f" {({i: s.name for i, s in want.items()})}")

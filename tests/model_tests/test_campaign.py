@@ -253,6 +253,10 @@ def test_bounded_campaign(client: str, tmp_path: Path) -> None:
 SYMPTOMS = {
     "dp_member_client_read_outside_lock": r"'NoneType' object has no attribute 'call_utility",
     "dp_power_follows_combined_reply": r"sleep, yet the client is (READY|RUNNING)",
+    # The elastic class (issue 46), on the data-parallel machine with its scale rules.
+    "dp_leaver_still_routed": r"routed to an engine that was not serving",
+    "dp_leaver_leftovers_never_ended": r"did not finish",
+    "dp_joiner_serves_before_commit": r"before the scale commits",
 }
 
 
@@ -271,8 +275,9 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
     # examples met one). The run stops at its first detection.
     # The membership mutants show only on a data-parallel example that drew restarts and then
     # an after-pick kill (or a sleep racing a stop): they get more examples too.
+    # So do the elastic ones: a scale of the right shape (a drain with streams, two joiners).
     timing = (mutants.BANK[name].clients == ("standalone",) or name == "abort_applied_before_add"
-              or mutants.BANK[name].kind == "membership")
+              or mutants.BANK[name].kind in ("membership", "elastic"))
     examples = 24 if timing else 8
     assert run_campaign(mutant=name, examples=examples, steps=25,
                         results_dir=str(tmp_path)) == 1, (
@@ -283,6 +288,7 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
     # membership ones on the data-parallel machine.
     clients = mutants.BANK[name].clients
     made = ("state = StandaloneEngineStateMachine(pool" if clients == ("standalone",)
+            else "state = ElasticDPStateMachine(pool" if mutants.BANK[name].kind == "elastic"
             else "state = DataParallelStateMachine(pool" if clients[0].startswith("dp-")
             else "state = EngineClientStateMachine(factory")
     assert failing and made in failing[0]["reproducer"]

@@ -20,6 +20,7 @@ from enginewire.testing.campaign import _config, run_campaign
 from enginewire.testing.oracle import OracleViolation
 from enginewire.testing.stateful import CampaignStats
 from enginewire.testing.stateful_dp import DataParallelStateMachine, DPClientPool, dp_factory
+from enginewire.testing.stateful_dp_elastic import ElasticDPStateMachine
 
 os.environ.setdefault("ENGINEWIRE_ENGINE_THREADS", "1")  # spawned engines inherit it
 
@@ -218,3 +219,95 @@ def test_the_machine_on_ray_engines(tmp_path: Path) -> None:
             pool.close()
     assert run_campaign(client="sync", engines=2, backend="ray", examples=2, steps=10,
                         seed=SEED, results_dir=str(tmp_path)) == 0
+
+
+# --- elastic: engines join and leave (issue 46, stateful_dp_elastic.py) -------------------------
+
+ELASTIC_EXAMPLES = 4
+ELASTIC_STEPS = 12
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_short_elastic_campaign_passes(kind: str, tmp_path: Path) -> None:
+    assert run_campaign(client=kind, engines=2, elastic=True, examples=ELASTIC_EXAMPLES,
+                        steps=ELASTIC_STEPS, seed=SEED, results_dir=str(tmp_path)) == 0
+    (path,) = tmp_path.glob("campaign-*.json")
+    report = json.loads(path.read_text())
+    (res,) = report["clients"]
+    assert res["failure"] is None and report["settings"]["elastic"] is True
+    assert sum(n for r, n in res["rules"].items() if r.startswith("scale_")) >= 1, res["rules"]
+
+
+def test_elastic_needs_local_data_parallel_engines(tmp_path: Path) -> None:
+    for bad in ({"engines": 1}, {"engines": 2, "backend": "ray"}, {"elastic": "yes"}):
+        with pytest.raises(ValueError, match="elastic"):
+            run_campaign(**{"client": "sync", "examples": 1, "steps": 1, "elastic": True,
+                            "results_dir": str(tmp_path), **bad})
+
+
+# The async client only (its scale runs in a worker thread, the loop serving meanwhile): the
+# sync one runs the same rules in the short campaign above, and the fast tier's time is short.
+@pytest.mark.parametrize("kind", ["async"])
+def test_the_scale_rules_pass_on_the_real_client(kind: str) -> None:
+    """Every scale rule's shape once, in an order that leaves each precondition met: a drain
+    with streams, two joiners at once, a call pending on a leaver, a joiner killed before its
+    handshake, a leaver killed during its drain, a scale refused while asleep."""
+    pool = DPClientPool(dp_factory(kind, _config("null", 2)), CampaignStats())
+    try:
+        state = ElasticDPStateMachine(pool, kind=kind, min_life=0)
+        state.start(restarts=False)
+        client = state.cut.client
+        state.scale_down(pick=0, default_leaver=True, drain=True, during="streaming")
+        assert sorted(client.engines) == [0] and client.data_parallel_size == 1
+        state.scale_up(by=2, during="streaming", joiner_dies=False)
+        assert sorted(client.engines) == [0, 1, 2]
+        state.scale_down(pick=1, default_leaver=False, drain=False, during="call_pending")
+        assert sorted(client.engines) == [0, 2]
+        state.scale_up(by=1, during="call", joiner_dies=True)
+        assert sorted(client.engines) == [0, 2]
+        state.scale_down(pick=0, default_leaver=False, drain=True, during="kill_leaver")
+        assert sorted(client.engines) == [2]
+        state.sleep(level=1, mode="keep")
+        state.scale_up(by=1, during="idle", joiner_dies=False)  # refused, woken, then scaled
+        assert sorted(client.engines) == [0, 2]
+        state.drain()
+        assert state.stats.faults["call_pending_on_leaver"] == 1
+        assert state.stats.faults["leaver_sigkill"] == 1
+        assert state.stats.faults["joiner_sigkill"] >= 1
+        state.teardown()
+    finally:
+        pool.close()
+
+
+ELASTIC_MUTANTS = {
+    "dp_leaver_still_routed": ("down", "routed to an engine that was not serving"),
+    "dp_leaver_leftovers_never_ended": ("down_no_drain", "did not finish"),
+    "dp_joiner_serves_before_commit": ("one_then_three", "before the scale commits"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", sorted(ELASTIC_MUTANTS))
+def test_each_elastic_mutant_is_caught_by_its_rule(kind: str, name: str) -> None:
+    """Each seeded bug of the elastic class, on the one rule that shows it (the bank's own
+    run, test_campaign.py's test_mutant_is_detected, finds each within its budget)."""
+    from enginewire.testing import mutants
+
+    mutants.apply(name)
+    pool = DPClientPool(dp_factory(kind, _config("null", 2)), CampaignStats())
+    state = ElasticDPStateMachine(pool, kind=kind, min_life=0)
+    try:
+        state.start(restarts=False)
+        shape, symptom = ELASTIC_MUTANTS[name]
+        with pytest.raises(OracleViolation, match=symptom):
+            if shape == "one_then_three":
+                state.scale_to_one_then_three(drain=False)
+            else:
+                state.scale_down(pick=0, default_leaver=True, drain=shape == "down",
+                                 during="streaming")
+    finally:
+        if state.live is not None:
+            state._finish_client(check=False)
+        pool.close()
+        mutants.revert()
