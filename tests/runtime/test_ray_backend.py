@@ -316,3 +316,56 @@ def test_a_data_parallel_client_on_two_nodes(two_nodes: Any, kind: str) -> None:
             loop.run_until_complete(client.shutdown_async())
             loop.close()
     assert ray.is_initialized()  # the caller's Ray stays up
+
+
+def test_a_ray_client_scales_up_and_down_and_an_index_rejoins(two_nodes: Any) -> None:
+    """Issue 46 on Ray: a joiner past the first placement group gets an actor in a group of
+    its own, removed with it on the way down; an index of the first group leaves (its actor
+    killed) and rejoins with a new actor in its bundle, on a channel of its own."""
+    from enginewire.protocol.messages import FinishReason
+    from enginewire.runtime import make_client
+    from enginewire.spec import MembershipState
+
+    ray = two_nodes
+    config = EngineConfig(model="null", data_parallel_size=2, data_parallel_backend="ray")
+
+    def serve(rid: str, rank: int) -> None:
+        client.add_request(EngineCoreRequest(rid, [1, 2], SamplingParams(max_tokens=3),
+                                             data_parallel_rank=rank))
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            assert time.monotonic() < deadline, rid
+            batch = client.get_output(timeout=0.5)
+            done = [o for o in batch.outputs if o.request_id == rid and o.finished]
+            if done:
+                assert done[0].finish_reason is FinishReason.LENGTH
+                assert batch.engine_index == rank
+                return
+
+    def groups() -> dict[str, str]:
+        return {k: v["state"] for k, v in ray.util.placement_group_table().items()}
+
+    client = make_client(config, multiprocess=True, asyncio=False, ready_timeout_s=BOUND_S)
+    try:
+        placement = client._placement
+        before = groups()
+        client.scale(3)
+        assert client.engines == dict.fromkeys(range(3), MembershipState.SERVING)
+        serve("on2", 2)
+        added = {k for k, v in groups().items() if v == "CREATED"} - {
+            k for k, v in before.items() if v == "CREATED"}
+        assert len(added) == 1  # the joiner's own group
+        pid2 = client.engine_pids[2]
+        client.scale(2)
+        assert client.engines == dict.fromkeys(range(2), MembershipState.SERVING)
+        assert gone(pid2), "the leaver's engine outlived its removal"
+        assert all(groups()[k] == "REMOVED" for k in added)
+        old_actor, old_pid = placement.actor(1), client.engine_pids[1]
+        client.scale(1)
+        assert gone(old_pid)
+        client.scale(2)  # index 1 again: a new actor in its bundle of the first group
+        assert placement.actor(1) is not old_actor and client.engine_pids[1] != old_pid
+        serve("on1", 1)
+    finally:
+        client.shutdown()
+    assert all(state == "REMOVED" for state in groups().values())
