@@ -130,7 +130,7 @@ def test_config_and_factory_refuse_what_cannot_work() -> None:
         with pytest.raises(ValueError, match=option):
             make_client(DP2, multiprocess=True, asyncio=False, **{option: 1})
     with pytest.raises(ValueError, match="engine_fault"):
-        make_client(DP2, multiprocess=True, asyncio=False, engine_fault={5: "forward:1"})
+        make_client(DP2, multiprocess=True, asyncio=False, engine_fault={-1: "forward:1"})
     with pytest.raises(ValueError, match="restart_dead_engines"):
         make_client(DP2, multiprocess=True, asyncio=False, restart_dead_engines="yes")
 
