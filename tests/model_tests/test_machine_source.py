@@ -35,6 +35,7 @@ MODEL_ONLY = frozenset({
     "self.client_checks_ids",  # what the factory declares (``contract``): fixed for the run
     "self._life", "self.min_life", "self._orphans", "self.orphan_min_life",
     "self.orphan_config", "self._deaths",  # counted by the rules themselves
+    "self.engines",  # the data-parallel model's engine count (the oracle's set: scale rules)
 })
 
 
