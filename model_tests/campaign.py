@@ -318,14 +318,16 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     min_life = 3 if steps <= 25 else steps // 4
     orphan_min_life = ORPHAN_MIN_LIFE if steps <= 25 else steps * 3 // 4
 
+    # ``make``'s source is the derandomized seed of a ci run (Hypothesis digests the factory
+    # it is given): an edit of its text draws other examples for every client, and the
+    # mutant table's detections were measured on these. A new machine gets a factory of its
+    # own (``make_elastic``) rather than a branch in this one.
     def make() -> Any:
         machine: Any
         if dp is not None:
             from .stateful_dp import DataParallelStateMachine
-            from .stateful_dp_elastic import ElasticDPStateMachine
 
-            machine = (ElasticDPStateMachine if elastic else DataParallelStateMachine)(
-                                               pool, kind=kind, faults=faults,
+            machine = DataParallelStateMachine(pool, kind=kind, faults=faults,
                                                exact_tokens=model == "null",
                                                vocab_size=vocab_size, stats=stats,
                                                min_life=min_life)
@@ -341,6 +343,15 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 exact_tokens=None if factory else model == "null", vocab_size=vocab_size,
                 pool=pool, stats=stats, orphan_config=orphan, min_life=min_life,
                 orphan_min_life=orphan_min_life)
+        machine.reference = reference
+        return machine
+
+    def make_elastic() -> Any:
+        from .stateful_dp_elastic import ElasticDPStateMachine
+
+        machine = ElasticDPStateMachine(pool, kind=kind, faults=faults,
+                                        exact_tokens=model == "null", vocab_size=vocab_size,
+                                        stats=stats, min_life=min_life)
         machine.reference = reference
         return machine
 
@@ -363,7 +374,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
             stats.begin_round()
             try:
                 with with_reporter(lambda text: lines.append(str(text))), _seed_only_draws():
-                    runner(make, settings=sets)
+                    runner(make_elastic if elastic and dp is not None else make,
+                           settings=sets)
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise

@@ -23,7 +23,6 @@ import concurrent.futures
 import contextlib
 import os
 import signal
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from . import _cells as cells
 from ._cells import Outcome
 from ._harness import ResourceSnapshot, left_behind
 from .bounds import DEATH_BOUND_S
+from .fault_matrix_dp import cell_options, interpose
 
 __all__ = ["SCALE_FAULTS", "ScaleCell", "scale_cells"]
 
@@ -77,7 +77,7 @@ class ScaleCell:
 
     def __call__(self, workdir: str) -> cells.CellResult:
         from .conformance import open_client
-        from .interposer import Direction, FrameAction, FrameKind, FrameRule, Interposer
+        from .interposer import Direction, FrameAction, FrameKind, FrameRule
 
         config = msgspec.structs.replace(self.config, data_parallel_size=self.engines)
         before = ResourceSnapshot.take()
@@ -85,27 +85,15 @@ class ScaleCell:
         outcome, detail = Outcome.HANG, ""
         cut = proxy = None
         stopped: int | None = None
-        options: dict[str, Any] = dict(
-            engine_heartbeat_timeout_s=cells.HEARTBEAT_TIMEOUT_S,
-            engine_heartbeat_interval_s=cells.HEARTBEAT_INTERVAL_S,
-            shutdown_timeout_s=cells.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60.0)
+        options = cell_options()
         if self.how == "joiner":  # the index the scale-up adds
             options["engine_fault"] = {self.engines: FaultPlan(faults=[Fault(
                 point=FaultPoint.BEFORE_READY, action=FaultAction.SIGKILL)])}
         try:
             if self.how == "leaver-frames":
-                leaver = self.engines - 1
                 rule = FrameRule(action=FrameAction.BITFLIP, direction=Direction.TO_CLIENT,
                                  kind=FrameKind.TOKENS, skip=50)
-                proxy = Interposer([rule], engine_index=leaver).start()
-                base = tempfile.mkdtemp(prefix="enginewire-ipc-", dir=workdir)
-                inp = [f"ipc://{base}/in{i}" for i in range(self.engines)]
-                out = [f"ipc://{base}/out{i}" for i in range(self.engines)]
-                proxy.attach(inp[leaver], out[leaver])
-                connect: list[Any] = [None] * self.engines
-                connect[leaver] = proxy.engine_addresses
-                options.update(input_address=inp, output_address=out, engine_connect=connect,
-                               frame_integrity=True)
+                proxy = interpose(rule, self.engines - 1, self.engines, workdir, options)
             cut = open_client(self.client, config, **options)
             if self.how == "joiner":
                 outcome, detail = self._joiner(cut)

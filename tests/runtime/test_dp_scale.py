@@ -6,7 +6,6 @@ removal, an index that rejoins is a new engine, one scale at a time, none while 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -18,22 +17,14 @@ from enginewire.runtime.faults import Fault
 from enginewire.spec import EngineDeadError, EngineStartupError, MembershipState, SpecViolation
 from enginewire.spec.membership import SCALE
 from tests.runtime.test_dp_client import BOUND_S, KINDS, Driver, open_dp, req
+from tests.runtime.test_ray_backend import gone
 
 SERVING = MembershipState.SERVING
 
 
 def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes: its reaper has not run yet
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
+    # Gone (or a zombie) within a moment: scale() returned after the process went.
+    return pid is not None and not gone(pid, 0.5)
 
 
 def _ends(d: Driver, rids: set[str], bound: float = BOUND_S) -> dict[str, Any]:
