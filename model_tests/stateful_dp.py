@@ -482,9 +482,11 @@ class DataParallelStateMachine(CampaignMachine):
             if client.engines[k] is not MembershipState.DEAD:
                 raise OracleViolation(f"engine {k} killed: membership {self._states()}")
             return
-        if len(self.oracle.live_ids()) < MAX_LIVE:
+        if len(self.oracle.live_ids()) < MAX_LIVE and any(
+                i != k for i in self.oracle.serving()):
             # Routed while engine k restarts: whatever serves it, it is not engine k's old
-            # process nor (if k is still not serving once the ADD returned) engine k.
+            # process nor (if k is still not serving once the ADD returned) engine k. (A set
+            # of one engine, after a scale-down, has none to route to meanwhile.)
             req, expected, _ = self._request(self._fresh_id(), [8, 9], 4, 5, None)
             self.cut.add_request(req)
             away = client.engines[k] is not MembershipState.SERVING
