@@ -39,10 +39,11 @@ from ..spec.errors import EngineDeadError
 from . import _cells as cells
 from . import fault_matrix as fm
 from ._cells import Outcome
+from ._dp_cells import cell_options, interpose
 from ._harness import ResourceSnapshot, left_behind
 from .bounds import DEATH_BOUND_S
 
-__all__ = ["DPCell", "cell_options", "dp_cells", "interpose", "run_dp_fault_matrix"]
+__all__ = ["DPCell", "dp_cells", "run_dp_fault_matrix"]
 
 
 @dataclass
@@ -210,31 +211,6 @@ class DPCell:
         if after != reference:
             return Outcome.SILENT_CORRUPTION, f"after the death: {after}"
         return Outcome.ONE_DOWN, ""
-
-
-def cell_options() -> dict[str, Any]:
-    """The options of a data-parallel cell's client: the matrix's heartbeat and bounds."""
-    return dict(engine_heartbeat_timeout_s=cells.HEARTBEAT_TIMEOUT_S,
-                engine_heartbeat_interval_s=cells.HEARTBEAT_INTERVAL_S,
-                shutdown_timeout_s=cells.SHUTDOWN_TIMEOUT_S, ready_timeout_s=60.0)
-
-
-def interpose(rule: Any, victim: int, engines: int, workdir: str, options: dict[str, Any]
-              ) -> Any:
-    """An interposer applying ``rule`` on engine ``victim``'s channel, started; ``options``
-    gains the per-engine addresses that put it there (and frame integrity)."""
-    from .interposer import Interposer
-
-    proxy = Interposer([rule], engine_index=victim).start()
-    base = tempfile.mkdtemp(prefix="enginewire-ipc-", dir=workdir)
-    inp = [f"ipc://{base}/in{i}" for i in range(engines)]
-    out = [f"ipc://{base}/out{i}" for i in range(engines)]
-    proxy.attach(inp[victim], out[victim])
-    connect: list[Any] = [None] * engines
-    connect[victim] = proxy.engine_addresses
-    options.update(input_address=inp, output_address=out, engine_connect=connect,
-                   frame_integrity=True)
-    return proxy
 
 
 def _pid(cut: Any, index: int) -> int | None:

@@ -35,9 +35,9 @@ from ..spec.errors import EngineStartupError
 from ..spec.membership import MEMBER_ROUTABLE, MembershipState
 from . import _cells as cells
 from ._cells import Outcome
+from ._dp_cells import cell_options, interpose
 from ._harness import ResourceSnapshot, left_behind
 from .bounds import DEATH_BOUND_S
-from .fault_matrix_dp import cell_options, interpose
 
 __all__ = ["SCALE_FAULTS", "ScaleCell", "scale_cells"]
 
