@@ -452,19 +452,22 @@ class DataParallelStateMachine(CampaignMachine):
         elif self.oracle.phase is Phase.DEAD and not client.is_dead:
             raise OracleViolation(f"every engine is dead, yet the client is {client.state.name}")
 
-    def _pending_fails(self, fut: concurrent.futures.Future[Any], k: int, bound: float
-                       ) -> None:
+    def _pending_fails(self, fut: concurrent.futures.Future[Any], k: int, bound: float,
+                       names: str | None = None, why: str = "died") -> None:
+        """A call pending on engine ``k`` when it ``why`` must raise EngineDeadError naming
+        it (``names``: the text the error must hold) within ``bound``."""
+        names = names or f"engine {k} of {self.engines}"
         try:
             got = fut.result(timeout=bound)
         except EngineDeadError as e:
-            if f"engine {k} of {self.engines}" not in str(e):
-                raise OracleViolation(f"a call pending on engine {k} when it died raised"
+            if names not in str(e):
+                raise OracleViolation(f"a call pending on engine {k} when it {why} raised"
                                       f" EngineDeadError not naming it: {e}") from None
             return
         except concurrent.futures.TimeoutError:
-            raise OracleViolation(f"a call pending on engine {k} was not woken by its"
-                                  " death") from None
-        raise OracleViolation(f"a call pending on engine {k} when it died returned {got!r}")
+            raise OracleViolation(f"a call pending on engine {k} was not woken when it"
+                                  f" {why}") from None
+        raise OracleViolation(f"a call pending on engine {k} when it {why} returned {got!r}")
 
     def _await_membership(self, k: int, start: float, old: int, bound: float) -> None:
         """Until engine ``k``'s death is seen: DEAD, or (restarts) SERVING under a new pid,

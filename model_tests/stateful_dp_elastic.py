@@ -345,7 +345,7 @@ class ElasticDPStateMachine(DataParallelStateMachine):
                                       " removed it")
             if pending is not None:
                 self.stats.faults["call_pending_on_leaver"] += 1
-                self._pending_on_leaver(pending, k)
+                self._pending_fails(pending, k, WAIT_S, f"engine {k}", "left")
             self._check_set(f"scale({n}, remove={remove!r})")
             # What the leaver ran ends (its drain, the removal's ABORT, or its death's ERROR).
             self._drain(sorted(self.oracle.doomed), bound=WAIT_S)
@@ -381,19 +381,6 @@ class ElasticDPStateMachine(DataParallelStateMachine):
             self.scale_down(pick=0, default_leaver=True, drain=drain, during="idle")
         if self.alive and self.engines == MIN_ENGINES:
             self.scale_up(by=2, during="streaming", joiner_dies=False)
-
-    def _pending_on_leaver(self, fut: concurrent.futures.Future[Any], k: int) -> None:
-        try:
-            got = fut.result(timeout=WAIT_S)
-        except EngineDeadError as e:
-            if f"engine {k}" not in str(e):
-                raise OracleViolation(f"a call pending on leaver {k} raised EngineDeadError"
-                                      f" not naming it: {e}") from None
-            return
-        except concurrent.futures.TimeoutError:
-            raise OracleViolation(f"a call pending on leaver {k} was not ended by its"
-                                  " removal") from None
-        raise OracleViolation(f"a call pending on stopped leaver {k} returned {got!r}")
 
 
 def _gone(pid: int) -> bool:

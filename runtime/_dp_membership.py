@@ -57,8 +57,8 @@ GONE_BOUND_S = 10.0
 class Slot:
     """One engine index: its membership lifecycle and its incarnations."""
 
-    __slots__ = ("cause", "client", "index", "lifecycle", "quick_deaths", "removing",
-                 "restarts", "retired", "serving_since")
+    __slots__ = ("cause", "client", "index", "lifecycle", "quick_deaths", "restarts",
+                 "retired", "serving_since")
 
     def __init__(self, index: int, trace: list[TraceEntry] | None) -> None:
         self.index = index
@@ -75,9 +75,6 @@ class Slot:
         self.restarts = 0
         self.serving_since = 0.0  # monotonic time of the current incarnation's handshake
         self.quick_deaths = 0  # consecutive incarnations that died within RESTART_STABLE_S
-        # Set by a scale-down once the drain ended: its engine's exit then is DRAINED, not a
-        # death.
-        self.removing = False
 
     @property
     def routable(self) -> bool:
@@ -296,7 +293,7 @@ class Membership:
         with self._lock:
             if s.client is not client:
                 return  # it died during the drain: gone already
-            s.removing = True
+            # Its exit is then DRAINED, not a death (``died``), and what it still ran ends ABORT.
             client.removal = f"engine {s.index} was removed by a scale-down"
         try:
             ensure_gone(client, s.index)
@@ -321,8 +318,9 @@ class Membership:
                 # A leaver: gone either way, never restarted; its batches are still read. A
                 # planned exit (the drain ended) is DRAINED, any other a death (its live
                 # requests then end with ERROR).
-                lc.fire(MembershipEvent.DRAINED if s.removing else MembershipEvent.DIED)
-                if not s.removing:
+                planned = client.removal is not None
+                lc.fire(MembershipEvent.DRAINED if planned else MembershipEvent.DIED)
+                if not planned:
                     s.cause = cause
                 s.retired.append(client)
                 s.client = None
@@ -331,7 +329,7 @@ class Membership:
                 self._serving_died(s, client, cause)
             else:
                 return
-            self._after_loss(s)
+            self._after_loss(s, client.removal is not None)
         self._changed()
 
     def _serving_died(self, s: Slot, client: Member, cause: BaseException) -> None:
@@ -359,11 +357,11 @@ class Membership:
                 RESTART_BACKOFF_S * 2 ** (s.quick_deaths - 1), RESTART_BACKOFF_MAX_S)
             self._spawn(self._restart_slot, (s, client, delay), f"EngineCoreRestart_{s.index}")
 
-    def _after_loss(self, s: Slot) -> None:
+    def _after_loss(self, s: Slot, planned: bool) -> None:
         """Engine ``s`` stopped serving (a death, or a scale took it): the client is DEAD if
         no engine is left, and its power state follows the rest. Under the lock."""
         left = [x.index for x in self.slots if x.lifecycle.state in MEMBER_LEFT]
-        if s.removing:
+        if planned:
             logger.info("engine %d left (a scale-down); engines left: %s", s.index, left)
         else:
             logger.warning("engine %d died (%s); engines left: %s", s.index, s.cause, left)
