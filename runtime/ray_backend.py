@@ -379,7 +379,8 @@ class RayEngineProcess:
 
 
 class RayEngines:
-    """``n`` engine nannies as Ray actors in one placement group, one bundle each.
+    """``n`` engine nannies as Ray actors, each in a placement group of its own, placed
+    together with ``strategy``.
 
     If Ray is not initialized, connects to ``address`` (or ``RAY_ADDRESS``) when given, else
     starts a local instance on loopback only (no dashboard); ``close()`` shuts down only a Ray
@@ -416,9 +417,8 @@ class RayEngines:
         self._closed = False
         self._owns_ray = False
         self._sigterm: tuple[Any, Any] = (None, None)
-        self._pg: Any = None
-        # A scale's joiners past the first ``n``: one placement group (one bundle) each.
-        self._own_pgs: dict[int, Any] = {}
+        # Each engine's own placement group (one bundle), removed when it leaves.
+        self._pgs: dict[int, Any] = {}
         # Indexes a scale-down removed: no actor until a scale-up adds them again.
         self._free: set[int] = set()
         self._actors: list[Any] = []
@@ -437,18 +437,32 @@ class RayEngines:
             self._owns_ray, self._sigterm = True, started
 
     def _place(self, resources: dict[str, float]) -> None:
-        ray = self._ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        """Place the first ``n`` engines, each in a placement group of its own.
 
-        self._pg = placement_group([dict(resources) for _ in range(self.n)],
-                                   strategy=self.strategy)
-        ready, _ = ray.wait([self._pg.ready()], timeout=self._ready_timeout)
-        if not ready:
-            raise EngineStartupError(
-                f"Ray could not place {self.n} engine bundle(s) of {resources} with strategy"
-                f" {self.strategy} within {self._ready_timeout:g} s (ready_timeout_s); the"
-                f" cluster has {ray.available_resources()} available")
+        Ray can neither grow nor shrink a placement group, and a scale-down must hand an
+        engine's resources back, so no group outlives its engine. The strategy is still
+        Ray's, applied to the ``n`` engines together: a group of ``n`` bundles with it plans
+        the nodes, then is removed, and each engine's own group is pinned to its planned
+        node (``ray.io/node-id`` label). A task elsewhere in the cluster may take a freed
+        resource in that instant: the engine's group then cannot be placed, which is an
+        ``EngineStartupError`` as any unplaceable group."""
+        ray = self._ray
+        from ray.util import placement_group_table
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        plan = placement_group([dict(resources) for _ in range(self.n)], strategy=self.strategy)
+        try:
+            ready, _ = ray.wait([plan.ready()], timeout=self._ready_timeout)
+            if not ready:
+                raise EngineStartupError(
+                    f"Ray could not place {self.n} engine bundle(s) of {resources} with"
+                    f" strategy {self.strategy} within {self._ready_timeout:g} s"
+                    f" (ready_timeout_s); the cluster has {ray.available_resources()}"
+                    " available")
+            nodes = placement_group_table(plan)["bundles_to_node_id"]
+        finally:
+            with contextlib.suppress(Exception):
+                remove_placement_group(plan)
         rest = dict(resources)
         options = {
             "num_cpus": rest.pop("CPU", 0),
@@ -457,18 +471,21 @@ class RayEngines:
             "max_concurrency": _ACTOR_CONCURRENCY,
             "max_restarts": 0,  # a restarted nanny would have lost its engine
         }
-        cls = ray.remote(EngineNanny)
-
-        def new_actor(i: int) -> Any:
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=i)
-            return cls.options(scheduling_strategy=strategy, **options).remote()
-
-        self._new_actor = new_actor  # a dead actor's bundle gets a new one (a restart)
-        self._actor_cls, self._actor_options = cls, options
+        self._actor_cls, self._actor_options = ray.remote(EngineNanny), options
         self._resources = dict(resources)
         for i in range(self.n):
-            self._actors.append(new_actor(i))
+            self._pgs[i] = placement_group(
+                [dict(resources)], strategy="PACK",
+                bundle_label_selector=[{"ray.io/node-id": nodes[i]}])
+        ready, _ = ray.wait([pg.ready() for pg in self._pgs.values()],
+                            num_returns=self.n, timeout=self._ready_timeout)
+        if len(ready) < self.n:
+            raise EngineStartupError(
+                f"Ray planned {self.n} engine bundle(s) of {resources} with strategy"
+                f" {self.strategy} but could not place them all within"
+                f" {self._ready_timeout:g} s (ready_timeout_s); the cluster has"
+                f" {ray.available_resources()} available")
+        self._actors = [self._actor_for(i) for i in range(self.n)]
         try:
             self._where = ray.get([a.where.remote() for a in self._actors],
                                   timeout=self._ready_timeout)
@@ -490,10 +507,9 @@ class RayEngines:
         return launch
 
     def add(self, index: int) -> None:
-        """Place an actor for engine ``index`` (a scale-up): one an earlier scale-down freed
-        gets a new actor in its own bundle again; one past every bundle so far gets a
-        placement group of its own (one bundle; a group's strategy spans its own bundles
-        only: Ray cannot grow a placement group)."""
+        """Place an actor for engine ``index`` (a scale-up) in a new placement group of its
+        own, wherever its bundle fits (``strategy`` placed the first ``n`` together; a
+        joiner is placed alone)."""
         ray = self._ray
         with self._lock:
             if self._closed:
@@ -516,15 +532,13 @@ class RayEngines:
             self._free.discard(index)
 
     def _actor_for(self, index: int) -> Any:
-        """A new actor in engine ``index``'s bundle: the first group's, or (past it) one of
-        its own, made here on first need."""
-        if index < self.n:
-            return self._new_actor(index)
+        """A new actor in engine ``index``'s own placement group, made here on first need
+        (a joiner's, or an index's that left and rejoins: anywhere the bundle fits)."""
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self._ray
-        pg = self._own_pgs.get(index)
+        pg = self._pgs.get(index)
         if pg is None:
             pg = placement_group([dict(self._resources)], strategy="PACK")
             ready, _ = ray.wait([pg.ready()], timeout=self._ready_timeout)
@@ -536,7 +550,7 @@ class RayEngines:
                     f" within {self._ready_timeout:g} s (ready_timeout_s); the cluster"
                     f" has {ray.available_resources()} available")
             with self._lock:
-                self._own_pgs[index] = pg
+                self._pgs[index] = pg
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
                                                     placement_group_bundle_index=0)
         return self._actor_cls.options(scheduling_strategy=strategy,
@@ -544,15 +558,14 @@ class RayEngines:
 
     def remove(self, index: int) -> None:
         """Engine ``index`` left (a scale-down): its actor is killed (its engine follows) and
-        a placement group of its own removed; a bundle of the first group stays reserved
-        for the index's return (Ray cannot shrink a placement group). Idempotent."""
+        its placement group removed, so its resources go back to the cluster. Idempotent."""
         ray = self._ray
         with self._lock:
             if self._closed or index >= len(self._actors) or index in self._free:
                 return
             self._free.add(index)
             actor = self._actors[index]
-            pg = self._own_pgs.pop(index, None)
+            pg = self._pgs.pop(index, None)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
         if pg is not None:
@@ -591,12 +604,10 @@ class RayEngines:
             handle._orphan("its Ray actor was killed (RayEngines.close)")
         from ray.util.placement_group import remove_placement_group
 
-        pgs = [self._pg, *self._own_pgs.values()]
-        self._pg, self._own_pgs = None, {}
+        pgs, self._pgs = list(self._pgs.values()), {}
         for pg in pgs:
-            if pg is not None:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(pg)
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
         if self._owns_ray:
             self._owns_ray = False
             _stop_ray(ray, self._sigterm)

@@ -319,9 +319,10 @@ def test_a_data_parallel_client_on_two_nodes(two_nodes: Any, kind: str) -> None:
 
 
 def test_a_ray_client_scales_up_and_down_and_an_index_rejoins(two_nodes: Any) -> None:
-    """Issue 46 on Ray: a joiner past the first placement group gets an actor in a group of
-    its own, removed with it on the way down; an index of the first group leaves (its actor
-    killed) and rejoins with a new actor in its bundle, on a channel of its own."""
+    """Issue 46 on Ray: every engine has a placement group of its own; a joiner's is made
+    for it and a leaver's removed with it (its resources back to the cluster), an index of
+    the first set included, which rejoins with a new actor and group, on a channel of its
+    own."""
     from enginewire.protocol.messages import FinishReason
     from enginewire.runtime import make_client
     from enginewire.spec import MembershipState
@@ -361,9 +362,17 @@ def test_a_ray_client_scales_up_and_down_and_an_index_rejoins(two_nodes: Any) ->
         assert gone(pid2), "the leaver's engine outlived its removal"
         assert all(groups()[k] == "REMOVED" for k in added)
         old_actor, old_pid = placement.actor(1), client.engine_pids[1]
+        first = {k for k, v in groups().items() if v == "CREATED"}
+        assert len(first) == 2  # one group per engine of the first set
+        cpus = ray.available_resources().get("CPU", 0.0)
         client.scale(1)
         assert gone(old_pid)
-        client.scale(2)  # index 1 again: a new actor in its bundle of the first group
+        assert len([k for k in first if groups()[k] == "REMOVED"]) == 1
+        deadline = time.monotonic() + BOUND_S  # its bundle's CPU is the cluster's again
+        while ray.available_resources().get("CPU", 0.0) <= cpus:
+            assert time.monotonic() < deadline, ray.available_resources()
+            time.sleep(0.05)
+        client.scale(2)  # index 1 again: a new actor in a new group of its own
         assert placement.actor(1) is not old_actor and client.engine_pids[1] != old_pid
         serve("on1", 1)
     finally:
