@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
@@ -55,10 +56,20 @@ import msgspec
 from ..protocol.codec import check_no_dataclass
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..protocol.utilities import BY_NAME as UTILITY_DECLARATIONS
+from ..protocol.utilities import POWER_METHODS
 from ..spec.client import CLIENT_ASLEEP, CLIENT_LIVE, RESUMED, SLEPT, ClientEvent
 from ..spec.errors import ClientClosedError, EngineDeadError, SpecViolation
 from ..spec.machine import TraceEntry
-from ..spec.membership import MEMBER_GONE, SCALE, SCALE_REFUSED, MembershipState, ScaleEvent
+from ..spec.membership import (
+    LAST_POWER_CALL,
+    MEMBER_GONE,
+    OTHER_POWER_CALLS,
+    SCALE,
+    SCALE_REFUSED,
+    MembershipState,
+    ScaleEvent,
+    ScaleState,
+)
 from ..spec.utility import UtilityEvent
 from ._background import SigintHold
 from ._dp_members import AsyncMember, Member, SyncMember
@@ -149,6 +160,7 @@ class _DPClient(EngineCoreClient):
         self._columnar = self._engine_options.columnar_outputs
         self._router = Router(n)
         self._scaling = SCALE.lifecycle(trace=trace)
+        self._power_calls = 0  # power calls running now (SCALE: POWERING while any)
         self._failed: list[EngineCoreOutputs] = []  # ERROR batches not yet returned
         self._turn_out = 0  # the engine get_output looks at first
         self._utility_turn = 0
@@ -445,6 +457,32 @@ class _DPClient(EngineCoreClient):
             return self._targets(method, args), True
         return [self._utility_member()], False
 
+    @contextlib.contextmanager
+    def _power_window(self, method: str) -> Iterator[None]:
+        """A power call (sleep, wake-up, pause, resume) runs in SCALE's POWERING: refused
+        while a scale runs, and no scale begins until the last one returned (a joiner
+        starts awake, and a power call reaches only the engines serving when it is sent)."""
+        if method not in POWER_METHODS:
+            yield
+            return
+        with self._state_lock:
+            if not self._scaling.can(ScaleEvent.POWER_BEGIN):
+                err = SpecViolation(SCALE.name, self._scaling.state.name,
+                                    ScaleEvent.POWER_BEGIN.name)
+                err.args = (f"{method}: a scale of this client is running (a joiner would"
+                            " miss the call and a leaver drains awake); call it once the"
+                            f" scale returned; nothing was sent ({err})",)
+                raise err
+            self._scaling.fire(ScaleEvent.POWER_BEGIN)
+            self._power_calls += 1
+        try:
+            yield
+        finally:
+            with self._state_lock:
+                self._power_calls -= 1
+                self._scaling.fire(ScaleEvent.POWER_END, OTHER_POWER_CALLS
+                                   if self._power_calls else LAST_POWER_CALL)
+
     def _after_all(self, method: str, results: list[Any]) -> Any:
         """The combined reply of a call every engine answered. A power call's effect on the
         lifecycle was followed already, engine by engine (``_follow_members_power``)."""
@@ -522,10 +560,14 @@ class _DPClient(EngineCoreClient):
             state = self.lifecycle.state
             if state in SCALE_REFUSED or not self._scaling.can(ScaleEvent.BEGIN):
                 err = SpecViolation(SCALE.name, self._scaling.state.name, ScaleEvent.BEGIN.name)
-                why = (f"the client is {state.value}: wake it up first (a joiner starts awake,"
-                       " so the group would be neither asleep nor awake)"
-                       if state in SCALE_REFUSED else
-                       "another scale of this client is running (one scale at a time)")
+                if self._scaling.state is ScaleState.POWERING:
+                    why = ("a power call (sleep, wake-up, pause, resume) of this client is"
+                           " running; scale once it returned")
+                elif state in SCALE_REFUSED:
+                    why = (f"the client is {state.value}: wake it up first (a joiner starts"
+                           " awake, so the group would be neither asleep nor awake)")
+                else:
+                    why = "another scale of this client is running (one scale at a time)"
                 err.args = (f"scale: {why}; nothing changed ({err})",)
                 raise err
             if not self._engine_options.launch_engine:
@@ -787,12 +829,13 @@ class SyncDPClient(SyncClientMixin, _DPClient):
               ) -> Any:
         timeout = check_timeout(timeout)  # bad arguments begin no call
         check_method(method)
-        lc = self._new_utility_lifecycle()
-        with utility_outcome(lc):
-            targets, combine = self._plan(method, args, every)
-            result = self._finish(method, targets, combine, every,
-                                  self._call_each(method, args, timeout, targets))
-            lc.fire(UtilityEvent.REPLY_OK)
+        with self._power_window(method):
+            lc = self._new_utility_lifecycle()
+            with utility_outcome(lc):
+                targets, combine = self._plan(method, args, every)
+                result = self._finish(method, targets, combine, every,
+                                      self._call_each(method, args, timeout, targets))
+                lc.fire(UtilityEvent.REPLY_OK)
         return result
 
     def _call_each(self, method: str, args: tuple[Any, ...], timeout: float | None,
@@ -892,12 +935,13 @@ class AsyncDPClient(AsyncUtilityMethods, _DPClient):
         timeout = check_timeout(timeout)  # bad arguments begin no call
         check_method(method)
         self._bind()
-        lc = self._new_utility_lifecycle()
-        with utility_outcome(lc):
-            targets, combine = self._plan(method, args, every)
-            outcomes = await self._call_each_async(method, args, timeout, targets)
-            result = self._finish(method, targets, combine, every, outcomes)
-            lc.fire(UtilityEvent.REPLY_OK)
+        with self._power_window(method):
+            lc = self._new_utility_lifecycle()
+            with utility_outcome(lc):
+                targets, combine = self._plan(method, args, every)
+                outcomes = await self._call_each_async(method, args, timeout, targets)
+                result = self._finish(method, targets, combine, every, outcomes)
+                lc.fire(UtilityEvent.REPLY_OK)
         return result
 
     async def _call_each_async(self, method: str, args: tuple[Any, ...],

@@ -36,7 +36,8 @@ makes it REMOVED, once its process is gone. A leaver that dies is simply gone (i
 requests end with ERROR; it is never restarted). A dead or restarting index may be removed
 at once. REMOVED is final for that slot: an index that joins again is a new slot with a new
 channel and identity, so nothing of an earlier tenure reaches it. One scale runs at a time,
-and none while the client sleeps (``SCALE``, below).
+and none while the client sleeps or a power call runs, nor a power call while a scale runs
+(``SCALE``, below).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ from .client import CLIENT_ASLEEP, ClientState
 from .machine import Machine, Transition
 
 __all__ = [
+    "LAST_POWER_CALL",
     "MEMBERSHIP",
     "MEMBER_DOWN",
     "MEMBER_GONE",
     "MEMBER_IN_SET",
     "MEMBER_LEFT",
     "MEMBER_ROUTABLE",
+    "OTHER_POWER_CALLS",
     "SCALE",
     "SCALE_REFUSED",
     "MembershipEvent",
@@ -137,12 +140,18 @@ MEMBERSHIP: Machine[MembershipState, MembershipEvent] = Machine(
 class ScaleState(Enum):
     IDLE = "idle"
     SCALING = "scaling"
+    POWERING = "powering"
 
 
 class ScaleEvent(Enum):
     BEGIN = "begin"
     END = "end"
+    POWER_BEGIN = "power_begin"
+    POWER_END = "power_end"
 
+
+LAST_POWER_CALL, OTHER_POWER_CALLS = "last_power_call", "other_power_calls"
+"""POWER_END's guards: whether the returning power call was the last one running."""
 
 SCALE_REFUSED: frozenset[ClientState] = CLIENT_ASLEEP
 """Client states in which ``scale`` is refused (a SpecViolation naming the state): a joiner
@@ -154,12 +163,24 @@ SCALE: Machine[ScaleState, ScaleEvent] = Machine(
     events=ScaleEvent,
     initial=ScaleState.IDLE,
     terminal=frozenset(),
-    doc="One data-parallel client's scale operations: one at a time (a BEGIN while SCALING "
-        "is a SpecViolation, and the running scale goes on).",
+    doc="One data-parallel client's group operations: one scale at a time, and never beside "
+        "a power call (sleep, wake-up, pause, resume: a joiner starts awake and a sleep "
+        "reaches only the engines serving when it is sent, so either race would leave the "
+        "group neither asleep nor awake). A BEGIN while SCALING or POWERING, or a "
+        "POWER_BEGIN while SCALING, is a SpecViolation and the running operation goes on; "
+        "power calls may overlap each other.",
     transitions=(
         Transition(ScaleState.IDLE, ScaleEvent.BEGIN, ScaleState.SCALING,
                    note="scale(n) called; joiners start, leavers drain"),
         Transition(ScaleState.SCALING, ScaleEvent.END, ScaleState.IDLE,
                    note="joiners serving and leavers gone, or the scale failed"),
+        Transition(ScaleState.IDLE, ScaleEvent.POWER_BEGIN, ScaleState.POWERING,
+                   note="a power call is sent to every serving engine"),
+        Transition(ScaleState.POWERING, ScaleEvent.POWER_BEGIN, ScaleState.POWERING,
+                   note="another thread's power call"),
+        Transition(ScaleState.POWERING, ScaleEvent.POWER_END, ScaleState.IDLE,
+                   guard=LAST_POWER_CALL, note="the last power call running returned"),
+        Transition(ScaleState.POWERING, ScaleEvent.POWER_END, ScaleState.POWERING,
+                   guard=OTHER_POWER_CALLS, note="another power call still runs"),
     ),
 )

@@ -199,6 +199,12 @@ $fire_inlines
 #define ARMED_AT_START 1
 #endif
 #define OWNER_MAY_CALL (started && !closing && budget > 0)
+/* a running scale refuses a power call (BUG power_beside_scale: sent anyway) */
+#ifdef BUG_POWER_BESIDE_SCALE
+#define POWER_MAY_BEGIN 1
+#else
+#define POWER_MAY_BEGIN (scale == SCALE_S_IDLE)
+#endif
 #define MAY_SCALE (OWNER_MAY_CALL && client_live && !client_scale_refused && pcall == P_NONE
                    && scale == SCALE_S_IDLE)
 
@@ -224,6 +230,13 @@ inline derive_power() {
   skip
 }
 
+/* the owner's power call is over (answered, given up, or failed by shutdown()) */
+inline power_call_over() {
+  if :: scale == SCALE_S_POWERING -> fire_scale(SCALE_E_POWER_END, G_LAST_POWER_CALL)
+     :: else -> skip fi;
+  pcall = P_NONE; pmask = 0; ppart = 0; pfail = 0
+}
+
 /* the owner's power call returns; under the bug only a call all answered moves the client */
 inline power_ends() {
 #ifdef BUG_POWER_FOLLOWS_COMBINED_REPLY
@@ -234,7 +247,7 @@ inline power_ends() {
         fi
      :: else -> skip fi;
 #endif
-  pcall = P_NONE; pmask = 0; ppart = 0; pfail = 0
+  power_call_over()
 }
 
 /* engine x answered the owner's power call (part: only partly awake), or died first */
@@ -342,10 +355,12 @@ end: do
   :: atomic { !started -> started = 1 }
   :: atomic { !started -> started = 1; restart_on = 1 }
 $user_per_engine
-  :: atomic { OWNER_MAY_CALL && pcall == P_NONE && util == NO_UTIL && scale == SCALE_S_IDLE
+  :: atomic { OWNER_MAY_CALL && pcall == P_NONE && util == NO_UTIL && POWER_MAY_BEGIN
               && client_live && !any_live
               && $any_target && $targets_have_room ->
        budget--;
+       if :: scale == SCALE_S_IDLE -> fire_scale(SCALE_E_POWER_BEGIN, G_NONE)
+          :: else -> skip fi;
        if :: client_asleep -> pcall = P_WAKE :: else -> pcall = P_SLEEP fi;
 $power_route }
 #ifdef BUG_POWER_FOLLOWS_COMBINED_REPLY
@@ -375,7 +390,7 @@ $kills
 $finish_requests;
        if :: util == UTILITY_S_PENDING -> fire_util(UTILITY_E_CLIENT_SHUTDOWN, G_NONE)
           :: else -> skip fi;
-       pcall = P_NONE; pmask = 0; ppart = 0; pfail = 0 }
+       power_call_over() }
 $drain_ends
   od
 }

@@ -421,6 +421,14 @@ DP_SAFETY: tuple[Property, ...] = (
         ("removed_identity_reused",),
         "!v_dp_removed_engine_silent",
         _dp_flag("dp_removed_engine_silent"),
+    ),    _safety(
+        "dp_power_beside_no_scale",
+        "A power call (sleep, wake-up, pause, resume) never runs beside a scale: each refuses "
+        "the other (SCALE), since a joiner starts awake and a leaver drains awake, so a "
+        "power call racing a scale would leave the group neither asleep nor awake.",
+        ("power_beside_scale",),
+        f"!(pcall != P_NONE && scale == {dp.S_SCALING})",
+        lambda w: not (w[dp.PCALL] != dp.P_NONE and w[dp.SCALE_ST] == dp.S_SCALING),
     ),
 )
 

@@ -179,8 +179,13 @@ def test_one_scale_at_a_time_and_none_while_asleep(kind: str) -> None:
             time.sleep(0.01)
         with pytest.raises(SpecViolation, match="another scale"):
             d("scale", 2)
+        for power in (("sleep", 1), ("wake_up",), ("pause_scheduler",)):
+            with pytest.raises(SpecViolation, match="a scale of this client is running") as info:
+                d(*power)  # the joiner would miss it: refused, nothing sent
+            assert info.value.machine == SCALE.name
         t.join(BOUND_S)
         assert not errors and c.engines[2] is SERVING
+        assert d("call_utility_all", "is_sleeping") == [False] * 3
         d("sleep", 1)
         with pytest.raises(SpecViolation, match="sleeping: wake it up first") as info:
             d("scale", 2)
@@ -188,6 +193,41 @@ def test_one_scale_at_a_time_and_none_while_asleep(kind: str) -> None:
         d("wake_up")
         d("scale", 2)
         assert c.data_parallel_size == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_running_power_call_refuses_a_scale_and_overlapping_ones_release_it(
+        kind: str) -> None:
+    """SCALE's POWERING: no scale begins until the last power call returned."""
+    with open_dp(kind, engine_fault={0: Fault(point="utility", method="sleep",
+                                              action="delay", arg=2.0)}) as d:
+        c = d.client
+        errors: list[BaseException] = []
+
+        def power(*args: object) -> None:
+            try:
+                d(*args)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=power, args=("sleep", 1)),
+                   threading.Thread(target=power, args=("sleep", 1))]
+        threads[0].start()
+        time.sleep(0.3)
+        threads[1].start()  # overlaps the first
+        time.sleep(0.3)
+        with pytest.raises(SpecViolation, match=r"a power call .* is running") as info:
+            d("scale", 3)
+        assert info.value.machine == SCALE.name and c.data_parallel_size == 2
+        threads[1].join(BOUND_S)
+        if threads[0].is_alive():  # the first still runs (the engine may queue the second)
+            with pytest.raises(SpecViolation, match=r"a power call .* is running"):
+                d("scale", 1)
+        threads[0].join(BOUND_S)
+        assert not errors
+        d("wake_up")
+        d("scale", 3)  # both returned: scales again
+        assert c.data_parallel_size == 3
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from enginewire.spec import (
     MACHINES,
     MEMBERSHIP,
@@ -14,11 +16,14 @@ from enginewire.spec import (
     compose_dp,
 )
 from enginewire.spec.client import CLIENT_ASLEEP
+from enginewire.spec.errors import SpecViolation
 from enginewire.spec.membership import (
+    LAST_POWER_CALL,
     MEMBER_DOWN,
     MEMBER_IN_SET,
     MEMBER_LEFT,
     MEMBER_ROUTABLE,
+    OTHER_POWER_CALLS,
     SCALE,
     SCALE_REFUSED,
     ScaleEvent,
@@ -42,8 +47,8 @@ def test_membership_is_a_machine_of_the_spec_with_the_names_the_runtime_uses() -
     assert MEMBER_ROUTABLE <= MEMBER_IN_SET and MEMBER_DOWN <= MEMBER_IN_SET
     assert MEMBER_ROUTABLE <= MEMBER_LEFT and S.DRAINING not in MEMBER_IN_SET
     assert MEMBERSHIP.terminal == {S.SHUT_DOWN, S.REMOVED}
-    assert [s.name for s in ScaleState] == ["IDLE", "SCALING"]
-    assert [e.name for e in ScaleEvent] == ["BEGIN", "END"]
+    assert [s.name for s in ScaleState] == ["IDLE", "SCALING", "POWERING"]
+    assert [e.name for e in ScaleEvent] == ["BEGIN", "END", "POWER_BEGIN", "POWER_END"]
     assert SCALE in MACHINES and SCALE_REFUSED == CLIENT_ASLEEP
 
 
@@ -91,6 +96,23 @@ def test_one_scale_at_a_time() -> None:
     assert not lc.can(ScaleEvent.BEGIN)
     lc.fire(ScaleEvent.END)
     assert lc.state is ScaleState.IDLE and not lc.can(ScaleEvent.END)
+
+
+def test_a_power_call_and_a_scale_refuse_each_other_and_power_calls_overlap() -> None:
+    lc = SCALE.lifecycle()
+    lc.fire(ScaleEvent.BEGIN)
+    assert not lc.can(ScaleEvent.POWER_BEGIN)
+    with pytest.raises(SpecViolation):
+        lc.fire(ScaleEvent.POWER_BEGIN)
+    assert lc.state is ScaleState.SCALING  # the refused event changed nothing
+    lc.fire(ScaleEvent.END)
+    lc.fire(ScaleEvent.POWER_BEGIN)
+    lc.fire(ScaleEvent.POWER_BEGIN)  # another thread's
+    assert not lc.can(ScaleEvent.BEGIN)
+    lc.fire(ScaleEvent.POWER_END, OTHER_POWER_CALLS)
+    assert lc.state is ScaleState.POWERING and not lc.can(ScaleEvent.BEGIN)
+    lc.fire(ScaleEvent.POWER_END, LAST_POWER_CALL)
+    assert lc.state is ScaleState.IDLE and lc.can(ScaleEvent.BEGIN)
 
 
 def test_the_promela_sets_are_generated_from_the_named_sets() -> None:
