@@ -4,6 +4,7 @@ skips the table on an OUTPUT self-loop, and must change nothing the spec table i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -204,14 +205,15 @@ def test_the_tracking_fast_path_leaves_what_the_general_path_leaves(
             for client in (fast, general):
                 try:
                     if op[0] == "add":
-                        client._track_add(EngineCoreRequest(str(op[1]), [5]))
+                        client._track_add(EngineCoreRequest(cast(str, op[1]), [5]))
                     elif op[0] == "abort":
-                        client._track_abort(list(op[1]))  # type: ignore[call-overload]
+                        client._track_abort(cast("list[str]", op[1]))
                     else:
-                        sids, outs = op[1], op[2]
+                        sids = cast("list[str]", op[1])
+                        outs = cast("list[tuple[str, FinishReason | None]]", op[2])
                         client._track_outputs(EngineCoreOutputs(
-                            outputs=[EngineCoreOutput(r, [7], why) for r, why in outs],  # type: ignore[attr-defined]
-                            stream_ids=list(sids), stream_tokens=[8] * len(sids)))  # type: ignore[arg-type]
+                            outputs=[EngineCoreOutput(r, [7], why) for r, why in outs],
+                            stream_ids=list(sids), stream_tokens=[8] * len(sids)))
                     results.append(None)
                 except SpecViolation as e:
                     results.append(str(e))
