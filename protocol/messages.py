@@ -389,7 +389,8 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     # count): request ``stream_ids[i]`` got token ``stream_tokens[i]``. Two flat lists cost a
     # fraction of one struct per request to build, encode and decode; a client hands callers
     # ``expanded()`` batches, so ``outputs`` is all they read, unless it was built with
-    # ``columnar_outputs=True`` (docs/runtime.md), whose callers read the columns first.
+    # ``columnar_outputs=True`` (docs/runtime.md), whose callers read the columns first. Every
+    # engine core makes the columns, whatever its client: the option is presentation only.
     stream_ids: list[str] = []
     stream_tokens: list[int] = []
     # Set only on the attach marker: the session of the front end whose ATTACH it answers,

@@ -25,7 +25,7 @@ import operator
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Self
 
 from ..protocol.codec import (
@@ -110,7 +110,9 @@ class EngineCoreClient(abc.ABC):
 
     # ``columnar_outputs``: batches reach the caller as they came, token-only outputs still
     # in the ``stream_ids``/``stream_tokens`` columns (no struct and list per token); off,
-    # every batch is ``expanded()`` first and ``outputs`` is all a caller reads.
+    # every batch is ``expanded()`` first and ``outputs`` is all a caller reads. Presentation
+    # only: every engine makes the columns (and runs the decode batch) either way, and each
+    # client applies ``_presented`` at its delivery edge.
     _columnar: bool = False
 
     def __init__(self, config: Any, *, trace: list[TraceEntry] | None = None) -> None:
@@ -207,6 +209,13 @@ class EngineCoreClient(abc.ABC):
                 self._streaming.clear()
             return first
 
+    def _presented(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """A tracked batch as ``get_output`` hands it to the caller: as the engine made it
+        with ``columnar_outputs``, else with its stream columns expanded into ``outputs``
+        (``EngineCoreOutputs.expanded``: columns first, then ``outputs``). The one delivery
+        edge of every client, in-process, multi-process and data-parallel alike."""
+        return outputs if self._columnar else outputs.expanded()
+
     # -- request bookkeeping ------------------------------------------------------------------
 
     def _track_add(self, request: EngineCoreRequest) -> None:
@@ -282,23 +291,33 @@ class EngineCoreClient(abc.ABC):
         with self._state_lock:
             if self.lifecycle.state in _TERMINAL_CLIENT:
                 return
-            streaming, trace = self._streaming, self.trace
             bad_sids = bad_outs = None
-            if sids and (trace is not None or not streaming.issuperset(sids)):
+            if sids and not self._only_loops(sids):
                 bad_sids = self._advance(zip(sids, itertools.repeat(None)), len(sids))
-            if outs and (trace is not None or not streaming.issuperset(map(_request_id, outs))
-                         or not _NO_FINISH.issuperset(map(_finish_reason, outs))):
+            if outs and not self._only_loops(map(_request_id, outs),
+                                             map(_finish_reason, outs)):
                 bad_outs = self._advance(
                     zip(map(_request_id, outs), map(_finish_reason, outs), strict=True),
                     len(outs))
             if bad_sids or bad_outs:
                 raise self._refuse(outputs, bad_sids or [], bad_outs or [])
 
+    def _only_loops(self, ids: Iterable[str], reasons: Iterable[Any] | None = None) -> bool:
+        """Whether tracking outputs for ``ids`` (finishing for ``reasons``, None: none do)
+        takes the fast path and fires nothing: no trace records the steps, none finishes,
+        and each id's request is in a state where OUTPUT loops (``_streaming``), so
+        ``_advance`` would change nothing. Two C-level subset checks; holds ``_state_lock``."""
+        return (self.trace is None and self._streaming.issuperset(ids)
+                and (reasons is None or _NO_FINISH.issuperset(reasons)))
+
     def _advance(self, pairs: Iterator[tuple[str, Any]], n: int
                  ) -> list[tuple[int, SpecViolation]] | None:
         """Fire each of the ``n`` ``(request id, finish reason or None)``; holds
         ``_state_lock``. A refused fire changed nothing, so it is skipped and the rest go on;
-        returns the refused ones' positions and errors (None when every one was legal)."""
+        returns the refused ones' positions and errors (None when every one was legal).
+
+        The general path of ``_track_outputs``, which skips it when ``_only_loops`` holds;
+        test_client_tracking.py feeds both the same batches and compares what they leave."""
         requests, trace, streaming = self._requests, self.trace, self._streaming
         skip = _OUTPUT_SELF_LOOP_IX if trace is None else frozenset()
         refused: list[tuple[int, SpecViolation]] | None = None
@@ -384,7 +403,7 @@ class EngineCoreClient(abc.ABC):
             stream_ids=[r for i, r in enumerate(sids) if i not in skip_s],
             stream_tokens=[t for i, t in enumerate(outputs.stream_tokens) if i not in skip_s])
         if rest.outputs or rest.stream_ids or rest.finished_requests or rest.scheduler_stats:
-            self._redeliver.append(rest if self._columnar else rest.expanded())
+            self._redeliver.append(self._presented(rest))
         # In the order the caller would have read them (``expanded``: columns first).
         rids = [sids[i] for i, _ in bad_sids] + [outs[i].request_id for i, _ in bad_outs]
         first = (bad_sids or bad_outs)[0][1]
@@ -474,9 +493,9 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
 
         self._columnar = columnar
         try:
-            # Columnar: the engine emits token-only outputs as columns, as a process does.
-            self.engine = EngineCore(config, inproc=True, trace=trace,
-                                     stream_outputs=columnar_outputs)
+            # The engine hands out its batches as a process sends them, columns and all (and
+            # so runs the same scheduler path); get_output presents them (_presented).
+            self.engine = EngineCore(config, inproc=True, trace=trace, stream_outputs=True)
         except Exception as e:
             self._mark_closed()
             raise EngineStartupError(f"engine core initialization failed: {e}") from e
@@ -543,7 +562,7 @@ class InprocClient(SyncClientMixin, EngineCoreClient):
             self.ensure_alive()  # under the lock: a shutdown may have run while we waited
             outputs = self._buffered.popleft() if self._buffered else self._step()
             self._track_outputs(outputs)
-        return outputs
+        return self._presented(outputs)
 
     def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         timeout = check_timeout(timeout)

@@ -213,9 +213,11 @@ class EngineCore:
             else None if trace is None and not records
             else EngineTrace(records or TRACE_BOUND, sink=trace))
         self._trace_source = f"{os.getpid()}.{next(_ENGINE_SERIAL)}"
-        # Plain decode outputs as the wire's columns (EngineCoreOutputs.stream_ids/_tokens)
-        # instead of one struct each: the process wrapper asks for it, in-process callers
-        # keep reading ``outputs``.
+        # Presentation only (issue 45): every step makes plain decode outputs the wire's
+        # columns (EngineCoreOutputs.stream_ids/_tokens) and, where the worker can, runs the
+        # decode batch. ``stream_outputs`` says whether ``step()`` returns the batch so (the
+        # engine process and every client do; they expand at their delivery edge) or with
+        # its columns expanded, for a caller of the bare core that reads ``outputs`` only.
         self.stream_outputs = stream_outputs
         self.lifecycle: Lifecycle[EngineState, EngineEvent] = ENGINE.lifecycle(
             trace=self.engine_trace)
@@ -252,8 +254,9 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             policy=config.scheduling_policy,
-            # Column-wise decode needs stream columns out and a worker that reads the batch.
-            decode_batch=stream_outputs and self.executor.supports_decode_batch,
+            # Column-wise decode needs only a worker that reads the batch: the columns it
+            # returns are how every step hands out plain decodes (see stream_outputs).
+            decode_batch=self.executor.supports_decode_batch,
         )
         self._pending: list[EngineCoreOutput] = []
         # Abort ids another thread saw arrive while a step runs (the process wrapper's input
@@ -434,6 +437,13 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """One scheduling step; returns every output produced since the last step.
 
+        A step the scheduler chose to run column-wise (``Scheduler.step_batch``, see
+        ``Scheduler.decode_batch_applies``) goes through ``execute_decode`` and
+        ``update_decode``, unless an abort landed mid-step; every other step, the general
+        path, through ``execute_model`` and ``update``. Both make the same outputs, and
+        plain decodes leave as stream columns either way (``stream_outputs`` only says
+        whether they are expanded before ``step`` returns).
+
         Any exception from scheduling or the model (a fault injected at ``step`` or
         ``forward`` included) is fatal: the engine fires FATAL_ERROR and re-raises.
         """
@@ -455,7 +465,7 @@ class EngineCore:
             self.scheduler.ended = []
         outs = self._pending
         finished: list[str] | None = None
-        stream: tuple[list[str], list[int]] | None = ([], []) if self.stream_outputs else None
+        stream: tuple[list[str], list[int]] = ([], [])
         if outs:
             # A batch carries at most max_batch outputs (what a client decodes): room is
             # kept for this step's own, and the rest of a huge abort goes out next step.
@@ -486,7 +496,7 @@ class EngineCore:
                     else:
                         tokens = executor.execute_model(reqs, nums)
                     if batch is not None:
-                        # decode_batch implies stream_outputs: the columns come back whole.
+                        # The batch's columns come back whole.
                         step_outs, step_finished, sids, stoks = sched.update_decode(
                             batch, toks)
                         stream = (sids, stoks)
@@ -515,8 +525,9 @@ class EngineCore:
             self._settle()
         stats = SchedulerStats(len(sched.running), sched.num_waiting, self.kv.usage(),
                                sched.num_preemptions, self.step_counter)
-        if stream is not None and stream[0]:
-            return EngineCoreOutputs(0, outs, time.monotonic(), finished, stats, None, *stream)
+        if stream[0]:
+            out = EngineCoreOutputs(0, outs, time.monotonic(), finished, stats, None, *stream)
+            return out if self.stream_outputs else out.expanded()
         return EngineCoreOutputs(0, outs, time.monotonic(), finished, stats)
 
     def _settle(self) -> None:

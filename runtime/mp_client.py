@@ -800,7 +800,7 @@ class MPClient(AttachSide, EngineCoreClient):
 
     def _output_of(self, item: Any) -> EngineCoreOutputs:
         """A dequeued item, tracked already if it is a batch, as ``get_output`` returns it:
-        the batch with its stream columns expanded, or a marker's error. The marker goes back
+        the batch ``_presented``, or a marker's error. The marker goes back
         first, so it wakes the next waiter too; a shutdown is reported over a death (the
         caller closed the client after its engine died)."""
         if item is DEAD_MARKER or item is CLOSED_MARKER:
@@ -808,8 +808,7 @@ class MPClient(AttachSide, EngineCoreClient):
             if item is CLOSED_MARKER or self.is_closed:
                 raise ClientClosedError(self._closed_message)
             raise self._dead_error()
-        out: EngineCoreOutputs = item if self._columnar else item.expanded()
-        return out
+        return self._presented(item)
 
     def _new_call(self) -> Any:
         """The future a utility call's outcome is set on, made where its caller waits."""

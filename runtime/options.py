@@ -98,7 +98,8 @@ class ClientOptions:
         " told (runtime/integrity.py, faults.md)"))
     columnar_outputs: bool = field(default=False, metadata=_doc(
         "`get_output` returns token-only outputs in the batch's columns"
-        " (`stream_ids`/`stream_tokens`) instead of one `EngineCoreOutput` each"))
+        " (`stream_ids`/`stream_tokens`) instead of one `EngineCoreOutput` each;"
+        " presentation only: the engine runs the same either way (runtime.md)"))
     shutdown_timeout_s: float | None = field(default=None, metadata=_doc(
         "grace between SIGTERM and SIGKILL for `shutdown()` without a timeout; finite,"
         " `>= 0`; `None`: 5 s"))

@@ -565,18 +565,40 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
+    @property
+    def steady_decode(self) -> bool:
+        """Whether the next ``schedule`` takes the steady-decode fast path: the last
+        ``update`` proved that every running request decodes exactly one token next (see
+        ``__init__``; anything that changed the running set since reset the proof) and the
+        token budget holds them all. Otherwise ``_schedule_full`` decides the step (so it
+        does when a per-request steady step finds a request short of its next block)."""
+        return (self._decode_ready is self.running
+                and len(self.running) <= self.max_num_batched_tokens)
+
+    @property
+    def decode_batch_applies(self) -> bool:
+        """Whether a steady-decode step runs column-wise (``DecodeBatch``): the worker reads
+        a batch, and one exists already or no request waits (an admitted prefill sends the
+        step per request, so a batch built for it would be released at once)."""
+        return self._use_batch and (self._batch is not None or not self.num_waiting)
+
     def schedule(self) -> tuple[list[Request], list[int]]:
-        """Pick this step's requests and how many new tokens each computes."""
+        """Pick this step's requests and how many new tokens each computes.
+
+        The fast path (``steady_decode``) takes the running list as it is, and with
+        ``decode_batch_applies`` sets ``step_batch``; the general path is ``_schedule_full``.
+        """
         budget = self.max_num_batched_tokens
         running = self.running
-        ready, self._decode_ready = self._decode_ready, None
+        steady = self.steady_decode
+        self._decode_ready = None
         self.step_batch = None
-        if ready is running and len(running) <= budget:
+        if steady:
             # Steady decode (see __init__): one token each, blocks already there.
             reqs = running.copy()
             nums = [1] * len(reqs)
             batch = self._batch
-            if self._use_batch and (batch is not None or not self.num_waiting):
+            if self.decode_batch_applies:
                 if batch is None:
                     batch = self._batch = DecodeBatch(reqs)
                 if not self._grow_batch_blocks(batch):
@@ -606,7 +628,12 @@ class Scheduler:
         return True
 
     def _schedule_full(self) -> tuple[list[Request], list[int]]:
-        """The per-request pass: chunked prefill, block growth, preemption, admission."""
+        """The per-request pass: chunked prefill, block growth, preemption, admission.
+
+        The general path of ``schedule``: right for every step, and the only one unless
+        ``steady_decode`` holds (then the fast path picks the same requests and tokens, and
+        with ``decode_batch_applies`` runs them column-wise). tests/runtime/test_scheduler.py
+        runs both on the same load and compares every step."""
         self.release_batch()
         kv, bs = self.kv, self.kv.block_size
         budget = self.max_num_batched_tokens
@@ -737,6 +764,10 @@ class Scheduler:
         stream: tuple[list[str], list[int]] | None = None,
     ) -> tuple[list[EngineCoreOutput], list[str] | None]:
         """Apply one step's results; return the outputs and the ids finished (None if none).
+
+        The general path: a step ``schedule`` ran as ``step_batch`` (``decode_batch_applies``)
+        may instead be applied column-wise by ``update_decode``, which must give the same
+        outputs, columns and request state (the differential tests in test_scheduler.py).
 
         With ``stream``, a decode that neither finishes nor carries a cached-token count is
         appended to its two lists (ids, tokens) instead of becoming an output struct: the

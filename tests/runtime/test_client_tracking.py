@@ -4,8 +4,11 @@ skips the table on an OUTPUT self-loop, and must change nothing the spec table i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from enginewire.protocol.messages import (
     EngineCoreOutput,
@@ -166,3 +169,56 @@ def test_forbidden_output_through_get_output(kind: str) -> None:
     with cf.open_client(kind, NULL) as cut:
         cf.check_forbidden_output(cut)
     cf.check_trace(cut)
+
+
+# -- the tracking fast path against the general path -------------------------------------------
+
+_RID = st.integers(0, 2).map(lambda i: f"r{i}")
+_REASON = st.sampled_from([None, None, None, FinishReason.STOP, FinishReason.LENGTH,
+                           FinishReason.ABORT, FinishReason.ERROR])
+_OP = st.one_of(
+    st.tuples(st.just("add"), _RID),
+    st.tuples(st.just("abort"), st.lists(_RID, max_size=3)),
+    st.tuples(st.just("batch"), st.lists(_RID, max_size=6),
+              st.lists(st.tuples(_RID, _REASON), max_size=4)),
+)
+
+
+def _tracked(client: InprocClient) -> tuple[object, ...]:
+    return ({rid: lc.state for rid, lc in client._requests.items()}, sorted(client._streaming),
+            list(client._redeliver), client.live_requests())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_OP, max_size=30))
+def test_the_tracking_fast_path_leaves_what_the_general_path_leaves(
+        ops: list[tuple[object, ...]]) -> None:
+    """``_track_outputs`` skips ``_advance`` when ``_only_loops`` holds; a client made to
+    take ``_advance`` always must end every step in the same state (request states, the
+    streaming set, the batches kept for redelivery) and raise the same errors, on any mix
+    of adds, aborts, stream columns and outputs, the forbidden ones included."""
+    fast, general = InprocClient(NULL), InprocClient(NULL)
+    general._only_loops = lambda *args: False  # type: ignore[method-assign]
+    try:
+        for op in ops:
+            results = []
+            for client in (fast, general):
+                try:
+                    if op[0] == "add":
+                        client._track_add(EngineCoreRequest(cast(str, op[1]), [5]))
+                    elif op[0] == "abort":
+                        client._track_abort(cast("list[str]", op[1]))
+                    else:
+                        sids = cast("list[str]", op[1])
+                        outs = cast("list[tuple[str, FinishReason | None]]", op[2])
+                        client._track_outputs(EngineCoreOutputs(
+                            outputs=[EngineCoreOutput(r, [7], why) for r, why in outs],
+                            stream_ids=list(sids), stream_tokens=[8] * len(sids)))
+                    results.append(None)
+                except SpecViolation as e:
+                    results.append(str(e))
+            assert results[0] == results[1], op
+            assert _tracked(fast) == _tracked(general), op
+    finally:
+        fast.shutdown()
+        general.shutdown()

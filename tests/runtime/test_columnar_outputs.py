@@ -140,3 +140,26 @@ def test_the_conformance_suite_judges_a_columnar_client(kind: str) -> None:
     finally:
         cut.shutdown()
     cf.check_trace(cut)
+
+
+@pytest.mark.parametrize("columnar", [False, True], ids=["per-output", "columnar"])
+def test_the_in_process_engine_runs_the_decode_batch_whatever_the_caller_reads(
+        columnar: bool) -> None:
+    """Presentation only (issue 45): an in-process client runs the scheduler path an engine
+    process runs (the column-wise decode batch), and only what ``get_output`` returns
+    differs: columns for a columnar caller, none for the rest, the same tokens either way."""
+    with InprocClient(NULL, columnar_outputs=columnar) as client:
+        for r in _requests("b"):
+            client.add_request(r)
+        seen, batched = _Seen(), 0
+        for _ in range(50):
+            if len(seen.finished) == N:
+                break
+            batch = client.get_output()
+            batched += client.engine.scheduler.step_batch is not None
+            assert columnar or not batch.stream_ids
+            seen.take(batch)
+        assert batched > 0, "the in-process engine never ran the decode batch"
+        assert len(seen.finished) == N
+        assert all(len(t) == MAX_TOKENS for t in seen.tokens.values())
+        assert (seen.column_tokens > 0) is columnar

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from enginewire.protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 from enginewire.runtime.config import EngineConfig
@@ -455,6 +461,128 @@ def test_the_decode_batch_on_cuda_runs_exactly_as_the_full_pass(seed: int) -> No
     # The batch's inputs are built from numpy columns and copied to the device in one go; a
     # row or dtype slip there shows only where host and device memory differ.
     _random_load(200 + seed, "tiny", 80, device="cuda")
+
+
+# -- the fast paths against the general path, on Hypothesis-made request mixes -------------
+
+_ADD = st.tuples(
+    st.just("add"),
+    st.integers(1, 60),  # prompt length: past max_num_batched_tokens, several prefill steps
+    st.integers(1, 40),  # max_tokens
+    st.booleans(),  # ignore_eos
+    st.lists(st.integers(3, 511), max_size=40),  # stop token ids
+    st.integers(0, 2),  # priority
+    st.booleans(),  # share the common prefix (prefix caching)
+)
+_ABORT = st.tuples(st.just("abort"), st.integers(0, 1000))  # an index into the ids added
+_STEPS = st.tuples(st.just("step"), st.integers(1, 12))
+_PAUSE = st.tuples(st.just("pause"))
+
+
+@contextlib.contextmanager
+def _worker_without_decode_batch() -> Iterator[None]:
+    """Engines built inside run a worker that cannot run a ``DecodeBatch`` (as a worker
+    without ``execute_decode`` would): their scheduler never chooses one."""
+    from enginewire.runtime.executor import NullWorker
+
+    with mock.patch.object(NullWorker, "supports_decode_batch", False):
+        yield
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.one_of(_ADD, _ADD, _ADD, _ABORT, _STEPS, _STEPS, _PAUSE),
+                    min_size=4, max_size=40),
+       max_num_seqs=st.sampled_from([2, 4, 16]),
+       budget=st.sampled_from([8, 16, 64]),
+       blocks=st.sampled_from([16, 20, 400]),  # 16 of 4 tokens: preemption under KV pressure
+       caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+def test_every_fast_path_makes_what_the_general_path_makes(
+        ops: list[tuple[Any, ...]], max_num_seqs: int, budget: int, blocks: int, caching: bool,
+        policy: str) -> None:
+    """Three engines take the same request mix: one with every fast path (steady decode,
+    ``Scheduler.steady_decode``, and the column-wise batch, ``decode_batch_applies``), one
+    whose worker cannot run the batch (steady decode per request), and one that only ever
+    takes the general path (``_schedule_full`` and ``update``). Every step must schedule the
+    same requests and tokens, make the same outputs and stream columns, and leave every
+    running request with the same counters, tokens and blocks; so must their drains."""
+    cfg = EngineConfig(model="null", device="cpu", max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget, block_size=4, max_model_len=64,
+                       num_gpu_blocks_override=blocks, enable_prefix_caching=caching,
+                       scheduling_policy=policy, seed=7)
+    fast = EngineCore(cfg, stream_outputs=True)
+    with _worker_without_decode_batch():
+        per_request = EngineCore(cfg, stream_outputs=True)
+    slow = EngineCore(cfg, stream_outputs=True)
+    _slow_path_only(slow)
+    engines = (fast, per_request, slow)
+    assert not per_request.scheduler._use_batch
+    plans: list[list[tuple[list[str], list[int]]]] = [[] for _ in engines]
+    for eng, plan in zip(engines, plans, strict=True):
+        schedule = eng.scheduler.schedule
+
+        def recording(schedule: Any = schedule, plan: list[Any] = plan) -> Any:
+            reqs, nums = schedule()
+            plan.append(([r.request_id for r in reqs], list(nums)))
+            return reqs, nums
+
+        eng.scheduler.schedule = recording  # type: ignore[method-assign]
+    shared = [(11 * j) % 500 + 3 for j in range(12)]
+    added: list[str] = []
+    took_batch = chunked = 0
+
+    def step(n: int) -> None:
+        for _ in range(n):
+            a, b, c = (eng.step() for eng in engines)
+            where = f"step {len(plans[0])} of {ops}"
+            assert plans[0] == plans[1] == plans[2], f"schedules diverged at {where}"
+            for other in (b, c):
+                assert a.outputs == other.outputs, where
+                assert (a.stream_ids, a.stream_tokens) == (other.stream_ids, other.stream_tokens)
+                assert a.finished_requests == other.finished_requests, where
+            assert _effective(fast) == _effective(per_request) == _effective(slow), where
+            nonlocal took_batch, chunked
+            took_batch += fast.scheduler.step_batch is not None
+            chunked += any(0 < r.num_computed_tokens < r.num_prompt_tokens
+                           for r in slow.scheduler.running)
+
+    try:
+        for op in ops:
+            if op[0] == "add":
+                _, n, max_tokens, ignore_eos, stops, priority, prefix = op
+                rid = f"r{len(added)}"
+                prompt = [(7 * j + len(added)) % 500 + 3 for j in range(n)]
+                r = req(rid, (shared + prompt)[:60] if prefix else prompt, priority=priority,
+                        max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stops)
+                for eng in engines:
+                    eng.add_request(r)
+                added.append(rid)
+            elif op[0] == "abort":
+                if added:
+                    victim = added[op[1] % len(added)]
+                    for eng in engines:
+                        eng.abort_requests([victim])
+            elif op[0] == "pause":
+                for eng in engines:
+                    eng.pause_scheduler("keep")
+                    eng.resume_scheduler()
+            else:
+                step(op[1])
+        for _ in range(3000):
+            if not any(e.has_unfinished_requests() or e.has_pending_outputs() for e in engines):
+                break
+            step(1)
+        else:
+            raise AssertionError(f"the engines did not drain: {ops}")
+        for eng in engines:
+            assert not eng.scheduler.requests and eng.kv.num_free_blocks == blocks
+        # What the mix reached (--hypothesis-show-statistics): the comparison is only as good.
+        event(f"decode batch steps: {'some' if took_batch else 'none'}")
+        event(f"preemptions: {'some' if slow.scheduler.num_preemptions else 'none'}")
+        event(f"several prefill steps: {'some' if chunked else 'none'}")
+    finally:
+        for eng in engines:
+            eng.shutdown()
 
 
 def test_requests_of_every_length_decode_as_one_batch() -> None:
