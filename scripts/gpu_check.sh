@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA check in one command: the `gpu` pytest marker (the engine's CUDA paths, the decode
 # batch on the device, the fault harness's CUDA OOM, two data-parallel engines sharing the device,
-# the CI campaign and the quick fault matrix
+# engines joining and leaving a serving client, the CI campaign and the quick fault matrix
 # with the engine on CUDA), then the engine-step benchmark on the device (figures only, never
 # judged). Exits non-zero if CUDA is missing or a test fails; extra arguments go to pytest.
 set -euo pipefail

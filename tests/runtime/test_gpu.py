@@ -124,3 +124,45 @@ def test_two_engines_on_cuda_serve_and_survive_one_loss() -> None:
                 if o.finished:
                     done[o.request_id] = o.finish_reason
         assert done["after"] is FinishReason.LENGTH
+
+
+def test_engines_join_and_leave_a_serving_client_on_cuda() -> None:
+    """Elastic data parallel on the device (issue 46): a joiner starts on CUDA and serves; a
+    drained leaver's requests finish before its process goes, and its device memory with it."""
+    import os
+
+    from enginewire.protocol.messages import FinishReason
+    from enginewire.runtime import make_client
+    from enginewire.spec import MembershipState
+
+    def serve(client: object, rid: str, rank: int | None, n: int = 8) -> FinishReason | None:
+        client.add_request(EngineCoreRequest(  # type: ignore[attr-defined]
+            rid, [1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True),
+            data_parallel_rank=rank))
+        while True:
+            for o in client.get_output(timeout=60.0).outputs:  # type: ignore[attr-defined]
+                if o.request_id == rid and o.finished:
+                    return o.finish_reason
+
+    with make_client(cfg(data_parallel_size=2), multiprocess=True, asyncio=False) as client:
+        client.scale(3)
+        assert client.engines == dict.fromkeys(range(3), MembershipState.SERVING)
+        assert serve(client, "on2", 2) is FinishReason.LENGTH
+        pid = client.engine_pids[2]
+        assert pid is not None
+        client.add_request(EngineCoreRequest("drained", [1, 2], SamplingParams(
+            max_tokens=32, ignore_eos=True), data_parallel_rank=2))
+        client.scale(2, drain=True, drain_timeout_s=60.0)
+        assert client.data_parallel_size == 2
+        ended = False
+        while not ended:  # the leaver's request finished normally before it went
+            for o in client.get_output(timeout=5.0).outputs:
+                if o.request_id == "drained" and o.finished:
+                    assert o.finish_reason is FinishReason.LENGTH
+                    ended = True
+        try:
+            os.kill(pid, 0)
+            raise AssertionError("the leaver's engine outlived scale()")
+        except ProcessLookupError:
+            pass
+        assert serve(client, "after", None) is FinishReason.LENGTH
