@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-Rule 1: only the bytes change. ``VllmWireEngineProc`` is an ``EngineCoreProc`` whose input
-thread and output encoder speak vLLM 0.33.0's engine-core wire (docs/vllm.md; the
-reference's §2-§3); the busy loop, the ``EngineCore`` under it, the fault points, the
-deferred replies and the heartbeat are enginewire's, untouched. So a fault plan armed
-through ``arm_fault`` fires in the same places as on enginewire's own wire.
+Rule 1: only the bytes change. ``VllmWire`` is a wire profile (runtime/_engine_wire.py): it
+decodes vLLM 0.33.0's engine-core wire (docs/vllm.md; the reference's §2-§3), encodes its
+outputs, says its ready and its dead sentinel, and holds no thread, socket or queue. The
+input and output threads, the busy loop, the ``EngineCore`` under it, the fault points, the
+deferred replies and the heartbeat are enginewire's, untouched (``VllmWireEngineProc`` is an
+``EngineCoreProc`` given this profile). So a fault plan armed through ``arm_fault`` fires in
+the same places as on enginewire's own wire.
 Rule 2: translate at the boundary, once. A vLLM message becomes an enginewire input item as
 it is decoded (input thread); an enginewire output becomes a vLLM ``EngineCoreOutputs`` as it
 is encoded (output path). Nothing in between knows which wire is spoken.
@@ -47,8 +49,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from ..protocol.codec import Limits
 from ..protocol.messages import (
-    ENGINE_DEAD_SENTINEL,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -56,10 +58,11 @@ from ..protocol.messages import (
     UtilityRequest,
 )
 from ..protocol.results import plain_result
-from ._engine_input import InputSide
-from ._engine_shared import IDLE_WAKE_S, Control
+from ..spec.errors import ProtocolError
+from ._engine_shared import Control
+from ._engine_wire import Decode, WireProfile
 from .engine_proc import EngineCoreProc, run_engine_core
-from .faults import FaultPoint
+from .zmq_io import ZMQ_RCVMORE, recv_rest
 
 __all__ = [
     "VLLM_DEAD_SENTINEL",
@@ -67,8 +70,10 @@ __all__ = [
     "VllmEngineCoreOutput",
     "VllmEngineCoreOutputs",
     "VllmEngineCoreRequest",
+    "VllmOutputEncoder",
     "VllmReadyResponse",
     "VllmSamplingParams",
+    "VllmWire",
     "VllmWireEngineProc",
     "outputs_to_vllm",
     "request_from_vllm",
@@ -281,9 +286,9 @@ def outputs_to_vllm(batch: EngineCoreOutputs) -> VllmEngineCoreOutputs:
         else list(batch.finished_requests))
 
 
-class _VllmOutputEncoder:
-    """Stands in for ``protocol.codec.Encoder`` on the output path (``encode``,
-    ``encode_into``): every batch leaves as vLLM's ``EngineCoreOutputs``."""
+class VllmOutputEncoder:
+    """The vLLM profile's encoder (``protocol.codec.Encoder``'s two methods): every batch
+    leaves as vLLM's ``EngineCoreOutputs``."""
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
@@ -303,142 +308,101 @@ def _vllm_utility_args(method: str, args: list[Any]) -> list[Any]:
     return args
 
 
-# --- the engine process ----------------------------------------------------------------------
+# --- the profile -----------------------------------------------------------------------------
 
 
-class VllmWireEngineProc(EngineCoreProc):
-    """``EngineCoreProc`` speaking vLLM 0.33's wire (module docstring)."""
+class VllmWire(WireProfile):
+    """vLLM 0.33's wire (module docstring): no sessions, so one ready, queued as the DEALER
+    connects, and the client's first message completes the handshake; no short call path
+    (a call's payload is a frame of its own)."""
 
-    def _output_thread(self, address: str) -> None:
-        # Set here, on the thread that starts first and owns every send: no output can be
-        # encoded before it (the ready goes out on the input thread, started after this one).
-        self._out_encoder = _VllmOutputEncoder()  # type: ignore[assignment]
-        super()._output_thread(address)
+    name = "vllm-0.33"
+    dead_sentinel = VLLM_DEAD_SENTINEL
+    sessions = False
 
-    def _put_output(self, item: Any, *, direct: bool) -> None:
-        if isinstance(item, bytes) and item == ENGINE_DEAD_SENTINEL:
-            item = VLLM_DEAD_SENTINEL
-        super()._put_output(item, direct=direct)
+    def encoder(self) -> VllmOutputEncoder:
+        return VllmOutputEncoder()
 
-    def _vllm_ready(self) -> bytes:
-        info = self.engine.ready_info()
-        cfg = self.engine.config
+    def ready(self, engine: Any, engine_index: int) -> list[Any]:
+        info = engine.ready_info()
+        cfg = engine.config
         blocks, block = int(info["num_gpu_blocks"]), int(info["block_size"])
-        return msgspec.msgpack.encode(VllmReadyResponse(
+        return [msgspec.msgpack.encode(VllmReadyResponse(
             max_model_len=int(info["max_model_len"]), num_gpu_blocks=blocks, block_size=block,
             dp_stats_address=None, dtype=str(getattr(cfg, "dtype", "float32")),
             vllm_version=VLLM_VERSION, world_size=1, data_parallel_size=1,
             tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1,
-            data_parallel_rank=self.engine_index,
+            data_parallel_rank=engine_index,
             max_num_seqs=int(getattr(cfg, "max_num_seqs", 1)),
             max_num_batched_tokens=int(getattr(cfg, "max_num_batched_tokens", 1)),
             instance_id=f"enginewire-{os.getpid()}", supports_lora=False, max_loras=0,
-            kv_cache_size_tokens=blocks * block, enable_sleep_mode=True))
+            kv_cache_size_tokens=blocks * block, enable_sleep_mode=True))]
 
-    def _input_thread(self, address: str, ready: Any) -> None:  # enginewire's ready unused
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        self._decode_req = msgspec.msgpack.Decoder(VllmEngineCoreRequest).decode
-        self._decode_any = msgspec.msgpack.Decoder().decode
-        self._client_has_ready = False
-        try:
-            sock.connect(address)
-            # vLLM's engine sends its ready first, once per input address (reference §3.2
-            # step 6): the ROUTER learns the identity from it. Queued before the connection
-            # completes (no IMMEDIATE), as vLLM's DEALER does.
-            sock.send(self._vllm_ready())
-            self._peer_seen.set()
-            self._input_ready.set()
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            idle_ms = int(IDLE_WAKE_S * 1000)
-            while True:
-                if not poller.poll(idle_ms):
-                    continue
-                frames = sock.recv_multipart(copy=True)
+    def decoder(self, limits: Limits, vocab_size: int | None, max_parts: int) -> Decode:
+        decode_req = msgspec.msgpack.Decoder(VllmEngineCoreRequest).decode
+        decode_any = msgspec.msgpack.Decoder().decode
+
+        def decode(frames: list[Any], sock: zmq.Socket[Any] | None) -> tuple[Any, Any]:
+            if sock is not None and sock.get(ZMQ_RCVMORE):
+                recv_rest(sock, frames, max_parts)
+            kind, body = frames[0], bytes(frames[1]) if len(frames) > 1 else b""
+            if kind == _ADD:
                 try:
-                    self._accept_vllm(frames)
-                except Exception:
-                    # enginewire's rule, kept on this wire: no frame kills the input thread
-                    # (vLLM 0.33's own input thread dies on an unknown type byte, §6.19).
-                    logger.exception("engine input thread: dropped a frame it could not handle")
-        except zmq.ContextTerminated:
-            return
-        except BaseException as e:
-            self._input_error = e
-            logger.exception("engine input thread failed")
-            self.input_queue.put((Control.SHUTDOWN, e))
-        finally:
-            sock.close(linger=0)
-
-    def _accept_vllm(self, frames: list[bytes]) -> None:
-        if not self._client_has_ready:
-            # vLLM's handshake has no ATTACH (enginewire's AFTER_READY point): the client's
-            # first message proves it read the ready, so the handshake is done here.
-            self._client_has_ready = True
-            if self.faults is not None:
+                    v = decode_req(body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    raise ProtocolError(f"malformed request: {e}") from e
                 try:
-                    self._fault(FaultPoint.AFTER_READY)
-                except Exception as e:
-                    self.input_queue.put((Control.SHUTDOWN, e))
-                    return
-        kind, body = frames[0], frames[1] if len(frames) > 1 else b""
-        if kind == _ADD:
-            try:
-                v = self._decode_req(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._reject_vllm_add(body, f"malformed request: {e}")
-                return
-            try:
-                payload: Any = request_from_vllm(v)
-            except ValueError as e:
-                self.input_queue.put((Control.REJECT_ADD, (v.request_id, str(e))))
-                return
-            rtype = RequestType.ADD
-        elif kind == _ABORT:
-            ids = self._decode_any(body)
-            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                logger.warning("rejected malformed ABORT: %.200r", ids)
-                return
-            payload, rtype = ids, RequestType.ABORT
-        elif kind == _UTILITY:
-            call = self._decode_any(body)
-            if not (isinstance(call, list) and len(call) == 4 and isinstance(call[1], int)
-                    and isinstance(call[2], str) and isinstance(call[3], list)):
-                logger.warning("rejected malformed utility call: %.200r", call)
-                return
-            payload = UtilityRequest(int(call[0] or 0), call[1], call[2],
-                                     _vllm_utility_args(call[2], call[3]))
-            rtype = RequestType.UTILITY
-        else:
-            logger.warning("rejected malformed input (type byte %r)", kind[:1])
-            return
-        if self.faults is not None:
-            try:
-                self._fault(FaultPoint.INPUT_DECODED)
-            except Exception as e:
-                self.input_queue.put((Control.SHUTDOWN, e))
-                return
-        if rtype is RequestType.ABORT:
-            self.engine.mid_step_aborts.extend(payload)
-        elif rtype is RequestType.UTILITY and InputSide._serve_idle_call(self, payload):
-            return
-        self.input_queue.put((rtype, payload))
+                    return RequestType.ADD, request_from_vllm(v)
+                except ValueError as e:
+                    # Decoded, but not for this engine: that request's ERROR, in order.
+                    return Control.REJECT_ADD, (v.request_id, str(e))
+            if kind == _ABORT:
+                ids = _decoded(decode_any, body)
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                    raise ProtocolError(f"malformed ABORT: {ids!r:.200}")
+                return RequestType.ABORT, ids
+            if kind == _UTILITY:
+                call = _decoded(decode_any, body)
+                if not (isinstance(call, list) and len(call) == 4 and isinstance(call[1], int)
+                        and isinstance(call[2], str) and isinstance(call[3], list)):
+                    raise ProtocolError(f"malformed utility call: {call!r:.200}")
+                return RequestType.UTILITY, UtilityRequest(
+                    int(call[0] or 0), call[1], call[2], _vllm_utility_args(call[2], call[3]))
+            raise ProtocolError(f"malformed input (type byte {bytes(kind[:1])!r})")
 
-    def _reject_vllm_add(self, body: bytes, why: str) -> None:
+        return decode
+
+    def short_call(self, limits: Limits) -> None:
+        return None
+
+    def rejection(self, frames: list[Any], error: ProtocolError) -> tuple[Control, Any] | None:
+        if frames[0] != _ADD:
+            logger.warning("rejected %s", error)
+            return None
         try:
-            head = msgspec.msgpack.decode(body)
+            head = msgspec.msgpack.decode(bytes(frames[1]) if len(frames) > 1 else b"")
             rid = head[0] if isinstance(head, list) and head and isinstance(head[0], str) \
                 else None
         except Exception:
             rid = None
         if rid is None:
-            logger.warning("rejected malformed ADD (no id): %s", why)
-            return
-        logger.warning("rejected malformed ADD for %.80r: %.300s", rid, why)
-        self.input_queue.put((Control.REJECT_ADD, (rid, why)))
+            logger.warning("rejected malformed ADD (no id): %s", error)
+            return None
+        logger.warning("rejected malformed ADD for %.80r: %.300s", rid, error)
+        return Control.REJECT_ADD, (rid, str(error))
+
+
+def _decoded(decode: Any, body: bytes) -> Any:
+    try:
+        return decode(body)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed payload: {e}") from e
+
+
+class VllmWireEngineProc(EngineCoreProc):
+    """``EngineCoreProc`` speaking vLLM 0.33's wire: the profile is all that differs."""
+
+    wire = VllmWire
 
 
 def run_vllm_engine(config: Any, *, input_address: str, output_address: str,

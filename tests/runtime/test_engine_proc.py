@@ -41,7 +41,7 @@ from enginewire.protocol.messages import (
     UtilityRequest,
 )
 from enginewire.runtime import IpcDir, cleanup_stale_dirs, make_client
-from enginewire.runtime._engine_output import _Retired
+from enginewire.runtime._engine_output import Retired
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine_proc import (
     Control,
@@ -271,7 +271,7 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
     falls back to the general path, which makes it a failure reply."""
     peer, proc, _trace = served
     paths: list[str] = []
-    fast, general = proc._send_encoded, proc._put_output
+    fast, general = proc.output.send_encoded, proc.output.put
 
     def spy_fast(payload: bytes) -> None:
         paths.append("fast")
@@ -281,8 +281,8 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
         paths.append("general")
         general(item, direct=direct)
 
-    proc._send_encoded = spy_fast  # type: ignore[method-assign]
-    proc._put_output = spy_general  # type: ignore[method-assign]
+    proc.output.send_encoded = spy_fast  # type: ignore[method-assign]
+    proc.output.put = spy_general  # type: ignore[method-assign]
     # Results no client could send as an argument: an engine-side utility makes them.
     unsendable = {"huge": 2**70, "surrogate": "\ud800"}
     engine = proc.engine
@@ -334,7 +334,8 @@ class _SpyQueue:
 
 
 def _spy_output(proc: Any, on_put: Any) -> None:
-    proc.output_queue = _SpyQueue(proc.output_queue, on_put)
+    # Every put goes through the spy; the output thread reads the queue under it.
+    proc.output.output_queue = _SpyQueue(proc.output.output_queue, on_put)
 
 
 def test_replies_to_a_client_that_stops_reading_arrive_in_order(served: Any) -> None:
@@ -419,7 +420,7 @@ def test_finished_requests_are_torn_down_behind_their_batch(
     peer.router.recv_multipart()
     items: list[Any] = []  # a teardown as the ids it carried: holding it would keep them
     _spy_output(proc, lambda item: items.append(
-        [r.request_id for r in item.requests] if type(item) is _Retired else item))
+        [r.request_id for r in item.requests] if type(item) is Retired else item))
     loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
     loop.start()
     try:
@@ -978,8 +979,8 @@ def test_a_dead_input_thread_is_a_fatal_error(tmp_path: Path,
         def dies(first: bytes, *_: Any) -> Any:
             raise SystemExit("simulated fatal failure in the input thread")
 
-        monkeypatch.setattr(proc, "_serve_plain", dies)
-        monkeypatch.setattr(proc, "_accept", dies)
+        monkeypatch.setattr(proc.input, "_serve_plain", dies)
+        monkeypatch.setattr(proc.input, "accept", dies)
         thread.start()
         peer.send(RequestType.UTILITY, UtilityRequest(0, 1, "echo", ["boom"]))
         thread.join(10.0)
