@@ -1154,3 +1154,82 @@ def test_an_engine_that_dies_admitting_on_the_input_thread_dies_by_its_loop(
     finally:
         proc.close()
         peer.close()
+
+
+def _through_engine(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, str]]:
+    """One script of input through a fresh engine: adds to an idle engine, idle calls (plain
+    results and not), adds held by a paused scheduler, an abort right behind its ADD, the
+    resume. Returns what the peer saw per request (tokens, finish) and per call (result,
+    failure), and which thread admitted each request."""
+    peer = Peer(tmp)
+    proc = EngineCoreProc(NULL_CONFIG, input_address=peer.input_address,
+                          output_address=peer.output_address)
+    peer.router.recv_multipart()  # the ready
+    admitted = _admitted_on(proc, monkeypatch)
+    loop = threading.Thread(target=proc.run_busy_loop, name="BusyLoop", daemon=True)
+    loop.start()
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, FinishReason] = {}
+    replies: dict[int, tuple[object, object]] = {}
+
+    def read_until(done: Any) -> None:
+        deadline = time.monotonic() + BOUND_S
+        while not done():
+            batch = peer.recv(max(0.01, deadline - time.monotonic()))
+            for o in batch.outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
+            if (u := batch.utility_output) is not None:
+                result = u.result.tolist() if isinstance(u.result, np.ndarray) else u.result
+                replies[u.call_id] = (result, u.failure_message)
+
+    try:
+        for i in range(3):
+            peer.send(RequestType.ADD, request(f"idle{i}", 3))
+            read_until(lambda i=i: f"idle{i}" in finished)
+        for call_id, value in enumerate([7, "text", [1, [2]], np.arange(4)], 1):
+            peer.send(RequestType.UTILITY, UtilityRequest(0, call_id, "echo", [value]))
+            read_until(lambda c=call_id: c in replies)
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 10, "no_such_method", []))
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 11, "pause_scheduler", ["keep"]))
+        read_until(lambda: {10, 11} <= set(replies))
+        held = [f"held{i}" for i in range(4)]
+        for rid in held:
+            peer.send(RequestType.ADD, request(rid, 3))
+        peer.send(RequestType.ABORT, [held[-1]])
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 12, "resume_scheduler", []))
+        read_until(lambda: set(held) <= set(finished) and 12 in replies)
+    finally:
+        proc.input_queue.put((Control.SHUTDOWN, None))
+        loop.join(BOUND_S)
+        proc.close()
+        peer.close()
+    assert not loop.is_alive()
+    seen = {rid: (toks, finished[rid]) for rid, toks in sorted(tokens.items())}
+    return (seen, sorted(replies.items())), admitted
+
+
+def test_parked_admission_and_idle_calls_match_the_loops_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The differential test of the parked paths (``EngineGate.may_run_parked``): the same
+    script with the gate open to the input thread and with it shut (every item through the
+    busy loop's queue) gives the same tokens, finishes and replies."""
+    from enginewire.runtime._engine_shared import EngineGate
+
+    (tmp_path / "parked").mkdir()
+    (tmp_path / "loop").mkdir()
+    fast, fast_admitted = _through_engine(tmp_path / "parked", monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(EngineGate, "may_run_parked", lambda self: False)
+        general, loop_admitted = _through_engine(tmp_path / "loop", monkeypatch)
+    assert fast == general
+    seen, replies = fast
+    assert seen["held3"] == ([], FinishReason.ABORT)
+    assert all(reason is FinishReason.LENGTH and len(toks) == 3
+               for rid, (toks, reason) in seen.items() if rid != "held3")
+    assert [r for _, r in replies][:4] == [(7, None), ("text", None), ([1, [2]], None),
+                                           ([0, 1, 2, 3], None)]
+    # Each path was taken: the open gate let the input thread admit, the shut one never did.
+    assert "EngineCoreInputThread" in fast_admitted.values()
+    assert set(loop_admitted.values()) == {"BusyLoop"}
