@@ -84,12 +84,13 @@ class WireProfile:
     sessions = True
 
     def encoder(self) -> OutputEncoder:
-        return Encoder()
+        encoder: OutputEncoder = Encoder()
+        return encoder
 
     def ready(self, engine: Any, engine_index: int) -> list[Any]:
         """The ready handshake's frames, the first message the engine sends."""
         info = engine.ready_info()
-        return Encoder().encode(ReadyResponse(
+        frames: list[Any] = Encoder().encode(ReadyResponse(
             protocol_version=PROTOCOL_VERSION,
             engine_index=engine_index,
             num_gpu_blocks=int(info["num_gpu_blocks"]),
@@ -98,21 +99,25 @@ class WireProfile:
             model=str(info["model"]),
             device=str(info["device"]),
         ))
+        return frames
 
     def decoder(self, limits: Limits, vocab_size: int | None, max_parts: int) -> Decode:
         """ADDs decode with their token ids checked against ``vocab_size`` (the codec's
         ``checked_request_type``), which spares the busy loop that scan."""
 
         def decode(frames: list[Any], sock: zmq.Socket[Any] | None) -> tuple[Any, Any]:
+            item: tuple[Any, Any]
             try:
-                return decode_input(frames, limits, vocab_size)
+                item = decode_input(frames, limits, vocab_size)
+                return item
             except ProtocolError:
                 # Only now is the more flag read: a payload that refers to aux frames fails
                 # alone; with them it may decode. A message without more fails as is.
                 if sock is None or not sock.get(ZMQ_RCVMORE):
                     raise
                 recv_rest(sock, frames, max_parts)
-                return decode_input(frames, limits, vocab_size)
+                item = decode_input(frames, limits, vocab_size)
+                return item
 
         return decode
 
