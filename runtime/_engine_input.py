@@ -16,6 +16,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import zmq
@@ -88,6 +89,7 @@ class EngineInput:
         loop: ParkedLoop,
         aborts: collections.deque[str],
         session_phase: Lifecycle[SessionState, SessionEvent],
+        on_peer: Callable[[], None],
         integrity: LinkIntegrity | None = None,
         faults: FaultInjector | None = None,
         fast_calls: bool = True,
@@ -112,6 +114,9 @@ class EngineInput:
         # drops input (SESSION_DROPS_INPUT), its per-message test.
         self.session_phase = session_phase
         self._refused = session_phase.state in SESSION_DROPS_INPUT
+        # Told when a front end's connection completed its handshake (without sessions: once
+        # connected), from the monitor thread: the output's flush linger waits on it.
+        self._on_peer = on_peer
         self._integrity = integrity  # its receiving half is this thread's
         self.faults = faults
         # Parts held per message: the payload's frames, and the integrity trailer.
@@ -158,8 +163,11 @@ class EngineInput:
         wakeup = Wakeup()
         ready_frames = self._ready
 
+        on_peer = self._on_peer
+
         def on_connect() -> None:
             link.mend()
+            on_peer()
             connected[0] = next(connects)
             wakeup.set()
 
@@ -192,6 +200,7 @@ class EngineInput:
                 # One ready, queued before the connection completes (no IMMEDIATE), as
                 # vLLM's DEALER sends it: the ROUTER learns the identity from it.
                 sock.send_multipart(ready_frames, copy=False)
+                on_peer()
                 self.ready_sent.set()
             elif self._guard.curve is None:
                 # A plain engine waits for its front end without a deadline; the first ready

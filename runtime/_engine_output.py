@@ -109,9 +109,10 @@ class EngineOutput:
     queued items, the buffer pool, the encoder and the time of the last send are read and
     written only under that lock, by the output thread or by the thread sending; ``faults``
     is set before the thread starts (``EngineCoreProc`` arms a plan once its engine is built).
-    ``peer_seen`` is set once a front end's connection completed its handshake: only then is
-    the exit worth a flush linger (a standalone engine nobody reached, beating into its
-    queue, took 2 s to exit).
+    ``peer_seen`` is set (by the input thread, which sees the handshakes first) once a front
+    end's connection completed its handshake: only then is the exit worth a flush linger (a
+    standalone engine nobody reached, beating into its queue, took 2 s to exit). Not this
+    socket's own handshake: its monitor may report it only after the last send.
     """
 
     def __init__(
@@ -167,7 +168,6 @@ class EngineOutput:
 
         def connected() -> None:
             peer.set()
-            self.peer_seen.set()
             link.mend()
 
         self._guard.connect_as_client(sock, "output", on_drop=dropped,

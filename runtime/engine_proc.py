@@ -224,6 +224,7 @@ class EngineCoreProc:
                 limits=limits, vocab_size=self.engine.arch.vocab_size, ready=ready,
                 input_queue=self.input_queue, gate=self._gate, loop=self,
                 aborts=self.engine.mid_step_aborts, session_phase=session_phase,
+                on_peer=self.output.peer_seen.set,
                 integrity=self._integrity, faults=self.faults, fast_calls=fast_calls)
             self._start("EngineCoreOutputThread", self.output.run, output_address)
             self._start("EngineCoreInputThread", self.input.run)
