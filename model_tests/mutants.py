@@ -109,11 +109,11 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("input_thread_dies_on_malformed_frame",
            "the engine's input thread dies on a frame it cannot decode", _MP, kind="faults",
            patches=(
-               _in("_engine_input:InputSide._input_thread",
+               _in("_engine_input:EngineInput.run",
                    ('logger.exception("engine input thread: dropped a frame it could not'
                     ' handle")', "raise")),
-               _in("_engine_input:InputSide._accept",
-                   ("self._reject(frames[0], e)\nreturn", "raise")),
+               _in("_engine_input:EngineInput.accept",
+                   ("self._reject(frames, e)\nreturn", "raise")),
            )),
     # Every send takes a pooled buffer and drops its tracker, so the buffer is reused while
     # zmq still reads it (zero copy); the fast call path, which bypasses the pool, is off.
@@ -121,11 +121,12 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "the engine reuses an output buffer before zmq finished sending it", _MP,
            kind="faults", patches=(
                _in("engine_proc:EngineCoreProc.__init__",
-                   ("self._fast_calls = not integrity", "self._fast_calls = False")),
-               _in("_engine_output:OutputSide._send_locked",
+                   ("fast_calls = not integrity and self.faults is None",
+                    "fast_calls = False")),
+               _in("_engine_output:EngineOutput._send_locked",
                    ("pool.release(buf, tracker)",
                     "sock.copy_threshold, tracker = 0, None\npool.release(buf, tracker)")),
-               _in("_engine_output:OutputSide._send_direct",
+               _in("_engine_output:EngineOutput._send_direct",
                    ("if self.faults is not None and not is_marker(item):",
                     "self._send_locked(item)\nreturn None\n"
                     "if self.faults is not None and not is_marker(item):")),
@@ -133,7 +134,7 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
     Mutant("abort_applied_before_add",
            "an abort overtakes the ADD it follows and is lost", _MP, kind="abort",
            patches=(_in(
-               "_engine_input:InputSide._accept",
+               "_engine_input:EngineInput.accept",
                ("if kind is RequestType.ABORT:",
                 "if kind is RequestType.ABORT:\n"
                 "    queued = []  # jumps ahead of queued ADDs\n"

@@ -1,49 +1,47 @@
-"""The engine's input half: the input thread, which owns the DEALER socket, sends the ready
-at each handshake, decodes every message and queues it for the busy loop, and serves a
-utility call itself while the loop idles.
+"""The engine's input half: ``EngineInput``, the input thread's object. It owns the DEALER,
+sends the ready at each handshake, decodes every message (as its ``WireProfile`` says) and
+queues it for the busy loop, or, while the loop is parked, has the engine gate run it here.
 
-``InputSide`` is a mixin of ``EngineCoreProc`` (runtime/engine_proc.py), which sets its
-state (``EngineProcState``); separate because nothing it receives may kill it, and that
-rule (reject, log, end a session, never raise) is easier to hold in a file of its own.
+Separate because nothing it receives may kill it, and that rule (reject, log, end a session,
+never raise) is easier to hold in a file of its own. Everything below is the input thread's
+alone but the queue, the gate and what the loop lends it (``ParkedLoop``): runtime/
+_engine_shared.py says who owns what.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
-import time
-from typing import Any, cast
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
-import msgspec
 import zmq
 
-from ..protocol.codec import (
-    Encoder,
-    decode_input,
-    peek_call_id,
-    peek_request_id,
-    split_input,
-    utility_output,
-)
+from ..protocol.codec import Limits, decode_input
 from ..protocol.messages import (
     AttachRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
-    ReadyResponse,
     RequestType,
-    UtilityOutput,
     UtilityRequest,
 )
-from ..protocol.results import PLAIN_RESULTS
 from ..protocol.utilities import LOOP_THREAD_METHODS
-from ..spec.engine import IN_LOOP, SCHEDULING, EngineState
 from ..spec.errors import ProtocolError
-from ..spec.session import SESSION_DROPS_INPUT, SessionEvent
+from ..spec.machine import Lifecycle
+from ..spec.session import SESSION_DROPS_INPUT, SessionEvent, SessionState
 from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Link, Wakeup, reconnect
-from ._engine_shared import IDLE_WAKE_S, Control, EngineProcState
-from .faults import FaultPoint
+from ._engine_shared import IDLE_WAKE_S, Control, EngineGate
+from ._engine_wire import WireProfile
+from .faults import FaultInjector, FaultPoint
+from .integrity import LinkIntegrity
+from .security import TransportGuard
 from .zmq_io import ZMQ_RCVMORE, recv_rest
+
+__all__ = ["BUSY_RECV_S", "EngineInput", "ParkedLoop"]
 
 # One logger for the engine process, whichever of its modules logs.
 logger = logging.getLogger("enginewire.runtime.engine_proc")
@@ -54,31 +52,106 @@ logger = logging.getLogger("enginewire.runtime.engine_proc")
 # goes out after a handshake that completes while messages are still coming in.
 BUSY_RECV_S = 0.01
 
-_UTILITY_BYTE = RequestType.UTILITY.value
 _ATTACH_BYTE = RequestType.ATTACH.value
 
 
-class InputSide(EngineProcState):
-    """The input half of ``EngineCoreProc``: its input thread and the idle-call path."""
+class ParkedLoop(Protocol):
+    """What the busy loop (``EngineCoreProc``) lets the input thread run while it is parked,
+    through the engine gate: each runs the engine, sends what it owes, and leaves the loop a
+    ``Control.WAKE`` when there is work for it (the gate's Rule 3)."""
 
-    def _input_thread(self, address: str, ready: ReadyResponse) -> None:
+    def answer_call(self, call: UtilityRequest) -> None: ...
+
+    def answer_plain(self, call: UtilityRequest) -> None: ...
+
+    def admit(self, request: EngineCoreRequest) -> None: ...
+
+
+class EngineInput:
+    """The input thread: ``run()`` until the context terminates. Built by ``EngineCoreProc``
+    once its engine is; ``ready_sent`` is set once the first ready is queued (or, with CURVE,
+    sent), ``error`` holds what killed the thread if anything did."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        guard: TransportGuard,
+        address: str,
+        wire: WireProfile,
+        *,
+        identity: bytes,
+        engine_index: int,
+        limits: Limits,
+        vocab_size: int | None,
+        ready: list[Any],
+        input_queue: queue.SimpleQueue[Any],
+        gate: EngineGate,
+        loop: ParkedLoop,
+        aborts: collections.deque[str],
+        session_phase: Lifecycle[SessionState, SessionEvent],
+        on_peer: Callable[[], None],
+        integrity: LinkIntegrity | None = None,
+        faults: FaultInjector | None = None,
+        fast_calls: bool = True,
+    ) -> None:
+        self._ctx = ctx
+        self._guard = guard
+        self._address = address
+        self._wire = wire
+        self._identity = identity
+        self._engine_index = engine_index
+        self._limits = limits
+        self._ready = ready
+        self.input_queue = input_queue
+        self._gate = gate
+        self._answer_call = loop.answer_call
+        self._answer_plain = loop.answer_plain
+        self._admit = loop.admit
+        # The engine's mid-step aborts: a step already running sees an ABORT at once.
+        self._aborts = aborts
+        # Which front end this engine serves (spec/session.py): this thread's alone, as it
+        # sees every ATTACH and integrity failure first. ``_refused`` caches whether the state
+        # drops input (SESSION_DROPS_INPUT), its per-message test.
+        self.session_phase = session_phase
+        self._refused = session_phase.state in SESSION_DROPS_INPUT
+        # Told when a front end's connection completed its handshake (without sessions: once
+        # connected), from the monitor thread: the output's flush linger waits on it.
+        self._on_peer = on_peer
+        self._integrity = integrity  # its receiving half is this thread's
+        self.faults = faults
+        # Parts held per message: the payload's frames, and the integrity trailer.
+        self._max_parts = limits.max_frames + 1
+        self._decode = wire.decoder(limits, vocab_size, self._max_parts)
+        # The idle-call short path (``_serve_plain``); off with integrity (every message is
+        # sealed) and under a fault plan (every fault point lies on the general path).
+        self._short_call = wire.short_call(limits) if fast_calls else None
+        # Without sessions the client's first message completes the handshake (AFTER_READY).
+        self._handshaking = not wire.sessions
+        self.ready_sent = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.LINGER, 0)
         # libzmq drops the connection on a larger frame before allocating it, and after such
         # a protocol error (or a refused handshake) it does not reconnect: the monitor
         # reports the drop and wakes this thread's poll, which connects again once the
         # drop's grace (DROP_GRACE_S) ended.
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_frame_bytes)
         sock.setsockopt(zmq.RCVTIMEO, int(BUSY_RECV_S * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        # Queue only on a connection whose handshake completed, and drop what is queued when
-        # it goes: a ready must reach the front end on the connection it announces. Without
-        # this a ready sent while the link was down waited in the pipe and arrived on the
-        # next connection ahead of that one's own ready; a front end that took the extra one
-        # as the next re-ready sent into a link about to drop (#27: 1 ATTACH in 8 lost).
-        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sessions = self._wire.sessions
+        if sessions:
+            # Queue only on a connection whose handshake completed, and drop what is queued
+            # when it goes: a ready must reach the front end on the connection it announces.
+            # Without this a ready sent while the link was down waited in the pipe and
+            # arrived on the next connection ahead of that one's own ready; a front end that
+            # took the extra one as the next re-ready sent into a link about to drop (#27:
+            # 1 ATTACH in 8 lost).
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        address = self._address
         link = Link()
         # Every connection that completes its handshake may be a new front end, which learns
         # of this engine only from a ready (a duplicate to the same front end is ignored).
@@ -88,10 +161,13 @@ class InputSide(EngineProcState):
         connected = [0]  # handshakes so far (counted by the monitor thread)
         readied = [0]  # the handshake count when the ready was last sent (this thread)
         wakeup = Wakeup()
+        ready_frames = self._ready
+
+        on_peer = self._on_peer
 
         def on_connect() -> None:
             link.mend()
-            self._peer_seen.set()
+            on_peer()
             connected[0] = next(connects)
             wakeup.set()
 
@@ -108,24 +184,31 @@ class InputSide(EngineProcState):
             if int(sock.get(zmq.EVENTS)) & zmq.POLLOUT:
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart(ready_frames, zmq.NOBLOCK, copy=False)
-                    self._input_ready.set()
+                    self.ready_sent.set()
 
         try:
-            self._guard.connect_as_client(sock, "input", on_drop=on_drop,
-                                          on_connect=on_connect, on_retry=link.mend)
+            if sessions:
+                self._guard.connect_as_client(sock, "input", on_drop=on_drop,
+                                              on_connect=on_connect, on_retry=link.mend)
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             wake_fd = wakeup.fileno()  # a poll reports an fd by its number
             poller.register(wake_fd, zmq.POLLIN)
             idle_ms = int(IDLE_WAKE_S * 1000)
-            ready_frames = Encoder().encode(ready)
             sock.connect(address)
-            if self._guard.curve is None:
+            if not sessions:
+                # One ready, queued before the connection completes (no IMMEDIATE), as
+                # vLLM's DEALER sends it: the ROUTER learns the identity from it.
+                sock.send_multipart(ready_frames, copy=False)
+                on_peer()
+                self.ready_sent.set()
+            elif self._guard.curve is None:
                 # A plain engine waits for its front end without a deadline; the first ready
                 # goes out at the first handshake, as every later one does (a CURVE engine's
                 # start-up waits for it: security.md).
-                self._input_ready.set()
+                self.ready_sent.set()
             recv = sock.recv
+            short_call = self._short_call
             while True:
                 if connected[0] != readied[0]:
                     # A handshake while messages keep coming: announce it now, not at the
@@ -133,7 +216,7 @@ class InputSide(EngineProcState):
                     send_ready()
                 # A message's first frame (type byte + payload) is received as plain bytes:
                 # 0.4 µs against 2 for a Frame and its more flag. Further parts are read only
-                # when the payload refers to them or a trailer follows (``_accept``).
+                # when the payload refers to them or a trailer follows (``accept``).
                 try:
                     first = recv()
                 except zmq.ContextTerminated:
@@ -156,8 +239,8 @@ class InputSide(EngineProcState):
                             break
                     continue
                 try:
-                    if not (self._fast_calls and self._serve_plain(first)):
-                        self._accept(first, sock)
+                    if not (short_call is not None and self._serve_plain(short_call, first)):
+                        self.accept(first, sock)
                 except zmq.ContextTerminated:
                     return
                 except Exception:
@@ -166,7 +249,7 @@ class InputSide(EngineProcState):
         except zmq.ContextTerminated:
             return
         except BaseException as e:
-            self._input_error = e
+            self.error = e
             logger.exception("engine input thread failed")
             # Without input the engine is useless: make it visible as a fatal error.
             self.input_queue.put((Control.SHUTDOWN, e))
@@ -174,76 +257,81 @@ class InputSide(EngineProcState):
             sock.close(linger=0)
             wakeup.close()  # the monitor may outlive the socket: its set() is then a no-op
 
-    def _serve_plain(self, first: bytes) -> bool:
-        """Serve a utility call while the loop idles, in as few steps as the protocol
-        allows (the round trip's latency is mostly how much code runs cold after a wake-up);
-        False when the message takes the general path (``_accept``), which decodes again
-        and reports any error. A call served here is one frame: its payload decoded without
-        aux frames (a part its sender added after it is read as a message of its own)."""
-        if first[:1] != _UTILITY_BYTE or self._refused:
+    def _serve_plain(self, short_call: Any, first: bytes) -> bool:
+        """The idle-call short path: a call the wire's ``short_call`` predicate takes, served
+        while the loop is parked, in as few steps as the protocol allows (the round trip's
+        latency is mostly how much code runs cold after a wake-up); False when the message
+        takes the general path (``accept``), which decodes again and reports any error. A
+        call served here is one frame: its payload decoded without aux frames (a part its
+        sender added after it is read as a message of its own)."""
+        if self._refused:
             return False
-        if len(first) > self._max_call_frame:
-            return False  # the general path refuses it, naming the bound
-        try:
-            # libzmq refused any frame over max_frame_bytes, the line above one over
-            # max_call_bytes, and a utility call has no post-check.
-            call = self._decode_call(memoryview(first)[1:])
-        except Exception:
-            return False  # e.g. it refers to aux frames that follow
+        call = short_call(first)
+        if call is None:
+            return False
         return self._serve_idle_call(call, plain=True)
 
-    def _accept(self, first: bytes, sock: zmq.Socket[Any]) -> None:
-        """Decode and dispatch one message whose first frame was received; read its further
-        parts (aux frames, the integrity trailer) when it has them: parts of one message
-        arrive together, so that never waits."""
+    def accept(self, first: bytes, sock: zmq.Socket[Any]) -> None:
+        """The general path: decode and dispatch one message whose first frame was received;
+        read its further parts (aux frames, the integrity trailer) when it has them: parts of
+        one message arrive together, so that never waits. Its shortcuts: the idle-call short
+        path (``_serve_plain``, predicate ``WireProfile.short_call``) before it, and the
+        parked paths (``_serve_idle_call``, ``_admit_parked``; predicate
+        ``EngineGate.may_run_parked``) instead of the queue at its end."""
         frames: list[Any] = [first]
-        try:
-            if (self._refused or first[:1] == _ATTACH_BYTE or self._integrity is not None
-                    ) and sock.get(ZMQ_RCVMORE):
-                # The whole message (an ATTACH or a refused peer's, whatever it is), or the
-                # integrity trailer and the aux frames before it.
-                recv_rest(sock, frames, self._max_parts)
-        except ProtocolError as e:  # more parts than any message has: read, dropped
-            self._reject(first, e)
-            return
-        if self._refused or first[:1] == _ATTACH_BYTE:
-            if first[:1] == _ATTACH_BYTE:
-                self._accept_attach(frames)  # unsealed: it starts the counts afresh
-            return
-        if self._integrity is not None:
+        rest: zmq.Socket[Any] | None = sock
+        if self._wire.sessions:
             try:
-                frames = self._integrity.open(frames)
-            except ProtocolError as e:
-                # This front end's link is broken (lost, reordered or corrupted input): its
-                # session ends, not the engine, which serves the next front end. Nothing
-                # more of it is read (its counts no longer line up) until it attaches anew;
-                # the busy loop drops its work and tells it, in order behind its input.
-                self._session_step(SessionEvent.INTEGRITY_FAILED)
-                self.input_queue.put((Control.END_SESSION, e))
+                if (self._refused or first[:1] == _ATTACH_BYTE or self._integrity is not None
+                        ) and sock.get(ZMQ_RCVMORE):
+                    # The whole message (an ATTACH or a refused peer's, whatever it is), or
+                    # the integrity trailer and the aux frames before it.
+                    recv_rest(sock, frames, self._max_parts)
+            except ProtocolError as e:  # more parts than any message has: read, dropped
+                self._reject([first], e)
                 return
+            if self._refused or first[:1] == _ATTACH_BYTE:
+                if first[:1] == _ATTACH_BYTE:
+                    self._accept_attach(frames)  # unsealed: it starts the counts afresh
+                return
+            if self._integrity is not None:
+                rest = None  # read above
+                try:
+                    frames = self._integrity.open(frames)
+                except ProtocolError as e:
+                    # This front end's link is broken (lost, reordered or corrupted input):
+                    # its session ends, not the engine, which serves the next front end.
+                    # Nothing more of it is read (its counts no longer line up) until it
+                    # attaches anew; the busy loop drops its work and tells it, in order
+                    # behind its input.
+                    self._session_step(SessionEvent.INTEGRITY_FAILED)
+                    self.input_queue.put((Control.END_SESSION, e))
+                    return
+        elif self._handshaking:
+            # No ATTACH on this wire (enginewire's AFTER_READY point): the client's first
+            # message proves it read the ready, so the handshake is done here.
+            self._handshaking = False
+            if self.faults is not None:
+                try:
+                    self.faults(FaultPoint.AFTER_READY)
+                except Exception as e:
+                    self.input_queue.put((Control.SHUTDOWN, e))
+                    return
         try:
-            try:
-                kind, payload = decode_input(frames, self.limits, self._vocab_size)
-            except ProtocolError:
-                # Only now is the more flag read: a payload that refers to aux frames
-                # fails alone; with them it may decode. A message without more fails as is.
-                if self._integrity is not None or not sock.get(ZMQ_RCVMORE):
-                    raise
-                frames = recv_rest(sock, frames, self._max_parts)
-                kind, payload = decode_input(frames, self.limits, self._vocab_size)
+            kind, payload = self._decode(frames, rest)
         except ProtocolError as e:
-            self._reject(frames[0], e)
+            self._reject(frames, e)
             return
-        if self.faults is not None:
+        if self.faults is not None and type(kind) is RequestType:
             try:
-                self._fault(FaultPoint.INPUT_DECODED)
+                self.faults(FaultPoint.INPUT_DECODED)
             except Exception as e:
                 # An injected raise or OOM is this thread failing, not one bad frame.
                 self.input_queue.put((Control.SHUTDOWN, e))
                 return
         if kind is RequestType.ABORT:
             # Seen by a step already running; the queued copy keeps the order behind ADDs.
-            self.engine.mid_step_aborts.extend(payload)
+            self._aborts.extend(payload)
         elif kind is RequestType.UTILITY and self._serve_idle_call(
                 cast(UtilityRequest, payload)):
             return
@@ -257,9 +345,9 @@ class InputSide(EngineProcState):
         the new session's first sealed message is ``seq`` 1: the count restarts here, before
         the next message is opened."""
         try:
-            kind, payload = decode_input(frames, self.limits)
+            kind, payload = decode_input(frames, self._limits)
         except ProtocolError as e:
-            self._reject(frames[0], e)
+            self._reject(frames, e)
             return
         attach = cast(AttachRequest, payload)
         ours = self._integrity is not None
@@ -270,7 +358,7 @@ class InputSide(EngineProcState):
                       " (client option frame_integrity, enginewire engine --integrity)")
             logger.error("refused a front end: %s", reason)
             self.input_queue.put((Control.OUTPUTS, EngineCoreOutputs(
-                engine_index=self.engine_index, session=attach.session, refusal=reason,
+                engine_index=self._engine_index, session=attach.session, refusal=reason,
                 timestamp=EngineCoreOutputs.now())))
             return
         self._session_step(SessionEvent.ATTACH_ACCEPTED)
@@ -283,104 +371,21 @@ class InputSide(EngineProcState):
         self._refused = self.session_phase.state in SESSION_DROPS_INPUT
 
     def _serve_idle_call(self, call: UtilityRequest, *, plain: bool = False) -> bool:
-        """Run a utility call on the input thread when the busy loop is parked idle with an
-        empty queue (so nothing is reordered); False when the loop must take it. ``plain``:
-        the short path (``_answer_plain``).
-
-        The bookkeeping comes after the reply: code that runs between receiving a call and
-        sending its reply is the round trip's own time (it runs cold, after a wake-up), while
-        code after the send overlaps the reply's way to the client. The busy loop, if woken
-        here, waits for the engine lock, so nothing it sends can overtake the reply."""
+        """Have the gate run a utility call on this thread while the busy loop is parked
+        (``EngineGate.try_run_parked``); False when the loop must take it. ``plain``: the
+        short path (``ParkedLoop.answer_plain``)."""
         if call.method in LOOP_THREAD_METHODS:
             return False  # e.g. the profiler: one thread for start, stop and export
-        lock = self._engine_lock
-        if not lock.acquire(blocking=False):
-            return False
-        try:
-            if not self.input_queue.empty():  # something is queued ahead of it: keep the order
-                return False
-            if plain:
-                self._answer_plain(call)
-            else:
-                self._call_utility(call)
-            if self._replies:
-                self._flush_replies()
-            if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
-                self.input_queue.put((Control.WAKE, None))  # the loop has something to do
-            return True
-        finally:
-            lock.release()
+        return self._gate.try_run_parked(self._answer_plain if plain else self._answer_call,
+                                         call)
 
     def _admit_parked(self, request: EngineCoreRequest) -> bool:
-        """Admit an ADD on this thread while the busy loop is parked (idle, or backing off
-        over requests a paused scheduler holds) with an empty queue, so nothing is
-        reordered; False when the loop must take it. A burst of adds to a parked engine
-        then costs no wake-up of the loop each. The loop is woken only when the engine can
-        schedule the request now; a paused or sleeping one keeps it until its resume (a
-        call, which wakes the loop)."""
-        lock = self._engine_lock
-        if not lock.acquire(blocking=False):
-            return False
-        try:
-            if not self.input_queue.empty() or self.engine.lifecycle.state not in IN_LOOP:
-                return False  # keep the order; the loop's own checks past its end
-            try:
-                self._add(request)
-            except Exception as e:
-                # The engine died admitting it: the loop's error to raise, not this thread's
-                # (which must outlive anything it receives).
-                self.input_queue.put((Control.FATAL, e))
-                return True
-            if self._replies:
-                self._flush_replies()
-            if self.engine.lifecycle.state in SCHEDULING:
-                self.input_queue.put((Control.WAKE, None))  # the loop has a step to run
-            return True
-        finally:
-            lock.release()
+        """Have the gate admit an ADD on this thread while the busy loop is parked (idle, or
+        backing off over requests a paused scheduler holds); False when the loop must take
+        it. A burst of adds to a parked engine then costs no wake-up of the loop each."""
+        return self._gate.try_run_parked(self._admit, request)
 
-    def _answer_plain(self, call: UtilityRequest) -> None:
-        """Run ``call`` and reply. A result msgpack carries as itself is encoded plainly and
-        sent at once if the pipe takes it (else queued behind what is already there); any
-        other outcome takes the general reply builder."""
-        try:
-            result = self.engine.call_utility(call.method, call.args)
-        except Exception as e:
-            self._emit_utility(utility_output(call.call_id, call.method, error=e))
-            return
-        if type(result) in PLAIN_RESULTS:
-            try:
-                payload = self._reply_encoder.encode(EngineCoreOutputs(
-                    self.engine_index, [], time.monotonic(), None, None,
-                    UtilityOutput(call.call_id, None, result)))
-            except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError):
-                pass  # e.g. an int beyond 64 bits: the general builder reports it
-            else:
-                self._send_encoded(payload)
-                return
-        reply = self._reply_to(call, result)
-        if reply is not None:
-            self._emit_utility(reply)
-
-    def _reject(self, first: Any, error: ProtocolError) -> None:
-        try:
-            type_byte, body = split_input(first)
-        except ProtocolError:
-            logger.warning("rejected malformed input (an empty first frame): %s", error)
-            return
-        rest = [body]
-        request_id = peek_request_id(rest) if type_byte == RequestType.ADD.value else None
-        if type_byte == RequestType.ADD.value and request_id is not None:
-            # Answered whatever its length; only the log line is shortened.
-            logger.warning("rejected malformed ADD for %.80r: %.500s", request_id, error)
-            # The loop answers it, in order behind the input before it: only there is it
-            # known whether the id names a live request (then nothing is sent for it).
-            self.input_queue.put((Control.REJECT_ADD, (request_id, f"malformed request: {error}")))
-            return
-        call_id = peek_call_id(rest) if type_byte == RequestType.UTILITY.value else None
-        if type_byte == RequestType.UTILITY.value and call_id is not None:
-            logger.warning("rejected malformed utility call %r: %s", call_id, error)
-            reply = UtilityOutput(call_id=call_id, failure_message=f"malformed call: {error}")
-            self.input_queue.put((Control.OUTPUTS, EngineCoreOutputs(utility_output=reply)))
-            return
-        logger.warning("rejected malformed input (type byte %r): %s", type_byte, error)
+    def _reject(self, frames: list[Any], error: ProtocolError) -> None:
+        answer = self._wire.rejection(frames, error)
+        if answer is not None:
+            self.input_queue.put(answer)

@@ -1,9 +1,22 @@
-"""What EngineCoreProc's three threads share (runtime/engine_proc.py): the input queue's
-control items, the idle bound every wait is sliced by, and the state the input and output
-halves (``InputSide``, ``OutputSide``) read on the one ``EngineCoreProc`` that owns them.
+"""What the engine process's threads share (runtime/engine_proc.py), and nothing more.
 
-Separate so that the halves, the lifeline and the busy loop each import it without importing
-one another: it names the state, ``EngineCoreProc.__init__`` sets it.
+Theory of operation
+-------------------
+Every piece of the engine process's state has one owner, and the owner says which thread
+touches it:
+
+* the **busy loop** (``EngineCoreProc``, the main thread) owns the engine, the replies it
+  owes and the attached session;
+* the **input thread** owns ``EngineInput`` (runtime/_engine_input.py): the DEALER, the
+  session phase, the ready handshake;
+* the **output thread** owns ``EngineOutput`` (runtime/_engine_output.py): the PUSH, its
+  lock, the count of items queued ahead, the buffers and the encoder. Other threads send
+  only through its public methods, which take its lock.
+
+Between them pass only the two queues (``queue.SimpleQueue``: thread-safe), the
+``EngineGate`` below, and, with frame integrity, the link's one ``LinkIntegrity`` (locked on
+its own: each direction's acks ride on the other's messages). This module holds the gate,
+the input queue's control items and the idle bound every wait is sliced by.
 """
 
 from __future__ import annotations
@@ -12,24 +25,15 @@ import enum
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-import msgspec
-import zmq
+from ..spec.engine import IN_LOOP, EngineState
 
-from ..protocol.codec import Encoder, Limits
-from ..protocol.messages import EngineCoreRequest, UtilityOutput, UtilityRequest
-from ..spec.machine import Lifecycle
-from ..spec.session import SessionEvent, SessionState
-from .faults import FaultInjector, FaultPoint
-from .integrity import LinkIntegrity
-from .security import TransportGuard
-from .zmq_io import BufferPool
+__all__ = ["IDLE_WAKE_S", "Control", "EngineGate", "LoopState"]
 
-if TYPE_CHECKING:
-    from ._engine_link import Link
+T = TypeVar("T")
 
-# Longest an idle busy loop waits before it looks at pending signals (see _wait_input).
+# Longest an idle busy loop waits before it looks at pending signals (EngineGate.park).
 # The input thread's idle poll and the output socket's blocking send are sliced by it too;
 # each module reads its own binding of it, so a test patches it in the reader's module.
 IDLE_WAKE_S = 0.5
@@ -45,53 +49,70 @@ class Control(enum.Enum):
     FATAL = "fatal"  # an error the input thread met running the engine: the loop raises it
 
 
-class EngineProcState:
-    """The attributes and methods the input and output halves use across the class (set and
-    defined by ``EngineCoreProc``; runtime/engine_proc.py documents each where it is set)."""
+class LoopState(Protocol):
+    """What the gate reads of the engine: its lifecycle's state (``spec.machine.Lifecycle``)."""
 
-    engine_index: int
-    identity: bytes
-    input_queue: queue.SimpleQueue[tuple[Any, Any]]
-    output_queue: queue.SimpleQueue[Any]
-    heartbeat_interval_s: float | None
-    limits: Limits
-    engine: Any
-    faults: FaultInjector | None
-    _ctx: zmq.Context[Any]
-    _guard: TransportGuard
-    _integrity: LinkIntegrity | None
-    _stop_by: float | None
-    _replies: list[UtilityOutput]
-    _input_ready: threading.Event
-    _peer_seen: threading.Event
-    _input_error: BaseException | None
-    session_phase: Lifecycle[SessionState, SessionEvent]
-    _refused: bool
-    _overlap: bool
-    _engine_lock: threading.Lock
-    # the output path
-    _out_lock: threading.Lock
-    _out: tuple[zmq.Socket[Any], str, Link] | None
-    _out_send: Callable[..., Any]
-    _out_pending: int
-    _out_encoder: Encoder
-    _out_pool: BufferPool
-    _last_send: float
-    # the idle round-trip path
-    _decode_call: Callable[..., Any]
-    _max_call_frame: int
-    _max_parts: int
-    _reply_encoder: msgspec.msgpack.Encoder
-    _fast_calls: bool
-    _vocab_size: int | None
+    @property
+    def state(self) -> EngineState: ...
 
-    if TYPE_CHECKING:
-        # The busy loop's (EngineCoreProc) and the output half's, called by the input half.
-        def _fault(self, point: FaultPoint) -> None: ...
-        def _has_work(self) -> bool: ...
-        def _flush_replies(self) -> bool: ...
-        def _call_utility(self, call: UtilityRequest) -> None: ...
-        def _add(self, request: EngineCoreRequest) -> None: ...
-        def _reply_to(self, call: UtilityRequest, result: Any) -> UtilityOutput | None: ...
-        def _emit_utility(self, out: UtilityOutput) -> None: ...
-        def _send_encoded(self, payload: bytes) -> None: ...
+
+class EngineGate:
+    """Who may drive the engine: the lock protocol between the busy loop and the input thread.
+
+    Rule 1: the busy loop drives the engine. It holds the gate from the start (a gate is made
+    held) and lets go only while it is *parked*: blocked in ``park`` on the input queue, idle
+    or backing off over work that makes no progress. ``park`` takes the gate back before it
+    returns, so the loop handles what it got as the engine's only driver.
+    Rule 2: another thread may drive the engine only through ``try_run_parked(fn, arg)``,
+    and only while ``may_run_parked()``: the loop is parked, nothing is queued for it, and the
+    engine is in the loop's states (``IN_LOOP``: past the handshake, before death or
+    shutdown). Otherwise it gets False and queues its item for the loop, the general path.
+    With nothing queued, nothing is overtaken; a loop woken meanwhile waits for the gate, so
+    nothing it sends overtakes what ``fn`` sent.
+    Rule 3: ``fn`` never blocks, and leaves whatever the loop must do next as an item on the
+    input queue (``Control.WAKE``, ``Control.FATAL``) before the gate opens again.
+
+    ``try_run_parked`` never waits for the gate: a loop that holds it is driving the engine,
+    and the caller's item belongs behind the loop's work anyway. The gate runs on the input
+    thread's idle-call path and parked admission (runtime/_engine_input.py), each a thread
+    hop less per message than the queue.
+    """
+
+    __slots__ = ("_lock", "_loop", "_queue")
+
+    def __init__(self, input_queue: queue.SimpleQueue[Any], loop: LoopState) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # Rule 1: the loop's, until it first parks
+        self._queue = input_queue
+        self._loop = loop
+
+    def park(self, timeout: float) -> Any:
+        """The busy loop's wait on the input queue: its next item, or None after ``timeout``.
+        The gate is open for the wait and held again on return (Rule 1)."""
+        lock = self._lock
+        lock.release()
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        finally:
+            lock.acquire()
+
+    def may_run_parked(self) -> bool:
+        """Rule 2's condition past the gate's lock: the fast paths' predicate (the idle call,
+        parked admission), beside the general path of queueing for the loop."""
+        return self._queue.empty() and self._loop.state in IN_LOOP
+
+    def try_run_parked(self, fn: Callable[[T], object], arg: T) -> bool:
+        """Run ``fn(arg)`` on this thread if the loop is parked (Rule 2); False, having run
+        nothing, when the caller must queue its item for the loop instead."""
+        lock = self._lock
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.may_run_parked():
+                return False
+            fn(arg)
+            return True
+        finally:
+            lock.release()

@@ -2,35 +2,39 @@
 
 Theory of operation
 -------------------
-Three threads share the work so that (de)serialization overlaps compute (vLLM's layout):
+Three threads share the work so that (de)serialization overlaps compute (vLLM's layout), and
+each owns its state (runtime/_engine_shared.py says who owns what):
 
-* the **input thread** owns a DEALER connected to the client's ROUTER. It speaks first (the
-  ``ReadyResponse`` handshake: a ROUTER cannot address a peer it has not heard from), and
-  again whenever a connection completes its handshake (maybe a new front end: the monitor
-  thread wakes the thread's poll through a pipe). It decodes every frame and puts
-  ``(kind, payload)`` on the one input queue. Nothing it receives can kill it: a frame that
-  does not decode is a logged rejection, or an ERROR output (or a failed utility reply) when
-  the request id or call id can be recovered; one that fails the integrity check ends its
-  front end's session (the engine serves the next one).
-* the **busy loop** on the main thread drains the input queue, blocks on it when the engine
-  has nothing to do (no spinning; the wait is sliced at ``IDLE_WAKE_S`` so signals are seen),
-  and otherwise calls ``EngineCore.step()``. Aborts share the
-  queue with adds, so an abort is never applied before its ADD; the queue is drained before
-  every step, so an abort lands at the next step boundary.
-* the **output thread** owns a PUSH connected to the client's PULL; it encodes into reused
-  buffers, which are only handed back once zmq reports the payload frame sent.
+* the **input thread** runs ``EngineInput`` (runtime/_engine_input.py): a DEALER connected
+  to the client's ROUTER. It speaks first (the ready handshake: a ROUTER cannot address a
+  peer it has not heard from), and again whenever a connection completes its handshake
+  (maybe a new front end: the monitor thread wakes the thread's poll through a pipe). It
+  decodes every frame and puts ``(kind, payload)`` on the one input queue. Nothing it
+  receives can kill it: a frame that does not decode is a logged rejection, or an ERROR
+  output (or a failed utility reply) when the request id or call id can be recovered; one
+  that fails the integrity check ends its front end's session (the engine serves the next
+  one).
+* the **busy loop** on the main thread (this module) drains the input queue, parks on it
+  when the engine has nothing to do (no spinning; the wait is sliced at ``IDLE_WAKE_S`` so
+  signals are seen), and otherwise calls ``EngineCore.step()``. Aborts share the queue with
+  adds, so an abort is never applied before its ADD; the queue is drained before every step,
+  so an abort lands at the next step boundary. While it is parked with nothing queued, the
+  engine gate (``EngineGate``) lets the input thread serve a call or admit an ADD itself,
+  one thread hop less per message; the gate's docstring is that protocol.
+* the **output thread** runs ``EngineOutput`` (runtime/_engine_output.py): a PUSH connected
+  to the client's PULL; it encodes into reused buffers, which are only handed back once zmq
+  reports the payload frame sent. Other threads send small outputs themselves through it,
+  under its lock, when nothing is queued ahead.
+
+What the bytes mean is the wire profile's (``WireProfile``, runtime/_engine_wire.py):
+enginewire's own by default, vLLM 0.33's in runtime/vllm_wire.py.
 
 A fatal error in the loop queues the engine-dead sentinel, waits (bounded) for the output
 thread to flush it, and the process exits non-zero. SIGTERM/SIGINT shut down cleanly, also
 while the engine is still being built. The process exits by itself within 5 s of its parent's
 death: ``PR_SET_PDEATHSIG`` where Linux offers it, and a watchdog on the parent's
-multiprocessing sentinel (or pid) everywhere.
-
-The two IO halves live in modules of their own: ``InputSide`` (runtime/_engine_input.py)
-and ``OutputSide`` (runtime/_engine_output.py), mixins of ``EngineCoreProc`` over the state
-it sets (runtime/_engine_shared.py); link mending is runtime/_engine_link.py, signals and the
-parent watch runtime/_engine_lifeline.py. This module holds the busy loop and the process
-entry.
+multiprocessing sentinel (or pid) everywhere (runtime/_engine_lifeline.py); link mending is
+runtime/_engine_link.py.
 """
 
 from __future__ import annotations
@@ -51,41 +55,32 @@ from typing import Any, NoReturn
 import msgspec
 import zmq
 
-from ..protocol.codec import (
-    DEFAULT_LIMITS,
-    Decoder,
-    Encoder,
-    Limits,
-    utility_output,
-)
+from ..protocol.codec import DEFAULT_LIMITS, Limits, utility_output
 from ..protocol.messages import (
-    ENGINE_DEAD_SENTINEL,
-    PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    ReadyResponse,
     RequestType,
     UtilityOutput,
     UtilityRequest,
 )
-from ..spec.engine import EngineEvent, EngineState
+from ..protocol.results import PLAIN_RESULTS
+from ..spec.engine import SCHEDULING, EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
-from ..spec.machine import Lifecycle, TraceEntry
-from ..spec.session import SESSION, SessionEvent, SessionState
-from ._engine_input import InputSide
+from ..spec.machine import TraceEntry
+from ..spec.session import SESSION
+from ._engine_input import EngineInput
 from ._engine_lifeline import EngineShutdownRequested, ShutdownSignals, watch_parent
 from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests read it here
-from ._engine_link import Link
-from ._engine_output import OUTPUT_FLUSH_S, STOP_OUTPUT, OutputSide, is_marker
-from ._engine_shared import IDLE_WAKE_S, Control
+from ._engine_output import OUTPUT_FLUSH_S, STOP_OUTPUT, EngineOutput, goes_direct, is_marker
+from ._engine_shared import IDLE_WAKE_S, Control, EngineGate
 from ._engine_trace import TRACE_BOUND, EngineTrace, engine_trace_for
+from ._engine_wire import WireProfile
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
 from .integrity import LinkIntegrity
 from .preload import run_preloads
 from .security import CurveConfig, TransportGuard, check_transport
-from .zmq_io import BufferPool, backend_send
 
 __all__ = ["EngineCoreProc", "EngineShutdownRequested", "run_engine_core"]
 
@@ -105,8 +100,27 @@ class _SessionEnded(EngineCoreOutputs, frozen=True):
     fields of its own, so it encodes exactly as its base."""
 
 
-class EngineCoreProc(InputSide, OutputSide):
-    """The engine core plus its IO threads; ``run_busy_loop()`` runs on the calling thread."""
+def plain_reply(encoder: msgspec.msgpack.Encoder, engine_index: int, call_id: int,
+                result: Any) -> bytes | None:
+    """The idle-call short path's reply predicate (``EngineCoreProc._reply_to`` is the
+    general builder): ``result`` encoded as a one-frame reply when msgpack carries it as
+    itself, else None."""
+    if type(result) not in PLAIN_RESULTS:
+        return None
+    try:
+        return encoder.encode(EngineCoreOutputs(
+            engine_index, [], time.monotonic(), None, None,
+            UtilityOutput(call_id, None, result)))
+    except (TypeError, OverflowError, UnicodeEncodeError, msgspec.EncodeError):
+        return None  # e.g. an int beyond 64 bits: the general builder reports it
+
+
+class EngineCoreProc:
+    """The engine core plus its IO threads; ``run_busy_loop()`` runs on the calling thread.
+    It owns the engine and the busy loop's state; ``input`` (``EngineInput``) and ``output``
+    (``EngineOutput``) are its two IO threads' objects. ``wire`` is the profile it speaks."""
+
+    wire: type[WireProfile] = WireProfile
 
     def __init__(
         self,
@@ -146,29 +160,21 @@ class EngineCoreProc(InputSide, OutputSide):
         if not isinstance(engine_index, int) or not 0 <= engine_index < 1 << 16:
             raise ValueError(f"engine_index={engine_index!r}: must be an integer in [0, 65535]")
         self.engine_index = engine_index
-        self.identity = engine_index.to_bytes(2, "little")
+        # The two queues between the threads: input items for the loop, outputs for the
+        # output thread.
         self.input_queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.heartbeat_interval_s = heartbeat_interval_s
         self._signals = signals
         check_transport((input_address, output_address), curve, allow_insecure_tcp)
         # Bounds on input, applied by the codec and (frame size) by libzmq before allocating.
         self.limits = limits
+        self._wire = self.wire()
         self._ctx = zmq.Context()
         self._guard = TransportGuard(self._ctx, curve, side="engine")
         self._threads: list[threading.Thread] = []
         self._deferred: set[concurrent.futures.Future[Any]] = set()
         self._loop_thread: int | None = None  # the busy loop's thread, once it runs
-        # Set by close(): past it a send that still blocks is abandoned (its peer is gone).
-        self._stop_by: float | None = None
         self._replies: list[UtilityOutput] = []
-        self._input_ready = threading.Event()
-        # A front end's connection completed its handshake at least once. Not _input_ready
-        # (set once the ready is queued): only a connected peer can take the last outputs, so
-        # only then is the exit worth a flush linger (a standalone engine nobody reached,
-        # beating into its queue, took 2 s to exit).
-        self._peer_seen = threading.Event()
-        self._input_error: BaseException | None = None
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
         # The session and the engine core record into one bounded trace, which drain_trace
@@ -178,71 +184,56 @@ class EngineCoreProc(InputSide, OutputSide):
             trace = EngineTrace(records or TRACE_BOUND, sink=trace)
         elif trace is None and records:
             trace = EngineTrace(records)  # EngineConfig.engine_trace_records asks for one
-        # Which front end this engine serves (spec/session.py): the input thread's alone, as
-        # it sees every ATTACH and integrity failure first. ``_refused`` caches whether the
-        # state drops input (SESSION_DROPS_INPUT), its per-message test.
-        self.session_phase: Lifecycle[SessionState, SessionEvent] = SESSION.lifecycle(
-            trace=trace)
-        self._refused = False
+        # Which front end this engine serves (spec/session.py): the input thread's.
+        session_phase = SESSION.lifecycle(trace=trace)
         self.engine: Any = None
         self._overlap = True  # the output thread can encode while a step runs
         # Fault points (runtime/faults.py); None: no plan, every point is a no-op.
         self.faults: FaultInjector | None = None
-        # Optional seq/ack/CRC trailers on every message (runtime/integrity.py).
+        # Optional seq/ack/CRC trailers on every message (runtime/integrity.py): one object
+        # for both directions (each one's acks ride on the other's messages), locked on its own.
         self._integrity = LinkIntegrity() if integrity else None
-        # The PUSH side: the output thread owns the socket; any thread may send on it while
-        # holding ``_out_lock`` and only when no queued item is ahead (``_out_pending``).
-        self._out_lock = threading.Lock()
-        self._out: tuple[zmq.Socket[Any], str, Link] | None = None
-        self._out_send: Callable[..., Any] = backend_send(zmq.Socket)  # set per socket below
-        self._out_pending = 0
-        self._out_encoder = Encoder()
-        self._out_pool = BufferPool(max_free=4)
-        # The idle round-trip path (``_serve_plain``): input thread only.
-        self._call_decoder = Decoder(UtilityRequest, limits)
-        self._decode_call = self._call_decoder.decode_unchecked
-        self._max_call_frame = 1 + limits.max_call_bytes  # the type byte, then the payload
-        # Parts held per message: the payload's frames, and the integrity trailer.
-        self._max_parts = limits.max_frames + 1
+        # Built first, so that close() always has it to stop; its thread starts below.
+        self.output = EngineOutput(
+            self._ctx, self._guard, self._wire.encoder(), engine_index=engine_index,
+            output_queue=self.output_queue, input_queue=self.input_queue,
+            heartbeat_interval_s=heartbeat_interval_s, integrity=self._integrity)
+        self.input: EngineInput | None = None  # built once the engine is
+        # The idle call's short path encodes plain replies itself (``plain_reply``).
         self._reply_encoder = msgspec.msgpack.Encoder()
-        self._fast_calls = not integrity
-        # The engine's vocabulary once it is built: ADDs decode with their token ids checked
-        # against it (codec.checked_request_type), which spares the busy loop that scan.
-        self._vocab_size: int | None = None
-        self._last_send = 0.0
-        # Held by the busy loop except while it idles on the input queue: the input thread
-        # may then serve a utility call itself (one thread hop less per round trip).
-        self._engine_lock = threading.Lock()
-        self._engine_lock.acquire()
         try:
             if startup_delay_s > 0:
                 # Test hook: hold the handshake so a test can act "during start-up".
                 time.sleep(startup_delay_s)
             self.engine = EngineCore(config, inproc=False, trace=trace, stream_outputs=True)
             self._overlap = bool(getattr(self.engine.executor, "forward_releases_gil", True))
-            self._vocab_size = self.engine.arch.vocab_size
             plan = as_plan(fault)
             if plan is not None:
                 self._arm_faults(FaultInjector(plan, device=str(self.engine.device)))
             self._fault(FaultPoint.BEFORE_READY)
-            info = self.engine.ready_info()
-            ready = ReadyResponse(
-                protocol_version=PROTOCOL_VERSION,
-                engine_index=engine_index,
-                num_gpu_blocks=int(info["num_gpu_blocks"]),
-                block_size=int(info["block_size"]),
-                max_model_len=int(info["max_model_len"]),
-                model=str(info["model"]),
-                device=str(info["device"]),
-            )
-            self._start("EngineCoreOutputThread", self._output_thread, output_address)
-            self._start("EngineCoreInputThread", self._input_thread, input_address, ready)
+            ready = self._wire.ready(self.engine, engine_index)
+            # Held by the busy loop except while it parks: the input thread may then serve
+            # a call or admit an ADD itself (one thread hop less per message).
+            self._gate = EngineGate(self.input_queue, self.engine.lifecycle)
+            # The idle call's short path is off with integrity (every message is sealed) and
+            # under a fault plan (every fault point lies on the general path).
+            fast_calls = not integrity and self.faults is None
+            self.input = EngineInput(
+                self._ctx, self._guard, input_address, self._wire,
+                identity=engine_index.to_bytes(2, "little"), engine_index=engine_index,
+                limits=limits, vocab_size=self.engine.arch.vocab_size, ready=ready,
+                input_queue=self.input_queue, gate=self._gate, loop=self,
+                aborts=self.engine.mid_step_aborts, session_phase=session_phase,
+                on_peer=self.output.peer_seen.set,
+                integrity=self._integrity, faults=self.faults, fast_calls=fast_calls)
+            self._start("EngineCoreOutputThread", self.output.run, output_address)
+            self._start("EngineCoreInputThread", self.input.run)
             deadline = time.monotonic() + HANDSHAKE_SEND_S
-            while not self._input_ready.wait(0.1):
-                if self._input_error is not None or not self._threads[-1].is_alive():
+            while not self.input.ready_sent.wait(0.1):
+                if self.input.error is not None or not self._threads[-1].is_alive():
                     raise EngineStartupError(
-                        f"engine input thread died during start-up: {self._input_error}"
-                    ) from self._input_error
+                        f"engine input thread died during start-up: {self.input.error}"
+                    ) from self.input.error
                 if time.monotonic() > deadline:
                     raise EngineStartupError(
                         f"no front end took the ready handshake at {input_address} within"
@@ -320,17 +311,12 @@ class EngineCoreProc(InputSide, OutputSide):
                 return True
 
     def _wait_input(self, timeout: float = IDLE_WAKE_S) -> tuple[Any, Any] | None:
-        # Parked: block on the queue. The wait is sliced because CPython runs signal handlers
-        # only on the main thread, and a signal the kernel hands to another thread (zmq's,
-        # torch's) does not interrupt this wait: every IDLE_WAKE_S the main thread looks.
-        lock = self._engine_lock
-        lock.release()  # the input thread may admit requests and serve calls while we wait
-        try:
-            return self.input_queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        finally:
-            lock.acquire()
+        # Parked: the gate opens for the wait (EngineGate). The wait is sliced because CPython
+        # runs signal handlers only on the main thread, and a signal the kernel hands to
+        # another thread (zmq's, torch's) does not interrupt it: every IDLE_WAKE_S the main
+        # thread looks.
+        item: tuple[Any, Any] | None = self._gate.park(timeout)
+        return item
 
     def _stop_requested(self) -> bool:
         return self._signals is not None and self._signals.requested.is_set()
@@ -350,7 +336,7 @@ class EngineCoreProc(InputSide, OutputSide):
             self.engine.reject_request(*payload)  # its ERROR goes out with the next step
         elif kind is Control.OUTPUTS:
             if is_marker(payload):  # a refusal: nothing else in it, sent all the same
-                self._put_output(payload, direct=True)
+                self.output.put(payload, direct=True)
             else:
                 self._emit(payload)
         elif kind is RequestType.ADD:
@@ -371,7 +357,7 @@ class EngineCoreProc(InputSide, OutputSide):
 
     def _add(self, request: EngineCoreRequest) -> None:
         """Admit ``request`` (the loop's, or the input thread's while the loop is parked:
-        ``_admit_parked``); one the engine refuses ends with ERROR, and it serves on."""
+        ``admit``); one the engine refuses ends with ERROR, and it serves on."""
         try:
             self.engine.add_request(request)
         except Exception as e:
@@ -397,8 +383,8 @@ class EngineCoreProc(InputSide, OutputSide):
             else:
                 logger.info("a front end attached")
             self._session = session
-        self._put_output(EngineCoreOutputs(engine_index=self.engine_index, session=session,
-                                           timestamp=EngineCoreOutputs.now()), direct=True)
+        self.output.put(EngineCoreOutputs(engine_index=self.engine_index, session=session,
+                                          timestamp=EngineCoreOutputs.now()), direct=True)
 
     def _drop_session(self) -> int:
         """End what the current front end started; how many requests were dropped."""
@@ -415,9 +401,9 @@ class EngineCoreProc(InputSide, OutputSide):
                   f" engine dropped its {dropped} request(s) and ignores it until it attaches"
                   " again")
         logger.error("ended a front end's session: %s", reason)
-        self._put_output(_SessionEnded(engine_index=self.engine_index, session=self._session,
-                                       refusal=reason, timestamp=EngineCoreOutputs.now()),
-                         direct=True)
+        self.output.put(_SessionEnded(engine_index=self.engine_index, session=self._session,
+                                      refusal=reason, timestamp=EngineCoreOutputs.now()),
+                        direct=True)
         self._session = None
 
     def _call_utility(self, call: UtilityRequest) -> None:
@@ -434,7 +420,8 @@ class EngineCoreProc(InputSide, OutputSide):
         return self._reply_to(call, result)
 
     def _reply_to(self, call: UtilityRequest, result: Any) -> UtilityOutput | None:
-        """The reply for ``result``; None when it is a Future (sent once it resolves)."""
+        """The reply for ``result``, the general builder (its shortcut: ``plain_reply``, on
+        the idle call's short path); None when it is a Future (sent once it resolves)."""
         if isinstance(result, concurrent.futures.Future):
             # Deferred reply (pause/sleep in "wait" mode): sent when the engine resolves it.
             self._deferred.add(result)
@@ -460,15 +447,92 @@ class EngineCoreProc(InputSide, OutputSide):
             return None
         return utility_output(call.call_id, call.method, result=result)
 
+    # -- the input thread's work for a parked loop (ParkedLoop, through the EngineGate) -------
+
+    def answer_call(self, call: UtilityRequest) -> None:
+        """Run a utility call on the input thread while the loop is parked. The bookkeeping
+        comes after the reply: code that runs between receiving a call and sending its reply
+        is the round trip's own time (it runs cold, after a wake-up), while code after the
+        send overlaps the reply's way to the client."""
+        self._call_utility(call)
+        self._after_parked_call()
+
+    def answer_plain(self, call: UtilityRequest) -> None:
+        """``answer_call`` on the short path: a result msgpack carries as itself
+        (``plain_reply``) is sent at once if the pipe takes it (else queued behind what is
+        already there); any other outcome takes the general reply builder."""
+        try:
+            result = self.engine.call_utility(call.method, call.args)
+        except Exception as e:
+            self._emit_utility(utility_output(call.call_id, call.method, error=e))
+        else:
+            payload = plain_reply(self._reply_encoder, self.engine_index, call.call_id, result)
+            if payload is not None:
+                self.output.send_encoded(payload)
+            else:
+                reply = self._reply_to(call, result)
+                if reply is not None:
+                    self._emit_utility(reply)
+        self._after_parked_call()
+
+    def _after_parked_call(self) -> None:
+        if self._replies:
+            self._flush_replies()
+        if self._has_work() or self.engine.lifecycle.state is EngineState.DEAD:
+            self.input_queue.put((Control.WAKE, None))  # the loop has something to do
+
+    def admit(self, request: EngineCoreRequest) -> None:
+        """Admit an ADD on the input thread while the loop is parked. The loop is woken only
+        when the engine can schedule the request now; a paused or sleeping one keeps it
+        until its resume (a call, which wakes the loop)."""
+        try:
+            self._add(request)
+        except Exception as e:
+            # The engine died admitting it: the loop's error to raise, not the input
+            # thread's (which must outlive anything it receives).
+            self.input_queue.put((Control.FATAL, e))
+            return
+        if self._replies:
+            self._flush_replies()
+        if self.engine.lifecycle.state in SCHEDULING:
+            self.input_queue.put((Control.WAKE, None))  # the loop has a step to run
+
+    # -- outputs (sent through EngineOutput) --------------------------------------------------
+
+    def _emit(self, outputs: EngineCoreOutputs | None) -> bool:
+        if outputs is None:
+            return False
+        if not (outputs.outputs or outputs.stream_ids or outputs.finished_requests
+                or outputs.utility_output):
+            return False
+        if outputs.engine_index != self.engine_index:
+            outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
+        size = len(outputs.outputs) + len(outputs.stream_ids)
+        self.output.put(outputs, direct=goes_direct(size, self._overlap))
+        return True
+
+    def _emit_utility(self, out: UtilityOutput) -> None:
+        self.output.put(
+            EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
+                              timestamp=EngineCoreOutputs.now()),
+            direct=True,
+        )
+
+    def _retire(self, ended: list[Any]) -> None:
+        """Have the requests a step finished torn down on the output thread, behind their
+        batch, when the step releases the GIL (``EngineOutput.retire``); here otherwise."""
+        if ended and self._overlap:
+            self.output.retire(ended)
+
     # -- teardown -----------------------------------------------------------------------------
 
     def send_engine_dead(self) -> None:
         """Queue the sentinel and give the output thread a bounded time to flush it."""
         if self.engine is not None and self.engine.lifecycle.can(EngineEvent.FATAL_ERROR):
             self.engine.lifecycle.fire(EngineEvent.FATAL_ERROR)
-        if self._stop_by is None:  # a send blocked on a gone peer must not hold the exit
-            self._stop_by = time.monotonic() + OUTPUT_FLUSH_S
-        self._put_output(ENGINE_DEAD_SENTINEL, direct=False)
+        # A send blocked on a gone peer must not hold the exit.
+        self.output.stop_by(time.monotonic() + OUTPUT_FLUSH_S, unless_set=True)
+        self.output.put(self._wire.dead_sentinel, direct=False)
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
                 t.join(OUTPUT_FLUSH_S)
@@ -480,8 +544,8 @@ class EngineCoreProc(InputSide, OutputSide):
         ``say_gone``: end with the engine-dead sentinel if a front end is attached."""
         # The last outputs get OUTPUT_FLUSH_S to leave, if a front end ever connected; a
         # send blocked past that is abandoned, so no stop waits on a peer that stopped reading.
-        self._stop_by = time.monotonic() + (
-            OUTPUT_FLUSH_S if self._peer_seen.is_set() else 0.1)
+        self.output.stop_by(time.monotonic() + (
+            OUTPUT_FLUSH_S if self.output.peer_seen.is_set() else 0.1))
         if self.engine is not None:
             try:
                 self._fault(FaultPoint.SHUTDOWN)
@@ -493,7 +557,7 @@ class EngineCoreProc(InputSide, OutputSide):
                 if say_gone and self._session is not None:
                     # An attached front end has no process to watch: without this it learns
                     # of the exit only from its heartbeat deadline, or never without one.
-                    self._put_output(ENGINE_DEAD_SENTINEL, direct=False)
+                    self.output.put(self._wire.dead_sentinel, direct=False)
                 # Deferred calls the shutdown failed get no reply: to the front end the
                 # engine went away under them, and it says so (EngineDeadError) once it sees
                 # the exit; a UtilityError would blame the method. After the front end's own
@@ -505,7 +569,7 @@ class EngineCoreProc(InputSide, OutputSide):
         # Time to flush the last outputs, if a front end ever connected. Without one a send
         # only waits for a peer that never comes: terminating the context below ends it at
         # once.
-        flush_s = OUTPUT_FLUSH_S if self._peer_seen.is_set() else 0.1
+        flush_s = OUTPUT_FLUSH_S if self.output.peer_seen.is_set() else 0.1
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
                 t.join(flush_s)
@@ -524,8 +588,7 @@ class EngineCoreProc(InputSide, OutputSide):
     # -- fault points (runtime/faults.py) -----------------------------------------------------
 
     def _arm_faults(self, injector: FaultInjector) -> None:
-        self.faults = injector
-        self._fast_calls = False  # every fault point lies on the general path
+        self.faults = self.output.faults = injector  # before the IO threads start
         self.engine.fault_hook = injector
         if injector.allow_arm:
             # Testing only: the plan asked for run-time arming, so this engine (and no other)

@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-Rule 1: only the bytes change. ``VllmWireEngineProc`` is an ``EngineCoreProc`` whose input
-thread and output encoder speak vLLM 0.33.0's engine-core wire (docs/vllm.md; the
-reference's §2-§3); the busy loop, the ``EngineCore`` under it, the fault points, the
-deferred replies and the heartbeat are enginewire's, untouched. So a fault plan armed
-through ``arm_fault`` fires in the same places as on enginewire's own wire.
+Rule 1: only the bytes change. ``VllmWire`` is a wire profile (runtime/_engine_wire.py): it
+decodes vLLM 0.33.0's engine-core wire (docs/vllm.md; the reference's §2-§3), encodes its
+outputs, says its ready and its dead sentinel, and holds no thread, socket or queue. The
+input and output threads, the busy loop, the ``EngineCore`` under it, the fault points, the
+deferred replies and the heartbeat are enginewire's, untouched (``VllmWireEngineProc`` is an
+``EngineCoreProc`` given this profile). So a fault plan armed through ``arm_fault`` fires in
+the same places as on enginewire's own wire.
 Rule 2: translate at the boundary, once. A vLLM message becomes an enginewire input item as
 it is decoded (input thread); an enginewire output becomes a vLLM ``EngineCoreOutputs`` as it
 is encoded (output path). Nothing in between knows which wire is spoken.
@@ -23,11 +25,11 @@ What vLLM's clients expect, and where it is met:
   ``utility_output = [call_id, failure_message, [type_info=nil, result]]``; death is the one
   frame ``b"ENGINE_CORE_DEAD"``.
 
-The structs below mirror vLLM 0.33.0's positional layouts (``vllm/v1/engine/__init__.py``)
-instead of importing them: importing ``vllm.v1.engine`` costs ~12 s of torch per engine
-start, and the campaign starts engines often. ``tests/vllm/test_vllm_wire.py`` pins the
-mirror against vLLM's own structs, byte for byte, where vLLM is installed. This module does
-not import vllm at all; ``enginewire.testing.vllm_factory`` (the client side) does, lazily.
+The structs it translates to and from mirror vLLM 0.33.0's positional layouts
+(protocol/vllm033.py, re-exported here) instead of importing them: importing
+``vllm.v1.engine`` costs ~12 s of torch per engine start, and the campaign starts engines
+often. This module does not import vllm at all; ``enginewire.testing.vllm_factory`` (the
+client side) does, lazily.
 
 Run one (what the factory launches)::
 
@@ -47,8 +49,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from ..protocol.codec import Limits
 from ..protocol.messages import (
-    ENGINE_DEAD_SENTINEL,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -56,10 +58,23 @@ from ..protocol.messages import (
     UtilityRequest,
 )
 from ..protocol.results import plain_result
-from ._engine_input import InputSide
-from ._engine_shared import IDLE_WAKE_S, Control
+from ..protocol.vllm033 import (
+    VLLM_DEAD_SENTINEL,
+    VLLM_VERSION,
+    VllmEngineCoreOutput,
+    VllmEngineCoreOutputs,
+    VllmEngineCoreRequest,
+    VllmPrefillStats,
+    VllmReadyResponse,
+    VllmRequestError,
+    VllmSamplingParams,
+    VllmUtilityOutput,
+)
+from ..spec.errors import ProtocolError
+from ._engine_shared import Control
+from ._engine_wire import Decode, WireProfile
 from .engine_proc import EngineCoreProc, run_engine_core
-from .faults import FaultPoint
+from .zmq_io import ZMQ_RCVMORE, recv_rest
 
 __all__ = [
     "VLLM_DEAD_SENTINEL",
@@ -67,8 +82,10 @@ __all__ = [
     "VllmEngineCoreOutput",
     "VllmEngineCoreOutputs",
     "VllmEngineCoreRequest",
+    "VllmOutputEncoder",
     "VllmReadyResponse",
     "VllmSamplingParams",
+    "VllmWire",
     "VllmWireEngineProc",
     "outputs_to_vllm",
     "request_from_vllm",
@@ -77,142 +94,9 @@ __all__ = [
 
 logger = logging.getLogger("enginewire.runtime.engine_proc")
 
-# The release whose wire this mirrors (reference §0: the 0.33.0 wheel, commit 4ba787ec9).
-VLLM_VERSION = "0.33.0"
-# vllm/v1/engine/core.py: EngineCoreProc.ENGINE_CORE_DEAD.
-VLLM_DEAD_SENTINEL = b"ENGINE_CORE_DEAD"
-
 # vLLM's request-type bytes (reference §2.2). 0x02 (START_DP_WAVE) comes from a coordinator,
 # which a single engine has none of: it is dropped like any unknown type.
 _ADD, _ABORT, _UTILITY = b"\x00", b"\x01", b"\x03"
-
-
-# --- vLLM 0.33.0's structs, mirrored (field order and defaults are the wire) ---------------
-
-
-class VllmSamplingParams(msgspec.Struct, omit_defaults=True):
-    """The fields of vLLM's ``SamplingParams`` (a map, not array_like) this engine honours;
-    every other key is ignored. Defaults are vLLM's: an omitted key means vLLM's default."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-
-
-class VllmEngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    request_id: str
-    prompt_token_ids: list[int] | None
-    mm_features: Any
-    sampling_params: VllmSamplingParams | None
-    pooling_params: Any
-    arrival_time: float
-    lora_request: Any
-    cache_salt: str | None
-    data_parallel_rank: int | None
-    prompt_embeds: Any = None
-    prompt_is_token_ids: Any = None
-    client_index: int = 0
-    current_wave: int = 0
-    priority: int = 0
-    trace_headers: Any = None
-    resumable: bool = False
-    external_req_id: str | None = None
-    reasoning_ended: bool | None = None
-    reasoning_parser_kwargs: Any = None
-    abort_immediately: bool = False
-    session_id: str | None = None
-    kv_hints: Any = None
-
-
-class VllmPrefillStats(msgspec.Struct, omit_defaults=True):
-    """vllm/v1/metrics/stats.py ``PrefillStats`` (a dataclass: a map on the wire)."""
-
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_local_cached_tokens: int = 0
-    num_external_cached_tokens: int = 0
-    num_cache_creation_tokens: int = 0
-
-
-class VllmRequestError(msgspec.Struct):
-    """vllm/outputs.py ``RequestError`` (a dataclass: a map)."""
-
-    code: str
-    message: str
-    retryable: bool = False
-
-
-class VllmEngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: Any = None
-    new_prompt_logprobs_tensors: Any = None
-    pooling_output: Any = None
-    finish_reason: int | None = None
-    stop_reason: int | str | None = None
-    events: Any = None
-    kv_transfer_params: Any = None
-    ec_transfer_params: Any = None
-    trace_headers: Any = None
-    prefill_stats: VllmPrefillStats | None = None
-    routed_experts: Any = None
-    num_nans_in_logits: int = 0
-    mm_cache_miss_hashes: list[str] | None = None
-    new_sampling_mask: Any = None
-    spec_decode_metrics: Any = None
-    prompt_token_id_logprobs: Any = None
-    error: VllmRequestError | None = None
-
-
-class VllmUtilityOutput(msgspec.Struct, array_like=True, gc=False):
-    """No omit_defaults in vLLM: always three elements. ``result`` is a ``UtilityResult``,
-    ``[type_info, value]``; ``type_info`` is nil with insecure serialization off (§2.4)."""
-
-    call_id: int
-    failure_message: str | None = None
-    result: list[Any] | None = None
-
-
-class VllmEngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    engine_index: int = 0
-    outputs: list[VllmEngineCoreOutput] = []
-    scheduler_stats: Any = None
-    timestamp: float = 0.0
-    utility_output: VllmUtilityOutput | None = None
-    finished_requests: list[str] | None = None
-    wave_complete: int | None = None
-    start_wave: int | None = None
-    weight_version: str | None = None
-
-
-class VllmReadyResponse(msgspec.Struct, omit_defaults=True):
-    """vllm/v1/engine/__init__.py ``EngineCoreReadyResponse`` (a dataclass: a map)."""
-
-    max_model_len: int
-    num_gpu_blocks: int
-    block_size: int
-    dp_stats_address: str | None
-    dtype: str
-    vllm_version: str
-    world_size: int
-    data_parallel_size: int
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    decode_context_parallel_size: int
-    data_parallel_rank: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    instance_id: str
-    supports_lora: bool
-    max_loras: int
-    kv_cache_size_tokens: int | None = None
-    enable_sleep_mode: bool = False
 
 
 # --- translation -----------------------------------------------------------------------------
@@ -281,9 +165,9 @@ def outputs_to_vllm(batch: EngineCoreOutputs) -> VllmEngineCoreOutputs:
         else list(batch.finished_requests))
 
 
-class _VllmOutputEncoder:
-    """Stands in for ``protocol.codec.Encoder`` on the output path (``encode``,
-    ``encode_into``): every batch leaves as vLLM's ``EngineCoreOutputs``."""
+class VllmOutputEncoder:
+    """The vLLM profile's encoder (``protocol.codec.Encoder``'s two methods): every batch
+    leaves as vLLM's ``EngineCoreOutputs``."""
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
@@ -303,142 +187,101 @@ def _vllm_utility_args(method: str, args: list[Any]) -> list[Any]:
     return args
 
 
-# --- the engine process ----------------------------------------------------------------------
+# --- the profile -----------------------------------------------------------------------------
 
 
-class VllmWireEngineProc(EngineCoreProc):
-    """``EngineCoreProc`` speaking vLLM 0.33's wire (module docstring)."""
+class VllmWire(WireProfile):
+    """vLLM 0.33's wire (module docstring): no sessions, so one ready, queued as the DEALER
+    connects, and the client's first message completes the handshake; no short call path
+    (a call's payload is a frame of its own)."""
 
-    def _output_thread(self, address: str) -> None:
-        # Set here, on the thread that starts first and owns every send: no output can be
-        # encoded before it (the ready goes out on the input thread, started after this one).
-        self._out_encoder = _VllmOutputEncoder()  # type: ignore[assignment]
-        super()._output_thread(address)
+    name = "vllm-0.33"
+    dead_sentinel = VLLM_DEAD_SENTINEL
+    sessions = False
 
-    def _put_output(self, item: Any, *, direct: bool) -> None:
-        if isinstance(item, bytes) and item == ENGINE_DEAD_SENTINEL:
-            item = VLLM_DEAD_SENTINEL
-        super()._put_output(item, direct=direct)
+    def encoder(self) -> VllmOutputEncoder:
+        return VllmOutputEncoder()
 
-    def _vllm_ready(self) -> bytes:
-        info = self.engine.ready_info()
-        cfg = self.engine.config
+    def ready(self, engine: Any, engine_index: int) -> list[Any]:
+        info = engine.ready_info()
+        cfg = engine.config
         blocks, block = int(info["num_gpu_blocks"]), int(info["block_size"])
-        return msgspec.msgpack.encode(VllmReadyResponse(
+        return [msgspec.msgpack.encode(VllmReadyResponse(
             max_model_len=int(info["max_model_len"]), num_gpu_blocks=blocks, block_size=block,
             dp_stats_address=None, dtype=str(getattr(cfg, "dtype", "float32")),
             vllm_version=VLLM_VERSION, world_size=1, data_parallel_size=1,
             tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1,
-            data_parallel_rank=self.engine_index,
+            data_parallel_rank=engine_index,
             max_num_seqs=int(getattr(cfg, "max_num_seqs", 1)),
             max_num_batched_tokens=int(getattr(cfg, "max_num_batched_tokens", 1)),
             instance_id=f"enginewire-{os.getpid()}", supports_lora=False, max_loras=0,
-            kv_cache_size_tokens=blocks * block, enable_sleep_mode=True))
+            kv_cache_size_tokens=blocks * block, enable_sleep_mode=True))]
 
-    def _input_thread(self, address: str, ready: Any) -> None:  # enginewire's ready unused
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        self._decode_req = msgspec.msgpack.Decoder(VllmEngineCoreRequest).decode
-        self._decode_any = msgspec.msgpack.Decoder().decode
-        self._client_has_ready = False
-        try:
-            sock.connect(address)
-            # vLLM's engine sends its ready first, once per input address (reference §3.2
-            # step 6): the ROUTER learns the identity from it. Queued before the connection
-            # completes (no IMMEDIATE), as vLLM's DEALER does.
-            sock.send(self._vllm_ready())
-            self._peer_seen.set()
-            self._input_ready.set()
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            idle_ms = int(IDLE_WAKE_S * 1000)
-            while True:
-                if not poller.poll(idle_ms):
-                    continue
-                frames = sock.recv_multipart(copy=True)
+    def decoder(self, limits: Limits, vocab_size: int | None, max_parts: int) -> Decode:
+        decode_req = msgspec.msgpack.Decoder(VllmEngineCoreRequest).decode
+        decode_any = msgspec.msgpack.Decoder().decode
+
+        def decode(frames: list[Any], sock: zmq.Socket[Any] | None) -> tuple[Any, Any]:
+            if sock is not None and sock.get(ZMQ_RCVMORE):
+                recv_rest(sock, frames, max_parts)
+            kind, body = frames[0], bytes(frames[1]) if len(frames) > 1 else b""
+            if kind == _ADD:
                 try:
-                    self._accept_vllm(frames)
-                except Exception:
-                    # enginewire's rule, kept on this wire: no frame kills the input thread
-                    # (vLLM 0.33's own input thread dies on an unknown type byte, §6.19).
-                    logger.exception("engine input thread: dropped a frame it could not handle")
-        except zmq.ContextTerminated:
-            return
-        except BaseException as e:
-            self._input_error = e
-            logger.exception("engine input thread failed")
-            self.input_queue.put((Control.SHUTDOWN, e))
-        finally:
-            sock.close(linger=0)
-
-    def _accept_vllm(self, frames: list[bytes]) -> None:
-        if not self._client_has_ready:
-            # vLLM's handshake has no ATTACH (enginewire's AFTER_READY point): the client's
-            # first message proves it read the ready, so the handshake is done here.
-            self._client_has_ready = True
-            if self.faults is not None:
+                    v = decode_req(body)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    raise ProtocolError(f"malformed request: {e}") from e
                 try:
-                    self._fault(FaultPoint.AFTER_READY)
-                except Exception as e:
-                    self.input_queue.put((Control.SHUTDOWN, e))
-                    return
-        kind, body = frames[0], frames[1] if len(frames) > 1 else b""
-        if kind == _ADD:
-            try:
-                v = self._decode_req(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._reject_vllm_add(body, f"malformed request: {e}")
-                return
-            try:
-                payload: Any = request_from_vllm(v)
-            except ValueError as e:
-                self.input_queue.put((Control.REJECT_ADD, (v.request_id, str(e))))
-                return
-            rtype = RequestType.ADD
-        elif kind == _ABORT:
-            ids = self._decode_any(body)
-            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                logger.warning("rejected malformed ABORT: %.200r", ids)
-                return
-            payload, rtype = ids, RequestType.ABORT
-        elif kind == _UTILITY:
-            call = self._decode_any(body)
-            if not (isinstance(call, list) and len(call) == 4 and isinstance(call[1], int)
-                    and isinstance(call[2], str) and isinstance(call[3], list)):
-                logger.warning("rejected malformed utility call: %.200r", call)
-                return
-            payload = UtilityRequest(int(call[0] or 0), call[1], call[2],
-                                     _vllm_utility_args(call[2], call[3]))
-            rtype = RequestType.UTILITY
-        else:
-            logger.warning("rejected malformed input (type byte %r)", kind[:1])
-            return
-        if self.faults is not None:
-            try:
-                self._fault(FaultPoint.INPUT_DECODED)
-            except Exception as e:
-                self.input_queue.put((Control.SHUTDOWN, e))
-                return
-        if rtype is RequestType.ABORT:
-            self.engine.mid_step_aborts.extend(payload)
-        elif rtype is RequestType.UTILITY and InputSide._serve_idle_call(self, payload):
-            return
-        self.input_queue.put((rtype, payload))
+                    return RequestType.ADD, request_from_vllm(v)
+                except ValueError as e:
+                    # Decoded, but not for this engine: that request's ERROR, in order.
+                    return Control.REJECT_ADD, (v.request_id, str(e))
+            if kind == _ABORT:
+                ids = _decoded(decode_any, body)
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                    raise ProtocolError(f"malformed ABORT: {ids!r:.200}")
+                return RequestType.ABORT, ids
+            if kind == _UTILITY:
+                call = _decoded(decode_any, body)
+                if not (isinstance(call, list) and len(call) == 4 and isinstance(call[1], int)
+                        and isinstance(call[2], str) and isinstance(call[3], list)):
+                    raise ProtocolError(f"malformed utility call: {call!r:.200}")
+                return RequestType.UTILITY, UtilityRequest(
+                    int(call[0] or 0), call[1], call[2], _vllm_utility_args(call[2], call[3]))
+            raise ProtocolError(f"malformed input (type byte {bytes(kind[:1])!r})")
 
-    def _reject_vllm_add(self, body: bytes, why: str) -> None:
+        return decode
+
+    def short_call(self, limits: Limits) -> None:
+        return None
+
+    def rejection(self, frames: list[Any], error: ProtocolError) -> tuple[Control, Any] | None:
+        if frames[0] != _ADD:
+            logger.warning("rejected %s", error)
+            return None
         try:
-            head = msgspec.msgpack.decode(body)
+            head = msgspec.msgpack.decode(bytes(frames[1]) if len(frames) > 1 else b"")
             rid = head[0] if isinstance(head, list) and head and isinstance(head[0], str) \
                 else None
         except Exception:
             rid = None
         if rid is None:
-            logger.warning("rejected malformed ADD (no id): %s", why)
-            return
-        logger.warning("rejected malformed ADD for %.80r: %.300s", rid, why)
-        self.input_queue.put((Control.REJECT_ADD, (rid, why)))
+            logger.warning("rejected malformed ADD (no id): %s", error)
+            return None
+        logger.warning("rejected malformed ADD for %.80r: %.300s", rid, error)
+        return Control.REJECT_ADD, (rid, str(error))
+
+
+def _decoded(decode: Any, body: bytes) -> Any:
+    try:
+        return decode(body)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed payload: {e}") from e
+
+
+class VllmWireEngineProc(EngineCoreProc):
+    """``EngineCoreProc`` speaking vLLM 0.33's wire: the profile is all that differs."""
+
+    wire = VllmWire
 
 
 def run_vllm_engine(config: Any, *, input_address: str, output_address: str,

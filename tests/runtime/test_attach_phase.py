@@ -211,16 +211,16 @@ def test_the_engine_session_follows_accepted_and_refused_attaches(
     router, pull, proc, trace = engine
     identity, *frames = router.recv_multipart()
     decode_ready(frames)
-    assert proc.session_phase.state is SessionState.NO_FRONT_END
+    assert proc.input.session_phase.state is SessionState.NO_FRONT_END
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
     assert _attach(router, identity, pull, a).refusal is None
-    assert proc.session_phase.state is SessionState.ATTACHED
+    assert proc.input.session_phase.state is SessionState.ATTACHED
     assert _attach(router, identity, pull, b).refusal is None  # a new front end replaces it
     refused = _attach(router, identity, pull, c, integrity=True)  # this engine does not seal
     assert refused.refusal is not None and "frame integrity" in refused.refusal
-    assert proc.session_phase.state is SessionState.REFUSED
+    assert proc.input.session_phase.state is SessionState.REFUSED
     assert _attach(router, identity, pull, c).refusal is None
-    assert proc.session_phase.state is SessionState.ATTACHED
+    assert proc.input.session_phase.state is SessionState.ATTACHED
     assert _steps(trace, SESSION.name) == [
         ("NO_FRONT_END", "ATTACH_ACCEPTED", "ATTACHED"),
         ("ATTACHED", "ATTACH_ACCEPTED", "ATTACHED"),

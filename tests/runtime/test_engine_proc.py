@@ -41,7 +41,7 @@ from enginewire.protocol.messages import (
     UtilityRequest,
 )
 from enginewire.runtime import IpcDir, cleanup_stale_dirs, make_client
-from enginewire.runtime._engine_output import _Retired
+from enginewire.runtime._engine_output import Retired
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine_proc import (
     Control,
@@ -271,7 +271,7 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
     falls back to the general path, which makes it a failure reply."""
     peer, proc, _trace = served
     paths: list[str] = []
-    fast, general = proc._send_encoded, proc._put_output
+    fast, general = proc.output.send_encoded, proc.output.put
 
     def spy_fast(payload: bytes) -> None:
         paths.append("fast")
@@ -281,8 +281,8 @@ def test_idle_calls_take_the_short_path_only_for_plain_results(served: Any) -> N
         paths.append("general")
         general(item, direct=direct)
 
-    proc._send_encoded = spy_fast  # type: ignore[method-assign]
-    proc._put_output = spy_general  # type: ignore[method-assign]
+    proc.output.send_encoded = spy_fast  # type: ignore[method-assign]
+    proc.output.put = spy_general  # type: ignore[method-assign]
     # Results no client could send as an argument: an engine-side utility makes them.
     unsendable = {"huge": 2**70, "surrogate": "\ud800"}
     engine = proc.engine
@@ -334,7 +334,8 @@ class _SpyQueue:
 
 
 def _spy_output(proc: Any, on_put: Any) -> None:
-    proc.output_queue = _SpyQueue(proc.output_queue, on_put)
+    # Every put goes through the spy; the output thread reads the queue under it.
+    proc.output.output_queue = _SpyQueue(proc.output.output_queue, on_put)
 
 
 def test_replies_to_a_client_that_stops_reading_arrive_in_order(served: Any) -> None:
@@ -419,7 +420,7 @@ def test_finished_requests_are_torn_down_behind_their_batch(
     peer.router.recv_multipart()
     items: list[Any] = []  # a teardown as the ids it carried: holding it would keep them
     _spy_output(proc, lambda item: items.append(
-        [r.request_id for r in item.requests] if type(item) is _Retired else item))
+        [r.request_id for r in item.requests] if type(item) is Retired else item))
     loop = threading.Thread(target=proc.run_busy_loop, daemon=True)
     loop.start()
     try:
@@ -978,8 +979,8 @@ def test_a_dead_input_thread_is_a_fatal_error(tmp_path: Path,
         def dies(first: bytes, *_: Any) -> Any:
             raise SystemExit("simulated fatal failure in the input thread")
 
-        monkeypatch.setattr(proc, "_serve_plain", dies)
-        monkeypatch.setattr(proc, "_accept", dies)
+        monkeypatch.setattr(proc.input, "_serve_plain", dies)
+        monkeypatch.setattr(proc.input, "accept", dies)
         thread.start()
         peer.send(RequestType.UTILITY, UtilityRequest(0, 1, "echo", ["boom"]))
         thread.join(10.0)
@@ -1153,3 +1154,82 @@ def test_an_engine_that_dies_admitting_on_the_input_thread_dies_by_its_loop(
     finally:
         proc.close()
         peer.close()
+
+
+def _through_engine(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, str]]:
+    """One script of input through a fresh engine: adds to an idle engine, idle calls (plain
+    results and not), adds held by a paused scheduler, an abort right behind its ADD, the
+    resume. Returns what the peer saw per request (tokens, finish) and per call (result,
+    failure), and which thread admitted each request."""
+    peer = Peer(tmp)
+    proc = EngineCoreProc(NULL_CONFIG, input_address=peer.input_address,
+                          output_address=peer.output_address)
+    peer.router.recv_multipart()  # the ready
+    admitted = _admitted_on(proc, monkeypatch)
+    loop = threading.Thread(target=proc.run_busy_loop, name="BusyLoop", daemon=True)
+    loop.start()
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, FinishReason] = {}
+    replies: dict[int, tuple[object, object]] = {}
+
+    def read_until(done: Any) -> None:
+        deadline = time.monotonic() + BOUND_S
+        while not done():
+            batch = peer.recv(max(0.01, deadline - time.monotonic()))
+            for o in batch.outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
+            if (u := batch.utility_output) is not None:
+                result = u.result.tolist() if isinstance(u.result, np.ndarray) else u.result
+                replies[u.call_id] = (result, u.failure_message)
+
+    try:
+        for i in range(3):
+            peer.send(RequestType.ADD, request(f"idle{i}", 3))
+            read_until(lambda i=i: f"idle{i}" in finished)
+        for call_id, value in enumerate([7, "text", [1, [2]], np.arange(4)], 1):
+            peer.send(RequestType.UTILITY, UtilityRequest(0, call_id, "echo", [value]))
+            read_until(lambda c=call_id: c in replies)
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 10, "no_such_method", []))
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 11, "pause_scheduler", ["keep"]))
+        read_until(lambda: {10, 11} <= set(replies))
+        held = [f"held{i}" for i in range(4)]
+        for rid in held:
+            peer.send(RequestType.ADD, request(rid, 3))
+        peer.send(RequestType.ABORT, [held[-1]])
+        peer.send(RequestType.UTILITY, UtilityRequest(0, 12, "resume_scheduler", []))
+        read_until(lambda: set(held) <= set(finished) and 12 in replies)
+    finally:
+        proc.input_queue.put((Control.SHUTDOWN, None))
+        loop.join(BOUND_S)
+        proc.close()
+        peer.close()
+    assert not loop.is_alive()
+    seen = {rid: (toks, finished[rid]) for rid, toks in sorted(tokens.items())}
+    return (seen, sorted(replies.items())), admitted
+
+
+def test_parked_admission_and_idle_calls_match_the_loops_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The differential test of the parked paths (``EngineGate.may_run_parked``): the same
+    script with the gate open to the input thread and with it shut (every item through the
+    busy loop's queue) gives the same tokens, finishes and replies."""
+    from enginewire.runtime._engine_shared import EngineGate
+
+    (tmp_path / "parked").mkdir()
+    (tmp_path / "loop").mkdir()
+    fast, fast_admitted = _through_engine(tmp_path / "parked", monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(EngineGate, "may_run_parked", lambda self: False)
+        general, loop_admitted = _through_engine(tmp_path / "loop", monkeypatch)
+    assert fast == general
+    seen, replies = fast
+    assert seen["held3"] == ([], FinishReason.ABORT)
+    assert all(reason is FinishReason.LENGTH and len(toks) == 3
+               for rid, (toks, reason) in seen.items() if rid != "held3")
+    assert [r for _, r in replies][:4] == [(7, None), ("text", None), ([1, [2]], None),
+                                           ([0, 1, 2, 3], None)]
+    # Each path was taken: the open gate let the input thread admit, the shut one never did.
+    assert "EngineCoreInputThread" in fast_admitted.values()
+    assert set(loop_admitted.values()) == {"BusyLoop"}
