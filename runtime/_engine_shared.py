@@ -13,7 +13,8 @@ touches it:
   lock, the count of items queued ahead, the buffers and the encoder. Other threads send
   only through its public methods, which take its lock.
 
-Between them pass only the two queues (``queue.SimpleQueue``: thread-safe), the
+Between them pass only the two queues (``queue.SimpleQueue``: thread-safe; the input one an
+``InputQueue`` that counts), the
 ``EngineGate`` below, and, with frame integrity, the link's one ``LinkIntegrity`` (locked on
 its own: each direction's acks ride on the other's messages). This module holds the gate,
 the input queue's control items and the idle bound every wait is sliced by.
@@ -29,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..spec.engine import IN_LOOP, EngineState
 
-__all__ = ["IDLE_WAKE_S", "Control", "EngineGate", "LoopState"]
+__all__ = ["IDLE_WAKE_S", "Control", "EngineGate", "InputQueue", "LoopState"]
 
 T = TypeVar("T")
 
@@ -49,6 +50,48 @@ class Control(enum.Enum):
     FATAL = "fatal"  # an error the input thread met running the engine: the loop raises it
 
 
+class InputQueue(queue.SimpleQueue[Any]):
+    """The engine process's input queue: a ``SimpleQueue`` that also counts what was put in
+    and what the busy loop has taken *while holding the gate*, so that ``settled()`` (nothing
+    queued, nothing in the loop's hands) is exact. ``empty()`` alone is not: a parked loop
+    whose ``wait`` just returned an item has emptied the queue but not yet taken the gate
+    back, and a call run past the gate then would overtake that item (EngineGate, Rule 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._count_lock = threading.Lock()  # puts come from several threads
+        self._queued = 0
+        self._taken = 0  # written by the busy loop only, holding the gate
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        with self._count_lock:
+            self._queued += 1
+            super().put(item)
+
+    def get_nowait(self) -> Any:
+        """The busy loop's take while it holds the gate: counted at once."""
+        item = super().get_nowait()
+        self._taken += 1
+        return item
+
+    def wait(self, timeout: float) -> Any:
+        """The parked loop's take, the gate open: the next item, or None after ``timeout``;
+        not counted until the loop holds the gate again (``taken``)."""
+        try:
+            return super().get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def taken(self) -> None:
+        """The loop holds the gate again with the item ``wait`` returned."""
+        self._taken += 1
+
+    def settled(self) -> bool:
+        """Every item put in was taken by the loop holding the gate (Rule 2's 'nothing is
+        queued for it'); a put racing this read makes it False, the safe answer."""
+        return self._taken == self._queued
+
+
 class LoopState(Protocol):
     """What the gate reads of the engine: its lifecycle's state (``spec.machine.Lifecycle``)."""
 
@@ -64,7 +107,8 @@ class EngineGate:
     or backing off over work that makes no progress. ``park`` takes the gate back before it
     returns, so the loop handles what it got as the engine's only driver.
     Rule 2: another thread may drive the engine only through ``try_run_parked(fn, arg)``,
-    and only while ``may_run_parked()``: the loop is parked, nothing is queued for it, and the
+    and only while ``may_run_parked()``: the loop is parked, nothing is queued for it nor in
+    its hands (``InputQueue.settled``: an item its wait just returned counts), and the
     engine is in the loop's states (``IN_LOOP``: past the handshake, before death or
     shutdown). Otherwise it gets False and queues its item for the loop, the general path.
     With nothing queued, nothing is overtaken; a loop woken meanwhile waits for the gate, so
@@ -80,7 +124,7 @@ class EngineGate:
 
     __slots__ = ("_lock", "_loop", "_queue")
 
-    def __init__(self, input_queue: queue.SimpleQueue[Any], loop: LoopState) -> None:
+    def __init__(self, input_queue: InputQueue, loop: LoopState) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()  # Rule 1: the loop's, until it first parks
         self._queue = input_queue
@@ -91,17 +135,19 @@ class EngineGate:
         The gate is open for the wait and held again on return (Rule 1)."""
         lock = self._lock
         lock.release()
+        item = None
         try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
+            item = self._queue.wait(timeout)
         finally:
             lock.acquire()
+            if item is not None:
+                self._queue.taken()
+        return item
 
     def may_run_parked(self) -> bool:
         """Rule 2's condition past the gate's lock: the fast paths' predicate (the idle call,
         parked admission), beside the general path of queueing for the loop."""
-        return self._queue.empty() and self._loop.state in IN_LOOP
+        return self._queue.settled() and self._loop.state in IN_LOOP
 
     def try_run_parked(self, fn: Callable[[T], object], arg: T) -> bool:
         """Run ``fn(arg)`` on this thread if the loop is parked (Rule 2); False, having run

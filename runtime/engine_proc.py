@@ -74,7 +74,7 @@ from ._engine_input import EngineInput
 from ._engine_lifeline import EngineShutdownRequested, ShutdownSignals, watch_parent
 from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests read it here
 from ._engine_output import OUTPUT_FLUSH_S, STOP_OUTPUT, EngineOutput, goes_direct, is_marker
-from ._engine_shared import IDLE_WAKE_S, Control, EngineGate
+from ._engine_shared import IDLE_WAKE_S, Control, EngineGate, InputQueue
 from ._engine_trace import TRACE_BOUND, EngineTrace, engine_trace_for
 from ._engine_wire import WireProfile
 from .faults import ARM_FAULT_UTILITY, FaultInjector, FaultPoint, as_plan
@@ -162,7 +162,7 @@ class EngineCoreProc:
         self.engine_index = engine_index
         # The two queues between the threads: input items for the loop, outputs for the
         # output thread.
-        self.input_queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self.input_queue = InputQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._signals = signals
         check_transport((input_address, output_address), curve, allow_insecure_tcp)

@@ -4,14 +4,13 @@ the loop's states; a loop woken meanwhile waits for it; a refusal runs nothing."
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from enginewire.runtime._engine_shared import Control, EngineGate
+from enginewire.runtime._engine_shared import Control, EngineGate, InputQueue
 from enginewire.spec.engine import IN_LOOP, EngineState
 from enginewire.testing._harness import wait_until
 
@@ -25,21 +24,22 @@ class _Loop:
         self.state = state
 
 
-class _HeldQueue:
-    """An input queue whose ``get`` waits for ``release`` (then yields ``item``), and whose
-    emptiness a test sets: the loop stays parked whatever the queue claims to hold."""
+class _HeldQueue(InputQueue):
+    """An input queue whose parked ``wait`` waits for ``release`` (then yields ``item``),
+    and whose settledness a test sets: the loop stays parked whatever the queue holds."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.is_empty = True
         self.release = threading.Event()
         self.item: Any = (Control.WAKE, None)
 
-    def empty(self) -> bool:
-        return self.is_empty
+    def settled(self) -> bool:
+        return self.is_empty and super().settled()
 
-    def get(self, timeout: float) -> Any:
+    def wait(self, timeout: float) -> Any:
         if not self.release.wait(timeout):
-            raise queue.Empty
+            return None
         return self.item
 
 
@@ -84,7 +84,7 @@ def parked() -> Iterator[tuple[EngineGate, _HeldQueue, _Loop, _Parked]]:
 
 
 def test_a_new_gate_is_the_loops_until_it_parks() -> None:
-    gate = EngineGate(queue.SimpleQueue(), _Loop())  # type: ignore[arg-type]
+    gate = EngineGate(InputQueue(), _Loop())  # type: ignore[arg-type]
     assert not _runs(gate)
 
 
@@ -143,6 +143,32 @@ def test_a_run_that_raises_leaves_the_gate_as_it_found_it(parked: Any) -> None:
 
 
 def test_a_loop_that_parks_and_times_out_holds_the_gate_again() -> None:
-    gate = EngineGate(queue.SimpleQueue(), _Loop())  # type: ignore[arg-type]
+    gate = EngineGate(InputQueue(), _Loop())  # type: ignore[arg-type]
     assert gate.park(0.01) is None
     assert not _runs(gate)
+
+
+def test_an_item_the_parked_loop_took_but_holds_no_gate_for_yet_is_not_overtaken() -> None:
+    """The window between the parked loop's wait returning an item and its taking the gate
+    back: the queue is empty, yet a call run past the gate would overtake that item."""
+    taken, go_on = threading.Event(), threading.Event()
+
+    class _Slow(InputQueue):
+        def wait(self, timeout: float) -> Any:
+            item = super().wait(timeout)
+            taken.set()
+            go_on.wait(BOUND_S)  # the loop is descheduled before it takes the gate back
+            return item
+
+    q = _Slow()
+    gate = EngineGate(q, _Loop())  # type: ignore[arg-type]
+    p = _Parked(gate)
+    _until_runs(gate)
+    q.put((Control.WAKE, None))  # the front end's item, queued for the loop
+    assert taken.wait(BOUND_S) and q.empty()
+    assert not gate.may_run_parked() and not _runs(gate), "a call overtook the loop's item"
+    go_on.set()
+    p.thread.join(BOUND_S)
+    assert p.got == [(Control.WAKE, None)]
+    assert q.settled()
+    assert not _runs(gate)  # the loop holds the gate again (it is not parked here)
