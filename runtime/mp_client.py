@@ -642,6 +642,11 @@ class MPClient(AttachSide, EngineCoreClient):
     # -- sending ------------------------------------------------------------------------------
 
     def _send(self, kind: RequestType, obj: object) -> None:
+        """Send one message to the engine: encoded (arrays as zero-copy aux frames), checked
+        against the engine's bounds, sealed with frame integrity. The general path of every
+        send; a utility call takes ``_send_call``'s short send where ``_plain_call`` holds.
+        Where ``_copied_send`` holds, the parts are copied out by plain sends; else (aux
+        frames) they go zero-copy and tracked, kept until libzmq is done with them."""
         self.ensure_alive()
         res = self.resources
         with res.send_lock:
@@ -654,9 +659,7 @@ class MPClient(AttachSide, EngineCoreClient):
             check_sendable(kind, frames, self._security[4] or DEFAULT_LIMITS)
             if self._integrity is not None:
                 frames = [*frames, self._integrity.seal(frames)]
-            if len(frames) == 1 or (len(frames) == 2 and self._integrity is not None):
-                # Plain copying sends (the message, or it and its trailer): cheaper than
-                # send_multipart for these small frames.
+            if self._copied_send(frames):
                 send = self._sock_send
                 try:
                     send(sock, self.identity, ZMQ_SNDMORE)
@@ -690,18 +693,35 @@ class MPClient(AttachSide, EngineCoreClient):
         while pending and all(t.done for t in pending[0][0]):
             pending.popleft()
 
-    def _send_call(self, request: UtilityRequest) -> bool:
-        """``_send`` of a utility call in fewer steps; False (nothing sent) when the call
-        needs the general path: arrays or values only the full encoder handles, a frame over
-        the engine's limit, frame integrity."""
+    def _copied_send(self, frames: list[Any]) -> bool:
+        """The copied send's predicate (``_send``), for a sealed message's ``frames``: one
+        frame, or one and its integrity trailer. Plain copying sends are cheaper than
+        tracked zero-copy ones for these small frames, and nothing has to be kept after."""
+        return len(frames) == 1 or (len(frames) == 2 and self._integrity is not None)
+
+    def _plain_call(self, request: UtilityRequest) -> bytes | None:
+        """The short send's predicate (``_send_call``): the one frame that ``request`` goes
+        out as, the type byte and msgspec's own encoding, or None when it needs the general
+        path (``_send``): frame integrity, values only the full encoder handles (arrays,
+        registered Structs: its hook runs only for those, so what msgspec encodes alone is
+        byte for byte the general path's frame), a frame over the engine's bounds (the
+        general path refuses it, naming the bound)."""
         if self._integrity is not None:
-            return False
+            return None
         try:
             payload = _UTILITY_BYTE + self._call_encoder.encode(request)
         except Exception:
-            return False
-        if len(payload) > self._call_limit:
-            return False
+            return None
+        return payload if len(payload) <= self._call_limit else None
+
+    def _send_call(self, request: UtilityRequest) -> None:
+        """Send a utility call: where ``_plain_call`` gives its frame, the short send (two
+        plain sends, no checks but the socket's); else ``_send``. tests/runtime/
+        test_mp_client.py checks that the two put the same bytes on the wire."""
+        payload = self._plain_call(request)
+        if payload is None:
+            self._send(RequestType.UTILITY, request)
+            return
         res = self.resources
         with res.send_lock:
             sock = res.input_socket
@@ -714,7 +734,6 @@ class MPClient(AttachSide, EngineCoreClient):
             except BaseException:
                 end_message(sock)
                 raise
-        return True
 
     def send_raw_frames(self, frames: list[bytes]) -> None:
         """Send ``[identity, *frames]`` unchecked: for conformance tests that inject
@@ -834,8 +853,7 @@ class MPClient(AttachSide, EngineCoreClient):
         try:
             self._utilities.register(call_id, future, method)
             request = UtilityRequest(self.client_index, call_id, method, list(args))
-            if not self._send_call(request):
-                self._send(RequestType.UTILITY, request)
+            self._send_call(request)
         except BaseException:
             event = UtilityEvent.ENGINE_DIED if self.is_dead else UtilityEvent.CLIENT_SHUTDOWN
             self._utilities.withdraw(call_id, event)

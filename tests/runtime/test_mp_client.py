@@ -10,13 +10,16 @@ engine's idle call against its general path (test_engine_wire.py):
   and one with a drawn few; each must end in the same state: what each message did, the
   batches ``get_output`` then hands over, the request lifecycles, every utility call's
   outcome, alive or dead and why.
+* send (``MPClient._send_call`` / ``_send``): ``_plain_call`` and ``_copied_send``. The
+  same calls, ADDs and ABORTs must put the same bytes on the wire, or raise the same error.
 
 No engine: a client whose start is skipped (``_Unwired``) is handed messages over an inproc
-socket pair, as its reader would be. The messages are the engine's encodings (sealed with
-frame integrity), garbage frames, the sentinel, and with integrity a lost, a corrupted and an
-unsealed message. Not a part that a one-frame message should not have: the one-frame
-shortcut leaves it for the next read, by design (test_engine_proc.py's stray-part test),
-where the general path reads it with its message.
+socket pair, as its reader would be, and sends to a socket that records the wire. The
+messages are the engine's encodings (sealed with frame integrity), garbage frames, the
+sentinel, and with integrity a lost, a corrupted and an unsealed message. Not a part that a
+one-frame message should not have: the one-frame shortcut leaves it for the next read, by
+design (test_engine_proc.py's stray-part test), where the general path reads it with its
+message.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from enginewire.protocol.codec import Decoder, Encoder, Limits
+from enginewire.protocol.codec import Decoder, Encoder, Limits, encode_input
 from enginewire.protocol.messages import (
     ENGINE_DEAD_SENTINEL,
     SESSION_BYTES,
@@ -40,8 +43,10 @@ from enginewire.protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    RequestType,
     SchedulerStats,
     UtilityOutput,
+    UtilityRequest,
 )
 from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.integrity import LinkIntegrity
@@ -54,6 +59,7 @@ from enginewire.spec.errors import EngineWireError
 
 NULL = EngineConfig(model="null", device="cpu")
 RECEIVE_SHORTCUTS = ("_one_frame", "_short_decodes", "_plain_reply")
+SEND_SHORTCUTS = ("_plain_call", "_copied_send")
 RIDS = ("r0", "r1", "r2")
 CALL_IDS = (1, 2, 3)
 BOUND_MS = 5000
@@ -78,7 +84,8 @@ class _Unwired(SyncMPClient):
 def _unwired(off: tuple[str, ...], **options: Any) -> _Unwired:
     client = _Unwired(NULL, **options)
     for name in off:
-        setattr(client, name, _never)
+        # ``_plain_call`` declines with None: it gives the frame when it holds.
+        setattr(client, name, _never if name != "_plain_call" else lambda *_: None)
     return client
 
 
@@ -285,6 +292,107 @@ def test_each_shortcut_is_taken() -> None:
         for beside in [{"outputs": [EngineCoreOutput("r0", [1])]}, {"stream_ids": ["r0"]},
                        {"stream_tokens": [1]}, {"finished_requests": ["r0"]}]:
             assert not client._plain_reply(EngineCoreOutputs(utility_output=reply, **beside))
+    finally:
+        client.shutdown()
+        sealed.shutdown()
+
+
+# -- send ------------------------------------------------------------------------------------
+
+
+class _Tracker:
+    done = True
+
+
+class _Wire:
+    """An input socket that records each part sent and whether more follow."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[bytes, bool]] = []
+
+    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        self.parts.append((bytes(data), bool(flags & zmq.SNDMORE)))
+        return _Tracker() if track else None
+
+
+_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=6)
+    | st.binary(max_size=6),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids,
+                                                             max_size=3),
+    max_leaves=6)
+_ARG = _VALUE | st.sampled_from([np.arange(3), np.arange(100), np.float32(1.5), "x" * 400])
+_SEND = st.one_of(
+    st.tuples(st.just("call"), st.sampled_from(["echo", "sleep"]), st.lists(_ARG, max_size=3)),
+    st.tuples(st.just("add"), _RID),
+    st.tuples(st.just("abort"), st.lists(_RID, max_size=3)),
+    st.tuples(st.just("unplug")),  # the socket closed under it: ClientClosedError
+)
+
+
+def _sent(client: _Unwired, op: tuple[Any, ...], call_id: int) -> tuple[Any, ...]:
+    wire = client.resources.input_socket
+    assert isinstance(wire, _Wire)
+    before = len(wire.parts)
+    try:
+        if op[0] == "call":
+            client._send_call(UtilityRequest(client.client_index, call_id, op[1], list(op[2])))
+        elif op[0] == "add":
+            client.send_add(EngineCoreRequest(op[1], [5, 6]))
+        elif op[0] == "abort":
+            client.send_abort(op[1])
+        else:
+            client.resources.input_socket = None
+            with pytest.raises(EngineWireError):
+                client._send_call(UtilityRequest(client.client_index, call_id, "echo", []))
+            client.resources.input_socket = wire
+        error = None
+    except (ValueError, TypeError, SpecViolation, EngineWireError) as e:
+        error = _err(e)
+    return error, wire.parts[before:]
+
+
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_SEND, max_size=10), off=st.sets(st.sampled_from(SEND_SHORTCUTS), min_size=1),
+       small_calls=st.booleans())
+def test_the_send_shortcuts_put_what_the_general_path_puts_on_the_wire(
+        integrity: bool, ops: list[tuple[Any, ...]], off: set[str], small_calls: bool) -> None:
+    """Every shortcut on, all off, and a drawn few off: each call, ADD and ABORT puts the same
+    parts on the wire (the identity, the message, aux frames, the trailer) or raises the same
+    error (a value the wire cannot carry, a call over the engine's bound)."""
+    limits = {"engine_limits": Limits(max_call_bytes=300)} if small_calls else {}
+    clients = [_unwired(forced, frame_integrity=integrity, **limits)
+               for forced in [(), SEND_SHORTCUTS, tuple(sorted(off))]]
+    try:
+        for client in clients:
+            client.resources.input_socket = _Wire()  # type: ignore[assignment]
+            client._sock_send = lambda sock, data, flags=0: sock.send(data, flags)
+        for i, op in enumerate(ops):
+            sent = [_sent(client, op, i) for client in clients]
+            assert sent[1] == sent[0], op
+            assert sent[2] == sent[0], (op, off)
+    finally:
+        for client in clients:
+            client.resources.input_socket = None
+            client.shutdown()
+
+
+def test_the_short_send_takes_exactly_the_plain_calls() -> None:
+    """``_plain_call`` gives the general path's one frame, and declines what needs more:
+    an array sent as an aux frame, a call over the bound, frame integrity."""
+    client = _unwired((), engine_limits=Limits(max_call_bytes=300))
+    sealed = _unwired((), frame_integrity=True)
+    try:
+        plain = UtilityRequest(0, 1, "echo", [None, 1, "x", [2.5], {"k": b"\x00"}])
+        frame = client._plain_call(plain)
+        assert [frame] == encode_input(Encoder(), RequestType.UTILITY, plain)
+        assert client._plain_call(UtilityRequest(0, 1, "echo", [np.arange(100)])) is None
+        assert client._plain_call(UtilityRequest(0, 1, "echo", ["x" * 400])) is None
+        assert sealed._plain_call(plain) is None
+        assert client._copied_send([b"m"]) and not client._copied_send([b"m", b"aux"])
+        assert sealed._copied_send([b"m", b"trailer"])
+        assert not sealed._copied_send([b"m", b"aux", b"trailer"])
     finally:
         client.shutdown()
         sealed.shutdown()
