@@ -909,10 +909,11 @@ class MPClient(AttachSide, EngineCoreClient):
                 except Exception:
                     pass  # the sentinel, aux frames, garbage: _on_frame decodes it as it is
                 else:
-                    if self._plain_reply(outputs):
+                    # Batches, the hot path, skip the call: the predicate implies the test.
+                    if outputs.utility_output is not None and self._plain_reply(outputs):
                         if self._stamp_seen:
                             self.resources.last_seen[0] = time.monotonic()
-                        self._utilities.settle(outputs.utility_output)  # type: ignore[arg-type]
+                        self._utilities.settle(outputs.utility_output)
                         return None
             try:
                 return self._on_frame(first, outputs)
