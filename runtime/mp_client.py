@@ -136,10 +136,16 @@ _UTILITY_BYTE = RequestType.UTILITY.value
 _ABORT_LINGER_MS = 1000
 
 
-# Messages up to this size take one unchecked decode first (``MPClient._on_message``).
+# Messages up to this size take one unchecked decode first (``MPClient._short_decodes``).
 _PLAIN_REPLY_BYTES = 1 << 16
 DEAD_MARKER = object()  # output-queue marker: the engine died
 CLOSED_MARKER = object()  # output-queue marker: the client was shut down
+
+
+def _said_gone() -> EngineProcessDied:
+    return EngineProcessDied(
+        "the engine said it is gone (engine-dead sentinel: a fatal error, or an engine"
+        " started on its own stopped by a signal); see the engine's log")
 
 
 def only_markers(items: Any) -> list[Any]:
@@ -636,6 +642,11 @@ class MPClient(AttachSide, EngineCoreClient):
     # -- sending ------------------------------------------------------------------------------
 
     def _send(self, kind: RequestType, obj: object) -> None:
+        """Send one message to the engine: encoded (arrays as zero-copy aux frames), checked
+        against the engine's bounds, sealed with frame integrity. The general path of every
+        send; a utility call takes ``_send_call``'s short send where ``_plain_call`` holds.
+        Where ``_copied_send`` holds, the parts are copied out by plain sends; else (aux
+        frames) they go zero-copy and tracked, kept until libzmq is done with them."""
         self.ensure_alive()
         res = self.resources
         with res.send_lock:
@@ -648,9 +659,7 @@ class MPClient(AttachSide, EngineCoreClient):
             check_sendable(kind, frames, self._security[4] or DEFAULT_LIMITS)
             if self._integrity is not None:
                 frames = [*frames, self._integrity.seal(frames)]
-            if len(frames) == 1 or (len(frames) == 2 and self._integrity is not None):
-                # Plain copying sends (the message, or it and its trailer): cheaper than
-                # send_multipart for these small frames.
+            if self._copied_send(frames):
                 send = self._sock_send
                 try:
                     send(sock, self.identity, ZMQ_SNDMORE)
@@ -684,18 +693,35 @@ class MPClient(AttachSide, EngineCoreClient):
         while pending and all(t.done for t in pending[0][0]):
             pending.popleft()
 
-    def _send_call(self, request: UtilityRequest) -> bool:
-        """``_send`` of a utility call in fewer steps; False (nothing sent) when the call
-        needs the general path: arrays or values only the full encoder handles, a frame over
-        the engine's limit, frame integrity."""
+    def _copied_send(self, frames: list[Any]) -> bool:
+        """The copied send's predicate (``_send``), for a sealed message's ``frames``: one
+        frame, or one and its integrity trailer. Plain copying sends are cheaper than
+        tracked zero-copy ones for these small frames, and nothing has to be kept after."""
+        return len(frames) == 1 or (len(frames) == 2 and self._integrity is not None)
+
+    def _plain_call(self, request: UtilityRequest) -> bytes | None:
+        """The short send's predicate (``_send_call``): the one frame that ``request`` goes
+        out as, the type byte and msgspec's own encoding, or None when it needs the general
+        path (``_send``): frame integrity, values only the full encoder handles (arrays,
+        registered Structs: its hook runs only for those, so what msgspec encodes alone is
+        byte for byte the general path's frame), a frame over the engine's bounds (the
+        general path refuses it, naming the bound)."""
         if self._integrity is not None:
-            return False
+            return None
         try:
             payload = _UTILITY_BYTE + self._call_encoder.encode(request)
         except Exception:
-            return False
-        if len(payload) > self._call_limit:
-            return False
+            return None
+        return payload if len(payload) <= self._call_limit else None
+
+    def _send_call(self, request: UtilityRequest) -> None:
+        """Send a utility call: where ``_plain_call`` gives its frame, the short send (two
+        plain sends, no checks but the socket's); else ``_send``. tests/runtime/
+        test_mp_client.py checks that the two put the same bytes on the wire."""
+        payload = self._plain_call(request)
+        if payload is None:
+            self._send(RequestType.UTILITY, request)
+            return
         res = self.resources
         with res.send_lock:
             sock = res.input_socket
@@ -708,7 +734,6 @@ class MPClient(AttachSide, EngineCoreClient):
             except BaseException:
                 end_message(sock)
                 raise
-        return True
 
     def send_raw_frames(self, frames: list[bytes]) -> None:
         """Send ``[identity, *frames]`` unchecked: for conformance tests that inject
@@ -828,8 +853,7 @@ class MPClient(AttachSide, EngineCoreClient):
         try:
             self._utilities.register(call_id, future, method)
             request = UtilityRequest(self.client_index, call_id, method, list(args))
-            if not self._send_call(request):
-                self._send(RequestType.UTILITY, request)
+            self._send_call(request)
         except BaseException:
             event = UtilityEvent.ENGINE_DIED if self.is_dead else UtilityEvent.CLIENT_SHUTDOWN
             self._utilities.withdraw(call_id, event)
@@ -853,26 +877,101 @@ class MPClient(AttachSide, EngineCoreClient):
 
     # -- receiving (shared by the thread and the task) -----------------------------------------
 
-    def _on_frames(self, frames: list[Any], decoded: EngineCoreOutputs | None = None
-                   ) -> EngineCoreOutputs | None:
-        """Decode one message; route utility replies; return a batch worth queueing.
-        ``decoded``: a one-frame message's payload, decoded and checked already."""
+    def _on_message(self, first: bytes, sock: zmq.Socket[Any]) -> EngineCoreOutputs | None:
+        """Route one message whose first frame was received as plain bytes (1.6 µs less than
+        a ``Frame`` and its more flag): a utility reply settled, a batch returned to be
+        queued, a heartbeat dropped. The sentinel, what does not decode and the end of this
+        session raise, and the reader takes that for the engine's death.
+
+        The general path reads the rest of the message and hands it all to ``_on_frames``.
+        Nearly every message is one small frame, and three shortcuts take it in fewer steps,
+        each where its predicate holds:
+
+        * ``_one_frame()``: the first frame is taken for the whole message (``_on_frame``);
+          the rest is read only when it does not decode and the more flag says parts follow
+          (aux frames). A part a one-frame message should not have then arrives as a message
+          of its own and fails to decode: death;
+        * ``_short_decodes(first)``: one unchecked decode is tried first, and a batch it
+          gives goes on checked (``Decoder.checked``), not decoded again;
+        * ``_plain_reply(outputs)``: what that decode gave is a utility reply with nothing
+          beside it for the post-check to bound, settled at once.
+
+        tests/runtime/test_mp_client.py feeds the same messages through the shortcuts and
+        through this general path (the predicates made False) and compares what each leaves.
+        """
+        if self._attaching is not None and self._before_marker(first, sock):
+            return None
+        if self._one_frame():
+            outputs: EngineCoreOutputs | None = None
+            if self._short_decodes(first):
+                try:
+                    outputs = self._decode_reply(first)
+                except Exception:
+                    pass  # the sentinel, aux frames, garbage: _on_frame decodes it as it is
+                else:
+                    # Batches, the hot path, skip the call: the predicate implies the test.
+                    if outputs.utility_output is not None and self._plain_reply(outputs):
+                        if self._stamp_seen:
+                            self.resources.last_seen[0] = time.monotonic()
+                        self._utilities.settle(outputs.utility_output)
+                        return None
+            try:
+                return self._on_frame(first, outputs)
+            except ProtocolError:
+                if not sock.get(ZMQ_RCVMORE):
+                    raise
+        elif not sock.get(ZMQ_RCVMORE):
+            return self._on_frames([first])  # no trailer: integrity reports it
+        return self._on_frames(recv_rest(sock, [first], MAX_PARTS))
+
+    def _one_frame(self) -> bool:
+        """The one-frame shortcut's predicate (``_on_message``): a message is taken for its
+        first frame alone unless frame integrity is on (then a trailer follows every one)."""
+        return self._integrity is None
+
+    @staticmethod
+    def _short_decodes(first: bytes) -> bool:
+        """The short decode's predicate (``_on_message``), for a one-frame message: a first
+        frame this small is decoded unchecked first, its result checked, not decoded again.
+        Bigger ones go to ``Decoder.decode_payload``, which screens them before decoding."""
+        return len(first) <= _PLAIN_REPLY_BYTES
+
+    @staticmethod
+    def _plain_reply(outputs: EngineCoreOutputs) -> bool:
+        """The plain reply's predicate (``_on_message``), for the short decode's unchecked
+        result: a utility reply with nothing beside it that the post-check bounds (outputs,
+        stream columns, finished ids), so it is settled at once, unchecked."""
+        return (outputs.utility_output is not None and not outputs.outputs
+                and not outputs.stream_ids and not outputs.stream_tokens
+                and not outputs.finished_requests)
+
+    def _on_frame(self, first: bytes, decoded: EngineCoreOutputs | None = None
+                  ) -> EngineCoreOutputs | None:
+        """``_on_frames([first])`` in fewer steps: the one-frame shortcut (``_one_frame``).
+        ``decoded``: the short decode's unchecked result (``_short_decodes``), checked here
+        instead of decoded again."""
         if self._stamp_seen:
             self.resources.last_seen[0] = time.monotonic()
-        # One frame, no integrity trailer: the common shape, checked and decoded in fewer steps.
-        single = len(frames) == 1 and self._integrity is None
-        if frames[0] == ENGINE_DEAD_SENTINEL if single else is_dead_sentinel(frames):
-            raise EngineProcessDied(
-                "the engine said it is gone (engine-dead sentinel: a fatal error, or an engine"
-                " started on its own stopped by a signal); see the engine's log")
-        if decoded is not None:
-            outputs = decoded
-        elif single:
-            outputs = self._out_decoder.decode_payload(frames[0])
-        else:
-            if self._integrity is not None:
-                frames = self._integrity.open(frames)
-            outputs = decode_outputs(frames)
+        if first == ENGINE_DEAD_SENTINEL:
+            raise _said_gone()
+        dec = self._out_decoder
+        return self._routed(
+            dec.decode_payload(first) if decoded is None else dec.checked(first, decoded))
+
+    def _on_frames(self, frames: list[Any]) -> EngineCoreOutputs | None:
+        """The general path of ``_on_message``: a whole message, its integrity trailer
+        opened (with frame integrity), decoded and checked, then routed."""
+        if self._stamp_seen:
+            self.resources.last_seen[0] = time.monotonic()
+        if is_dead_sentinel(frames):
+            raise _said_gone()
+        if self._integrity is not None:
+            frames = self._integrity.open(frames)
+        return self._routed(decode_outputs(frames, self._out_decoder.limits))
+
+    def _routed(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs | None:
+        """A decoded message routed: a utility reply settled, a batch worth queueing
+        returned, a heartbeat dropped; a message that ends this session raises."""
         if outputs.utility_output is not None:
             self._utilities.settle(outputs.utility_output)
             return None
@@ -888,43 +987,5 @@ class MPClient(AttachSide, EngineCoreClient):
             raise ProtocolError(f"the engine ended this session: {outputs.refusal}")
         return None  # heartbeat
 
-    def _on_message(self, first: bytes, sock: zmq.Socket[Any]) -> EngineCoreOutputs | None:
-        """``_on_frames`` for a message whose first frame was received as plain bytes (1.6 µs
-        less than a ``Frame`` and its more flag; nearly every message is one frame). The rest
-        is read only when there is one: a one-frame decode failed (aux frames) and the more
-        flag says parts follow, or frame integrity's trailer. A part a one-frame message
-        should not have arrives as a message of its own and fails to decode: death."""
-        if self._attaching is not None and self._before_marker(first, sock):
-            return None
-        if self._integrity is None:
-            # One unchecked decode: a plain utility reply (nothing beside it for the post-check
-            # to bound) is settled at once; a batch goes on checked, not decoded again; what
-            # did not decode (the sentinel, aux frames, garbage) takes the general path.
-            outputs: EngineCoreOutputs | None = None
-            if len(first) <= _PLAIN_REPLY_BYTES:
-                try:
-                    outputs = self._decode_reply(first)
-                except Exception:
-                    pass
-                if (outputs is not None and outputs.utility_output is not None
-                        and not outputs.outputs and not outputs.stream_ids
-                        and not outputs.finished_requests):
-                    if self._stamp_seen:
-                        self.resources.last_seen[0] = time.monotonic()
-                    self._utilities.settle(outputs.utility_output)
-                    return None
-            try:
-                if outputs is not None:
-                    return self._on_frames([first], self._out_decoder.checked(first, outputs))
-                return self._on_frames([first])
-            except ProtocolError:
-                if not sock.get(ZMQ_RCVMORE):
-                    raise
-        elif not sock.get(ZMQ_RCVMORE):
-            return self._on_frames([first])  # no trailer: integrity reports it
-        return self._on_frames(recv_rest(sock, [first], MAX_PARTS))
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engine pid={self.engine_pid} {self.lifecycle.state.name}>"
-
-
