@@ -27,6 +27,7 @@ from enginewire.spec.diagrams import render_dot, render_mermaid, render_spec_pag
 from enginewire.spec.machine import render_runtime_tables
 from enginewire.spec.promela import render_promela
 from enginewire.spec.promela_dp import render_promela_dp
+from enginewire.spec.promela_fe import render_promela_fe
 
 __all__ = [
     "ROOT",
@@ -119,6 +120,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
         root / "spec" / "_tables.py": render_runtime_tables(MACHINES),
         root / "spec" / "enginewire.pml": render_promela(),
         root / "spec" / "enginewire_dp.pml": render_promela_dp(),
+        root / "spec" / "enginewire_fe.pml": render_promela_fe(),
     }
     for name, text in _diagrams().items():
         files[root / "docs" / "diagrams" / name] = text
