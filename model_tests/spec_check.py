@@ -2,20 +2,22 @@
 
 What runs:
 1. each machine alone (BFS): an unreachable state or transition is a failure;
-2. the composed models (BFS): the one-engine model (``compose.py``) and the two-engine one
-   (``compose_dp.py``), every safety property after each step, every liveness
+2. the composed models (BFS): the one-engine model (``compose.py``), the two-engine one
+   (``compose_dp.py``) and the front-end one (``compose_fe.py``: two front ends over two
+   engines), every safety property after each step, every liveness
    obligation at each quiescent world; a counterexample is printed as its shortest run;
    every table row of the machines a model covers (``COVERS``) must be exercised or declared
    unexercised with a reason (``UNEXERCISED``), and a declared row that became exercised
    fails too;
-3. SPIN on both Promela models rendered afresh from the tables (``render_promela()`` and
-   ``render_promela_dp()``, the text of the committed ``spec/enginewire.pml`` and
-   ``spec/enginewire_dp.pml`` when ``generate --check`` passes): every property
-   as LTL, ``pan -a -f`` (acceptance cycles under weak fairness); ``pan`` exits 0 even on a
-   violation, so the verdict is parsed from ``errors: N``, and the trail is replayed with
-   ``spin -t`` into the actor steps that lead to it;
-4. every negative control in both checkers: each must break every property it names, else
-   that property is vacuous and the check fails.
+3. SPIN on the three Promela models rendered afresh from the tables (``render_promela()``,
+   ``render_promela_dp()`` and ``render_promela_fe()``, the text of the committed
+   ``spec/enginewire.pml``, ``spec/enginewire_dp.pml`` and ``spec/enginewire_fe.pml`` when
+   ``generate --check`` passes): every property as LTL, ``pan -a -f`` (acceptance cycles
+   under weak fairness); ``pan`` exits 0 even on a violation, so the verdict is parsed from
+   ``errors: N``, and the trail is replayed with ``spin -t`` into the actor steps that lead
+   to it;
+4. every negative control of the three models in both checkers: each must break every
+   property it names, else that property is vacuous and the check fails.
 
 ``--negative NAME`` checks the model with one control switched on as if it were the real
 protocol, so it exits 1 and prints the shortest counterexample.
@@ -36,27 +38,41 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from enginewire.spec import MACHINES, compose, compose_dp, promela, promela_dp
+from enginewire.spec import (
+    MACHINES,
+    compose,
+    compose_dp,
+    compose_fe,
+    promela,
+    promela_dp,
+    promela_fe,
+)
 from enginewire.spec.compose import BUGS
 from enginewire.spec.explore import (
     ExploreResult,
     MachineReport,
     explore,
     explore_dp,
+    explore_fe,
     explore_machine,
     uncovered_rows,
 )
 from enginewire.spec.promela import render_promela
 from enginewire.spec.promela_dp import render_promela_dp
+from enginewire.spec.promela_fe import render_promela_fe
 from enginewire.spec.properties import (
     DP_LIVENESS,
     DP_PROPERTIES,
     DP_SAFETY,
+    FE_LIVENESS,
+    FE_PROPERTIES,
+    FE_SAFETY,
     LIVENESS,
     PROPERTIES,
     SAFETY,
     control_targets,
     dp_control_targets,
+    fe_control_targets,
 )
 
 __all__ = [
@@ -77,15 +93,17 @@ __all__ = [
 ]
 
 SPIN_TIMEOUT_S = 300
-# Every negative control of both models, and every row either model may leave unexercised.
-ALL_BUGS: tuple[str, ...] = (*BUGS, *compose_dp.BUGS)
+# Every negative control of the three models, and every row the one- and two-engine models may
+# leave unexercised (the front-end model's are checked on their own: it covers SESSION too,
+# and exercises the rows the one-engine model declares its).
+ALL_BUGS: tuple[str, ...] = (*BUGS, *compose_dp.BUGS, *compose_fe.BUGS)
 UNEXERCISED: dict[tuple[str, str], str] = {**compose.UNEXERCISED, **compose_dp.UNEXERCISED}
-_KINDS = {p.name: p.kind for p in (*PROPERTIES, *DP_PROPERTIES)}
+_KINDS = {p.name: p.kind for p in (*PROPERTIES, *DP_PROPERTIES, *FE_PROPERTIES)}
 
 
 def all_control_targets() -> dict[str, tuple[str, ...]]:
-    """Both models' ``negative control -> properties it must break``, one-engine first."""
-    return {**control_targets(), **dp_control_targets()}
+    """The models' ``negative control -> properties it must break``, one-engine first."""
+    return {**control_targets(), **dp_control_targets(), **fe_control_targets()}
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,7 @@ class SpecReport:
     machines: list[MachineReport] = field(default_factory=list)
     composed: ExploreResult | None = None
     dp_composed: ExploreResult | None = None  # the two-engine model
+    fe_composed: ExploreResult | None = None  # the front-end model
     uncovered: dict[str, list[str]] = field(default_factory=dict)
     # rows neither exercised nor declared; declared rows that are exercised after all
     undeclared: list[str] = field(default_factory=list)
@@ -134,6 +153,7 @@ class SpecReport:
             all(m.ok for m in self.machines)
             and (self.composed is None or self.composed.ok)
             and (self.dp_composed is None or self.dp_composed.ok)
+            and (self.fe_composed is None or self.fe_composed.ok)
             and not self.undeclared
             and not self.stale_declared
             and all(r.errors == 0 for r in self.spin)
@@ -230,18 +250,19 @@ def _run_pan(workdir: Path, prop: str, bug: str | None, defines: Sequence[str]) 
 
 
 def run_spin(props: Sequence[str], bug: str | None = None, *, pml: str | None = None,
-             jobs: int = 2, dp: bool = False) -> list[SpinResult]:
+             jobs: int = 2, dp: bool = False, fe: bool = False) -> list[SpinResult]:
     """Compile the model once (with ``-DBUG_<bug>``) and check each named property.
-    ``dp``: the two-engine model (``pml`` defaults to ``render_promela_dp()``)."""
+    ``dp``: the two-engine model (``pml`` defaults to ``render_promela_dp()``); ``fe``: the
+    front-end model (``render_promela_fe()``)."""
     if pml is None:
-        pml = render_promela_dp() if dp else render_promela()
+        pml = render_promela_fe() if fe else render_promela_dp() if dp else render_promela()
     defines = [f"BUG_{bug.upper()}"] if bug else []
     if bug:  # only the claims under test: each claim costs compile time
         defines += ["LTL_ONLY", *(f"LTL_{p}" for p in props)]
     with tempfile.TemporaryDirectory(prefix="enginewire-spin-") as tmp:
         work = Path(tmp)
         _compile(pml, work, defines, optimize=bug is None and len(props) > 2,
-                 nfair=promela_dp.NFAIR if dp else promela.NFAIR)
+                 nfair=promela_fe.NFAIR if fe else promela_dp.NFAIR if dp else promela.NFAIR)
         if len(props) <= 1 or jobs <= 1:
             return [_run_pan(work, p, bug, defines) for p in props]
         # pan writes its trail next to the model; one copy per worker avoids clashes.
@@ -260,19 +281,24 @@ def run_spin(props: Sequence[str], bug: str | None = None, *, pml: str | None = 
 
 # ---- the whole check -------------------------------------------------------------------------
 
-def coverage_gaps(uncovered: dict[str, list[str]]) -> tuple[list[str], list[str]]:
-    """``(undeclared, stale)``: rows neither exercised nor in ``UNEXERCISED`` (both models'
-    lists), and rows listed there that the model exercises after all (so the lists stay
-    true)."""
+def coverage_gaps(
+    uncovered: dict[str, list[str]],
+    declared: dict[tuple[str, str], str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """``(undeclared, stale)``: rows neither exercised nor in ``declared`` (default: the one-
+    and two-engine models' ``UNEXERCISED``; the front-end model passes its own), and rows
+    listed there that the model exercises after all (so the lists stay true)."""
+    declared = UNEXERCISED if declared is None else declared
     missing = {(mach, row) for mach, rows in uncovered.items() for row in rows}
-    undeclared = sorted(f"{mach}: {row}" for mach, row in missing - set(UNEXERCISED))
-    stale = sorted(f"{mach}: {row}" for mach, row in set(UNEXERCISED) - missing
+    undeclared = sorted(f"{mach}: {row}" for mach, row in missing - set(declared))
+    stale = sorted(f"{mach}: {row}" for mach, row in set(declared) - missing
                    if mach in uncovered)
     return undeclared, stale
 
 
 def _explorer_control(bug: str, targets: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
-    run = explore_dp if bug in compose_dp.BUGS else explore
+    run = (explore_fe if bug in compose_fe.BUGS else explore_dp if bug in compose_dp.BUGS
+           else explore)
     res = run(bug, stop_when=frozenset(targets))
     broke = tuple(p for p in targets if p in res.violations)
     text = "\n".join(res.violations[p].render() for p in broke)
@@ -291,6 +317,8 @@ QUICK_CONTROLS: tuple[str, ...] = (
     "death_fails_every_engine",  # data parallel: one engine's loss fails the others' work
     "replacement_unmonitored",  # data parallel: a replacement's death nobody notices
     "join_waiter_after_event",  # elastic: the scale-up's waiter armed too late (vLLM #37357)
+    "outputs_to_front_end_0",  # several front ends: outputs to front end 0 (vLLM #27711)
+    "dead_work_left_running",  # several front ends: a dead front end's work runs on
 )
 
 
@@ -318,6 +346,7 @@ def run_spec_check(
     # A control of one model switches that model only; the other is checked as specified.
     neg_one = negative if negative in BUGS else None
     neg_dp = negative if negative in compose_dp.BUGS else None
+    neg_fe = negative if negative in compose_fe.BUGS else None
     if spin is None:
         spin = spin_available()
         if not spin:
@@ -333,14 +362,21 @@ def run_spec_check(
         sweep = pool.submit(run_spin, [p.name for p in PROPERTIES], neg_one) if spin else None
         sweep_dp = (pool.submit(run_spin, [p.name for p in DP_PROPERTIES], neg_dp, dp=True)
                     if spin else None)
+        sweep_fe = (pool.submit(run_spin, [p.name for p in FE_PROPERTIES], neg_fe, fe=True)
+                    if spin else None)
         report.composed = explore(neg_one)
         report.dp_composed = explore_dp(neg_dp)
+        report.fe_composed = explore_fe(neg_fe)
         report.uncovered = {**uncovered_rows(report.composed, compose.COVERS),
                             **uncovered_rows(report.dp_composed, compose_dp.COVERS)}
         if negative is None:  # a control changes what runs; the declarations are the spec's
             report.undeclared, report.stale_declared = coverage_gaps(report.uncovered)
-        if sweep is not None and sweep_dp is not None:
-            report.spin = sweep.result() + sweep_dp.result()
+            fe_gaps = coverage_gaps(uncovered_rows(report.fe_composed, compose_fe.COVERS),
+                                    compose_fe.UNEXERCISED)
+            report.undeclared += [f"{row} (front-end model)" for row in fe_gaps[0]]
+            report.stale_declared += [f"{row} (front-end model)" for row in fe_gaps[1]]
+        if sweep is not None and sweep_dp is not None and sweep_fe is not None:
+            report.spin = sweep.result() + sweep_dp.result() + sweep_fe.result()
         else:
             report.spin_skipped = "spin not run"
     targets_all = all_control_targets()
@@ -353,7 +389,7 @@ def run_spec_check(
         with ThreadPoolExecutor(max_workers=2) as pool:
             pending = {
                 bug: pool.submit(run_spin, list(targets), bug, jobs=1,
-                                 dp=bug in compose_dp.BUGS)
+                                 dp=bug in compose_dp.BUGS, fe=bug in compose_fe.BUGS)
                 for bug, targets in chosen.items()
             } if spin else {}
             for bug, targets in chosen.items():
@@ -408,6 +444,17 @@ def render_report(report: SpecReport, *, brief: bool = False) -> str:
             f"({len(DP_SAFETY)} safety, {len(DP_LIVENESS)} liveness)"
         )
         for v in dpc.violations.values():
+            lines.append(v.render())
+    fec = report.fe_composed
+    if fec is not None:
+        held = sum(1 for p in FE_PROPERTIES if p.name not in fec.violations)
+        lines.append(
+            f"front-end model{' (negative control ' + fec.bug + ')' if fec.bug else ''}: "
+            f"{fec.states} worlds, {fec.edges} steps, {fec.quiescent} quiescent, "
+            f"{fec.seconds:.2f}s; properties held {held}/{len(FE_PROPERTIES)} "
+            f"({len(FE_SAFETY)} safety, {len(FE_LIVENESS)} liveness)"
+        )
+        for v in fec.violations.values():
             lines.append(v.render())
     for m in report.machines:
         for t in (*m.unreachable_states, *m.unreachable_transitions):

@@ -160,7 +160,13 @@ COVERS: tuple[Machine[Any, Any], ...] = (
 _REJECT = "not modelled: the engine rejects an invalid add (tested in tests/runtime)"
 _ONE_SETTING = ("not modelled: both sides have the same frame-integrity setting here (a"
                 " mismatch refused at ATTACH is tested in tests/runtime/test_reattach.py)")
+_SEVERAL_FRONT_ENDS = ("not modelled here: a front end's loss and several front ends per engine"
+                       " are the front-end model's (issue 47)")
 UNEXERCISED: dict[tuple[str, str], str] = {
+    ("session", "ATTACHED --FRONT_END_GONE--> GONE"): _SEVERAL_FRONT_ENDS,
+    ("session", "GONE --ATTACH_ACCEPTED--> ATTACHED"): _SEVERAL_FRONT_ENDS,
+    ("session", "GONE --ATTACH_REFUSED--> REFUSED"): _SEVERAL_FRONT_ENDS,
+    ("session", "GONE --FRONT_END_GONE--> GONE"): _SEVERAL_FRONT_ENDS,
     ("client", "SHUTDOWN --SHUTDOWN--> SHUTDOWN"):
         "bounded: the owner calls shutdown() once (repeats are tested in tests/runtime)",
     ("engine", "CONSTRUCTING --BUILT [inproc]--> IDLE"):

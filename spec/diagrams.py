@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .machine import Machine, Transition
-from .properties import DP_LIVENESS, DP_SAFETY, LIVENESS, SAFETY, Property
+from .properties import DP_LIVENESS, DP_SAFETY, FE_LIVENESS, FE_SAFETY, LIVENESS, SAFETY, Property
 
 __all__ = ["edge_transitions", "edges", "render_dot", "render_mermaid", "render_spec_page",
            "transition_label"]
@@ -151,6 +151,8 @@ def render_spec_page(
     bounds: dict[str, int], controls: dict[str, tuple[str, ...]],
     dp_doc: str = "", dp_bounds: dict[str, int] | None = None,
     dp_controls: dict[str, tuple[str, ...]] | None = None,
+    fe_doc: str = "", fe_bounds: dict[str, int] | None = None,
+    fe_controls: dict[str, tuple[str, ...]] | None = None,
 ) -> str:
     """``docs/spec.md``: prose per machine, its diagram and table, then the properties; then
     the two-engine model and its properties when ``dp_doc`` is given."""
@@ -191,6 +193,15 @@ def render_spec_page(
                 "`spec/enginewire_dp.pml`, each property broken by its negative controls in both.",
                 ""]
         out += _property_tables(DP_SAFETY, DP_LIVENESS, dp_controls or {}, "####")
+    if fe_doc:
+        out += ["## The front-end model (several front ends)", "", _theory(fe_doc),
+                "", "Bounds: " + ", ".join(
+                    f"`{k}` = {v}" for k, v in (fe_bounds or {}).items()) + ".", ""]
+        out += ["### Properties of the front-end model", "",
+                "Checked as above: the explorer over `compose_fe.py`, SPIN over the generated",
+                "`spec/enginewire_fe.pml`, each property broken by its negative controls in both.",
+                ""]
+        out += _property_tables(FE_SAFETY, FE_LIVENESS, fe_controls or {}, "####")
     out += [*_TRANSITIONS_SECTION.splitlines(), ""]
     text = "\n".join(out)
     stamp = hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -11,7 +11,8 @@ Rule 2: no I/O; ``time.perf_counter`` only measures. Callers print.
 choice and reports the transitions and states no path reaches (each is a modelling defect).
 ``explore`` walks the composed model, checks every safety property after each step and every
 liveness obligation at each quiescent world, and records which table rows the composition
-exercised; ``explore_dp`` does the same for the two-engine model (``compose_dp.py``).
+exercised; ``explore_dp`` does the same for the two-engine model (``compose_dp.py``), and
+``explore_fe`` for the front-end model (``compose_fe.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from . import compose_dp
+from . import compose_dp, compose_fe
 from .compose import Composition, World, describe_world
 from .machine import Machine, Transition
-from .properties import DP_LIVENESS, DP_SAFETY, LIVENESS, SAFETY, Property
+from .properties import (
+    DP_LIVENESS,
+    DP_SAFETY,
+    FE_LIVENESS,
+    FE_SAFETY,
+    LIVENESS,
+    SAFETY,
+    Property,
+)
 
 __all__ = [
     "ExploreResult",
@@ -34,6 +43,7 @@ __all__ = [
     "Violation",
     "explore",
     "explore_dp",
+    "explore_fe",
     "explore_machine",
 ]
 
@@ -207,6 +217,20 @@ def explore_dp(
     return explore(bug, safety=safety, liveness=liveness, max_states=max_states,
                    stop_when=stop_when, model=compose_dp.DPComposition,
                    describe=compose_dp.describe_world)
+
+
+def explore_fe(
+    bug: str | None = None,
+    *,
+    safety: Sequence[Property] = FE_SAFETY,
+    liveness: Sequence[Property] = FE_LIVENESS,
+    max_states: int = 2_000_000,
+    stop_when: frozenset[str] = frozenset(),
+) -> ExploreResult:
+    """``explore`` over the front-end model (``compose_fe.FEComposition``)."""
+    return explore(bug, safety=safety, liveness=liveness, max_states=max_states,
+                   stop_when=stop_when, model=compose_fe.FEComposition,
+                   describe=compose_fe.describe_world)
 
 
 def uncovered_rows(

@@ -23,18 +23,23 @@ from dataclasses import dataclass
 
 from . import _compose_world as m
 from . import compose_dp as dp
+from . import compose_fe as fe
 from .compose import BUGS, World
 
 __all__ = [
     "DP_LIVENESS",
     "DP_PROPERTIES",
     "DP_SAFETY",
+    "FE_LIVENESS",
+    "FE_PROPERTIES",
+    "FE_SAFETY",
     "LIVENESS",
     "PROPERTIES",
     "SAFETY",
     "Property",
     "control_targets",
     "dp_control_targets",
+    "fe_control_targets",
 ]
 
 
@@ -462,6 +467,154 @@ DP_LIVENESS: tuple[Property, ...] = (
 DP_PROPERTIES: tuple[Property, ...] = DP_SAFETY + DP_LIVENESS
 
 
+
+# ---- the front-end model (compose_fe.py) ----------------------------------------------------
+# In Promela the per-front-end fields are arrays indexed by front end (``creq[f]``), the
+# per-channel ones arrays indexed by channel ``f * N + i`` (``sess[c]``); the macros
+# ``ereq_live(c)``, ``client_live_fe(f)`` ... are generated from the same named sets.
+
+def _fe_flag(name: str) -> Callable[[World], bool]:
+    return _flag(name, fe.BAD)
+
+
+def _fe_chans() -> list[tuple[int, int, int]]:
+    return [(f, i, fe.ch(f, i)) for f in range(fe.F) for i in range(fe.N)]
+
+
+def _fe_no_stale_work(w: World) -> bool:
+    return not any(fe.stale_work(w, f, i) for f in range(fe.F) for i in range(fe.N))
+
+
+_FE_NO_STALE_WORK = " && ".join(
+    f"!(ereq_live({c}) && (sess[{c}] == SESSION_S_GONE || sgen[{c}] != egen[{c}]))"
+    for _f, _i, c in _fe_chans())
+
+
+def _fe_attending(w: World, f: int) -> bool:
+    """Front end ``f``'s process is alive and its client constructed or constructing."""
+    return not w[fe.FDEAD[f]] and w[fe.C[f]] not in (fe.C_DEAD, fe.C_SHUTDOWN)
+
+
+_FE_ATTENDING = ("(!fdead[{f}] && client[{f}] != CLIENT_S_DEAD"
+                 " && client[{f}] != CLIENT_S_SHUTDOWN)")
+
+
+def _fe_stuck(w: World, f: int) -> bool:
+    """Front end ``f`` is alive with a request or call it still waits for, and nothing excuses
+    the wait (a request queued in an engine its owner put to sleep)."""
+    if w[fe.FDEAD[f]]:
+        return False
+    if w[fe.UTIL] == fe.U_PENDING and w[fe.UCALL] == f:
+        return True
+    return w[fe.CREQ[f]] in fe.Q_LIVE and not w[fe.ASLEEP[w[fe.OWN[f]]]]
+
+
+_FE_STUCK = ("(!fdead[{f}] && ((util == " + str(fe.U_PENDING) + " && ucall == {f})"
+             " || (creq_live({f}) && !asleep[own[{f}]])))")
+_FE_ANY_STUCK = _each(_FE_STUCK.replace("{f}", "{i}"), fe.F, "||")
+
+
+def _fe_view_off(w: World, f: int) -> bool:
+    """A live client whose view of an engine it serves on differs from that engine's power
+    state, or whose own state differs from its views (asleep while any is)."""
+    if w[fe.FDEAD[f]] or w[fe.C[f]] not in fe.C_LIVE:
+        return False
+    views = [(i, fe.ch(f, i)) for i in range(fe.N)]
+    if any(not w[fe.EXITED[i]] and w[fe.VIEW[c]] != w[fe.ASLEEP[i]] for i, c in views):
+        return True
+    asleep = any(w[fe.VIEW[c]] and not w[fe.KNOWS[c]] for _i, c in views)
+    return asleep != (w[fe.C[f]] in fe.C_ASLEEP)
+
+
+def _fe_view_off_pml(f: int) -> str:
+    cs = [(i, fe.ch(f, i)) for i in range(fe.N)]
+    engines = " || ".join(f"(!exited[{i}] && view[{c}] != asleep[{i}])" for i, c in cs)
+    views = " || ".join(f"(view[{c}] && !knows[{c}])" for _i, c in cs)
+    return (f"(!fdead[{f}] && client_live_fe({f}) && ({engines}"
+            f" || (({views}) != client_asleep_fe({f}))))")
+
+
+_FE_ANY_VIEW_OFF = "(" + " || ".join(_fe_view_off_pml(f) for f in range(fe.F)) + ")"
+
+
+def _fe_unseen(w: World) -> bool:
+    return any(w[fe.EXITED[i]] and not w[fe.KNOWS[c]] and _fe_attending(w, f)
+               for f, i, c in _fe_chans())
+
+
+_FE_UNSEEN = "(" + " || ".join(
+    f"(exited[{i}] && !knows[{c}] && {_FE_ATTENDING.format(f=f)})"
+    for f, i, c in _fe_chans()) + ")"
+
+
+FE_SAFETY: tuple[Property, ...] = (
+    _safety(
+        "fe_spec_conformance",
+        "Every component of the front-end model only fires events its machine table allows "
+        "(a session event, and a power notice on a client, included).",
+        ("notice_before_ready",),
+        "!v_fe_spec_conformance",
+        _fe_flag("fe_spec_conformance"),
+    ),
+    _safety(
+        "fe_no_cross_delivery",
+        "No output or reply reaches a front end other than its sender, nor a restarted front "
+        "end's new incarnation its predecessor's: an engine routes by the session "
+        "(client_index) and keeps request ids per session (vLLM #27711's shape).",
+        ("outputs_to_front_end_0", "ids_not_scoped"),
+        "!v_fe_no_cross_delivery",
+        _fe_flag("fe_no_cross_delivery"),
+    ),
+    _safety(
+        "fe_death_ends_own",
+        "A front end's loss ends its own live requests in every engine by the time its "
+        "session there is GONE (or replaced by a new ATTACH), and no other front end's.",
+        ("dead_work_left_running", "death_ends_every_front_end"),
+        f"!v_fe_death_ends_own && {_FE_NO_STALE_WORK}",
+        lambda w: w[fe.BAD] != "fe_death_ends_own" and _fe_no_stale_work(w),
+    ),
+    _safety(
+        "fe_request_ends_once",
+        "No request or call ends twice at its sender: no finish or reply reaches one that "
+        "already ended (a request failed by its engine's death reads nothing more from it).",
+        ("dead_channel_read",),
+        "!v_fe_request_ends_once",
+        _fe_flag("fe_request_ends_once"),
+    ),
+)
+
+FE_LIVENESS: tuple[Property, ...] = (
+    _live(
+        "fe_request_ends",
+        "Every request and call of a live front end eventually ends at its sender, whatever "
+        "the other front end does, dies or restarts, and when an engine dies (a request "
+        "queued in an engine its owner keeps asleep waits).",
+        ("death_seen_by_one",),
+        (_FE_ANY_STUCK, lambda w: any(_fe_stuck(w, f) for f in range(fe.F))),
+        (f"!{_FE_ANY_STUCK}", lambda w: not any(_fe_stuck(w, f) for f in range(fe.F))),
+    ),
+    _live(
+        "fe_power_view_converges",
+        "Every attached, live client's view of each engine's power state, and its own state "
+        "(CLIENT_ASLEEP while any engine sleeps), converge to the engines' once the channels "
+        "are drained, whichever front end slept or woke them (power notices).",
+        ("power_notice_not_sent",),
+        (_FE_ANY_VIEW_OFF, lambda w: any(_fe_view_off(w, f) for f in range(fe.F))),
+        (f"!{_FE_ANY_VIEW_OFF}", lambda w: not any(_fe_view_off(w, f) for f in range(fe.F))),
+    ),
+    _live(
+        "fe_engine_death_seen",
+        "An engine's death is eventually seen by every front end attached to it (or "
+        "attaching) whose process lives.",
+        ("death_seen_by_one",),
+        (_FE_UNSEEN, _fe_unseen),
+        (f"!{_FE_UNSEEN}", lambda w: not _fe_unseen(w)),
+    ),
+)
+
+FE_PROPERTIES: tuple[Property, ...] = FE_SAFETY + FE_LIVENESS
+
+
 def _targets(bugs: tuple[str, ...], props: tuple[Property, ...]) -> dict[str, tuple[str, ...]]:
     out: dict[str, list[str]] = {bug: [] for bug in bugs}
     for prop in props:
@@ -478,3 +631,8 @@ def control_targets() -> dict[str, tuple[str, ...]]:
 def dp_control_targets() -> dict[str, tuple[str, ...]]:
     """The same for the two-engine model, in ``compose_dp.BUGS`` order."""
     return _targets(dp.BUGS, DP_PROPERTIES)
+
+
+def fe_control_targets() -> dict[str, tuple[str, ...]]:
+    """The same for the front-end model, in ``compose_fe.BUGS`` order."""
+    return _targets(fe.BUGS, FE_PROPERTIES)

@@ -1,4 +1,5 @@
-"""Engine session: which front end an engine core serves, as its input thread sees it.
+"""Engine session: which front end an engine core serves on one channel, as its input thread
+sees it.
 
 Theory of operation
 -------------------
@@ -18,6 +19,18 @@ end (or a peer that never attached) whose input fails the integrity check (lost,
 or corrupted frames) has its session ENDED: its work is dropped, it is told why, and it too
 is ignored until it or another front end attaches. The engine's exit is its process's
 business (``engine.py``), not a state here.
+
+Several front ends at once (``client_index``): an engine given K channels (address pairs)
+runs one session per channel, the i-th for front end i. An ATTACH whose ``client_index`` is
+not its channel's position is REFUSED on that channel only. Outputs, utility replies and
+power notices go only to sessions in ``SESSION_SERVED``; request ids are scoped per session.
+A served front end that is lost (its heartbeat deadline passed, its connection stayed down
+past the bound, or it said goodbye at its shutdown) is GONE: its live requests end in the
+engine (aborted, KV freed) and its owed replies are dropped, nobody else's; it may attach
+again, and the new session sees nothing of the old one's work. An engine-wide power change
+(sleep, wake-up, pause, resume) made by one session is sent as a notice to every other
+served session, in the engine's order, so every attached client's view converges to the
+engine's (``client.py``: a notice fires the event its utility's reply would).
 """
 
 from __future__ import annotations
@@ -26,7 +39,14 @@ from enum import Enum
 
 from .machine import Machine, Transition
 
-__all__ = ["SESSION", "SESSION_DROPS_INPUT", "SessionEvent", "SessionState"]
+__all__ = [
+    "SESSION",
+    "SESSION_DROPS_INPUT",
+    "SESSION_ENDS_WORK",
+    "SESSION_SERVED",
+    "SessionEvent",
+    "SessionState",
+]
 
 
 class SessionState(Enum):
@@ -34,18 +54,27 @@ class SessionState(Enum):
     ATTACHED = "attached"
     REFUSED = "refused"
     ENDED = "ended"
+    GONE = "gone"
 
 
 class SessionEvent(Enum):
     ATTACH_ACCEPTED = "attach_accepted"
     ATTACH_REFUSED = "attach_refused"
     INTEGRITY_FAILED = "integrity_failed"
+    FRONT_END_GONE = "front_end_gone"
 
 
 S, E = SessionState, SessionEvent
 
-SESSION_DROPS_INPUT: frozenset[SessionState] = frozenset({S.REFUSED, S.ENDED})
+SESSION_DROPS_INPUT: frozenset[SessionState] = frozenset({S.REFUSED, S.ENDED, S.GONE})
 """States in which every message but an ATTACH is dropped unread."""
+
+SESSION_SERVED: frozenset[SessionState] = frozenset({S.ATTACHED})
+"""States in which the channel's front end is sent outputs, replies and power notices."""
+
+SESSION_ENDS_WORK: frozenset[SessionEvent] = frozenset({E.INTEGRITY_FAILED, E.FRONT_END_GONE})
+"""Events that end the session's live requests in the engine and drop its owed replies
+(fired from a served session; a new ATTACH drops the previous session's work too)."""
 
 SESSION: Machine[SessionState, SessionEvent] = Machine(
     name="session",
@@ -60,10 +89,18 @@ SESSION: Machine[SessionState, SessionEvent] = Machine(
                    note="a new session drops the old one's work; the same one: a marker"),
         Transition(S.REFUSED, E.ATTACH_ACCEPTED, S.ATTACHED),
         Transition(S.ENDED, E.ATTACH_ACCEPTED, S.ATTACHED),
-        *(Transition(s, E.ATTACH_REFUSED, S.REFUSED, note="frame integrity differs")
+        *(Transition(s, E.ATTACH_REFUSED, S.REFUSED,
+                     note="frame integrity differs, or client_index is not the channel's")
           for s in (S.NO_FRONT_END, S.ATTACHED, S.REFUSED, S.ENDED)),
         Transition(S.ATTACHED, E.INTEGRITY_FAILED, S.ENDED, note="its work dropped, it is told"),
         Transition(S.NO_FRONT_END, E.INTEGRITY_FAILED, S.ENDED,
                    note="a peer that never attached: nothing to drop"),
+        Transition(S.ATTACHED, E.FRONT_END_GONE, S.GONE,
+                   note="heartbeat deadline, connection lost past the bound, or goodbye:"
+                        " its requests end (aborted), its replies are dropped"),
+        Transition(S.GONE, E.ATTACH_ACCEPTED, S.ATTACHED,
+                   note="it (or its successor) attaches again: a new session"),
+        Transition(S.GONE, E.ATTACH_REFUSED, S.REFUSED),
+        Transition(S.GONE, E.FRONT_END_GONE, S.GONE, note="a later sign of the same loss"),
     ),
 )

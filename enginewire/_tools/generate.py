@@ -22,11 +22,12 @@ from pathlib import Path
 from enginewire.protocol.catalogue import render_protocol_page
 from enginewire.protocol.utilities import render_utilities_page, render_wrappers
 from enginewire.runtime.options import render_options_page
-from enginewire.spec import MACHINES, compose, compose_dp, properties
+from enginewire.spec import MACHINES, compose, compose_dp, compose_fe, properties
 from enginewire.spec.diagrams import render_dot, render_mermaid, render_spec_page
 from enginewire.spec.machine import render_runtime_tables
 from enginewire.spec.promela import render_promela
 from enginewire.spec.promela_dp import render_promela_dp
+from enginewire.spec.promela_fe import render_promela_fe
 
 __all__ = [
     "ROOT",
@@ -119,6 +120,7 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
         root / "spec" / "_tables.py": render_runtime_tables(MACHINES),
         root / "spec" / "enginewire.pml": render_promela(),
         root / "spec" / "enginewire_dp.pml": render_promela_dp(),
+        root / "spec" / "enginewire_fe.pml": render_promela_fe(),
     }
     for name, text in _diagrams().items():
         files[root / "docs" / "diagrams" / name] = text
@@ -134,6 +136,11 @@ def generated_files(root: Path = ROOT) -> dict[Path, str]:
                    "FAULTS": compose_dp.FAULTS, "IN_CAP": compose_dp.IN_CAP,
                    "OUT_CAP": compose_dp.OUT_CAP},
         dp_controls=properties.dp_control_targets(),
+        fe_doc=compose_fe.__doc__ or "",
+        fe_bounds={"F": compose_fe.F, "N": compose_fe.N, "BUDGET": compose_fe.BUDGET,
+                   "FAULTS": compose_fe.FAULTS, "IN_CAP": compose_fe.IN_CAP,
+                   "OUT_CAP": compose_fe.OUT_CAP},
+        fe_controls=properties.fe_control_targets(),
     )
     files[root / "docs" / "protocol.md"] = render_protocol_page()
     files[root / "runtime" / "_utilities.py"] = render_wrappers()

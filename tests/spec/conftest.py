@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginewire.spec.explore import ExploreResult, explore, explore_dp
+from enginewire.spec.explore import ExploreResult, explore, explore_dp, explore_fe
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +15,9 @@ def composed() -> ExploreResult:
 def composed_dp() -> ExploreResult:
     """The full exploration of the two-engine model, computed once per test session."""
     return explore_dp()
+
+
+@pytest.fixture(scope="session")
+def composed_fe() -> ExploreResult:
+    """The full exploration of the front-end model, computed once per test session."""
+    return explore_fe()

@@ -19,7 +19,7 @@ from enginewire.testing.spec_check import (
 
 @pytest.fixture
 def explored_spec(monkeypatch: pytest.MonkeyPatch, composed: ExploreResult,
-                  composed_dp: ExploreResult) -> None:
+                  composed_dp: ExploreResult, composed_fe: ExploreResult) -> None:
     """``run_spec_check`` explores each model as specified (no control on, nothing else set):
     the explorations tests/spec/conftest.py's session fixtures already made (and
     tests/spec/test_explore.py and test_compose_dp.py assert on), not made again here. A run
@@ -31,6 +31,7 @@ def explored_spec(monkeypatch: pytest.MonkeyPatch, composed: ExploreResult,
 
     monkeypatch.setattr(spec_check, "explore", shared(spec_check.explore, composed))
     monkeypatch.setattr(spec_check, "explore_dp", shared(spec_check.explore_dp, composed_dp))
+    monkeypatch.setattr(spec_check, "explore_fe", shared(spec_check.explore_fe, composed_fe))
 
 
 @pytest.mark.slow
@@ -101,18 +102,21 @@ def test_quick_runs_the_spec_and_only_the_quick_controls(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``--quick`` checks every property on the spec itself and runs only QUICK_CONTROLS of
     the negative controls (both kinds among them); the report says how to run all."""
-    from enginewire.spec import compose_dp
-    from enginewire.spec.properties import DP_PROPERTIES, LIVENESS, SAFETY
+    from enginewire.spec import compose_dp, compose_fe
+    from enginewire.spec.properties import DP_PROPERTIES, FE_PROPERTIES, LIVENESS, SAFETY
     from enginewire.testing import spec_check as sc
 
     targets = sc.all_control_targets()
     assert set(sc.QUICK_CONTROLS) <= set(targets)
-    kinds = {p.name: p.kind for p in (*SAFETY, *LIVENESS, *DP_PROPERTIES)}
+    kinds = {p.name: p.kind for p in (*SAFETY, *LIVENESS, *DP_PROPERTIES, *FE_PROPERTIES)}
     assert {kinds[t] for bug in sc.QUICK_CONTROLS for t in targets[bug]} == {
         "safety", "liveness"}
     # the two-engine model's controls are among them, a safety and a liveness one
     dp_quick = [b for b in sc.QUICK_CONTROLS if b in compose_dp.BUGS]
     assert {kinds[t] for bug in dp_quick for t in targets[bug]} == {"safety", "liveness"}
+    # and the front-end model's: outputs to front end 0 (vLLM #27711), a dead one's work
+    assert {b for b in sc.QUICK_CONTROLS if b in compose_fe.BUGS} == {
+        "outputs_to_front_end_0", "dead_work_left_running"}
     ran: list[str] = []
 
     def control(bug: str, want: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
@@ -128,6 +132,8 @@ def test_quick_runs_the_spec_and_only_the_quick_controls(
     assert "properties held" in text  # the spec itself was explored in full
     n = len(DP_PROPERTIES)
     assert "two-engine model: " in text and f"properties held {n}/{n}" in text
+    n = len(FE_PROPERTIES)
+    assert "front-end model: " in text and f"properties held {n}/{n}" in text
 
 
 def test_the_quick_summary_fits_a_screen_and_lists_only_what_failed() -> None:

@@ -57,13 +57,16 @@ def test_spin_rejects_each_negative_control(bug: str) -> None:
 
 def test_the_header_command_names_the_fairness_bound_pan_needs() -> None:
     # pan's default NFAIR=2 cannot hold the seven processes ("too many processes"); the
-    # two-engine model's ten need 4.
-    from enginewire.spec import promela, promela_dp
+    # two-engine model's ten need 4, and the front-end model's nine take 4 too.
+    from enginewire.spec import promela, promela_dp, promela_fe
 
-    assert (promela.NFAIR, promela_dp.NFAIR) == (3, 4)
+    assert (promela.NFAIR, promela_dp.NFAIR, promela_fe.NFAIR) == (3, 4, 4)
     header = PML.split("*/", 1)[0]
     assert "gcc -O2 -DNFAIR=3 -o pan pan.c" in header
     dp_header = (ROOT / "spec" / "enginewire_dp.pml").read_text().split("*/", 1)[0]
     assert "gcc -O2 -DNFAIR=4 -o pan pan.c" in dp_header
     assert "-DNFAIR={nfair}" in inspect.getsource(spec_check._compile)
-    assert "nfair=promela_dp.NFAIR if dp" in inspect.getsource(spec_check.run_spin)
+    fe_header = (ROOT / "spec" / "enginewire_fe.pml").read_text().split("*/", 1)[0]
+    assert "gcc -O2 -DNFAIR=4 -o pan pan.c" in fe_header
+    assert ("nfair=promela_fe.NFAIR if fe else promela_dp.NFAIR if dp"
+            in inspect.getsource(spec_check.run_spin))
