@@ -276,6 +276,7 @@ __all__ = [
     "EngineCoreOutputs",
     "EngineCoreRequest",
     "FinishReason",
+    "PowerNotice",
     "ReadyResponse",
     "RequestType",
     "SamplingParams",
@@ -370,6 +371,16 @@ class UtilityOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     result: Any = None
 
 
+class PowerNotice(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Another front end's power utility (sleep, wake_up, pause_scheduler, resume_scheduler)
+    succeeded on an engine serving several front ends: ``method`` and the ``result`` its
+    reply carried. The front end follows it as it would that reply (spec/client.py,
+    ``PowerReply``), so its view of the engine's power state converges to the engine's."""
+
+    method: str
+    result: Any = None
+
+
 class SchedulerStats(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     num_running: int = 0
     num_waiting: int = 0
@@ -398,6 +409,9 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     # and on the session's end, which follows the marker: why the engine ended the session.
     session: bytes | None = None
     refusal: str | None = None
+    # Set only on a power notice (an engine serving several front ends): nothing else but
+    # ``engine_index`` and ``timestamp`` beside it.
+    power: PowerNotice | None = None
 
     @staticmethod
     def now() -> float:
@@ -430,6 +444,12 @@ class AttachRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Whether this front end seals its messages (frame integrity): the engine refuses a
     # front end that does not match its own setting instead of failing on its first message.
     integrity: bool = False
+    # The front end's rank: an engine serving several front ends refuses an ATTACH whose
+    # index is not its channel's position (spec/session.py).
+    client_index: int = 0
+    # A front end leaving (its shutdown): the engine ends this session's work at once
+    # (FRONT_END_GONE) instead of at its heartbeat deadline. No marker answers it.
+    goodbye: bool = False
 
 
 class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -442,3 +462,6 @@ class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):
     max_model_len: int
     model: str
     device: str
+    # Set when the engine ends a silent front end's session (``front_end_timeout_s``): the
+    # front end then sends a heartbeat (an empty ABORT) well inside it (MPClient: a quarter).
+    front_end_timeout_s: float | None = None
