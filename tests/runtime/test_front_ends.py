@@ -29,7 +29,9 @@ from enginewire.spec.client import ClientState
 from enginewire.spec.errors import EngineDeadError, EngineWireError
 from enginewire.testing._harness import ResourceSnapshot, assert_released
 
-NULL = EngineConfig(model="null")
+# Slowed steps: a long request (LONG tokens) stays live for the whole of a test.
+NULL = EngineConfig(model="null", max_model_len=2048, null_step_delay_s=0.02)
+LONG = 2000
 BOUND_S = 30.0
 FRONT_END_TIMEOUT_S = 1.5  # the engine's deadline on a silent front end
 # A killed front end's requests end within its deadline plus the input thread's idle poll.
@@ -123,7 +125,7 @@ def test_two_front_ends_stream_at_once_with_the_same_request_id(tmp_path: Path) 
 def test_an_abort_touches_only_its_own_front_end(tmp_path: Path) -> None:
     with standalone_engine(tmp_path) as (_, pairs):
         with front_end(pairs, 0) as a, front_end(pairs, 1) as b:
-            a.add_request(req("r1", 10**6))
+            a.add_request(req("r1", LONG))
             b.add_request(req("r1", 40))
             wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 2, what="both live")
             a.abort_requests(["r1"])
@@ -135,10 +137,16 @@ def test_an_abort_touches_only_its_own_front_end(tmp_path: Path) -> None:
 def test_a_wrong_client_index_is_refused_and_disturbs_nobody(tmp_path: Path) -> None:
     with standalone_engine(tmp_path) as (_, pairs):
         with front_end(pairs, 0) as a:
-            a.add_request(req("r1", 10**6))
-            with pytest.raises(EngineWireError, match="client_index is 0, but it attached on"
-                                                      " channel 1"):
-                front_end(pairs, 0, pair=1)
+            a.add_request(req("r1", LONG))
+            # Refused by its marker: the client is dead to it, with the reason as the cause.
+            wrong = front_end(pairs, 0, pair=1)
+            try:
+                with pytest.raises(EngineDeadError) as info:
+                    wrong.echo(1, timeout=BOUND_S)
+                assert "client_index is 0, but it attached on channel 1" in str(
+                    info.value.__cause__)
+            finally:
+                wrong.shutdown()
             assert a.echo(1, timeout=BOUND_S) == 1
             a.abort_requests(["r1"])
             assert collect(a, {"r1"})["r1"][1].name == "ABORT"
@@ -153,7 +161,7 @@ def _doomed_front_end(inp: str, out: str, ready: Any) -> None:
                      input_address=inp, output_address=out, client_index=1,
                      ready_timeout_s=BOUND_S) as client:
         for i in range(3):
-            client.add_request(req(f"r{i}", 10**6))
+            client.add_request(req(f"r{i}", LONG))
         client.get_output(timeout=BOUND_S)
         ready.set()
         time.sleep(BOUND_S * 4)
@@ -168,7 +176,7 @@ def test_a_killed_front_end_s_requests_end_and_the_other_streams_on(tmp_path: Pa
             doomed.start()
             try:
                 assert ready.wait(BOUND_S)
-                a.add_request(req("mine", 10**6))
+                a.add_request(req("mine", LONG))
                 wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 4, what="4 live")
                 doomed.kill()
                 doomed.join(BOUND_S)
@@ -202,7 +210,7 @@ def test_a_front_end_that_shuts_down_ends_its_work_at_once(tmp_path: Path) -> No
     with standalone_engine(tmp_path) as (_, pairs):
         with front_end(pairs, 0) as a:
             b = front_end(pairs, 1)
-            b.add_request(req("r1", 10**6))
+            b.add_request(req("r1", LONG))
             wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 1, what="b's live")
             b.shutdown()  # its goodbye: no deadline to wait for
             wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 0,
@@ -219,12 +227,12 @@ def test_a_sleep_from_one_front_end_is_seen_by_the_other(tmp_path: Path) -> None
             assert a.lifecycle.state is ClientState.SLEEPING
             wait_for(lambda: b.lifecycle.state is ClientState.SLEEPING, what="b asleep")
             b.wake_up()
-            assert b.lifecycle.state is ClientState.READY
+            assert b.lifecycle.state is ClientState.RUNNING  # SLEEPING -> RUNNING on a wake
             wait_for(lambda: a.lifecycle.state is ClientState.RUNNING, what="a awake")
             b.pause_scheduler()
             wait_for(lambda: a.lifecycle.state is ClientState.SLEEPING, what="a paused")
             a.resume_scheduler()
-            wait_for(lambda: b.lifecycle.state is ClientState.READY, what="b resumed")
+            wait_for(lambda: b.lifecycle.state is ClientState.RUNNING, what="b resumed")
 
 
 def test_concurrent_sleep_and_wake_from_two_front_ends_terminate(tmp_path: Path) -> None:
@@ -257,7 +265,7 @@ def test_concurrent_sleep_and_wake_from_two_front_ends_terminate(tmp_path: Path)
 def test_the_engine_s_death_reaches_every_front_end(tmp_path: Path) -> None:
     with standalone_engine(tmp_path) as (proc, pairs):
         with front_end(pairs, 0) as a, front_end(pairs, 1) as b:
-            a.add_request(req("r1", 10**6))
+            a.add_request(req("r1", LONG))
             assert b.echo(1, timeout=BOUND_S) == 1
             proc.kill()
             killed = time.monotonic()
