@@ -423,7 +423,8 @@ class EngineInput:
             if attach.session != self._attached:
                 self._new_generation(attach.session)
             self._last_heard = time.monotonic()
-            payload = (self.channel, self._generation, attach)
+            self.input_queue.put((kind, (self.channel, self._generation, attach)))
+            return
         self.input_queue.put((kind, payload))
 
     # -- several front ends (spec/session.py): scoped ids, the heartbeat deadline --------------
