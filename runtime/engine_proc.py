@@ -68,7 +68,7 @@ from ..protocol.messages import (
 )
 from ..protocol.results import PLAIN_RESULTS
 from ..protocol.utilities import POWER_METHODS
-from ..spec.engine import SCHEDULING, EngineEvent, EngineState
+from ..spec.engine import REPORTS_SLEEPING, SCHEDULING, EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import TraceEntry
 from ..spec.session import SESSION
@@ -93,6 +93,8 @@ HANDSHAKE_SEND_S = 30.0
 
 # A reply's route on an engine serving several front ends: (channel, session generation).
 Route = tuple[int, int]
+# Asleep or paused and not draining: what a front end attaching then is told it finds.
+_PARKED = REPORTS_SLEEPING - SCHEDULING
 
 
 def _addresses(name: str, value: str | Sequence[str]) -> list[str]:
@@ -486,6 +488,12 @@ class EngineCoreProc:
         self.outputs[channel].put(EngineCoreOutputs(
             engine_index=self.engine_index, session=attach.session,
             timestamp=EngineCoreOutputs.now()), direct=True)
+        if self.engine.lifecycle.state in _PARKED:
+            # Asleep or paused by another front end: this one's client follows, as if it
+            # had made the call (a draining engine's notice comes when its drain ends).
+            self.outputs[channel].put(EngineCoreOutputs(
+                engine_index=self.engine_index, power=PowerNotice("sleep"),
+                timestamp=EngineCoreOutputs.now()), direct=True)
 
     def _drop_channel(self, channel: int) -> int:
         """End every live request a channel's earlier sessions started (ABORT: KV freed;
@@ -558,7 +566,7 @@ class EngineCoreProc:
         except Exception as e:
             return utility_output(call.call_id, call.method, error=e)
         reply = self._reply_to(call, result)
-        if reply is not None and reply.failure_message is None:
+        if self._scoped and reply is not None and reply.failure_message is None:
             self._notify_power(call, result)
         return reply
 
@@ -607,6 +615,26 @@ class EngineCoreProc:
         """``answer_call`` on the short path: a result msgpack carries as itself
         (``plain_reply``) is sent at once if the pipe takes it (else queued behind what is
         already there); any other outcome takes the general reply builder."""
+        if self._scoped:
+            self._answer_plain_scoped(call)
+            return
+        try:
+            result = self.engine.call_utility(call.method, call.args)
+        except Exception as e:
+            self._emit_utility(utility_output(call.call_id, call.method, error=e))
+        else:
+            payload = plain_reply(self._reply_encoder, self.engine_index, call.call_id, result)
+            if payload is not None:
+                self.output.send_encoded(payload)
+            else:
+                reply = self._reply_to(call, result)
+                if reply is not None:
+                    self._emit_utility(reply)
+        self._after_parked_call()
+
+    def _answer_plain_scoped(self, call: UtilityRequest) -> None:
+        """``answer_plain`` on an engine serving several front ends: the reply goes to the
+        caller's channel, a power change to the others as a notice."""
         route = self._route(call)
         try:
             result = self.engine.call_utility(call.method, call.args)
@@ -706,7 +734,7 @@ class EngineCoreProc:
             self._emit_utility(outputs.utility_output)
 
     def _emit_utility(self, out: UtilityOutput, route: Route | None = None) -> None:
-        output = self._output_for(route)
+        output = self.output if route is None else self._output_for(route)
         if output is None:
             return  # its session has gone: nobody awaits it
         output.put(

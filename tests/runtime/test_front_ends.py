@@ -235,6 +235,16 @@ def test_a_sleep_from_one_front_end_is_seen_by_the_other(tmp_path: Path) -> None
             wait_for(lambda: b.lifecycle.state is ClientState.RUNNING, what="b resumed")
 
 
+def test_a_front_end_attaching_to_a_sleeping_engine_finds_it_asleep(tmp_path: Path) -> None:
+    with standalone_engine(tmp_path) as (_, pairs):
+        with front_end(pairs, 0) as a:
+            a.sleep(1)
+            with front_end(pairs, 1) as b:
+                wait_for(lambda: b.lifecycle.state is ClientState.SLEEPING, what="b: asleep")
+                b.wake_up()
+                wait_for(lambda: a.lifecycle.state is ClientState.RUNNING, what="a: awake")
+
+
 def test_concurrent_sleep_and_wake_from_two_front_ends_terminate(tmp_path: Path) -> None:
     with standalone_engine(tmp_path) as (_, pairs):
         with front_end(pairs, 0) as a, front_end(pairs, 1) as b:
