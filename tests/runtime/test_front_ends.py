@@ -307,3 +307,38 @@ def test_the_engine_refuses_unpaired_addresses() -> None:
     with pytest.raises(ValueError, match="front_end_timeout_s"):
         EngineCoreProc(NULL, input_address="ipc:///tmp/x0", output_address="ipc:///tmp/y0",
                        front_end_timeout_s=0)
+
+
+def test_enginewire_engine_serves_one_front_end_per_address_pair(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    pairs = _pairs(tmp_path, 2)
+    argv = [sys.executable, "-m", "enginewire", "engine", "--model", "null"]
+    for inp, out in pairs:
+        argv += ["--input-address", inp, "--output-address", out]
+    unpaired = subprocess.run(argv[:-2], capture_output=True, text=True, timeout=BOUND_S)
+    assert unpaired.returncode == 2 and "one pair per front end" in unpaired.stderr
+    engine = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        cfg = EngineConfig(model="null")
+        clients = [make_client(cfg, multiprocess=True, asyncio=False, launch_engine=False,
+                               input_address=inp, output_address=out, client_index=i,
+                               ready_timeout_s=BOUND_S) for i, (inp, out) in enumerate(pairs)]
+        try:
+            for i, c in enumerate(clients):
+                assert c.ready_response.front_end_timeout_s == 10.0  # the default with two
+                c.add_request(req("r1", 4 + i))
+            for i, c in enumerate(clients):
+                assert len(collect(c, {"r1"})["r1"][0]) == 4 + i
+        finally:
+            for c in clients:
+                c.shutdown()
+        engine.send_signal(signal.SIGTERM)
+        assert engine.wait(BOUND_S) == 0
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(BOUND_S)
+        assert engine.stderr is not None
+        engine.stderr.close()
