@@ -78,7 +78,12 @@ the table below), so a transport can route on the first byte without decoding.
 * ``ABORT``: each live request named ends with an ``ABORT`` output; unknown or finished ids
   are no-ops. Aborts are applied in order with ADDs (never before their ADD), at the next
   step boundary.
-* ``ATTACH``: ``AttachRequest``; answered by the attach marker (above).
+* ``ATTACH``: ``AttachRequest``; answered by the attach marker (above). An engine serving
+  several front ends (one address pair each; docs/runtime.md, "Several front ends") refuses
+  one whose ``client_index`` is not its pair's position, and takes ``goodbye=True`` as the
+  front end leaving: its work ends, no marker answers. Its ready handshake then carries
+  ``front_end_timeout_s``: a front end silent that long is gone, so a front end sends a
+  heartbeat (an empty ``ABORT``, a no-op to any engine) well within it.
 * ``UTILITY``: exactly one reply, an ``EngineCoreOutputs`` whose ``utility_output`` carries
   the same ``call_id`` (chosen by the front end). ``failure_message`` is set when the call
   failed: an unknown method (the message lists the allowed ones), bad arguments, a result
@@ -133,6 +138,12 @@ sends a message's parts together, so read whole messages. A batch is one of:
   until it attaches again: everything it awaits is lost (``MPClient`` declares the engine
   dead with a ``ProtocolError`` saying why). Before the marker the same shape is a refused
   ``ATTACH``; a ``refusal`` is never a heartbeat.
+* **A power notice** (an engine serving several front ends): an ``EngineCoreOutputs`` with
+  ``power`` set (``PowerNotice``: the method and its reply's result) and nothing else but
+  ``engine_index`` and ``timestamp``: another front end's ``sleep``, ``wake_up``,
+  ``pause_scheduler`` or ``resume_scheduler`` succeeded, and this front end follows it as it
+  would that reply. Request ids and call ids are the front end's own: each front end's
+  requests, outputs and replies are its alone.
 * **The sentinel**: one frame, exactly ``ENGINE_DEAD_SENTINEL``. The engine hit a fatal
   error; nothing follows and the process exits 1.
 
