@@ -240,14 +240,20 @@ def _engine(args: argparse.Namespace) -> int:
     from .runtime import engine_proc
     from .runtime.config import EngineConfig
 
-    _check_address("--input-address", args.input_address)
-    _check_address("--output-address", args.output_address)
+    for address in args.input_address:
+        _check_address("--input-address", address)
+    for address in args.output_address:
+        _check_address("--output-address", address)
+    if len(args.input_address) != len(args.output_address):
+        raise UsageError(f"{len(args.input_address)} --input-address but"
+                         f" {len(args.output_address)} --output-address: give one pair per"
+                         " front end")
     try:
         curve = _engine_curve(args)
     except (OSError, ValueError) as exc:  # unreadable, unsafe or malformed key material
         print(f"enginewire engine: {exc}", file=sys.stderr)
         return EXIT_ENV
-    tcp = [a for a in (args.input_address, args.output_address) if a.startswith("tcp://")]
+    tcp = [a for a in (*args.input_address, *args.output_address) if a.startswith("tcp://")]
     if tcp and curve is None and not args.allow_insecure_tcp:
         raise UsageError(f"refusing plain tcp at {', '.join(tcp)}: anyone who can reach it can"
                          " submit work and read outputs. Pass --curve-key FILE and --curve-peer"
@@ -268,6 +274,8 @@ def _engine(args: argparse.Namespace) -> int:
             allow_insecure_tcp=args.allow_insecure_tcp,
             integrity=args.integrity,
             raise_startup_errors=True,
+            front_end_timeout_s=(args.front_end_timeout if args.front_end_timeout is not None
+                                 else 10.0 if len(args.input_address) > 1 else None),
         )
     except Exception as exc:
         return _startup_exit(exc)
@@ -634,7 +642,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start an engine core in this process and connect it to a front end that "
         "bound the given input and output addresses (like vLLM's headless engines). It serves "
         "front ends one after another: the next one to bind the addresses takes it over, and "
-        "what the previous one left running is dropped.",
+        "what the previous one left running is dropped. Repeat --input-address and "
+        "--output-address to serve several front ends at once: the i-th pair is front end "
+        "client_index i (docs/runtime.md, \"Several front ends\").",
         epilog="Exit codes: 0 stopped by SIGTERM/SIGINT/SIGHUP (an attached front end is "
         "told), 1 a fatal error while serving, 2 bad usage (a bad flag value or address, an "
         "unknown model, plain tcp without --allow-insecure-tcp), 3 unusable key files, or "
@@ -645,8 +655,18 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--model", default="tiny", help="engine model: tiny, null, smollm2-135m or a .gguf path"
     )
-    eng.add_argument("--input-address", required=True, help="front end's ROUTER address")
-    eng.add_argument("--output-address", required=True, help="front end's PULL address")
+    eng.add_argument("--input-address", required=True, action="append",
+                     help="front end's ROUTER address; repeat for several front ends")
+    eng.add_argument("--output-address", required=True, action="append",
+                     help="front end's PULL address; repeat, one per --input-address")
+    eng.add_argument(
+        "--front-end-timeout",
+        type=_float_over(0.0, inclusive=False),
+        default=None,
+        help="seconds of silence after which a front end is gone and its requests are "
+        "aborted (its client sends heartbeats within it); with several front ends the "
+        "default is 10",
+    )
     eng.add_argument(
         "--engine-index", type=_int_in(0, 65535), default=0, help="this engine's rank (0-65535)"
     )

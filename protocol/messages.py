@@ -78,7 +78,12 @@ the table below), so a transport can route on the first byte without decoding.
 * ``ABORT``: each live request named ends with an ``ABORT`` output; unknown or finished ids
   are no-ops. Aborts are applied in order with ADDs (never before their ADD), at the next
   step boundary.
-* ``ATTACH``: ``AttachRequest``; answered by the attach marker (above).
+* ``ATTACH``: ``AttachRequest``; answered by the attach marker (above). An engine serving
+  several front ends (one address pair each; docs/runtime.md, "Several front ends") refuses
+  one whose ``client_index`` is not its pair's position, and takes ``goodbye=True`` as the
+  front end leaving: its work ends, no marker answers. Its ready handshake then carries
+  ``front_end_timeout_s``: a front end silent that long is gone, so a front end sends a
+  heartbeat (an empty ``ABORT``, a no-op to any engine) well within it.
 * ``UTILITY``: exactly one reply, an ``EngineCoreOutputs`` whose ``utility_output`` carries
   the same ``call_id`` (chosen by the front end). ``failure_message`` is set when the call
   failed: an unknown method (the message lists the allowed ones), bad arguments, a result
@@ -133,6 +138,12 @@ sends a message's parts together, so read whole messages. A batch is one of:
   until it attaches again: everything it awaits is lost (``MPClient`` declares the engine
   dead with a ``ProtocolError`` saying why). Before the marker the same shape is a refused
   ``ATTACH``; a ``refusal`` is never a heartbeat.
+* **A power notice** (an engine serving several front ends): an ``EngineCoreOutputs`` with
+  ``power`` set (``PowerNotice``: the method and its reply's result) and nothing else but
+  ``engine_index`` and ``timestamp``: another front end's ``sleep``, ``wake_up``,
+  ``pause_scheduler`` or ``resume_scheduler`` succeeded, and this front end follows it as it
+  would that reply. Request ids and call ids are the front end's own: each front end's
+  requests, outputs and replies are its alone.
 * **The sentinel**: one frame, exactly ``ENGINE_DEAD_SENTINEL``. The engine hit a fatal
   error; nothing follows and the process exits 1.
 
@@ -276,6 +287,7 @@ __all__ = [
     "EngineCoreOutputs",
     "EngineCoreRequest",
     "FinishReason",
+    "PowerNotice",
     "ReadyResponse",
     "RequestType",
     "SamplingParams",
@@ -370,6 +382,16 @@ class UtilityOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     result: Any = None
 
 
+class PowerNotice(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Another front end's power utility (sleep, wake_up, pause_scheduler, resume_scheduler)
+    succeeded on an engine serving several front ends: ``method`` and the ``result`` its
+    reply carried. The front end follows it as it would that reply (spec/client.py,
+    ``PowerReply``), so its view of the engine's power state converges to the engine's."""
+
+    method: str
+    result: Any = None
+
+
 class SchedulerStats(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     num_running: int = 0
     num_waiting: int = 0
@@ -398,6 +420,9 @@ class EngineCoreOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defau
     # and on the session's end, which follows the marker: why the engine ended the session.
     session: bytes | None = None
     refusal: str | None = None
+    # Set only on a power notice (an engine serving several front ends): nothing else but
+    # ``engine_index`` and ``timestamp`` beside it.
+    power: PowerNotice | None = None
 
     @staticmethod
     def now() -> float:
@@ -430,6 +455,12 @@ class AttachRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # Whether this front end seals its messages (frame integrity): the engine refuses a
     # front end that does not match its own setting instead of failing on its first message.
     integrity: bool = False
+    # The front end's rank: an engine serving several front ends refuses an ATTACH whose
+    # index is not its channel's position (spec/session.py).
+    client_index: int = 0
+    # A front end leaving (its shutdown): the engine ends this session's work at once
+    # (FRONT_END_GONE) instead of at its heartbeat deadline. No marker answers it.
+    goodbye: bool = False
 
 
 class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -442,3 +473,6 @@ class ReadyResponse(msgspec.Struct, frozen=True, array_like=True, gc=False):
     max_model_len: int
     model: str
     device: str
+    # Set when the engine ends a silent front end's session (``front_end_timeout_s``): the
+    # front end then sends a heartbeat (an empty ABORT) well inside it (MPClient: a quarter).
+    front_end_timeout_s: float | None = None

@@ -47,6 +47,8 @@ class AttachSide:
     _integrity: LinkIntegrity | None
     _ready_timeout: float
     _stamp_seen: bool
+    client_index: int
+    _session: bytes | None
 
     def _attach(self) -> None:
         """Take the engine over under a fresh session (protocol/messages.py, "Attaching"):
@@ -58,7 +60,9 @@ class AttachSide:
         res.attach_deadline[0] = time.monotonic() + self._ready_timeout
         self._attach_step(AttachEvent.SEND_ATTACH, session)
         # Unsealed even with frame integrity: it starts the engine's counts afresh.
-        attach = AttachRequest(session, integrity=self._integrity is not None)
+        attach = AttachRequest(session, integrity=self._integrity is not None,
+                               client_index=self.client_index)
+        self._session = session  # a goodbye names it (an engine serving several front ends)
         res.input_socket.send_multipart(
             [self.identity, *encode_input(self._encoder, RequestType.ATTACH, attach)])
 

@@ -331,16 +331,19 @@ def monitor_engine(
     heartbeat_timeout_s: float | None,
     last_seen: list[float],
     attach_deadline: Sequence[float] = (math.inf,),
+    beat_s: float | None = None,
 ) -> None:
     """Wait for the engine process to exit (or go silent, or leave the ATTACH unanswered)
-    and report it to the client.
+    and report it to the client. ``beat_s``: every so often, the client's
+    ``_send_front_end_beat()`` (an engine serving several front ends deems a silent one
+    gone: ``ReadyResponse.front_end_timeout_s``).
 
     If the watch itself fails, death could no longer be seen and every wait on the engine
     could hang: the client is told the engine is dead, with the failure as the cause."""
     while True:
         try:
             cause = _watch_engine(proc, stop_fd, heartbeat_timeout_s, last_seen,
-                                  attach_deadline)
+                                  attach_deadline, beat_s, client_ref)
         except Exception as e:
             logger.exception("engine monitor failed")
             cause = EngineProcessDied(f"the engine monitor failed ({e!r}): death can no"
@@ -367,6 +370,8 @@ def _watch_engine(
     heartbeat_timeout_s: float | None,
     last_seen: list[float],
     attach_deadline: Sequence[float],
+    beat_s: float | None = None,
+    client_ref: weakref.ReferenceType[Any] | None = None,
 ) -> BaseException | None:
     """Block until the engine exits or goes silent or its attach marker is overdue (the
     cause), or the client stops or nothing is left to watch (None)."""
@@ -376,6 +381,7 @@ def _watch_engine(
     # Set when the sentinel proved unreliable (readable, process alive): it stays readable,
     # so waiting on it again would spin; the exit is then polled instead.
     poll_exit_s: float | None = None
+    next_beat = math.inf if beat_s is None else time.monotonic() + beat_s
     while True:
         # Wake at the deadlines themselves rather than on a polling grid: a silent engine is
         # then declared dead at its last message + heartbeat_timeout_s (plus scheduling), not
@@ -386,6 +392,7 @@ def _watch_engine(
         wait_s = attach_deadline[0] - now
         if heartbeat_timeout_s:
             wait_s = min(wait_s, last_seen[0] + heartbeat_timeout_s - now)
+        wait_s = min(wait_s, next_beat - now)
         if math.isinf(wait_s) and proc is None:
             return None  # an attached engine without a heartbeat: only the marker was due
         if poll_exit_s is not None:
@@ -394,6 +401,13 @@ def _watch_engine(
             waitables, timeout=None if math.isinf(wait_s) else max(0.0, wait_s))
         if stop_fd in ready:
             return None
+        if beat_s is not None and time.monotonic() >= next_beat:
+            next_beat = time.monotonic() + beat_s
+            client = client_ref() if client_ref is not None else None
+            if client is None:
+                return None
+            client._send_front_end_beat()
+            del client
         if proc is not None and (proc.sentinel in ready or poll_exit_s is not None):
             # A readable sentinel with a live process would be a false alarm (vLLM #54184):
             # require a real exit code.

@@ -16,9 +16,11 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
+import msgspec
 import zmq
 
 from ..protocol.codec import Limits, decode_input
@@ -32,7 +34,7 @@ from ..protocol.messages import (
 from ..protocol.utilities import LOOP_THREAD_METHODS
 from ..spec.errors import ProtocolError
 from ..spec.machine import Lifecycle
-from ..spec.session import SESSION_DROPS_INPUT, SessionEvent, SessionState
+from ..spec.session import SESSION_DROPS_INPUT, SESSION_SERVED, SessionEvent, SessionState
 from ._engine_link import RECONNECT_IVL_MAX_MS, RECONNECT_IVL_MS, Link, Wakeup, reconnect
 from ._engine_shared import IDLE_WAKE_S, Control, EngineGate
 from ._engine_wire import WireProfile
@@ -41,7 +43,7 @@ from .integrity import LinkIntegrity
 from .security import TransportGuard
 from .zmq_io import ZMQ_RCVMORE, recv_rest
 
-__all__ = ["BUSY_RECV_S", "EngineInput", "ParkedLoop"]
+__all__ = ["BUSY_RECV_S", "EngineInput", "ParkedLoop", "channel_prefix"]
 
 # One logger for the engine process, whichever of its modules logs.
 logger = logging.getLogger("enginewire.runtime.engine_proc")
@@ -53,6 +55,16 @@ logger = logging.getLogger("enginewire.runtime.engine_proc")
 BUSY_RECV_S = 0.01
 
 _ATTACH_BYTE = RequestType.ATTACH.value
+# Ends a scoped request id's prefix (``channel_prefix``): a control character no decimal has.
+SCOPE_END = "\x1f"
+
+
+def channel_prefix(channel: int, generation: int) -> str:
+    """The prefix that scopes a request id to one front end's session on an engine serving
+    several (``EngineInput(scoped=True)``): the engine keys requests by (channel, session
+    generation, the front end's id), spelled ``f"{channel}.{generation}\x1f{id}"`` so the
+    engine core needs no second key. The first ``SCOPE_END`` ends it, whatever the id holds."""
+    return f"{channel}.{generation}{SCOPE_END}"
 
 
 class ParkedLoop(Protocol):
@@ -93,6 +105,9 @@ class EngineInput:
         integrity: LinkIntegrity | None = None,
         faults: FaultInjector | None = None,
         fast_calls: bool = True,
+        channel: int = 0,
+        scoped: bool = False,
+        front_end_timeout_s: float | None = None,
     ) -> None:
         self._ctx = ctx
         self._guard = guard
@@ -127,6 +142,18 @@ class EngineInput:
         self._short_call = wire.short_call(limits) if fast_calls else None
         # Without sessions the client's first message completes the handshake (AFTER_READY).
         self._handshaking = not wire.sessions
+        # Several front ends (spec/session.py): this thread serves channel ``channel``, whose
+        # front end must ATTACH with that client_index. ``scoped``: request ids are scoped to
+        # the session (``channel_prefix``; ``_generation`` counts its sessions), and the items
+        # queued for the loop name the channel. ``front_end_timeout_s``: a served front end
+        # silent for longer is gone (it sends heartbeats: empty ABORTs).
+        self.channel = channel
+        self._scoped = scoped
+        self._generation = 0
+        self._prefix = channel_prefix(channel, 0)
+        self._attached: bytes | None = None  # the served session, as this thread saw it
+        self._front_end_timeout_s = front_end_timeout_s
+        self._last_heard = time.monotonic()
         self.ready_sent = threading.Event()
         self.error: BaseException | None = None
 
@@ -209,6 +236,7 @@ class EngineInput:
                 self.ready_sent.set()
             recv = sock.recv
             short_call = self._short_call
+            watch = self._front_end_timeout_s is not None
             while True:
                 if connected[0] != readied[0]:
                     # A handshake while messages keep coming: announce it now, not at the
@@ -226,6 +254,8 @@ class EngineInput:
                     # out at once), IDLE_WAKE_S, or a dropped link's grace to end (it is then
                     # mended).
                     while True:
+                        if watch:
+                            self._check_heard()
                         if link.take_due():
                             reconnect(sock, address)
                         if connected[0] != readied[0]:
@@ -238,6 +268,8 @@ class EngineInput:
                         if sock in events:
                             break
                     continue
+                if watch:
+                    self._last_heard = time.monotonic()
                 try:
                     if not (short_call is not None and self._serve_plain(short_call, first)):
                         self.accept(first, sock)
@@ -269,6 +301,8 @@ class EngineInput:
         call = short_call(first)
         if call is None:
             return False
+        if self._scoped and call.client_index != self.channel:
+            call = msgspec.structs.replace(call, client_index=self.channel)  # the reply's route
         return self._serve_idle_call(call, plain=True)
 
     def accept(self, first: bytes, sock: zmq.Socket[Any]) -> None:
@@ -305,7 +339,9 @@ class EngineInput:
                     # attaches anew; the busy loop drops its work and tells it, in order
                     # behind its input.
                     self._session_step(SessionEvent.INTEGRITY_FAILED)
-                    self.input_queue.put((Control.END_SESSION, e))
+                    self._new_generation(None)
+                    self.input_queue.put(
+                        (Control.END_SESSION, (self.channel, e) if self._scoped else e))
                     return
         elif self._handshaking:
             # No ATTACH on this wire (enginewire's AFTER_READY point): the client's first
@@ -329,6 +365,10 @@ class EngineInput:
                 # An injected raise or OOM is this thread failing, not one bad frame.
                 self.input_queue.put((Control.SHUTDOWN, e))
                 return
+        if self._scoped:
+            payload = self._scope(kind, payload)
+            if payload is None:
+                return  # a front end's heartbeat: it was heard, nothing more
         if kind is RequestType.ABORT:
             # Seen by a step already running; the queued copy keeps the order behind ADDs.
             self._aborts.extend(payload)
@@ -350,21 +390,85 @@ class EngineInput:
             self._reject(frames, e)
             return
         attach = cast(AttachRequest, payload)
+        if self._scoped and attach.goodbye:
+            # The served front end leaves (its shutdown): its work ends now, not at its
+            # heartbeat deadline. A goodbye from any other session changes nothing.
+            if attach.session == self._attached:
+                self._gone("it said goodbye")
+            return
         ours = self._integrity is not None
+        reason = None
         if attach.integrity != ours:
-            self._session_step(SessionEvent.ATTACH_REFUSED)
             reason = (f"frame integrity is {'on' if attach.integrity else 'off'} at this front"
                       f" end and {'on' if ours else 'off'} at the engine; set the same on both"
                       " (client option frame_integrity, enginewire engine --integrity)")
+        elif self._scoped and attach.client_index != self.channel:
+            reason = (f"this front end's client_index is {attach.client_index}, but it"
+                      f" attached on channel {self.channel} (input and output address pair"
+                      f" {self.channel} of the engine); each front end attaches on the pair"
+                      " at its own index")
+        if reason is not None:
+            self._session_step(SessionEvent.ATTACH_REFUSED)
             logger.error("refused a front end: %s", reason)
-            self.input_queue.put((Control.OUTPUTS, EngineCoreOutputs(
+            refusal = EngineCoreOutputs(
                 engine_index=self._engine_index, session=attach.session, refusal=reason,
-                timestamp=EngineCoreOutputs.now())))
+                timestamp=EngineCoreOutputs.now())
+            self.input_queue.put(
+                (Control.OUTPUTS, (self.channel, refusal) if self._scoped else refusal))
             return
         self._session_step(SessionEvent.ATTACH_ACCEPTED)
         if self._integrity is not None:
             self._integrity.restart_receiving()
+        if self._scoped:
+            if attach.session != self._attached:
+                self._new_generation(attach.session)
+            self._last_heard = time.monotonic()
+            self.input_queue.put((kind, (self.channel, self._generation, attach)))
+            return
         self.input_queue.put((kind, payload))
+
+    # -- several front ends (spec/session.py): scoped ids, the heartbeat deadline --------------
+
+    def _new_generation(self, session: bytes | None) -> None:
+        """A new session (or none) on this channel: ids are scoped afresh, so nothing the
+        previous session sent can name what the next one sends."""
+        self._attached = session
+        self._generation += 1
+        self._prefix = channel_prefix(self.channel, self._generation)
+
+    def _scope(self, kind: Any, payload: Any) -> Any:
+        """A decoded message of a served front end, scoped to its session: request ids carry
+        the session's prefix, a call names this channel (its reply's route). None: an empty
+        ABORT, the front end's heartbeat."""
+        if kind is RequestType.ADD:
+            return msgspec.structs.replace(
+                payload, request_id=self._prefix + payload.request_id,
+                client_index=self.channel)
+        if kind is RequestType.ABORT:
+            if not payload:
+                return None
+            prefix = self._prefix
+            return [prefix + rid for rid in payload]
+        if kind is RequestType.UTILITY and payload.client_index != self.channel:
+            return msgspec.structs.replace(payload, client_index=self.channel)
+        return payload
+
+    def _check_heard(self) -> None:
+        """The heartbeat deadline: a served front end silent past ``front_end_timeout_s``
+        is gone (its process died or hangs)."""
+        timeout = self._front_end_timeout_s
+        if (timeout is not None and self.session_phase.state in SESSION_SERVED
+                and time.monotonic() - self._last_heard > timeout):
+            self._gone(f"nothing heard from it for {timeout:g} s (front_end_timeout_s)")
+
+    def _gone(self, why: str) -> None:
+        """FRONT_END_GONE: the loop ends this session's work, behind its input."""
+        if self.session_phase.state not in SESSION_SERVED:
+            return
+        self._session_step(SessionEvent.FRONT_END_GONE)
+        self._new_generation(None)
+        logger.warning("front end %d is gone: %s", self.channel, why)
+        self.input_queue.put((Control.FRONT_END_GONE, (self.channel, self._generation)))
 
     def _session_step(self, event: SessionEvent) -> None:
         self.session_phase.fire(event)
@@ -388,4 +492,10 @@ class EngineInput:
     def _reject(self, frames: list[Any], error: ProtocolError) -> None:
         answer = self._wire.rejection(frames, error)
         if answer is not None:
+            if self._scoped:
+                what, detail = answer
+                if what is Control.REJECT_ADD:
+                    answer = what, (self._prefix + detail[0], detail[1])
+                else:
+                    answer = what, (self.channel, detail)
             self.input_queue.put(answer)

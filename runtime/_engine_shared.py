@@ -48,6 +48,9 @@ class Control(enum.Enum):
     WAKE = "wake"  # the input thread served a call that left the loop work to do
     END_SESSION = "end_session"  # the front end's link failed the integrity check
     FATAL = "fatal"  # an error the input thread met running the engine: the loop raises it
+    # (channel, generation): a served front end is gone (heartbeat deadline or goodbye) on an
+    # engine serving several front ends; its work ends (spec/session.py, FRONT_END_GONE).
+    FRONT_END_GONE = "front_end_gone"
 
 
 class InputQueue(queue.SimpleQueue[Any]):

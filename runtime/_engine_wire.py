@@ -87,8 +87,10 @@ class WireProfile:
         encoder: OutputEncoder = Encoder()
         return encoder
 
-    def ready(self, engine: Any, engine_index: int) -> list[Any]:
-        """The ready handshake's frames, the first message the engine sends."""
+    def ready(self, engine: Any, engine_index: int, *,
+              front_end_timeout_s: float | None = None) -> list[Any]:
+        """The ready handshake's frames, the first message the engine sends;
+        ``front_end_timeout_s`` tells a front end to send heartbeats within it."""
         info = engine.ready_info()
         frames: list[Any] = Encoder().encode(ReadyResponse(
             protocol_version=PROTOCOL_VERSION,
@@ -98,6 +100,7 @@ class WireProfile:
             max_model_len=int(info["max_model_len"]),
             model=str(info["model"]),
             device=str(info["device"]),
+            front_end_timeout_s=front_end_timeout_s,
         ))
         return frames
 

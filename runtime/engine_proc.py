@@ -49,7 +49,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -61,16 +61,18 @@ from ..protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    PowerNotice,
     RequestType,
     UtilityOutput,
     UtilityRequest,
 )
 from ..protocol.results import PLAIN_RESULTS
-from ..spec.engine import SCHEDULING, EngineEvent, EngineState
+from ..protocol.utilities import POWER_METHODS
+from ..spec.engine import REPORTS_SLEEPING, SCHEDULING, EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import TraceEntry
 from ..spec.session import SESSION
-from ._engine_input import EngineInput
+from ._engine_input import SCOPE_END, EngineInput, channel_prefix
 from ._engine_lifeline import EngineShutdownRequested, ShutdownSignals, watch_parent
 from ._engine_link import DROP_GRACE_S as DROP_GRACE_S  # re-exported: tests read it here
 from ._engine_output import OUTPUT_FLUSH_S, STOP_OUTPUT, EngineOutput, goes_direct, is_marker
@@ -88,6 +90,18 @@ logger = logging.getLogger(__name__)
 
 # Bound on the input thread connecting and sending the ready handshake.
 HANDSHAKE_SEND_S = 30.0
+
+# A reply's route on an engine serving several front ends: (channel, session generation).
+Route = tuple[int, int]
+# Asleep or paused and not draining: what a front end attaching then is told it finds.
+_PARKED = REPORTS_SLEEPING - SCHEDULING
+
+
+def _addresses(name: str, value: str | Sequence[str]) -> list[str]:
+    addresses = [value] if isinstance(value, str) else list(value)
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise ValueError(f"{name}={value!r}: must be an address or a non-empty list of them")
+    return addresses
 
 
 class _SessionEnded(EngineCoreOutputs, frozen=True):
@@ -126,8 +140,8 @@ class EngineCoreProc:
         self,
         config: Any,
         *,
-        input_address: str,
-        output_address: str,
+        input_address: str | Sequence[str],
+        output_address: str | Sequence[str],
         engine_index: int = 0,
         heartbeat_interval_s: float | None = None,
         startup_delay_s: float = 0.0,
@@ -138,6 +152,7 @@ class EngineCoreProc:
         allow_insecure_tcp: bool = False,
         limits: Limits = DEFAULT_LIMITS,
         integrity: bool = False,
+        front_end_timeout_s: float | None = None,
     ) -> None:
         from .config import EngineConfig
         from .engine import EngineCore  # deferred: keeps this module importable without torch
@@ -160,12 +175,30 @@ class EngineCoreProc:
         if not isinstance(engine_index, int) or not 0 <= engine_index < 1 << 16:
             raise ValueError(f"engine_index={engine_index!r}: must be an integer in [0, 65535]")
         self.engine_index = engine_index
+        # Several front ends (spec/session.py): channel i is the i-th address pair, served by
+        # its own input and output thread, all feeding this one busy loop.
+        inputs = _addresses("input_address", input_address)
+        outputs = _addresses("output_address", output_address)
+        if len(inputs) != len(outputs):
+            raise ValueError(f"{len(inputs)} input address(es) but {len(outputs)} output"
+                             " address(es): one pair per front end")
+        if front_end_timeout_s is not None and not (
+                isinstance(front_end_timeout_s, (int, float))
+                and math.isfinite(front_end_timeout_s) and front_end_timeout_s > 0):
+            raise ValueError(f"front_end_timeout_s={front_end_timeout_s!r}: must be a finite"
+                             " number of seconds > 0, or None")
+        # Scoped: request ids, replies and sessions per channel. Only with several front
+        # ends or a front-end deadline: one front end without one is served as always.
+        self._scoped = len(inputs) > 1 or front_end_timeout_s is not None
+        if self._scoped and not self.wire.sessions:
+            raise ValueError(f"the {self.wire.name} wire has no sessions: it serves one front"
+                             " end, without front_end_timeout_s")
         # The two queues between the threads: input items for the loop, outputs for the
-        # output thread.
+        # output thread (one per channel; this is channel 0's).
         self.input_queue = InputQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._signals = signals
-        check_transport((input_address, output_address), curve, allow_insecure_tcp)
+        check_transport((*inputs, *outputs), curve, allow_insecure_tcp)
         # Bounds on input, applied by the codec and (frame size) by libzmq before allocating.
         self.limits = limits
         self._wire = self.wire()
@@ -174,9 +207,14 @@ class EngineCoreProc:
         self._threads: list[threading.Thread] = []
         self._deferred: set[concurrent.futures.Future[Any]] = set()
         self._loop_thread: int | None = None  # the busy loop's thread, once it runs
-        self._replies: list[UtilityOutput] = []
+        # Replies owed, each with its route (None: the one front end's).
+        self._replies: list[tuple[Route | None, UtilityOutput]] = []
         # The attached front end's session (protocol/messages.py, "Attaching"); busy loop only.
         self._session: bytes | None = None
+        # Scoped: each channel's served session (None: none) and its generation, as the loop
+        # has seen them (behind the input queued before them).
+        self._sessions: list[bytes | None] = [None] * len(inputs)
+        self._generations = [0] * len(inputs)
         # The session and the engine core record into one bounded trace, which drain_trace
         # hands out (runtime/_engine_trace.py); a plain list given here still gets each entry.
         records: int = getattr(config, "engine_trace_records", 0)
@@ -184,8 +222,8 @@ class EngineCoreProc:
             trace = EngineTrace(records or TRACE_BOUND, sink=trace)
         elif trace is None and records:
             trace = EngineTrace(records)  # EngineConfig.engine_trace_records asks for one
-        # Which front end this engine serves (spec/session.py): the input thread's.
-        session_phase = SESSION.lifecycle(trace=trace)
+        # Which front end each channel serves (spec/session.py): its input thread's.
+        session_phases = [SESSION.lifecycle(trace=trace) for _ in inputs]
         self.engine: Any = None
         self._overlap = True  # the output thread can encode while a step runs
         # Fault points (runtime/faults.py); None: no plan, every point is a no-op.
@@ -193,11 +231,15 @@ class EngineCoreProc:
         # Optional seq/ack/CRC trailers on every message (runtime/integrity.py): one object
         # for both directions (each one's acks ride on the other's messages), locked on its own.
         self._integrity = LinkIntegrity() if integrity else None
-        # Built first, so that close() always has it to stop; its thread starts below.
-        self.output = EngineOutput(
+        # Built first, so that close() always has them to stop; their threads start below.
+        self.outputs = [EngineOutput(
             self._ctx, self._guard, self._wire.encoder(), engine_index=engine_index,
-            output_queue=self.output_queue, input_queue=self.input_queue,
+            output_queue=self.output_queue if i == 0 else queue.SimpleQueue(),
+            input_queue=self.input_queue,
             heartbeat_interval_s=heartbeat_interval_s, integrity=self._integrity)
+            for i in range(len(outputs))]
+        self.output = self.outputs[0]
+        self.inputs: list[EngineInput] = []
         self.input: EngineInput | None = None  # built once the engine is
         # The idle call's short path encodes plain replies itself (``plain_reply``).
         self._reply_encoder = msgspec.msgpack.Encoder()
@@ -212,32 +254,43 @@ class EngineCoreProc:
                 self._arm_faults(FaultInjector(plan, device=str(self.engine.device)))
             self._fault(FaultPoint.BEFORE_READY)
             ready = self._wire.ready(self.engine, engine_index)
+            if front_end_timeout_s is not None:
+                ready = self._wire.ready(self.engine, engine_index,
+                                         front_end_timeout_s=front_end_timeout_s)
             # Held by the busy loop except while it parks: the input thread may then serve
             # a call or admit an ADD itself (one thread hop less per message).
             self._gate = EngineGate(self.input_queue, self.engine.lifecycle)
             # The idle call's short path is off with integrity (every message is sealed) and
             # under a fault plan (every fault point lies on the general path).
             fast_calls = not integrity and self.faults is None
-            self.input = EngineInput(
-                self._ctx, self._guard, input_address, self._wire,
+            self.inputs = [EngineInput(
+                self._ctx, self._guard, address, self._wire,
                 identity=engine_index.to_bytes(2, "little"), engine_index=engine_index,
                 limits=limits, vocab_size=self.engine.arch.vocab_size, ready=ready,
                 input_queue=self.input_queue, gate=self._gate, loop=self,
-                aborts=self.engine.mid_step_aborts, session_phase=session_phase,
-                on_peer=self.output.peer_seen.set,
-                integrity=self._integrity, faults=self.faults, fast_calls=fast_calls)
-            self._start("EngineCoreOutputThread", self.output.run, output_address)
-            self._start("EngineCoreInputThread", self.input.run)
+                aborts=self.engine.mid_step_aborts, session_phase=session_phases[i],
+                on_peer=self.outputs[i].peer_seen.set,
+                integrity=self._integrity, faults=self.faults, fast_calls=fast_calls,
+                channel=i, scoped=self._scoped, front_end_timeout_s=front_end_timeout_s)
+                for i, address in enumerate(inputs)]
+            self.input = self.inputs[0]
+            for output, address in zip(self.outputs, outputs, strict=True):
+                self._start("EngineCoreOutputThread", output.run, address)
+            for inp in self.inputs:
+                self._start("EngineCoreInputThread", inp.run)
+            inputs_threads = self._threads[-len(inputs):]
             deadline = time.monotonic() + HANDSHAKE_SEND_S
-            while not self.input.ready_sent.wait(0.1):
-                if self.input.error is not None or not self._threads[-1].is_alive():
-                    raise EngineStartupError(
-                        f"engine input thread died during start-up: {self.input.error}"
-                    ) from self.input.error
-                if time.monotonic() > deadline:
-                    raise EngineStartupError(
-                        f"no front end took the ready handshake at {input_address} within"
-                        f" {HANDSHAKE_SEND_S:g} s (is one bound there, with matching keys?)")
+            for inp, address, thread in zip(self.inputs, inputs, inputs_threads, strict=True):
+                while not inp.ready_sent.wait(0.1):
+                    if inp.error is not None or not thread.is_alive():
+                        raise EngineStartupError(
+                            f"engine input thread died during start-up: {inp.error}"
+                        ) from inp.error
+                    if time.monotonic() > deadline:
+                        raise EngineStartupError(
+                            f"no front end took the ready handshake at {address} within"
+                            f" {HANDSHAKE_SEND_S:g} s (is one bound there, with matching"
+                            " keys?)")
             self.engine.lifecycle.fire(EngineEvent.HANDSHAKE_SENT)
         except BaseException:
             self.close()
@@ -275,8 +328,8 @@ class EngineCoreProc:
         if not self._replies:
             return False
         replies, self._replies = self._replies, []
-        for out in replies:
-            self._emit_utility(out)
+        for route, out in replies:
+            self._emit_utility(out, route)
         return True
 
     def _has_work(self) -> bool:
@@ -331,11 +384,20 @@ class EngineCoreProc:
         elif kind is Control.FATAL:
             raise payload  # met by the input thread while it ran the engine for the loop
         elif kind is Control.END_SESSION:
-            self._end_session(payload)
+            if self._scoped:
+                self._end_channel(*payload)
+            else:
+                self._end_session(payload)
+        elif kind is Control.FRONT_END_GONE:
+            self._front_end_gone(*payload)
         elif kind is Control.REJECT_ADD:
             self.engine.reject_request(*payload)  # its ERROR goes out with the next step
         elif kind is Control.OUTPUTS:
-            if is_marker(payload):  # a refusal: nothing else in it, sent all the same
+            if self._scoped:
+                channel, payload = payload
+                if is_marker(payload) or self._sessions[channel] is not None:
+                    self.outputs[channel].put(payload, direct=True)
+            elif is_marker(payload):  # a refusal: nothing else in it, sent all the same
                 self.output.put(payload, direct=True)
             else:
                 self._emit(payload)
@@ -350,7 +412,10 @@ class EngineCoreProc:
         elif kind is RequestType.UTILITY:
             self._call_utility(payload)
         elif kind is RequestType.ATTACH:
-            self._attach(payload.session)
+            if self._scoped:
+                self._attach_channel(*payload)
+            else:
+                self._attach(payload.session)
         else:
             logger.error("engine: unknown input kind %r dropped", kind)
         return True
@@ -406,10 +471,93 @@ class EngineCoreProc:
                         direct=True)
         self._session = None
 
+    # -- several front ends (spec/session.py; scoped only) ------------------------------------
+
+    def _attach_channel(self, channel: int, generation: int, attach: Any) -> None:
+        """A front end attaches on ``channel``: a new session there ends that channel's
+        previous work only (nobody else's, and the engine stays as it is: asleep stays
+        asleep); then its marker."""
+        self._fault(FaultPoint.AFTER_READY)
+        if generation != self._generations[channel]:
+            dropped = self._drop_channel(channel)
+            logger.info("front end %d attached%s", channel,
+                        f"; {dropped} request(s) of its predecessor were dropped"
+                        if dropped else "")
+            self._generations[channel] = generation
+        self._sessions[channel] = attach.session
+        self.outputs[channel].put(EngineCoreOutputs(
+            engine_index=self.engine_index, session=attach.session,
+            timestamp=EngineCoreOutputs.now()), direct=True)
+        if self.engine.lifecycle.state in _PARKED:
+            # Asleep or paused by another front end: this one's client follows, as if it
+            # had made the call (a draining engine's notice comes when its drain ends).
+            self.outputs[channel].put(EngineCoreOutputs(
+                engine_index=self.engine_index, power=PowerNotice("sleep"),
+                timestamp=EngineCoreOutputs.now()), direct=True)
+
+    def _drop_channel(self, channel: int) -> int:
+        """End every live request a channel's earlier sessions started (ABORT: KV freed;
+        their outputs match no served session and are dropped) and forget the replies owed
+        to them; how many requests ended."""
+        head = f"{channel}."
+        ids = [rid for rid in self.engine.scheduler.requests if rid.startswith(head)]
+        if ids:
+            self.engine.abort_requests(ids)
+        self._replies = [(r, o) for r, o in self._replies if r is None or r[0] != channel]
+        return len(ids)
+
+    def _front_end_gone(self, channel: int, generation: int) -> None:
+        """FRONT_END_GONE on ``channel``: its work ends, nobody else's."""
+        dropped = self._drop_channel(channel)
+        self._generations[channel] = generation
+        self._sessions[channel] = None
+        logger.warning("front end %d is gone; its %d live request(s) were aborted",
+                       channel, dropped)
+
+    def _end_channel(self, channel: int, error: ProtocolError) -> None:
+        """``_end_session`` for one channel of several."""
+        dropped = self._drop_channel(channel)
+        reason = (f"this front end's input failed the frame integrity check ({error}); the"
+                  f" engine dropped its {dropped} request(s) and ignores it until it attaches"
+                  " again")
+        logger.error("ended front end %d's session: %s", channel, reason)
+        self.outputs[channel].put(_SessionEnded(
+            engine_index=self.engine_index, session=self._sessions[channel], refusal=reason,
+            timestamp=EngineCoreOutputs.now()), direct=True)
+        self._sessions[channel] = None
+
+    def _route(self, call: UtilityRequest) -> Route | None:
+        """Where ``call``'s reply goes: its channel's session now (the input thread set
+        ``client_index`` to the channel); None with one unscoped front end."""
+        if not self._scoped:
+            return None
+        return call.client_index, self._generations[call.client_index]
+
+    def _output_for(self, route: Route | None) -> EngineOutput | None:
+        """The channel a reply goes to, or None when its session has gone since."""
+        if route is None:
+            return self.output
+        channel, generation = route
+        if self._generations[channel] != generation or self._sessions[channel] is None:
+            return None
+        return self.outputs[channel]
+
+    def _notify_power(self, call: UtilityRequest, result: Any) -> None:
+        """A power utility succeeded for one front end: every other served front end is told,
+        in the engine's order, so its client follows as it would the reply (spec/client.py)."""
+        if not self._scoped or call.method not in POWER_METHODS:
+            return
+        notice = PowerNotice(call.method, result if type(result) is bool else None)
+        for channel, session in enumerate(self._sessions):
+            if session is not None and channel != call.client_index:
+                self.outputs[channel].put(EngineCoreOutputs(
+                    engine_index=self.engine_index, power=notice,
+                    timestamp=EngineCoreOutputs.now()), direct=True)
+
     def _call_utility(self, call: UtilityRequest) -> None:
         reply = self._run_utility(call)
         if reply is not None:
-            self._emit_utility(reply)
+            self._emit_utility(reply, self._route(call))
 
     def _run_utility(self, call: UtilityRequest) -> UtilityOutput | None:
         """Run ``call``; its reply, or None when the reply is deferred (sent on resolution)."""
@@ -417,7 +565,10 @@ class EngineCoreProc:
             result = self.engine.call_utility(call.method, call.args)
         except Exception as e:
             return utility_output(call.call_id, call.method, error=e)
-        return self._reply_to(call, result)
+        reply = self._reply_to(call, result)
+        if self._scoped and reply is not None and reply.failure_message is None:
+            self._notify_power(call, result)
+        return reply
 
     def _reply_to(self, call: UtilityRequest, result: Any) -> UtilityOutput | None:
         """The reply for ``result``, the general builder (its shortcut: ``plain_reply``, on
@@ -425,6 +576,7 @@ class EngineCoreProc:
         if isinstance(result, concurrent.futures.Future):
             # Deferred reply (pause/sleep in "wait" mode): sent when the engine resolves it.
             self._deferred.add(result)
+            route = self._route(call)
 
             def done(fut: concurrent.futures.Future[Any]) -> None:
                 exc = fut.exception()
@@ -432,10 +584,12 @@ class EngineCoreProc:
                     out = utility_output(call.call_id, call.method, error=exc)
                 else:
                     out = utility_output(call.call_id, call.method, result=fut.result())
+                    if out.failure_message is None:
+                        self._notify_power(call, fut.result())
                 # Completed inside step(): held until that step's outputs are queued, so a
                 # "wait" reply follows the last outputs it waited for. Queued before the
                 # future leaves _deferred: the loop, seeing no work left, flushes it then.
-                self._replies.append(out)
+                self._replies.append((route, out))
                 self._deferred.discard(fut)
                 if threading.get_ident() != self._loop_thread:
                     # Completed by another thread (a user's utility resolving later): an
@@ -461,6 +615,9 @@ class EngineCoreProc:
         """``answer_call`` on the short path: a result msgpack carries as itself
         (``plain_reply``) is sent at once if the pipe takes it (else queued behind what is
         already there); any other outcome takes the general reply builder."""
+        if self._scoped:
+            self._answer_plain_scoped(call)
+            return
         try:
             result = self.engine.call_utility(call.method, call.args)
         except Exception as e:
@@ -473,6 +630,29 @@ class EngineCoreProc:
                 reply = self._reply_to(call, result)
                 if reply is not None:
                     self._emit_utility(reply)
+        self._after_parked_call()
+
+    def _answer_plain_scoped(self, call: UtilityRequest) -> None:
+        """``answer_plain`` on an engine serving several front ends: the reply goes to the
+        caller's channel, a power change to the others as a notice."""
+        route = self._route(call)
+        try:
+            result = self.engine.call_utility(call.method, call.args)
+        except Exception as e:
+            self._emit_utility(utility_output(call.call_id, call.method, error=e), route)
+        else:
+            payload = plain_reply(self._reply_encoder, self.engine_index, call.call_id, result)
+            if payload is not None:
+                output = self._output_for(route)
+                if output is not None:
+                    output.send_encoded(payload)
+                self._notify_power(call, result)
+            else:
+                reply = self._reply_to(call, result)
+                if reply is not None:
+                    self._emit_utility(reply, route)
+                    if reply.failure_message is None:
+                        self._notify_power(call, result)
         self._after_parked_call()
 
     def _after_parked_call(self) -> None:
@@ -507,12 +687,57 @@ class EngineCoreProc:
             return False
         if outputs.engine_index != self.engine_index:
             outputs = msgspec.structs.replace(outputs, engine_index=self.engine_index)
+        if self._scoped:
+            self._emit_scoped(outputs)
+            return True
         size = len(outputs.outputs) + len(outputs.stream_ids)
         self.output.put(outputs, direct=goes_direct(size, self._overlap))
         return True
 
-    def _emit_utility(self, out: UtilityOutput) -> None:
-        self.output.put(
+    def _emit_scoped(self, outputs: EngineCoreOutputs) -> None:
+        """Split a step's batch by front end: each served session gets its own requests'
+        outputs under the ids it sent; those of a session that has gone are dropped."""
+        served = {channel_prefix(ch, self._generations[ch]): ch
+                  for ch, session in enumerate(self._sessions) if session is not None}
+        parts: dict[int, tuple[list[str], list[int], list[EngineCoreOutput], list[str]]] = {}
+
+        def part(rid: str) -> tuple[Any, str] | tuple[None, None]:
+            cut = rid.find(SCOPE_END) + 1
+            ch = served.get(rid[:cut])
+            if ch is None:
+                return None, None
+            p = parts.get(ch)
+            if p is None:
+                p = parts[ch] = ([], [], [], [])
+            return p, rid[cut:]
+
+        for rid, tok in zip(outputs.stream_ids, outputs.stream_tokens, strict=False):
+            p, own = part(rid)
+            if p is not None:
+                p[0].append(own)
+                p[1].append(tok)
+        for out in outputs.outputs:
+            p, own = part(out.request_id)
+            if p is not None:
+                p[2].append(msgspec.structs.replace(out, request_id=own))
+        for rid in outputs.finished_requests or ():
+            p, own = part(rid)
+            if p is not None:
+                p[3].append(own)
+        for ch, (ids, toks, outs, finished) in parts.items():
+            batch = EngineCoreOutputs(
+                engine_index=self.engine_index, outputs=outs, timestamp=outputs.timestamp,
+                finished_requests=finished or None, scheduler_stats=outputs.scheduler_stats,
+                stream_ids=ids, stream_tokens=toks)
+            self.outputs[ch].put(batch, direct=goes_direct(len(ids) + len(outs), self._overlap))
+        if outputs.utility_output is not None:
+            self._emit_utility(outputs.utility_output)
+
+    def _emit_utility(self, out: UtilityOutput, route: Route | None = None) -> None:
+        output = self.output if route is None else self._output_for(route)
+        if output is None:
+            return  # its session has gone: nobody awaits it
+        output.put(
             EngineCoreOutputs(engine_index=self.engine_index, utility_output=out,
                               timestamp=EngineCoreOutputs.now()),
             direct=True,
@@ -530,9 +755,10 @@ class EngineCoreProc:
         """Queue the sentinel and give the output thread a bounded time to flush it."""
         if self.engine is not None and self.engine.lifecycle.can(EngineEvent.FATAL_ERROR):
             self.engine.lifecycle.fire(EngineEvent.FATAL_ERROR)
-        # A send blocked on a gone peer must not hold the exit.
-        self.output.stop_by(time.monotonic() + OUTPUT_FLUSH_S, unless_set=True)
-        self.output.put(self._wire.dead_sentinel, direct=False)
+        # A send blocked on a gone peer must not hold the exit. Every channel is told.
+        for output in self.outputs:
+            output.stop_by(time.monotonic() + OUTPUT_FLUSH_S, unless_set=True)
+            output.put(self._wire.dead_sentinel, direct=False)
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
                 t.join(OUTPUT_FLUSH_S)
@@ -544,8 +770,9 @@ class EngineCoreProc:
         ``say_gone``: end with the engine-dead sentinel if a front end is attached."""
         # The last outputs get OUTPUT_FLUSH_S to leave, if a front end ever connected; a
         # send blocked past that is abandoned, so no stop waits on a peer that stopped reading.
-        self.output.stop_by(time.monotonic() + (
-            OUTPUT_FLUSH_S if self.output.peer_seen.is_set() else 0.1))
+        for output in self.outputs:
+            output.stop_by(time.monotonic() + (
+                OUTPUT_FLUSH_S if output.peer_seen.is_set() else 0.1))
         if self.engine is not None:
             try:
                 self._fault(FaultPoint.SHUTDOWN)
@@ -558,6 +785,9 @@ class EngineCoreProc:
                     # An attached front end has no process to watch: without this it learns
                     # of the exit only from its heartbeat deadline, or never without one.
                     self.output.put(self._wire.dead_sentinel, direct=False)
+                for channel, session in enumerate(self._sessions):
+                    if say_gone and session is not None:
+                        self.outputs[channel].put(self._wire.dead_sentinel, direct=False)
                 # Deferred calls the shutdown failed get no reply: to the front end the
                 # engine went away under them, and it says so (EngineDeadError) once it sees
                 # the exit; a UtilityError would blame the method. After the front end's own
@@ -565,11 +795,12 @@ class EngineCoreProc:
                 self._replies.clear()
             except Exception:
                 logger.exception("engine shutdown raised")
-        self.output_queue.put(STOP_OUTPUT)
+        for output in self.outputs:
+            output.output_queue.put(STOP_OUTPUT)
         # Time to flush the last outputs, if a front end ever connected. Without one a send
         # only waits for a peer that never comes: terminating the context below ends it at
         # once.
-        flush_s = OUTPUT_FLUSH_S if self.output.peer_seen.is_set() else 0.1
+        flush_s = OUTPUT_FLUSH_S if any(o.peer_seen.is_set() for o in self.outputs) else 0.1
         for t in self._threads:
             if t.name == "EngineCoreOutputThread":
                 t.join(flush_s)
@@ -588,7 +819,9 @@ class EngineCoreProc:
     # -- fault points (runtime/faults.py) -----------------------------------------------------
 
     def _arm_faults(self, injector: FaultInjector) -> None:
-        self.faults = self.output.faults = injector  # before the IO threads start
+        self.faults = injector  # before the IO threads start
+        for output in self.outputs:
+            output.faults = injector
         self.engine.fault_hook = injector
         if injector.allow_arm:
             # Testing only: the plan asked for run-time arming, so this engine (and no other)
@@ -604,8 +837,8 @@ class EngineCoreProc:
 def run_engine_core(
     config: Any,
     *,
-    input_address: str,
-    output_address: str,
+    input_address: str | Sequence[str],
+    output_address: str | Sequence[str],
     engine_index: int = 0,
     parent_pid: int | None = None,
     heartbeat_interval_s: float | None = None,
@@ -619,6 +852,7 @@ def run_engine_core(
     raise_startup_errors: bool = False,
     parent_lifeline: int | None = None,
     proc_class: type[EngineCoreProc] | None = None,
+    front_end_timeout_s: float | None = None,
 ) -> int:
     """Build the engine, handshake with the client at the given addresses, serve until told
     to stop. Returns the process exit status (0 clean, 1 fatal); with
@@ -630,6 +864,9 @@ def run_engine_core(
     ``allow_insecure_tcp=True``); ``limits`` bounds the input (docs/security.md).
     ``parent_lifeline``: an fd that reads EOF once the parent is gone (runtime/engine_launch.py).
     ``proc_class``: an ``EngineCoreProc`` subclass speaking another wire (runtime/vllm_wire.py).
+    Several front ends: lists of addresses, the i-th pair for front end ``client_index`` i
+    (spec/session.py); ``front_end_timeout_s`` ends the work of a front end silent for that
+    long (its client sends heartbeats within it). docs/runtime.md, "Several front ends".
     ``ENGINEWIRE_ENGINE_PRELOAD`` names code to run first (runtime/preload.py)."""
     signals = ShutdownSignals()
     signals.install()
@@ -655,6 +892,7 @@ def run_engine_core(
             allow_insecure_tcp=allow_insecure_tcp,
             limits=limits,
             integrity=integrity,
+            front_end_timeout_s=front_end_timeout_s,
         )
         constructed = True
         logger.info("engine core up (model %s); serving the front end at %s and %s",

@@ -73,6 +73,7 @@ from ..protocol.codec import (
 )
 from ..protocol.messages import (
     ENGINE_DEAD_SENTINEL,
+    AttachRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
     RequestType,
@@ -409,7 +410,7 @@ class MPClient(AttachSide, EngineCoreClient):
         res.monitor_thread = threading.Thread(
             target=monitor_engine,
             args=(weakref.ref(self), res.proc, stop_r, heartbeat_timeout_s, res.last_seen,
-                  res.attach_deadline),
+                  res.attach_deadline, self._front_end_beat_s(ready)),
             name="EngineCoreMonitor",
             daemon=True,
         )
@@ -569,6 +570,7 @@ class MPClient(AttachSide, EngineCoreClient):
         if self._forked_off:
             return  # the engine, sockets and files are the parent's (see _after_fork_in_child)
         self.abort_left_behind(self.live_requests())
+        self._say_goodbye()
         if not self._mark_closed():
             # A second caller returns when the first one's teardown has ended, not before:
             # "shutdown returned" means the engine is gone, for every caller.
@@ -616,6 +618,41 @@ class MPClient(AttachSide, EngineCoreClient):
             # them, the engine would not see its real parent go (the watch falls back to
             # polling the parent's pid).
             proc.forget()
+
+    # -- several front ends on one engine (spec/session.py) -----------------------------------
+
+    def _front_end_beat_s(self, ready: Any) -> float | None:
+        """How often the monitor sends this front end's heartbeat: a quarter of the engine's
+        ``front_end_timeout_s`` when it has one (an engine serving several front ends), else
+        never."""
+        timeout = getattr(ready, "front_end_timeout_s", None)
+        if self.resources.proc is not None or not timeout:
+            return None
+        beat_s: float = timeout / 4
+        return beat_s
+
+    def _send_front_end_beat(self) -> None:
+        """The heartbeat: an empty ABORT (a no-op to any engine). On the monitor thread."""
+        with contextlib.suppress(EngineWireError, zmq.ZMQError):
+            self._send(RequestType.ABORT, [])
+
+    def _say_goodbye(self) -> None:
+        """At shutdown, to an engine serving several front ends: this session ends now, its
+        requests with it, not at the heartbeat deadline."""
+        res = self.resources
+        session = getattr(self, "_session", None)
+        if (res.proc is not None or session is None or self.is_closed or self.is_dead
+                or not getattr(self.ready_response, "front_end_timeout_s", None)):
+            return
+        goodbye = AttachRequest(session, integrity=self._integrity is not None,
+                                client_index=self.client_index, goodbye=True)
+        with contextlib.suppress(EngineWireError, zmq.ZMQError), res.send_lock:
+            sock = res.input_socket
+            if sock is None:
+                return
+            sock.send_multipart(
+                [self.identity, *encode_input(self._encoder, RequestType.ATTACH, goodbye)])
+            res.input_linger_ms = _ABORT_LINGER_MS
 
     def abort_left_behind(self, request_ids: list[str]) -> None:
         """Before a shutdown: an attached engine outlives this front end, so abort what it
@@ -978,6 +1015,11 @@ class MPClient(AttachSide, EngineCoreClient):
         if (outputs.outputs or outputs.stream_ids or outputs.finished_requests
                 or outputs.scheduler_stats):
             return outputs
+        if outputs.power is not None:
+            # Another front end's power utility succeeded on an engine serving several:
+            # followed as its reply would be, so this client's view is the engine's.
+            self._on_power_reply(outputs.power.method, outputs.power.result)
+            return None
         if outputs.refusal is not None:
             # After the marker a refusal ends the session (its input failed the engine's
             # integrity check): the engine dropped this front end's work and ignores it, so

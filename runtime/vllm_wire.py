@@ -202,7 +202,9 @@ class VllmWire(WireProfile):
     def encoder(self) -> VllmOutputEncoder:
         return VllmOutputEncoder()
 
-    def ready(self, engine: Any, engine_index: int) -> list[Any]:
+    def ready(self, engine: Any, engine_index: int, *,
+              front_end_timeout_s: float | None = None) -> list[Any]:
+        # No sessions on this wire, so never a front-end deadline (EngineCoreProc refuses one).
         info = engine.ready_info()
         cfg = engine.config
         blocks, block = int(info["num_gpu_blocks"]), int(info["block_size"])

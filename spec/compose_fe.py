@@ -233,7 +233,7 @@ def stale_work(w: World | list[Any], f: int, i: int) -> bool:
     c = ch(f, i)
     if w[EREQ[c]] not in R_LIVE:
         return False
-    return w[SESS[c]] == S_GONE or w[SGEN[c]] != w[EGEN[c]]
+    return bool(w[SESS[c]] == S_GONE or w[SGEN[c]] != w[EGEN[c]])
 
 
 class FEComposition:

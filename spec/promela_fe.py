@@ -414,8 +414,8 @@ def render_promela_fe() -> str:
             f" fire_eng({i}, ENGINE_E_BUILT, G_SUBPROCESS);"
             f" fire_eng({i}, ENGINE_E_HANDSHAKE_SENT, G_NONE);"
             f" fire_eng({i}, ENGINE_E_LOOP_STARTED, G_NONE);")
-    for _f, _i, c in chans:
-        initial.append(f"    fire_sess({c}, SESSION_E_ATTACH_ACCEPTED, G_NONE); marked[{c}] = 1;")
+    for _f, _i, k in chans:
+        initial.append(f"    fire_sess({k}, SESSION_E_ATTACH_ACCEPTED, G_NONE); marked[{k}] = 1;")
     for f in range(F):
         initial.append(f"    fire_client({f}, CLIENT_E_HANDSHAKE_OK, G_NONE);")
     end_work = "\n".join(

@@ -41,6 +41,7 @@ from enginewire.protocol import (
     decode_outputs,
     encode_input,
 )
+from enginewire.protocol.messages import PowerNotice
 
 FUZZ_EXAMPLES = int(os.environ.get("ENGINEWIRE_FUZZ_EXAMPLES", "300"))
 
@@ -67,12 +68,13 @@ LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     ),
     EngineCoreOutputs: (
         "engine_index", "outputs", "timestamp", "finished_requests", "scheduler_stats",
-        "utility_output", "stream_ids", "stream_tokens", "session", "refusal",
+        "utility_output", "stream_ids", "stream_tokens", "session", "refusal", "power",
     ),
-    AttachRequest: ("session", "integrity"),
+    PowerNotice: ("method", "result"),
+    AttachRequest: ("session", "integrity", "client_index", "goodbye"),
     ReadyResponse: (
         "protocol_version", "engine_index", "num_gpu_blocks", "block_size", "max_model_len",
-        "model", "device",
+        "model", "device", "front_end_timeout_s",
     ),
 }  # fmt: skip
 
