@@ -66,6 +66,7 @@ class _BaseOutputs(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     stream_tokens: list[int] = []
     session: bytes | None = None
     refusal: str | None = None
+    power: Any = None
 
 
 class _BaseBlob(msgspec.Struct, frozen=True, array_like=True, gc=False):
