@@ -68,7 +68,7 @@ from ..protocol.messages import (
 )
 from ..protocol.results import PLAIN_RESULTS
 from ..protocol.utilities import POWER_METHODS
-from ..spec.engine import REPORTS_SLEEPING, SCHEDULING, EngineEvent, EngineState
+from ..spec.engine import POWER_PARKED, SCHEDULING, EngineEvent, EngineState
 from ..spec.errors import EngineStartupError, ProtocolError
 from ..spec.machine import TraceEntry
 from ..spec.session import SESSION
@@ -93,8 +93,6 @@ HANDSHAKE_SEND_S = 30.0
 
 # A reply's route on an engine serving several front ends: (channel, session generation).
 Route = tuple[int, int]
-# Asleep or paused and not draining: what a front end attaching then is told it finds.
-_PARKED = REPORTS_SLEEPING - SCHEDULING
 
 
 def _addresses(name: str, value: str | Sequence[str]) -> list[str]:
@@ -488,7 +486,7 @@ class EngineCoreProc:
         self.outputs[channel].put(EngineCoreOutputs(
             engine_index=self.engine_index, session=attach.session,
             timestamp=EngineCoreOutputs.now()), direct=True)
-        if self.engine.lifecycle.state in _PARKED:
+        if self.engine.lifecycle.state in POWER_PARKED:
             # Asleep or paused by another front end: this one's client follows, as if it
             # had made the call (a draining engine's notice comes when its drain ends).
             self.outputs[channel].put(EngineCoreOutputs(

@@ -42,6 +42,7 @@ __all__ = [
     "NO_WORK",
     "PARTIAL",
     "PAUSE_EVENTS",
+    "POWER_PARKED",
     "REPORTS_SLEEPING",
     "SCHEDULING",
     "STATE_TRIGGERED",
@@ -162,6 +163,9 @@ IN_LOOP: frozenset[EngineState] = frozenset(
 """The busy loop runs (after the handshake, before death or shutdown)."""
 REPORTS_SLEEPING: frozenset[EngineState] = frozenset({S.PAUSED, S.DRAINING, S.SLEEPING})
 """``is_sleeping()`` is true from the state alone (vLLM: a paused scheduler is sleeping)."""
+POWER_PARKED: frozenset[EngineState] = REPORTS_SLEEPING - SCHEDULING
+"""Asleep or paused, not draining: what a front end attaching then is told it finds (a power
+notice after its marker)."""
 ACCEPTS_WORK: frozenset[EngineState] = frozenset(
     t.source for t in ENGINE.transitions if t.event is E.WORK_ARRIVED)
 """States with a WORK_ARRIVED row: a new request fires it there (derived from the table)."""

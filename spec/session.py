@@ -42,7 +42,6 @@ from .machine import Machine, Transition
 __all__ = [
     "SESSION",
     "SESSION_DROPS_INPUT",
-    "SESSION_ENDS_WORK",
     "SESSION_SERVED",
     "SessionEvent",
     "SessionState",
@@ -71,10 +70,6 @@ SESSION_DROPS_INPUT: frozenset[SessionState] = frozenset({S.REFUSED, S.ENDED, S.
 
 SESSION_SERVED: frozenset[SessionState] = frozenset({S.ATTACHED})
 """States in which the channel's front end is sent outputs, replies and power notices."""
-
-SESSION_ENDS_WORK: frozenset[SessionEvent] = frozenset({E.INTEGRITY_FAILED, E.FRONT_END_GONE})
-"""Events that end the session's live requests in the engine and drop its owed replies
-(fired from a served session; a new ATTACH drops the previous session's work too)."""
 
 SESSION: Machine[SessionState, SessionEvent] = Machine(
     name="session",
