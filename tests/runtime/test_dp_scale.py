@@ -16,6 +16,7 @@ from enginewire.protocol.messages import FinishReason
 from enginewire.runtime.faults import Fault
 from enginewire.spec import EngineDeadError, EngineStartupError, MembershipState, SpecViolation
 from enginewire.spec.membership import SCALE
+from enginewire.testing._harness import wait_until
 from tests.runtime.test_dp_client import BOUND_S, KINDS, Driver, open_dp, req
 from tests.runtime.test_ray_backend import gone
 
@@ -213,9 +214,9 @@ def test_a_running_power_call_refuses_a_scale_and_the_last_of_overlapping_ones_r
         threads = [threading.Thread(target=power, args=("sleep", 1)),
                    threading.Thread(target=power, args=("sleep", 1))]
         threads[0].start()
-        time.sleep(0.3)
-        threads[1].start()  # overlaps the first
-        time.sleep(0.3)
+        wait_until(lambda: c._power_calls == 1, BOUND_S, "the first sleep running")
+        threads[1].start()  # overlaps the first (held 2 s at engine 0)
+        wait_until(lambda: c._power_calls == 2, BOUND_S, "both sleeps running")
         with pytest.raises(SpecViolation, match=r"a power call .* is running") as info:
             d("scale", 3)
         assert info.value.machine == SCALE.name and c.data_parallel_size == 2

@@ -27,7 +27,7 @@ from enginewire.runtime.config import EngineConfig
 from enginewire.runtime.engine_proc import process_main
 from enginewire.spec.client import ClientState
 from enginewire.spec.errors import EngineDeadError, EngineWireError
-from enginewire.testing._harness import ResourceSnapshot, assert_released
+from enginewire.testing._harness import ResourceSnapshot, assert_released, wait_until
 
 # Slowed steps: a long request (LONG tokens) stays live for the whole of a test.
 NULL = EngineConfig(model="null", max_model_len=2048, null_step_delay_s=0.02)
@@ -101,10 +101,8 @@ def collect(client: Any, ids: set[str]) -> dict[str, tuple[list[int], Any]]:
 
 
 def wait_for(pred: Any, bound: float = BOUND_S, what: str = "") -> None:
-    deadline = time.monotonic() + bound
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {bound:g} s: {what}"
-        time.sleep(0.02)
+    """The harness's bounded wait, with this file's default bound."""
+    wait_until(pred, bound, what or "the condition", poll=0.02)
 
 
 def test_two_front_ends_stream_at_once_with_the_same_request_id(tmp_path: Path) -> None:
