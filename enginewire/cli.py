@@ -664,8 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_float_over(0.0, inclusive=False),
         default=None,
         help="seconds of silence after which a front end is gone and its requests are "
-        "aborted (its client sends heartbeats within it); with several front ends the "
-        "default is 10",
+        "aborted (its client sends heartbeats within it; a connection down for 1 s, or this "
+        "if shorter, is gone too); with several front ends the default is 10",
     )
     eng.add_argument(
         "--engine-index", type=_int_in(0, 65535), default=0, help="this engine's rank (0-65535)"

@@ -54,6 +54,12 @@ logger = logging.getLogger("enginewire.runtime.engine_proc")
 # goes out after a handshake that completes while messages are still coming in.
 BUSY_RECV_S = 0.01
 
+# A served front end whose connection stays down this long (or its front_end_timeout_s, if
+# shorter) is gone (spec/session.py): a killed process's socket closes at once, so its work
+# ends well before its heartbeat deadline, while a drop libzmq mends (a reconnect, a protocol
+# error's grace: DROP_GRACE_S) is no sign.
+CONNECTION_LOSS_S = 1.0
+
 _ATTACH_BYTE = RequestType.ATTACH.value
 # Ends a scoped request id's prefix (``channel_prefix``): a control character no decimal has.
 SCOPE_END = "\x1f"
@@ -154,6 +160,10 @@ class EngineInput:
         self._attached: bytes | None = None  # the served session, as this thread saw it
         self._front_end_timeout_s = front_end_timeout_s
         self._last_heard = time.monotonic()
+        # When the front end's connection went down (the monitor thread sets and clears it);
+        # ``_loss_told``: that drop was already taken as a sign of loss.
+        self._down_since: float | None = None
+        self._loss_told = False
         self.ready_sent = threading.Event()
         self.error: BaseException | None = None
 
@@ -194,12 +204,15 @@ class EngineInput:
 
         def on_connect() -> None:
             link.mend()
+            self._down_since = None
             on_peer()
             connected[0] = next(connects)
             wakeup.set()
 
         def on_drop() -> None:
             link.drop()
+            if self._down_since is None:
+                self._down_since, self._loss_told = time.monotonic(), False
             wakeup.set()  # the poll then waits only until the link is due for mending
 
         def send_ready() -> None:
@@ -402,14 +415,25 @@ class EngineInput:
             reason = (f"frame integrity is {'on' if attach.integrity else 'off'} at this front"
                       f" end and {'on' if ours else 'off'} at the engine; set the same on both"
                       " (client option frame_integrity, enginewire engine --integrity)")
+            event = SessionEvent.ATTACH_REFUSED
         elif self._scoped and attach.client_index != self.channel:
             reason = (f"this front end's client_index is {attach.client_index}, but it"
                       f" attached on channel {self.channel} (input and output address pair"
                       f" {self.channel} of the engine); each front end attaches on the pair"
                       " at its own index")
+            # MISPLACED disturbs nobody: a served session keeps its work and its deadline.
+            event = SessionEvent.ATTACH_MISPLACED
         if reason is not None:
-            self._session_step(SessionEvent.ATTACH_REFUSED)
+            served = self.session_phase.state in SESSION_SERVED
+            self._session_step(event)
             logger.error("refused a front end: %s", reason)
+            if (self._scoped and served and self.session_phase.state not in SESSION_SERVED
+                    and attach.session != self._attached):
+                # Another peer took the channel and was refused: the served session's
+                # front end is cut off, and REFUSED has no heartbeat deadline, so its work
+                # ends now (as a new session's ATTACH would end it), not never.
+                self._new_generation(None)
+                self.input_queue.put((Control.FRONT_END_GONE, (self.channel, self._generation)))
             refusal = EngineCoreOutputs(
                 engine_index=self._engine_index, session=attach.session, refusal=reason,
                 timestamp=EngineCoreOutputs.now())
@@ -454,11 +478,25 @@ class EngineInput:
         return payload
 
     def _check_heard(self) -> None:
-        """The heartbeat deadline: a served front end silent past ``front_end_timeout_s``
-        is gone (its process died or hangs)."""
+        """The signs of a front end's loss: silent past ``front_end_timeout_s`` (its
+        process died or hangs), or its connection down past ``CONNECTION_LOSS_S`` (its
+        process died, or its link is cut). The first makes a served session GONE; a later
+        one is noted on the GONE session (its trace shows both)."""
         timeout = self._front_end_timeout_s
-        if (timeout is not None and self.session_phase.state in SESSION_SERVED
-                and time.monotonic() - self._last_heard > timeout):
+        if timeout is None:
+            return
+        now = time.monotonic()
+        down = self._down_since
+        if down is not None and not self._loss_told and now - down > min(
+                CONNECTION_LOSS_S, timeout):
+            self._loss_told = True
+            why = f"its connection stayed down for {min(CONNECTION_LOSS_S, timeout):g} s"
+            if self.session_phase.state in SESSION_SERVED:
+                self._gone(why)
+            elif self.session_phase.can(SessionEvent.FRONT_END_GONE):
+                self._session_step(SessionEvent.FRONT_END_GONE)  # a later sign: nothing to end
+        if (self.session_phase.state in SESSION_SERVED
+                and now - self._last_heard > timeout):
             self._gone(f"nothing heard from it for {timeout:g} s (front_end_timeout_s)")
 
     def _gone(self, why: str) -> None:

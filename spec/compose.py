@@ -165,8 +165,12 @@ _SEVERAL_FRONT_ENDS = ("not modelled here: a front end's loss and several front 
 UNEXERCISED: dict[tuple[str, str], str] = {
     ("session", "ATTACHED --FRONT_END_GONE--> GONE"): _SEVERAL_FRONT_ENDS,
     ("session", "GONE --ATTACH_ACCEPTED--> ATTACHED"): _SEVERAL_FRONT_ENDS,
-    ("session", "GONE --ATTACH_REFUSED--> REFUSED"): _SEVERAL_FRONT_ENDS,
+    ("session", "GONE --ATTACH_REFUSED--> REFUSED"):
+        "frame integrity after a front end's loss: tested in tests/runtime/test_front_ends.py",
     ("session", "GONE --FRONT_END_GONE--> GONE"): _SEVERAL_FRONT_ENDS,
+    **{("session", f"{src} --ATTACH_MISPLACED--> {dst}"): _SEVERAL_FRONT_ENDS for src, dst in (
+        ("NO_FRONT_END", "REFUSED"), ("ATTACHED", "ATTACHED"), ("REFUSED", "REFUSED"),
+        ("ENDED", "ENDED"), ("GONE", "GONE"))},
     ("client", "SHUTDOWN --SHUTDOWN--> SHUTDOWN"):
         "bounded: the owner calls shutdown() once (repeats are tested in tests/runtime)",
     ("engine", "CONSTRUCTING --BUILT [inproc]--> IDLE"):

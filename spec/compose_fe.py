@@ -175,8 +175,18 @@ BUGS = (
 COVERS = (SESSION,)
 _ONE_ENGINE = ("the one-engine model's (compose.py): frame integrity and a first attach"
                " refused are not modelled here")
+_MISPLACED_BY_TESTS = ("not reached here (every channel starts attached, no integrity failure):"
+                       " tested in tests/runtime/test_front_ends.py")
 UNEXERCISED: dict[tuple[str, str], str] = {
-    ("session", row): _ONE_ENGINE for row in (
+    **{("session", row): _MISPLACED_BY_TESTS for row in (
+        "NO_FRONT_END --ATTACH_MISPLACED--> REFUSED",
+        "REFUSED --ATTACH_MISPLACED--> REFUSED",
+        "ENDED --ATTACH_MISPLACED--> ENDED",
+    )},
+    ("session", "GONE --ATTACH_REFUSED--> REFUSED"):
+        "frame integrity is not modelled here: tested in tests/runtime/test_front_ends.py",
+    ("session", "ATTACHED --ATTACH_REFUSED--> REFUSED"): _ONE_ENGINE,
+    **{("session", row): _ONE_ENGINE for row in (
         "NO_FRONT_END --ATTACH_REFUSED--> REFUSED",
         "REFUSED --ATTACH_ACCEPTED--> ATTACHED",
         "REFUSED --ATTACH_REFUSED--> REFUSED",
@@ -184,7 +194,7 @@ UNEXERCISED: dict[tuple[str, str], str] = {
         "ENDED --ATTACH_REFUSED--> REFUSED",
         "ATTACHED --INTEGRITY_FAILED--> ENDED",
         "NO_FRONT_END --INTEGRITY_FAILED--> ENDED",
-    )
+    )},
 }
 
 CS, CE = ClientState, ClientEvent
@@ -507,16 +517,17 @@ class FEComposition:
                     s = _Step(self, w)
                     msg, s.w[INQ[c]] = s.w[INQ[c]][0], s.w[INQ[c]][1:]
                     kind, _fe, inc, x = unframe(msg)
-                    if kind == I_ATTACH:
+                    if kind == I_ATTACH and x != f:
+                        # A client_index that is not this channel's: refused, and the
+                        # served session (if any) keeps its work and its deadline.
+                        s.fire(SESS[c], self.t_session, SE.ATTACH_MISPLACED)
+                        s.push(OUTQ[c], frame(O_REFUSAL, f, inc))
+                    elif kind == I_ATTACH:
                         if s.w[SESS[c]] == S_ATTACHED:  # the previous session's work ends
                             self._end_work(s, i, f)
                         s.w[SGEN[c]], s.w[SIGNS[c]] = inc, 0
-                        if x == f:
-                            s.fire(SESS[c], self.t_session, SE.ATTACH_ACCEPTED)
-                            s.push(OUTQ[c], frame(O_MARKER, f, inc, s.w[ASLEEP[i]]))
-                        else:  # a client_index that is not this channel's
-                            s.fire(SESS[c], self.t_session, SE.ATTACH_REFUSED)
-                            s.push(OUTQ[c], frame(O_REFUSAL, f, inc))
+                        s.fire(SESS[c], self.t_session, SE.ATTACH_ACCEPTED)
+                        s.push(OUTQ[c], frame(O_MARKER, f, inc, s.w[ASLEEP[i]]))
                     elif s.w[SESS[c]] in S_DROPS or s.w[SESS[c]] == S_NONE:
                         pass  # dropped unread
                     elif kind == I_ADD:
@@ -558,8 +569,11 @@ class FEComposition:
                 def lost(w: World, f: int = f, i: int = i, c: int = c
                          ) -> Iterator[tuple[str, World]]:
                     # The heartbeat deadline (ATTACHED -> GONE), then the connection lost
-                    # past its bound (GONE -> GONE): two signs of one loss.
-                    if not (w[FDEAD[f]] and not w[EXITED[i]] and w[ENG[i]] in E_LOOP and (
+                    # past its bound (GONE -> GONE): two signs of one loss. The session's
+                    # front end is lost when its process is dead or was restarted since
+                    # (its successor's ATTACH not read yet, or refused as misplaced).
+                    if not ((w[FDEAD[f]] or w[SGEN[c]] != w[FGEN[f]])
+                            and not w[EXITED[i]] and w[ENG[i]] in E_LOOP and (
                             (w[SESS[c]] == S_ATTACHED and w[SIGNS[c]] == 0)
                             or (w[SESS[c]] == S_GONE and w[SIGNS[c]] == 1))):
                         return

@@ -307,14 +307,14 @@ _RECEIVE = r"""  :: atomic {{ nempty(inq[{c}]) && !exited[i] && engine_in_loop(i
               && len(outq[{c}]) < OUT_CAP ->
        inq[{c}]?msg; decode();
        if
-       :: kind == I_ATTACH ->
+       :: kind == I_ATTACH && mx != {f} -> /* not its index: nobody disturbed */
+          fire_sess({c}, SESSION_E_ATTACH_MISPLACED, G_NONE);
+          outq[{c}]!FRAME(O_REFUSAL, {f}, minc, 0)
+       :: kind == I_ATTACH && mx == {f} ->
           if :: sess[{c}] == SESSION_S_ATTACHED -> end_work(i, {f}) :: else -> skip fi;
           sgen[{c}] = minc; signs[{c}] = 0;
-          if :: mx == {f} -> fire_sess({c}, SESSION_E_ATTACH_ACCEPTED, G_NONE);
-                outq[{c}]!FRAME(O_MARKER, {f}, minc, asleep[i])
-             :: else -> fire_sess({c}, SESSION_E_ATTACH_REFUSED, G_NONE); /* not its index */
-                outq[{c}]!FRAME(O_REFUSAL, {f}, minc, 0)
-          fi
+          fire_sess({c}, SESSION_E_ATTACH_ACCEPTED, G_NONE);
+          outq[{c}]!FRAME(O_MARKER, {f}, minc, asleep[i])
        :: kind != I_ATTACH && (session_drops({c}) || sess[{c}] == SESSION_S_NO_FRONT_END) ->
           skip /* dropped unread */
        :: kind == I_ADD && sess[{c}] == SESSION_S_ATTACHED ->
@@ -341,7 +341,7 @@ _RECEIVE = r"""  :: atomic {{ nempty(inq[{c}]) && !exited[i] && engine_in_loop(i
        if :: served(CH(tt, i)) -> outq[CH(tt, i)]!FRAME(O_FIN, {f}, egen[{c}], 0)
           :: else -> skip fi;
        tt = 0; settle(i) }}
-  :: atomic {{ fdead[{f}] && !exited[i] && engine_in_loop(i)
+  :: atomic {{ (fdead[{f}] || sgen[{c}] != fgen[{f}]) && !exited[i] && engine_in_loop(i)
               && ((sess[{c}] == SESSION_S_ATTACHED && signs[{c}] == 0)
                   || (sess[{c}] == SESSION_S_GONE && signs[{c}] == 1)) ->
        before = sess[{c}]; fire_sess({c}, SESSION_E_FRONT_END_GONE, G_NONE); signs[{c}]++;

@@ -22,7 +22,10 @@ business (``engine.py``), not a state here.
 
 Several front ends at once (``client_index``): an engine given K channels (address pairs)
 runs one session per channel, the i-th for front end i. An ATTACH whose ``client_index`` is
-not its channel's position is REFUSED on that channel only. Outputs, utility replies and
+not its channel's position is MISPLACED: refused, told so, and nobody disturbed. A served
+session stays ATTACHED with its work and its heartbeat deadline (if its front end is alive it
+attaches again under its own session and goes on; if not, its deadline ends its work), any
+other state is kept, and a channel nobody attached yet becomes REFUSED. Outputs, utility replies and
 power notices go only to sessions in ``SESSION_SERVED``; request ids are scoped per session.
 A served front end that is lost (its heartbeat deadline passed, its connection stayed down
 past the bound, or it said goodbye at its shutdown) is GONE: its live requests end in the
@@ -59,6 +62,7 @@ class SessionState(Enum):
 class SessionEvent(Enum):
     ATTACH_ACCEPTED = "attach_accepted"
     ATTACH_REFUSED = "attach_refused"
+    ATTACH_MISPLACED = "attach_misplaced"
     INTEGRITY_FAILED = "integrity_failed"
     FRONT_END_GONE = "front_end_gone"
 
@@ -84,9 +88,13 @@ SESSION: Machine[SessionState, SessionEvent] = Machine(
                    note="a new session drops the old one's work; the same one: a marker"),
         Transition(S.REFUSED, E.ATTACH_ACCEPTED, S.ATTACHED),
         Transition(S.ENDED, E.ATTACH_ACCEPTED, S.ATTACHED),
-        *(Transition(s, E.ATTACH_REFUSED, S.REFUSED,
-                     note="frame integrity differs, or client_index is not the channel's")
+        *(Transition(s, E.ATTACH_REFUSED, S.REFUSED, note="frame integrity differs")
           for s in (S.NO_FRONT_END, S.ATTACHED, S.REFUSED, S.ENDED)),
+        Transition(S.NO_FRONT_END, E.ATTACH_MISPLACED, S.REFUSED,
+                   note="client_index is not the channel's: nobody to disturb"),
+        *(Transition(s, E.ATTACH_MISPLACED, s,
+                     note="client_index is not the channel's: refused, nothing else changes")
+          for s in (S.ATTACHED, S.REFUSED, S.ENDED, S.GONE)),
         Transition(S.ATTACHED, E.INTEGRITY_FAILED, S.ENDED, note="its work dropped, it is told"),
         Transition(S.NO_FRONT_END, E.INTEGRITY_FAILED, S.ENDED,
                    note="a peer that never attached: nothing to drop"),

@@ -51,13 +51,14 @@ def _pairs(tmp_path: Path, k: int) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def standalone_engine(tmp_path: Path, k: int = 2) -> Iterator[
+def standalone_engine(tmp_path: Path, k: int = 2, timeout: float = FRONT_END_TIMEOUT_S
+                      ) -> Iterator[
         tuple[multiprocessing.process.BaseProcess, list[tuple[str, str]]]]:
     pairs = _pairs(tmp_path, k)
     mp = multiprocessing.get_context("spawn")
     proc = mp.Process(target=process_main, args=(type(NULL), msgspec.msgpack.encode(NULL), {
         "input_address": [p[0] for p in pairs], "output_address": [p[1] for p in pairs],
-        "heartbeat_interval_s": 0.25, "front_end_timeout_s": FRONT_END_TIMEOUT_S}),
+        "heartbeat_interval_s": 0.25, "front_end_timeout_s": timeout}),
         daemon=True)
     proc.start()
     try:
@@ -204,6 +205,90 @@ def test_a_killed_front_end_s_requests_end_and_the_other_streams_on(tmp_path: Pa
                     doomed.join(BOUND_S)
 
 
+@contextlib.contextmanager
+def killed_front_end(pairs: list[tuple[str, str]]) -> Iterator[None]:
+    """Front end 1 in a process of its own, with three live requests, SIGKILLed: its
+    connection drops, its session (ATTACHED) waits for its heartbeat deadline."""
+    mp = multiprocessing.get_context("spawn")
+    ready = mp.Event()
+    doomed = mp.Process(target=_doomed_front_end, args=(*pairs[1], ready), daemon=True)
+    doomed.start()
+    try:
+        assert ready.wait(BOUND_S)
+        doomed.kill()
+        doomed.join(BOUND_S)
+        yield
+    finally:
+        if doomed.is_alive():
+            doomed.kill()
+            doomed.join(BOUND_S)
+
+
+def refused(client: Any, why: str) -> None:
+    try:
+        with pytest.raises(EngineDeadError) as info:
+            client.echo(1, timeout=BOUND_S)
+        assert why in str(info.value.__cause__)
+    finally:
+        client.shutdown()
+
+
+def test_a_misplaced_successor_keeps_the_lost_session_s_deadline(tmp_path: Path) -> None:
+    """ATTACHED --ATTACH_MISPLACED--> ATTACHED: a front end with another index taking a lost
+    front end's pair is refused and changes nothing, so the lost one's heartbeat deadline
+    still ends its work (a REFUSED channel has no deadline: its work would run on)."""
+    with standalone_engine(tmp_path) as (_, pairs), front_end(pairs, 0) as a:
+        with killed_front_end(pairs):
+            refused(front_end(pairs, 0, pair=1), "client_index is 0, but it attached on channel 1")
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 0, GONE_BOUND_S,
+                     "the killed front end's requests ended at its deadline")
+        with front_end(pairs, 1) as b:
+            assert b.echo(2, timeout=BOUND_S) == 2
+
+
+def test_a_refused_successor_ends_the_lost_session_s_work(tmp_path: Path) -> None:
+    """ATTACHED --ATTACH_REFUSED--> REFUSED (frame integrity differs) on a lost front end's
+    pair: the served session is cut off and REFUSED has no deadline, so its work ends then;
+    after the loss (GONE --ATTACH_REFUSED--> REFUSED) a refusal changes nothing more, and
+    the right front end is then served (REFUSED --ATTACH_ACCEPTED--> ATTACHED)."""
+    def mismatched() -> Any:
+        inp, out = pairs[1]
+        return make_client(NULL, multiprocess=True, asyncio=False, launch_engine=False,
+                           input_address=inp,
+                           output_address=out, client_index=1, frame_integrity=True,
+                           ready_timeout_s=BOUND_S)
+
+    with standalone_engine(tmp_path) as (_, pairs), front_end(pairs, 0) as a:
+        with killed_front_end(pairs):
+            refused(mismatched(), "frame integrity is on at this front end")
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 0, GONE_BOUND_S,
+                     "the lost front end's requests ended")
+        with front_end(pairs, 1) as b:  # GONE, then lost again: GONE --ATTACH_REFUSED-->
+            b.add_request(req("r1", LONG))
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 1, what="b's live")
+        wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 0, what="b said goodbye")
+        refused(mismatched(), "frame integrity is on at this front end")
+        with front_end(pairs, 1) as b:
+            assert b.echo(3, timeout=BOUND_S) == 3
+
+
+def test_a_killed_front_end_s_lost_connection_ends_its_work_before_its_deadline(
+        tmp_path: Path) -> None:
+    """The connection-loss sign (spec/session.py): a killed front end's socket closes at once,
+    so its work ends within CONNECTION_LOSS_S, not at its (here long) heartbeat deadline."""
+    from enginewire.runtime._engine_input import CONNECTION_LOSS_S
+
+    deadline = 60.0
+    with standalone_engine(tmp_path, timeout=deadline) as (_, pairs), front_end(pairs, 0) as a:
+        with killed_front_end(pairs):
+            killed = time.monotonic()
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 0,
+                     CONNECTION_LOSS_S + 10.0, "the killed front end's requests ended")
+            assert time.monotonic() - killed < deadline / 2
+        with front_end(pairs, 1) as b:  # GONE --ATTACH_ACCEPTED--> ATTACHED
+            assert b.echo(4, timeout=BOUND_S) == 4
+
+
 def test_a_front_end_that_shuts_down_ends_its_work_at_once(tmp_path: Path) -> None:
     with standalone_engine(tmp_path) as (_, pairs):
         with front_end(pairs, 0) as a:
@@ -305,6 +390,21 @@ def test_the_engine_refuses_unpaired_addresses() -> None:
     with pytest.raises(ValueError, match="front_end_timeout_s"):
         EngineCoreProc(NULL, input_address="ipc:///tmp/x0", output_address="ipc:///tmp/y0",
                        front_end_timeout_s=0)
+
+
+def test_the_vllm_wire_refuses_several_front_ends() -> None:
+    """vLLM 0.33's wire has no ATTACH, so no session to scope ids or route replies by: an
+    engine speaking it serves one front end, refused before anything is built."""
+    from enginewire.runtime.vllm_wire import VllmWireEngineProc
+
+    before = ResourceSnapshot.take()
+    for kwargs in ({"input_address": ["ipc:///tmp/x0", "ipc:///tmp/x1"],
+                    "output_address": ["ipc:///tmp/y0", "ipc:///tmp/y1"]},
+                   {"input_address": "ipc:///tmp/x0", "output_address": "ipc:///tmp/y0",
+                    "front_end_timeout_s": 5.0}):
+        with pytest.raises(ValueError, match="wire has no sessions: it serves one front end"):
+            VllmWireEngineProc(NULL, **kwargs)
+    assert_released(before, kinds=("threads", "fds"))
 
 
 def test_enginewire_engine_serves_one_front_end_per_address_pair(tmp_path: Path) -> None:
