@@ -217,11 +217,40 @@ class Step(StepBase):
         self.w[INQ] = (*self.w[INQ], msg)
 
 
-class Model:
+class ComposedModel:
+    """What every composed model shares (compose.py, compose_dp.py, compose_fe.py): its
+    negative control (``bug``, one of ``BUGS``), the rows its steps fired (``covered``), a
+    ``Table`` per machine it drives (``TABLES``: attribute and machine), its actions, and the
+    successors of a world: none once a property broke (the world's ``BAD_FIELD`` is set)."""
+
+    BUGS: tuple[str, ...]
+    TABLES: tuple[tuple[str, Machine[Any, Any]], ...]
+    BAD_FIELD: int
+
+    def __init__(self, bug: str | None = None) -> None:
+        if bug is not None and bug not in self.BUGS:
+            raise ValueError(f"unknown negative control {bug!r}; choose one of"
+                             f" {', '.join(self.BUGS)}")
+        self.bug = bug
+        # (machine name, source index, event index, guard) of every row a step fired
+        self.covered: set[tuple[str, int, int, str | None]] = set()
+        for attr, machine in self.TABLES:
+            setattr(self, attr, Table(machine))
+        self.actions: tuple[Action, ...] = self._actions()
+
+    def _actions(self) -> tuple[Action, ...]:
+        raise NotImplementedError
+
+    def successors(self, world: World) -> Iterator[tuple[str, World]]:
+        if world[self.BAD_FIELD]:
+            return
+        for action in self.actions:
+            yield from action.run(world)
+
+
+class Model(ComposedModel):
     """What the actions read of the composition (``compose.Composition`` sets it all)."""
 
-    bug: str | None
-    covered: set[tuple[str, int, int, str | None]]
     t_client: Table
     t_engine: Table
     t_ereq: Table

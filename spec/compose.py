@@ -53,7 +53,6 @@ tests compare the explorer's and SPIN's verdicts on every property and every con
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from enum import Enum
 from typing import Any
 
@@ -239,20 +238,14 @@ _ACTIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
 class Composition(FrontEndActions, EngineActions):
     """The composed model; ``bug`` selects one negative control (``None``: the real protocol)."""
 
-    def __init__(self, bug: str | None = None) -> None:
-        if bug is not None and bug not in BUGS:
-            raise ValueError(f"unknown negative control {bug!r}; choose one of {', '.join(BUGS)}")
-        self.bug = bug
-        # (machine name, source index, event index, guard) of every row a step fired
-        self.covered: set[tuple[str, int, int, str | None]] = set()
-        self.t_client = Table(CLIENT)
-        self.t_engine = Table(ENGINE)
-        self.t_ereq = Table(ENGINE_REQUEST)
-        self.t_creq = Table(CLIENT_REQUEST)
-        self.t_util = Table(UTILITY)
-        self.t_attach = Table(ATTACH)
-        self.t_session = Table(SESSION)
-        self.actions: tuple[Action, ...] = tuple(
+    BUGS = BUGS
+    BAD_FIELD = BAD
+    TABLES = (("t_client", CLIENT), ("t_engine", ENGINE), ("t_ereq", ENGINE_REQUEST),
+              ("t_creq", CLIENT_REQUEST), ("t_util", UTILITY), ("t_attach", ATTACH),
+              ("t_session", SESSION))
+
+    def _actions(self) -> tuple[Action, ...]:
+        return tuple(
             Action(actor, name, functools.partial(getattr(self, method), **kwargs) if kwargs
                    else getattr(self, method))
             for actor, name, method, kwargs in _ACTIONS)
@@ -275,12 +268,6 @@ class Composition(FrontEndActions, EngineActions):
         w[FAULTS_LEFT] = FAULTS
         w[BAD] = ""
         return tuple(w)
-
-    def successors(self, world: World) -> Iterator[tuple[str, World]]:
-        if world[BAD]:
-            return
-        for action in self.actions:
-            yield from action.run(world)
 
 
 def describe_world(world: World) -> dict[str, object]:

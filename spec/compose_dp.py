@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
-from ._compose_world import StepBase, Table, ix
+from ._compose_world import ComposedModel, StepBase, Table, ix
 from .client import (
     CLIENT,
     CLIENT_ASLEEP,
@@ -265,22 +265,21 @@ def owns(w: World | list[Any], r: int, i: int) -> bool:
     return bool(w[OWN[r]] == i and w[OGEN[r]] == w[GEN[i]])
 
 
-class DPComposition:
+class DPComposition(ComposedModel):
     """The two-engine model; ``bug`` selects one negative control (``None``: the protocol)."""
 
-    def __init__(self, bug: str | None = None) -> None:
-        if bug is not None and bug not in BUGS:
-            raise ValueError(f"unknown negative control {bug!r}; choose one of {', '.join(BUGS)}")
-        self.bug = bug
-        self.covered: set[tuple[str, int, int, str | None]] = set()
-        self.t_client = Table(CLIENT)
-        self.t_mem = Table(MEMBERSHIP)
-        self.t_engine = Table(ENGINE)
-        self.t_ereq = Table(ENGINE_REQUEST)
-        self.t_creq = Table(CLIENT_REQUEST)
-        self.t_util = Table(UTILITY)
-        self.t_scale = Table(SCALE)
-        self.actions: tuple[Action, ...] = self._actions()
+    BUGS = BUGS
+    BAD_FIELD = BAD
+    TABLES = (("t_client", CLIENT), ("t_mem", MEMBERSHIP), ("t_engine", ENGINE),
+              ("t_ereq", ENGINE_REQUEST), ("t_creq", CLIENT_REQUEST), ("t_util", UTILITY),
+              ("t_scale", SCALE))
+    t_client: Table
+    t_mem: Table
+    t_engine: Table
+    t_ereq: Table
+    t_creq: Table
+    t_util: Table
+    t_scale: Table
 
     def initial(self) -> World:
         w: list[Any] = [0] * len(FIELDS)
@@ -298,12 +297,6 @@ class DPComposition:
             w[INQ[i]] = w[OUTQ[i]] = ()
         w[BAD] = ""
         return tuple(w)
-
-    def successors(self, world: World) -> Iterator[tuple[str, World]]:
-        if world[BAD]:
-            return
-        for action in self.actions:
-            yield from action.run(world)
 
     # ---- shared effects ----------------------------------------------------------------------
     def _fail_request(self, s: _Step, r: int, dead: int) -> None:

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import Any
 
-from ._compose_world import Action, StepBase, Table, ix
+from ._compose_world import Action, ComposedModel, StepBase, Table, ix
 from .client import (
     CLIENT,
     CLIENT_ASLEEP,
@@ -246,21 +246,19 @@ def stale_work(w: World | list[Any], f: int, i: int) -> bool:
     return bool(w[SESS[c]] == S_GONE or w[SGEN[c]] != w[EGEN[c]])
 
 
-class FEComposition:
+class FEComposition(ComposedModel):
     """The front-end model; ``bug`` selects one negative control (``None``: the protocol)."""
 
-    def __init__(self, bug: str | None = None) -> None:
-        if bug is not None and bug not in BUGS:
-            raise ValueError(f"unknown negative control {bug!r}; choose one of {', '.join(BUGS)}")
-        self.bug = bug
-        self.covered: set[tuple[str, int, int, str | None]] = set()
-        self.t_client = Table(CLIENT)
-        self.t_engine = Table(ENGINE)
-        self.t_session = Table(SESSION)
-        self.t_ereq = Table(ENGINE_REQUEST)
-        self.t_creq = Table(CLIENT_REQUEST)
-        self.t_util = Table(UTILITY)
-        self.actions: tuple[Action, ...] = self._actions()
+    BUGS = BUGS
+    BAD_FIELD = BAD
+    TABLES = (("t_client", CLIENT), ("t_engine", ENGINE), ("t_session", SESSION),
+              ("t_ereq", ENGINE_REQUEST), ("t_creq", CLIENT_REQUEST), ("t_util", UTILITY))
+    t_client: Table
+    t_engine: Table
+    t_session: Table
+    t_ereq: Table
+    t_creq: Table
+    t_util: Table
 
     def initial(self) -> World:
         """Both engines serving and both front ends attached (READY): a first attach is the
@@ -290,12 +288,6 @@ class FEComposition:
         for f in range(F):
             s.fire(C[f], self.t_client, CE.HANDSHAKE_OK)
         return s.freeze()
-
-    def successors(self, world: World) -> Iterator[tuple[str, World]]:
-        if world[BAD]:
-            return
-        for action in self.actions:
-            yield from action.run(world)
 
     # ---- the engine side ---------------------------------------------------------------------
     def _route(self, w: World | list[Any], i: int, f: int, *, request: bool = False) -> int:
