@@ -131,9 +131,11 @@ def _time_calls(call: Callable[[], object], n: int, out: list[float]) -> None:
 
 
 def _echo_rows(
-    label: str, ours: list[list[float]], floors: dict[str, list[list[float]]], bar_key: str
+    label: str, ours: list[list[float]], floors: dict[str, list[list[float]]],
+    bar_key: str | None, section: str = "echo",
 ) -> list[dict[str, Any]]:
-    """p50/p99 over all samples; the spread is the range of per-block p50s."""
+    """p50/p99 over all samples; the spread is the range of per-block p50s. ``bar_key`` keys
+    the p50 row against the raw floor."""
     rows = []
     flat_ours = [x for b in ours for x in b]
     for fname, blocks in floors.items():
@@ -141,7 +143,7 @@ def _echo_rows(
         for q, tag in ((0.5, "p50"), (0.99, "p99")):
             o, f = _pct(flat_ours, q), _pct(flat_floor, q)
             row = _row(
-                "echo",
+                section,
                 f"{label} echo RTT {tag} / {fname}",
                 "µs",
                 [_pct(b, q) for b in ours],
@@ -150,7 +152,7 @@ def _echo_rows(
                 calls=len(flat_ours),
             )
             row["ours"], row["floor"] = o, f  # over all samples, not the median of blocks
-            if tag == "p50" and fname == "raw":
+            if tag == "p50" and fname == "raw" and bar_key is not None:
                 row["key"] = bar_key
             rows.append(row)
     return rows
