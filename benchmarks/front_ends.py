@@ -72,24 +72,25 @@ class FrontEndError(RuntimeError):
 # --- the front-end process -------------------------------------------------------------------
 
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
-
-
 def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used; NaN where /proc cannot say."""
+    """CPU seconds process ``pid`` has run, over all its threads (each thread's
+    ``schedstat``: nanoseconds, where ``/proc/PID/stat`` counts 10 ms ticks, too coarse for
+    a window of a tenth of a second); NaN where /proc cannot say."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14 and 15)
+    return total / 1e9
 
 
 class _Tally:
     """One front end's view of a round: per engine, its first batch opens the window (the
     prefill step, not counted, as ``ipc._Round``); every later batch's tokens count. The CPU
-    this process and the engines used inside the window say which side was the bottleneck
-    (clock ticks: a coarse figure, read as a median over rounds)."""
+    this process and the engines used inside the window say which side was the bottleneck."""
 
     __slots__ = ("cpu0", "done", "engines", "first", "last", "tokens")
 
