@@ -47,13 +47,13 @@ from ..runtime.config import EngineConfig
 from .floor import FloorPeer, freeze_heap
 from .ipc import (
     ECHO_PAYLOAD,
-    _echo_rows,
-    _our_requests,
-    _pct,
-    _row,
+    echo_rows,
     floor_round,
+    make_row,
     null_config,
+    our_requests,
     peers,
+    percentile,
     random_prompts,
 )
 
@@ -188,7 +188,7 @@ def _serve(client: Any, conn: Connection, prompts: dict[int, list[list[int]]], c
     if cmd == "round":  # add K; front end 0 then waits for "go" to resume; drain
         k, tag, resumes, engines = args
         p = prompts.setdefault(k, random_prompts(k, k))
-        for req in _our_requests(k, p, tag):
+        for req in our_requests(k, p, tag):
             client.add_request(req)
         conn.send(("added", None))
         if resumes:
@@ -209,7 +209,7 @@ def _serve(client: Any, conn: Connection, prompts: dict[int, list[list[int]]], c
         p = prompts.setdefault(k, random_prompts(k, k))
         rounds = 0
         while True:
-            for req in _our_requests(k, p, f"{tag}-{rounds}"):
+            for req in our_requests(k, p, f"{tag}-{rounds}"):
                 client.add_request(req)
             if not rounds:
                 conn.send(("busy", None))
@@ -376,25 +376,27 @@ def _delivery(fes: list[_FrontEnd], pipe: FloorPeer, k: int, reps: int
                 cores_all.append([*(r["cores"] for r in results),
                                   *results[0]["engine_cores"]])
         if i < 0:
-            for xs in (alone, floor, agg, *each, cores_alone, cores_all):
-                xs.clear()
+            kept: list[list[Any]] = [alone, floor, agg, *each, cores_alone, cores_all]
+            for warm_up in kept:
+                warm_up.clear()
         gc.collect()  # between rounds, never inside a window
     one = statistics.median(alone)
     rows = [
-        _row("frontends", f"one front end (of {n} attached) tokens/s K={k} / floor", "tok/s",
-             alone, floor, statistics.median(a / f for a, f in zip(alone, floor, strict=True)),
-             key=f"frontends_one_{k}", reps=reps),
-        _row("frontends", f"{n} front ends tokens/s K={k} each, aggregate / one front end",
-             "tok/s", agg, alone,
-             statistics.median(a / o for a, o in zip(agg, alone, strict=True)),
-             key=f"frontends_scaling_{k}" if n == FRONT_ENDS else None, reps=reps,
-             per_front_end=[statistics.median(xs) for xs in each],
-             speedup=statistics.median(agg) / one,
-             # Who was the bottleneck: cores each process used inside the windows.
-             cores_alone=_cores(cores_alone, 1), cores_all=_cores(cores_all, n)),
+        make_row("frontends", f"one front end (of {n} attached) tokens/s K={k} / floor",
+                 "tok/s", alone, floor,
+                 statistics.median(a / f for a, f in zip(alone, floor, strict=True)),
+                 key=f"frontends_one_{k}", reps=reps),
+        make_row("frontends", f"{n} front ends tokens/s K={k} each, aggregate / one front end",
+                 "tok/s", agg, alone,
+                 statistics.median(a / o for a, o in zip(agg, alone, strict=True)),
+                 key=f"frontends_scaling_{k}" if n == FRONT_ENDS else None, reps=reps,
+                 per_front_end=[statistics.median(xs) for xs in each],
+                 speedup=statistics.median(agg) / one,
+                 # Who was the bottleneck: cores each process used inside the windows.
+                 cores_alone=_cores(cores_alone, 1), cores_all=_cores(cores_all, n)),
     ]
     for j, xs in enumerate(each):
-        rows.append(_row(
+        rows.append(make_row(
             "frontends", f"front end {j} of {n} tokens/s K={k}, all streaming / one alone",
             "tok/s", xs, alone, statistics.median(x / o for x, o in zip(xs, alone, strict=True)),
             reps=reps))
@@ -454,11 +456,11 @@ def _echo(fes: list[_FrontEnd], raw: FloorPeer, k_busy: int, n: int, block: int
             else:
                 raw_block()
     name = f"front end 0 of {len(fes)}"
-    rows = _echo_rows(name, idle, {"raw": floor}, None, section="frontends")
-    rows += _echo_rows(f"{name}, {len(others)} other(s) streaming K={k_busy}", busy,
+    rows = echo_rows(name, idle, {"raw": floor}, None, section="frontends")
+    rows += echo_rows(f"{name}, {len(others)} other(s) streaming K={k_busy}", busy,
                        {"others idle": idle}, None, section="frontends")
     for r in rows[2:]:
-        r["busy_p50_growth_us"] = _pct([x for b in busy for x in b], 0.5) - _pct(
+        r["busy_p50_growth_us"] = percentile([x for b in busy for x in b], 0.5) - percentile(
             [x for b in idle for x in b], 0.5)
     return rows
 
