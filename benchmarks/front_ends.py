@@ -89,10 +89,15 @@ def _cpu_s(pid: int) -> float:
 
 class _Tally:
     """One front end's view of a round: per engine, its first batch opens the window (the
-    prefill step, not counted, as ``ipc._Round``); every later batch's tokens count. The CPU
-    this process and the engines used inside the window say which side was the bottleneck."""
+    prefill step, not counted, as ``ipc._Round``); every later batch's tokens count.
 
-    __slots__ = ("cpu0", "done", "engines", "first", "last", "tokens")
+    The CPU this process and the engines used say which side was the bottleneck: counted
+    from ``mark`` (the front end that resumes the engines marks just before it resumes them,
+    so its figure holds every step; the others at their first batch) to the last batch, over
+    that wall time. Marked at the first batch, a front end that reads late (its batches
+    queued) would see engines that had already finished."""
+
+    __slots__ = ("cpu0", "done", "engines", "first", "last", "t0", "tokens")
 
     def __init__(self, engines: list[int]) -> None:
         self.first: dict[int, float] = {}
@@ -101,9 +106,14 @@ class _Tally:
         self.done = 0
         self.engines = engines
         self.cpu0: list[float] = []
+        self.t0 = 0.0
 
     def _cpu(self) -> list[float]:
         return [time.process_time(), *map(_cpu_s, self.engines)]
+
+    def mark(self) -> None:
+        self.t0 = time.monotonic()
+        self.cpu0 = self._cpu()
 
     def take(self, batch: Any) -> None:
         outputs = batch.outputs
@@ -111,8 +121,8 @@ class _Tally:
             return
         now = time.monotonic()
         engine = batch.engine_index
-        if not self.first:
-            self.cpu0 = self._cpu()
+        if not self.cpu0:
+            self.mark()
         if engine not in self.first:
             self.first[engine] = batch.timestamp
         else:
@@ -126,20 +136,20 @@ class _Tally:
 
     def result(self) -> dict[str, Any]:
         first = min(self.first.values())
-        window = self.last - first
-        cores = [(b - a) / window for a, b in zip(self.cpu0, self._cpu(), strict=True)]
+        wall = self.last - self.t0
+        cores = [(b - a) / wall for a, b in zip(self.cpu0, self._cpu(), strict=True)]
         return {"first": first, "last": self.last, "tokens": self.tokens,
-                "tok_s": self.tokens / window, "cores": cores[0], "engine_cores": cores[1:]}
+                "tok_s": self.tokens / (self.last - first), "cores": cores[0],
+                "engine_cores": cores[1:]}
 
 
-def _drain(client: Any, k: int, tag: str, engines: list[int]) -> dict[str, Any]:
-    t = _Tally(engines)
+def _drain(client: Any, k: int, tag: str, tally: _Tally) -> dict[str, Any]:
     deadline = time.monotonic() + _TIMEOUT_S
-    while t.done < k:
-        t.take(client.get_output(timeout=1.0))
+    while tally.done < k:
+        tally.take(client.get_output(timeout=1.0))
         if time.monotonic() > deadline:
-            raise TimeoutError(f"front-end round {tag}: {t.done}/{k} finished")
-    return t.result()
+            raise TimeoutError(f"front-end round {tag}: {tally.done}/{k} finished")
+    return tally.result()
 
 
 def _front_end_main(conn: Connection, config_bytes: bytes, index: int,
@@ -191,10 +201,12 @@ def _serve(client: Any, conn: Connection, prompts: dict[int, list[list[int]]], c
         for req in our_requests(k, p, tag):
             client.add_request(req)
         conn.send(("added", None))
+        tally = _Tally(engines)
         if resumes:
             _expect(conn, "go", "the go")
+            tally.mark()
             call("resume_scheduler", timeout=_TIMEOUT_S)
-        return "round", _drain(client, k, tag, engines)
+        return "round", _drain(client, k, tag, tally)
     if cmd == "echo":
         (n,) = args
         pc = time.perf_counter
@@ -213,7 +225,7 @@ def _serve(client: Any, conn: Connection, prompts: dict[int, list[list[int]]], c
                 client.add_request(req)
             if not rounds:
                 conn.send(("busy", None))
-            _drain(client, k, f"{tag}-{rounds}", [])
+            _drain(client, k, f"{tag}-{rounds}", _Tally([]))
             rounds += 1
             if conn.poll():
                 _expect(conn, "stop", "a stop")
