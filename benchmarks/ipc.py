@@ -49,8 +49,14 @@ __all__ = [
     "bench_echo",
     "bench_inproc",
     "bench_spec",
+    "echo_rows",
+    "floor_round",
+    "make_row",
     "null_config",
+    "our_requests",
     "peers",
+    "percentile",
+    "random_prompts",
 ]
 
 PROMPT_LEN = 512
@@ -75,7 +81,7 @@ def null_config(k_max: int, delay_s: float = 0.0) -> EngineConfig:
     )
 
 
-def _row(
+def make_row(
     section: str,
     name: str,
     unit: str,
@@ -98,7 +104,7 @@ def _row(
     return row
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
@@ -130,27 +136,29 @@ def _time_calls(call: Callable[[], object], n: int, out: list[float]) -> None:
         out.append((pc() - t0) * 1e6)
 
 
-def _echo_rows(
-    label: str, ours: list[list[float]], floors: dict[str, list[list[float]]], bar_key: str
+def echo_rows(
+    label: str, ours: list[list[float]], floors: dict[str, list[list[float]]],
+    bar_key: str | None, section: str = "echo",
 ) -> list[dict[str, Any]]:
-    """p50/p99 over all samples; the spread is the range of per-block p50s."""
+    """p50/p99 over all samples; the spread is the range of per-block p50s. ``bar_key`` keys
+    the p50 row against the raw floor."""
     rows = []
     flat_ours = [x for b in ours for x in b]
     for fname, blocks in floors.items():
         flat_floor = [x for b in blocks for x in b]
         for q, tag in ((0.5, "p50"), (0.99, "p99")):
-            o, f = _pct(flat_ours, q), _pct(flat_floor, q)
-            row = _row(
-                "echo",
+            o, f = percentile(flat_ours, q), percentile(flat_floor, q)
+            row = make_row(
+                section,
                 f"{label} echo RTT {tag} / {fname}",
                 "µs",
-                [_pct(b, q) for b in ours],
-                [_pct(b, q) for b in blocks],
+                [percentile(b, q) for b in ours],
+                [percentile(b, q) for b in blocks],
                 o / f,
                 calls=len(flat_ours),
             )
             row["ours"], row["floor"] = o, f  # over all samples, not the median of blocks
-            if tag == "p50" and fname == "raw":
+            if tag == "p50" and fname == "raw" and bar_key is not None:
                 row["key"] = bar_key
             rows.append(row)
     return rows
@@ -182,7 +190,7 @@ def bench_echo(
             _time_calls(call, block, buf)
             samples[name].append(buf)
     ours_s = samples.pop("ours")
-    return _echo_rows("sync", ours_s, samples, "echo_sync_p50")
+    return echo_rows("sync", ours_s, samples, "echo_sync_p50")
 
 
 async def _raw_asyncio_block(peer: FloorPeer, payload: bytes, k: int, out: list[float]) -> None:
@@ -269,7 +277,7 @@ async def _async_all(
                 ours.append(a)
                 floor.append(b)
                 afloor.append(c)
-            rows += _echo_rows("async", ours, {"raw": floor, "raw asyncio": afloor},
+            rows += echo_rows("async", ours, {"raw": floor, "raw asyncio": afloor},
                                "echo_async_p50")
         if pipe is not None:
             for k in ks:
@@ -283,7 +291,7 @@ async def _async_all(
                     gc.collect()
                 ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(o, f, strict=True)]
                 rows.append(
-                    _row(
+                    make_row(
                         "delivery",
                         f"async tokens/s K={k} / floor",
                         "tok/s",
@@ -376,7 +384,7 @@ def floor_round(
     return r.result()
 
 
-def _our_requests(k: int, prompts: list[list[int]], tag: str) -> list[EngineCoreRequest]:
+def our_requests(k: int, prompts: list[list[int]], tag: str) -> list[EngineCoreRequest]:
     return [EngineCoreRequest(f"{tag}-{i}", prompts[i],
                               SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, seed=i),
                               time.time()) for i in range(k)]  # fmt: skip
@@ -388,7 +396,7 @@ def ours_round(client: Any, k: int, prompts: list[list[int]], tag: str) -> dict[
     would land inside the window. A client built with ``columnar_outputs`` is read by its
     columns (``_Round.take``'s ``columns``)."""
     client.call_utility("pause_scheduler", "keep", timeout=_TIMEOUT_S)
-    for req in _our_requests(k, prompts, tag):
+    for req in our_requests(k, prompts, tag):
         client.add_request(req)
     client.call_utility("resume_scheduler", timeout=_TIMEOUT_S)
     r = _Round()
@@ -405,7 +413,7 @@ async def ours_round_async(
     client: Any, k: int, prompts: list[list[int]], tag: str
 ) -> dict[str, float]:
     await client.call_utility_async("pause_scheduler", "keep", timeout=_TIMEOUT_S)
-    for req in _our_requests(k, prompts, tag):
+    for req in our_requests(k, prompts, tag):
         await client.add_request_async(req)
     await client.call_utility_async("resume_scheduler", timeout=_TIMEOUT_S)
     r = _Round()
@@ -460,7 +468,7 @@ def bench_delivery(
         )
         ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(o, f, strict=True)]
         rows.append(
-            _row(
+            make_row(
                 "delivery",
                 f"{label} tokens/s K={k} / floor",
                 "tok/s",
@@ -505,7 +513,7 @@ def bench_compute(
 
         os_, fs = [share(x) for x in o], [share(x) for x in f]
         rows.append(
-            _row(
+            make_row(
                 "compute",
                 f"non-compute share, 5 ms step, K={k}",
                 "%",
@@ -579,7 +587,7 @@ def bench_spec(step_us_at_256: float | None, quick: bool) -> list[dict[str, Any]
         life_us.append(full_life())
     ratios = [a / b for a, b in zip(o, f, strict=True)]
     rows = [
-        _row(
+        make_row(
             "spec",
             "spec transition (Lifecycle.fire)",
             "µs",
@@ -589,7 +597,7 @@ def bench_spec(step_us_at_256: float | None, quick: bool) -> list[dict[str, Any]
             key="spec_transition_us",
             judge="value",
         ),
-        _row("spec", "spec transition, whole request life", "µs", life_us, None, None),
+        make_row("spec", "spec transition, whole request life", "µs", life_us, None, None),
     ]
     per = statistics.median(o)
     source = "IPC delivery K=256"
@@ -597,7 +605,7 @@ def bench_spec(step_us_at_256: float | None, quick: bool) -> list[dict[str, Any]
         step_us_at_256, source = _engine_step_us(256, quick), "EngineCore.step batch 256"
     share = 256 * per / step_us_at_256 * 100
     rows.append(
-        _row(
+        make_row(
             "spec",
             "spec share of a step at batch 256",
             "%",
@@ -617,7 +625,7 @@ def _engine_step_us(k: int, quick: bool) -> float:
 
     eng = EngineCore(null_config(k))
     try:
-        for req in _our_requests(k, random_prompts(k, 7), "s"):
+        for req in our_requests(k, random_prompts(k, 7), "s"):
             eng.add_request(req)
         eng.step()  # prefill
         xs = []
@@ -645,7 +653,7 @@ def bench_inproc(k: int, reps: int) -> list[dict[str, Any]]:
     try:
 
         def via_client(i: int) -> float:
-            for req in _our_requests(k, prompts, f"i{i}"):
+            for req in our_requests(k, prompts, f"i{i}"):
                 client.add_request(req)
             done = tokens = 0
             t0 = time.perf_counter()
@@ -656,7 +664,7 @@ def bench_inproc(k: int, reps: int) -> list[dict[str, Any]]:
             return tokens / (time.perf_counter() - t0)
 
         def direct(i: int) -> float:
-            for req in _our_requests(k, prompts, f"e{i}"):
+            for req in our_requests(k, prompts, f"e{i}"):
                 eng.add_request(req)
             done = tokens = 0
             t0 = time.perf_counter()
@@ -679,7 +687,7 @@ def bench_inproc(k: int, reps: int) -> list[dict[str, Any]]:
             gc.collect()
         ratios = [a / b for a, b in zip(o, f, strict=True)]
         return [
-            _row(
+            make_row(
                 "inproc",
                 f"InprocClient tokens/s K={k} / EngineCore",
                 "tok/s",

@@ -21,10 +21,11 @@ from typing import Any
 
 from .._command import MissingError, Parser, UsageError, require, run_handler, writable_file
 
-__all__ = ["DP_ENGINES", "SECTIONS", "TARGETS", "add_arguments", "bench_command", "collect",
-           "main", "run_bench"]
+__all__ = ["DP_ENGINES", "FRONT_ENDS", "SECTIONS", "TARGETS", "add_arguments", "bench_command",
+           "collect", "main", "run_bench"]
 
-SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model", "dp")
+SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model", "dp",
+            "frontends")
 
 # key -> (op, bar, goal, judged on "ratio" or "value"); issue 10's target table.
 TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -38,6 +39,8 @@ TARGETS: dict[str, tuple[str, float, float, str]] = {
     "spec_transition_us": ("<=", 1.0, 0.3, "value"),
     # Issue 29: two engines deliver 1.8x one engine's tokens/s on compute-bound steps.
     "dp_scaling_2": (">=", 1.8, 1.9, "ratio"),
+    # Issue 47: two front-end processes deliver 1.8x one front end's tokens/s at K=1024.
+    "frontends_scaling_1024": (">=", 1.8, 1.9, "ratio"),
 }
 # Shown with a verdict but not counted in the exit status: targets owned by other issues.
 _INFO_TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -181,9 +184,15 @@ def _model_rows(quick: bool) -> list[dict[str, Any]]:
 
 
 DP_ENGINES = 2  # the dp section's engines when none are named: the full run's, as issue 29's bar
+FRONT_ENDS = 2  # the frontends section's front ends when none are named (issue 47's bar)
 
 
-def _selection(only: list[str] | None, engines: int) -> set[str]:
+def _count(v: object, lo: int) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v >= lo
+
+
+def _selection(only: list[str] | None, engines: int, front_ends: int = FRONT_ENDS,
+               front_end_engines: int = 1) -> set[str]:
     """The sections ``only`` selects (all when None), each one's arguments checked before
     anything is measured: a section refusing them at its turn would lose the run before it
     (the dp section once refused the CLI's default ``--engines 1`` after 13 s of measuring)."""
@@ -191,16 +200,23 @@ def _selection(only: list[str] | None, engines: int) -> set[str]:
     unknown = sel - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown benchmark sections {sorted(unknown)}; known: {SECTIONS}")
-    if "dp" in sel and (isinstance(engines, bool) or not isinstance(engines, int)
-                        or engines < 2):
+    if "dp" in sel and not _count(engines, 2):
         raise ValueError(f"engines={engines!r}: the dp section compares N >= 2 engines with one")
+    if "frontends" in sel and not _count(front_ends, 2):
+        raise ValueError(f"front_ends={front_ends!r}: the frontends section compares K >= 2"
+                         " front ends with one")
+    if "frontends" in sel and not _count(front_end_engines, 1):
+        raise ValueError(f"front_end_engines={front_end_engines!r}: the frontends section"
+                         " needs at least one engine")
     return sel
 
 
-def collect(quick: bool, only: list[str] | None = None, engines: int = DP_ENGINES
+def collect(quick: bool, only: list[str] | None = None, engines: int = DP_ENGINES,
+            front_ends: int = FRONT_ENDS, front_end_engines: int = 1
             ) -> list[dict[str, Any]]:
     """Run the selected sections; return their rows, not yet judged. ``engines``: the dp
-    section's (ValueError below 2, before anything runs)."""
+    section's (ValueError below 2, before anything runs); ``front_ends`` and
+    ``front_end_engines``: the frontends section's (below 2 and below 1: ValueError)."""
     from .floor import freeze_heap
     from .ipc import (
         bench_async,
@@ -213,7 +229,7 @@ def collect(quick: bool, only: list[str] | None = None, engines: int = DP_ENGINE
         peers,
     )
 
-    sel = _selection(only, engines)
+    sel = _selection(only, engines, front_ends, front_end_engines)
     p = _params(quick)
     ks: tuple[int, ...] = p["ks"]
     k_max = max(ks)
@@ -279,6 +295,11 @@ def collect(quick: bool, only: list[str] | None = None, engines: int = DP_ENGINE
             from .dp import bench_dp
 
             rows += bench_dp(engines, quick)
+        if "frontends" in sel:
+            from .front_ends import bench_front_ends
+
+            rows += bench_front_ends(front_ends, front_end_engines, ks=ks, reps=p["reps"],
+                                     echo=p["echo"][:2])
     finally:
         if not was_frozen:
             gc.unfreeze()
@@ -429,6 +450,8 @@ def run_bench(
     only: list[str] | None = None,
     engines: int = DP_ENGINES,
     contended: int | None = None,
+    front_ends: int = FRONT_ENDS,
+    front_end_engines: int = 1,
 ) -> int:
     """Run, print the table, write JSON/PNG if asked; 1 if a bar of issue 10 is missed.
 
@@ -438,8 +461,9 @@ def run_bench(
     The output paths (and matplotlib, for a plot) are checked before anything runs: ValueError
     for a path that cannot be written, ImportError without matplotlib, FileNotFoundError when
     ``only`` names the model section and the SmolLM2 weights are not installed, ValueError
-    for an unknown section or fewer than 2 ``engines`` for the dp section."""
-    _selection(only, engines)
+    for an unknown section, fewer than 2 ``engines`` for the dp section or fewer than 2
+    ``front_ends`` (or 1 ``front_end_engines``) for the frontends section."""
+    _selection(only, engines, front_ends, front_end_engines)
     for path in (json_out, plot_out):
         if path:
             _check_output(path)
@@ -456,10 +480,10 @@ def run_bench(
         from .contention import BackgroundLoad
 
         with BackgroundLoad(contended) as load:
-            rows = collect(quick, only, engines)
+            rows = collect(quick, only, engines, front_ends, front_end_engines)
         machine["contended"] = load.describe()
     else:
-        rows = collect(quick, only, engines)
+        rows = collect(quick, only, engines, front_ends, front_end_engines)
     ok = judge(rows)
     elapsed = time.perf_counter() - t0
     mode = "quick" if quick else "full"
@@ -512,7 +536,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engines", type=int, metavar="N",
         help="data parallel: N >= 2 engines' tokens/s over one engine's on compute-bound steps,"
         " and the routing cost per request (alone: the dp section only; the full and quick"
-        f" runs' dp section uses {DP_ENGINES})")
+        f" runs' dp section uses {DP_ENGINES}); with --front-ends K: N >= 1 engines, each"
+        " serving all K front ends")
+    parser.add_argument(
+        "--front-ends", type=int, metavar="K",
+        help="several front ends: K >= 2 front-end processes attached to the same engine(s)"
+        " (with --engines N: N engines, each serving all K), their aggregate tokens/s over one"
+        " front end's, and one front end's round trip with the others idle and busy (alone:"
+        f" the frontends section only; the full and quick runs' uses {FRONT_ENDS} over one"
+        " engine)")
     parser.add_argument(
         "--contended", type=int, nargs="?", const=0, default=None, metavar="N",
         help="run beside N CPU-bound processes (default: one per core), as a serving host's"
@@ -566,16 +598,28 @@ def bench_command(args: argparse.Namespace) -> int:
         missing = _model_missing()
         if missing is not None:
             raise MissingError(f"--only model: {missing}")
-    engines = DP_ENGINES
+    engines, front_ends, fe_engines = DP_ENGINES, FRONT_ENDS, 1
+    if args.front_ends is not None:
+        if args.front_ends < 2:
+            raise UsageError(f"--front-ends {args.front_ends}: the frontends section compares"
+                             " K front ends with one; give K >= 2")
+        front_ends = args.front_ends
     if args.engines is not None:
-        if args.engines < 2:
+        # With --front-ends (and no dp section asked for), N engines serve the front ends,
+        # and one engine is a valid N; the dp section compares N >= 2 with one.
+        dp = args.front_ends is None or bool(only and "dp" in only)
+        if args.engines < (2 if dp else 1):
             raise UsageError(f"--engines {args.engines}: the dp section compares N engines with"
-                             " one; give N >= 2")
-        engines = args.engines
-        if not only:
-            only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
+                             " one; give N >= 2" if dp else
+                             f"--engines {args.engines}: give N >= 1 engines")
+        engines = fe_engines = args.engines
+    if not only and args.front_ends is not None:
+        only = ["frontends"]  # --front-ends K alone: its rows, over --engines N if given
+    elif not only and args.engines is not None:
+        only = ["dp"]  # --engines N alone: the data-parallel rows, with N engines
     return int(run_bench(quick=args.quick, json_out=args.json, plot_out=args.plot, only=only,
-                         engines=engines, contended=contended))
+                         engines=engines, contended=contended, front_ends=front_ends,
+                         front_end_engines=fe_engines))
 
 
 def main(argv: list[str] | None = None) -> int:

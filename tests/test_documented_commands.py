@@ -302,7 +302,9 @@ def _run_bench(argv: list[str], out: Path) -> None:
     assert rc in (0, 1)
     rows = json.loads(out.read_text())["rows"]
     only = argv[argv.index("--only") + 1].split(",") if "--only" in argv else None
-    want = set(only or (["dp"] if "--engines" in argv else bench_run.SECTIONS)) - {"model"}
+    alone = (["frontends"] if "--front-ends" in argv else ["dp"] if "--engines" in argv
+             else bench_run.SECTIONS)
+    want = set(only or alone) - {"model"}
     assert want <= {r["section"] for r in rows}, (argv, want)
 
 
