@@ -90,6 +90,9 @@ logger = logging.getLogger(__name__)
 
 # Bound on the input thread connecting and sending the ready handshake.
 HANDSHAKE_SEND_S = 30.0
+# ``_emit_scoped``'s id cache: its bound, and the marker of an id it has not resolved yet.
+_SPLIT_BOUND = 1 << 16
+_UNRESOLVED: Any = object()
 
 # A reply's route on an engine serving several front ends: (channel, session generation).
 Route = tuple[int, int]
@@ -213,6 +216,8 @@ class EngineCoreProc:
         # has seen them (behind the input queued before them).
         self._sessions: list[bytes | None] = [None] * len(inputs)
         self._generations = [0] * len(inputs)
+        self._split: dict[str, tuple[int, str] | None] = {}  # _emit_scoped's id cache
+        self._split_key: Any = None
         # The session and the engine core record into one bounded trace, which drain_trace
         # hands out (runtime/_engine_trace.py); a plain list given here still gets each entry.
         records: int = getattr(config, "engine_trace_records", 0)
@@ -694,40 +699,65 @@ class EngineCoreProc:
 
     def _emit_scoped(self, outputs: EngineCoreOutputs) -> None:
         """Split a step's batch by front end: each served session gets its own requests'
-        outputs under the ids it sent; those of a session that has gone are dropped."""
+        outputs under the ids it sent; those of a session that has gone are dropped.
+
+        Each scoped id is resolved once (``_split``: id -> (channel, own id), None for a
+        session no longer served) and looked up by the same str object on every later step
+        (its hash cached): the per-token cost is one dict lookup, not a find, two slices and
+        two more lookups. The cache holds only while the served sessions are the ones it was
+        built under (``_split_key``) and is emptied past a bound (ids of requests ended
+        without a finish notice, e.g. dropped with their session)."""
+        key = (tuple(self._generations), tuple(s is not None for s in self._sessions))
+        split = self._split
+        if key != self._split_key or len(split) > _SPLIT_BOUND:
+            split.clear()
+            self._split_key = key
         served = {channel_prefix(ch, self._generations[ch]): ch
                   for ch, session in enumerate(self._sessions) if session is not None}
-        parts: dict[int, tuple[list[str], list[int], list[EngineCoreOutput], list[str]]] = {}
 
-        def part(rid: str) -> tuple[Any, str] | tuple[None, None]:
+        def resolve(rid: str) -> tuple[int, str] | None:
             cut = rid.find(SCOPE_END) + 1
             ch = served.get(rid[:cut])
-            if ch is None:
-                return None, None
-            p = parts.get(ch)
-            if p is None:
-                p = parts[ch] = ([], [], [], [])
-            return p, rid[cut:]
+            hit = split[rid] = None if ch is None else (ch, rid[cut:])
+            return hit
 
+        k = len(self._sessions)
+        ids: list[list[str]] = [[] for _ in range(k)]
+        toks: list[list[int]] = [[] for _ in range(k)]
+        get = split.get
         for rid, tok in zip(outputs.stream_ids, outputs.stream_tokens, strict=False):
-            p, own = part(rid)
-            if p is not None:
-                p[0].append(own)
-                p[1].append(tok)
+            hit = get(rid, _UNRESOLVED)
+            if hit is _UNRESOLVED:
+                hit = resolve(rid)
+            if hit is not None:
+                ch, own = hit
+                ids[ch].append(own)
+                toks[ch].append(tok)
+        outs: list[list[EngineCoreOutput]] = [[] for _ in range(k)]
         for out in outputs.outputs:
-            p, own = part(out.request_id)
-            if p is not None:
-                p[2].append(msgspec.structs.replace(out, request_id=own))
+            rid = out.request_id
+            hit = get(rid, _UNRESOLVED)
+            if hit is _UNRESOLVED:
+                hit = resolve(rid)
+            if hit is not None:
+                outs[hit[0]].append(msgspec.structs.replace(out, request_id=hit[1]))
+        finished: list[list[str]] = [[] for _ in range(k)]
         for rid in outputs.finished_requests or ():
-            p, own = part(rid)
-            if p is not None:
-                p[3].append(own)
-        for ch, (ids, toks, outs, finished) in parts.items():
-            batch = EngineCoreOutputs(
-                engine_index=self.engine_index, outputs=outs, timestamp=outputs.timestamp,
-                finished_requests=finished or None, scheduler_stats=outputs.scheduler_stats,
-                stream_ids=ids, stream_tokens=toks)
-            self.outputs[ch].put(batch, direct=goes_direct(len(ids) + len(outs), self._overlap))
+            hit = split.pop(rid, _UNRESOLVED)
+            if hit is _UNRESOLVED:
+                hit = resolve(rid)
+                split.pop(rid, None)
+            if hit is not None:
+                finished[hit[0]].append(hit[1])
+        for ch in range(k):
+            if ids[ch] or outs[ch] or finished[ch]:
+                batch = EngineCoreOutputs(
+                    engine_index=self.engine_index, outputs=outs[ch],
+                    timestamp=outputs.timestamp, finished_requests=finished[ch] or None,
+                    scheduler_stats=outputs.scheduler_stats, stream_ids=ids[ch],
+                    stream_tokens=toks[ch])
+                self.outputs[ch].put(batch, direct=goes_direct(len(ids[ch]) + len(outs[ch]),
+                                                               self._overlap))
         if outputs.utility_output is not None:
             self._emit_utility(outputs.utility_output)
 
