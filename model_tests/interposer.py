@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ from ._conformance_driver import (
 from ._harness import ResourceSnapshot
 from .bounds import DEATH_BOUND_S
 
-__all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
+__all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer", "Link",
            "interposer_cells"]
 
 _POLL_MS = 5
@@ -77,6 +77,15 @@ ATTACH_READY_S = 5.0
 class Direction(enum.StrEnum):
     TO_ENGINE = "to_engine"
     TO_CLIENT = "to_client"
+
+
+class Link(enum.IntEnum):
+    """Which way a forwarded message went, as ``Interposer.tap`` is told and a capture file
+    (model_tests/monitor.py) records it: the ready handshake travels on the input pair."""
+
+    TO_ENGINE = 0
+    OUTPUT = 1  # engine -> client, on the output pair (outputs, replies, the sentinel)
+    READY = 2  # engine -> client, on the input pair
 
 
 class FrameKind(enum.StrEnum):
@@ -186,6 +195,20 @@ def _kind_to_client(frames: list[bytes], handshake: bool,
     return FrameKind.HEARTBEAT
 
 
+_BURST = 256
+
+
+def _burst(sock: zmq.Socket[Any]) -> list[list[bytes]]:
+    """The messages ``sock`` holds now, at most ``_BURST``, without waiting."""
+    out: list[list[bytes]] = []
+    while len(out) < _BURST:
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
+
+
 @dataclass
 class _RuleState:
     rule: FrameRule
@@ -221,6 +244,13 @@ class Interposer:
     events: list[tuple[str, str, str]] = field(default_factory=list)
     # time.monotonic() of each entry in ``events``: detection latency starts there.
     applied_at: list[float] = field(default_factory=list)
+    # Where the engine connects: None, an ipc directory of the proxy's own; else the
+    # (input, output) pair to bind, ipc or tcp (the monitor's ``--engine``).
+    engine_bind: tuple[str, str] | None = None
+    # Told (link, frames) of every message as it is sent on, on the proxy thread, so it must
+    # only hand it on (the monitor queues it for its judge: never a wait on the forwarding
+    # path). The frames are those sent, after any rule.
+    tap: Callable[[Link, list[bytes]], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rules, list | tuple):
@@ -259,6 +289,8 @@ class Interposer:
     @property
     def engine_addresses(self) -> tuple[str, str]:
         """The (input, output) pair the engine connects to (``engine_connect``)."""
+        if self.engine_bind is not None:
+            return self.engine_bind
         with self._lock:
             if self._dir is None:
                 self._dir = tempfile.mkdtemp(prefix="enginewire-ip-")
@@ -408,13 +440,21 @@ class Interposer:
             held: dict[Direction, list[bytes] | None] = {d: None for d in Direction}
             order = itertools.count()
 
+            tap = self.tap
+
             def send(direction: Direction, frames: list[bytes]) -> None:
+                link = Link.OUTPUT
                 if direction is Direction.TO_ENGINE:
                     eng_in.send_multipart([self._identity, *frames])
+                    link = Link.TO_ENGINE
                 elif frames and frames[0] == b"\x00READY":
-                    cli_in.send_multipart(frames[1:])
+                    frames = frames[1:]
+                    cli_in.send_multipart(frames)
+                    link = Link.READY
                 else:
                     cli_out.send_multipart(frames)
+                if tap is not None:
+                    tap(link, frames)
 
             def forward(direction: Direction, frames: list[bytes], kind: FrameKind) -> None:
                 rule = self._match(direction, kind)
@@ -457,12 +497,13 @@ class Interposer:
                     # Only the ready travels this way (again after each reconnection).
                     _ident, *frames = eng_in.recv_multipart()
                     forward(Direction.TO_CLIENT, frames, FrameKind.READY)
-                if eng_out in events:
-                    frames = eng_out.recv_multipart()
+                # Up to _BURST messages a side per poll: a busy stream is not paced by the
+                # poll's round trip. Kinds are read only where a rule can match on them.
+                for frames in _burst(eng_out):
                     forward(Direction.TO_CLIENT, frames,
-                            _kind_to_client(frames, False, self._layout))
-                if cli_in in events:
-                    frames = cli_in.recv_multipart()
+                            _kind_to_client(frames, False, self._layout) if self._states
+                            else FrameKind.OTHER)
+                for frames in _burst(cli_in):
                     kind = _TYPE_KINDS.get(frames[0][:1] if frames else b"", FrameKind.OTHER)
                     forward(Direction.TO_ENGINE, frames, kind)
         finally:
