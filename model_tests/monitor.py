@@ -1,0 +1,760 @@
+"""The monitor: a transparent relay that judges a front end <-> engine conversation against the
+spec from its traffic alone (``enginewire monitor``, docs/monitor.md).
+
+Theory of operation
+-------------------
+Rule 1: the relay never waits for its judgement. It is the interposer's proxy
+(model_tests/interposer.py) with no rule: the front end binds, the monitor connects to it as
+the engine would and binds a pair the engine connects to, and every message is sent on
+unchanged and in order. The proxy thread's ``tap`` only puts ``(link, frames, time)`` on a
+queue; a judging thread writes the capture and judges, behind the stream.
+Rule 2: the judgement advances the spec's own machines (``Lifecycle`` over spec/client.py's
+CLIENT, spec/request.py's CLIENT_REQUEST, spec/utility.py's UTILITY, spec/attach.py's ATTACH
+and spec/engine.py's ENGINE, as far as the wire shows it) and records their trace; a
+``SpecViolation`` the tables raise is a ``Violation`` with the last frames that led there.
+The few rules no single table holds (a token after the engine said it slept, an abort never
+answered within the bound, a call id sent twice while pending, a reply to a call never sent,
+a frame after the dead sentinel, a frame that does not decode) are reported in the same form.
+Coverage is the trace, counted as the campaign counts it, in the campaign's JSON + HTML
+report.
+Rule 3: what only a client knows is not judged: its timeouts and cancels, and its own state
+after the engine died (a message the client sent before it read the sentinel is not a
+violation, so nothing sent after the sentinel is judged).
+
+The capture (``--capture FILE``) is the judging thread's input, written as it judges:
+``b"EWMONCAP"``, a u16 version, the wire's name (u8 length, ascii); then records
+``link u8 | time f64 | frame count u32 | (length u32 | bytes) per frame | crc32 u32`` (all
+little-endian), and an end record (link 255, no frame) when the monitor stops. ``replay``
+judges a capture again; a cut or corrupt one is a ``ProtocolError`` naming the byte.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import queue
+import struct
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from ..protocol.codec import decode_input, decode_outputs, decode_ready
+from ..protocol.messages import ENGINE_DEAD_SENTINEL, AttachRequest, RequestType, UtilityRequest
+from ..protocol.utilities import BY_NAME
+from ..protocol.vllm033 import (
+    VLLM_DEAD_SENTINEL,
+    VllmEngineCoreOutputs,
+    VllmEngineCoreRequest,
+)
+from ..runtime.client import FINISH_EVENT_BY_VALUE
+from ..runtime.integrity import TRAILER_MAGIC
+from ..spec.attach import ATTACH, ATTACH_DROPS_MESSAGES, AttachEvent, AttachState
+from ..spec.client import CLIENT, CLIENT_ASLEEP, ClientEvent, ClientState
+from ..spec.engine import ENGINE, SUBPROCESS, EngineEvent
+from ..spec.errors import ProtocolError, SpecViolation
+from ..spec.machine import Lifecycle, TraceEntry
+from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
+from ..spec.utility import UTILITY, UtilityEvent, UtilityState
+from .interposer import Interposer, Link
+from .oracle import Coverage
+
+__all__ = ["ABORT_BOUND_S", "WIRES", "Judge", "Monitor", "Violation", "read_capture", "replay",
+           "write_report"]
+
+# The monitor's wire names (the CLI's --wire) -> the interposer's name for the same frames.
+WIRES = {"enginewire": "enginewire", "vllm-0.33": "vllm"}
+# An abort is applied at the engine's next step boundary and answered then (milliseconds);
+# seconds leave room for a loaded 2-core CI machine, so only a lost answer trips it.
+ABORT_BOUND_S = 5.0
+# The last frames a violation carries (summaries), and the ended calls kept so that a second
+# reply is judged by the table (RESOLVED has no REPLY_OK row) rather than as "never sent".
+HISTORY = 8
+_ENDED_CALLS = 4096
+# The judging thread wakes this often without traffic, to see an abort's bound pass.
+_TICK_S = 0.1
+_JOIN_S = 10.0
+
+_MAGIC = b"EWMONCAP"
+CAPTURE_VERSION = 1
+_HEAD = struct.Struct("<H B")
+_RECORD = struct.Struct("<B d I")
+_U32 = struct.Struct("<I")
+_END = 255
+# A frame longer than this in a capture is corruption, not traffic (the engine's own bound on
+# a frame is far below it).
+_MAX_FRAME = 1 << 31
+_LINKS = frozenset(int(link) for link in Link)
+_NO_CALL = "(no such call)"  # the state a reply finds when no call of its id was ever sent
+
+
+@dataclass(frozen=True)
+class Violation:
+    """The conversation left the spec: in ``machine`` (a spec machine's name, or ``wire`` for a
+    frame that does not decode), in ``state``, at ``event``; ``frames`` are the summaries of
+    the last frames up to and including the one that did it, oldest first."""
+
+    machine: str
+    state: str
+    event: str
+    detail: str
+    at: float
+    frames: tuple[str, ...] = ()
+    guard: str | None = None
+
+    def __str__(self) -> str:
+        g = f" [{self.guard}]" if self.guard else ""
+        return f"{self.machine}: {self.event}{g} in {self.state}: {self.detail}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["frames"] = list(self.frames)
+        return d
+
+
+@dataclass
+class _Batch:
+    """One message to the client, read down to what the judge follows."""
+
+    outputs: list[tuple[str, int | None]]
+    reply: tuple[int, str | None, Any] | None = None
+    session: bytes | None = None
+    refusal: str | None = None
+    power: tuple[str, Any] | None = None
+
+
+def _undecodable(what: str, e: BaseException) -> ProtocolError:
+    return ProtocolError(f"{what} does not decode: {e}")
+
+
+class _EnginewireFrames:
+    """Enginewire's frames (protocol/messages.py); an integrity trailer, once a front end has
+    asked for them, is stripped unchecked (the receiver checks it)."""
+
+    sentinel = ENGINE_DEAD_SENTINEL
+    sessions = True
+
+    def request(self, frames: list[bytes], sealed: bool) -> tuple[RequestType, Any]:
+        kind, obj = decode_input(_unsealed(frames) if sealed and frames[:1] and
+                                 frames[0][:1] != RequestType.ATTACH.value else frames)
+        if kind is RequestType.ADD:
+            return kind, obj.request_id
+        if kind is RequestType.UTILITY:
+            assert isinstance(obj, UtilityRequest)
+            return kind, (obj.call_id, obj.method, list(obj.args))
+        return kind, obj
+
+    def outputs(self, frames: list[bytes], sealed: bool) -> _Batch:
+        out = decode_outputs(_unsealed(frames) if sealed else frames).expanded()
+        u = out.utility_output
+        return _Batch(
+            [(o.request_id, None if o.finish_reason is None else int(o.finish_reason))
+             for o in out.outputs],
+            None if u is None else (u.call_id, u.failure_message, u.result),
+            out.session, out.refusal,
+            None if out.power is None else (out.power.method, out.power.result))
+
+    def ready(self, frames: list[bytes]) -> None:
+        decode_ready(frames)
+
+
+class _VllmFrames:
+    """vLLM 0.33's frames (protocol/vllm033.py): a request's type byte is a frame of its own."""
+
+    sentinel = VLLM_DEAD_SENTINEL
+    sessions = False
+
+    def __init__(self) -> None:
+        self._add = msgspec.msgpack.Decoder(VllmEngineCoreRequest)
+        self._outs = msgspec.msgpack.Decoder(VllmEngineCoreOutputs)
+        self._any = msgspec.msgpack.Decoder()
+
+    def request(self, frames: list[bytes], sealed: bool) -> tuple[RequestType, Any]:
+        if len(frames) < 2 or len(frames[0]) != 1:
+            raise ProtocolError(f"a vLLM request is [type byte, payload, ...], got"
+                                f" {len(frames)} frame(s) starting {frames[0][:8]!r}"
+                                if frames else "a vLLM request with no frame")
+        try:
+            if frames[0] == RequestType.ADD.value:
+                return RequestType.ADD, self._add.decode(frames[1]).request_id
+            body = self._any.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise _undecodable("a vLLM request", e) from e
+        if frames[0] == RequestType.ABORT.value and isinstance(body, list) and all(
+                isinstance(i, str) for i in body):
+            return RequestType.ABORT, body
+        if frames[0] == RequestType.UTILITY.value and isinstance(body, list) and len(
+                body) == 4 and isinstance(body[1], int) and isinstance(body[2], str):
+            return RequestType.UTILITY, (body[1], body[2], body[3])
+        raise ProtocolError(f"a vLLM request of type {frames[0]!r}: {body!r:.200}")
+
+    def outputs(self, frames: list[bytes], sealed: bool) -> _Batch:
+        try:
+            out = self._outs.decode(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise _undecodable("vLLM EngineCoreOutputs", e) from e
+        u = out.utility_output
+        reply = None
+        if u is not None:
+            result = u.result[1] if isinstance(u.result, list) and len(u.result) > 1 else None
+            reply = (u.call_id, u.failure_message, result)
+        return _Batch([(o.request_id, o.finish_reason) for o in out.outputs], reply)
+
+    def ready(self, frames: list[bytes]) -> None:
+        try:
+            ready = self._any.decode(frames[0]) if len(frames) == 1 else None
+        except msgspec.DecodeError as e:
+            raise _undecodable("vLLM's ready", e) from e
+        if not isinstance(ready, dict):
+            raise ProtocolError(f"vLLM's ready is one frame holding a map, got {ready!r:.200}")
+
+
+_FRAMES: dict[str, type[_EnginewireFrames | _VllmFrames]] = {
+    "enginewire": _EnginewireFrames, "vllm-0.33": _VllmFrames}
+
+
+def _unsealed(frames: list[bytes]) -> list[bytes]:
+    last = frames[-1] if len(frames) > 1 else b""
+    return frames[:-1] if len(last) == 24 and last[:4] == TRAILER_MAGIC else frames
+
+
+def _summary(link: Link, frames: list[bytes]) -> str:
+    size = sum(len(f) for f in frames)
+    head = frames[0][:24] if frames else b""
+    return f"{link.name.lower()}: {len(frames)} frame(s), {size} bytes, {head!r}"
+
+
+class Judge:
+    """The judgement over one front end <-> engine link, with no I/O: ``feed`` it each message
+    as it was forwarded, ``tick`` it as time passes, ``end`` it; ``violations``, ``trace`` and
+    ``report()`` say what it found. ``Monitor`` runs one live; ``replay`` runs one over a
+    capture."""
+
+    def __init__(self, wire: str = "enginewire", *, abort_bound_s: float = ABORT_BOUND_S) -> None:
+        if wire not in _FRAMES:
+            raise ValueError(f"wire={wire!r}: must be one of {sorted(_FRAMES)}")
+        self.wire = wire
+        self._frames: _EnginewireFrames | _VllmFrames = _FRAMES[wire]()
+        self.abort_bound_s = abort_bound_s
+        self.trace: list[TraceEntry] = []
+        self.violations: list[Violation] = []
+        self.client: Lifecycle[ClientState, ClientEvent] = CLIENT.lifecycle(trace=self.trace)
+        self.engine: Lifecycle[Any, EngineEvent] = ENGINE.lifecycle(trace=self.trace)
+        self.requests: dict[str, Lifecycle[ClientRequestState, ClientRequestEvent]] = {}
+        self.calls: dict[int, tuple[str, Lifecycle[UtilityState, UtilityEvent]]] = {}
+        self._ended: collections.OrderedDict[int, Lifecycle[UtilityState, UtilityEvent]] = (
+            collections.OrderedDict())
+        self._aborted_at: dict[str, float] = {}
+        self.pending_at_death: list[dict[str, Any]] = []
+        self.counts = {link.name.lower(): 0 for link in Link}
+        self._last: collections.deque[str] = collections.deque(maxlen=HISTORY)
+        self.attach: Lifecycle[AttachState, AttachEvent] = ATTACH.lifecycle(trace=self.trace)
+        self._session: bytes | None = None  # the front end's, from its ATTACH
+        self._sealed = False
+        self._dead = False
+        self._shut = False
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+
+    # -- input ------------------------------------------------------------------------------
+
+    def feed(self, link: Link, frames: list[bytes], at: float) -> None:
+        self.counts[link.name.lower()] += 1
+        self._last.append(_summary(link, frames))
+        if self.first_at is None:
+            self.first_at = at
+        self.last_at = at
+        try:
+            if link is Link.READY:
+                self._ready(frames)
+            elif link is Link.TO_ENGINE:
+                self._request(frames, at)
+            else:
+                self._output(frames, at)
+        except ProtocolError as e:
+            self._violate("wire", link.name.lower(), "undecodable", str(e), at)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            # Decoded, but holding values no message of this wire holds (a finish reason
+            # out of range, a field of the wrong shape): the frame is bad, not the judge.
+            self._violate("wire", link.name.lower(), "malformed", f"{type(e).__name__}: {e}", at)
+        self.tick(at)
+
+    def tick(self, now: float) -> None:
+        """Aborts still unanswered ``abort_bound_s`` after they were sent are violations (not
+        while the client knows the engine is asleep or paused: it answers them on waking)."""
+        if self.client.state in CLIENT_ASLEEP:
+            return
+        for rid, sent in list(self._aborted_at.items()):
+            if now - sent > self.abort_bound_s:
+                del self._aborted_at[rid]
+                lc = self.requests.get(rid)
+                self._violate(CLIENT_REQUEST.name,
+                              lc.state.name if lc else ClientRequestState.ABORTING.name,
+                              ClientRequestEvent.FINISH_ABORT.name,
+                              f"the abort of {rid!r} was not answered within"
+                              f" {self.abort_bound_s:g} s", now)
+
+    def end(self, at: float) -> None:
+        self.tick(at)
+
+    # -- what each message does -----------------------------------------------------------
+
+    def _violate(self, machine: str, state: str, event: str, detail: str, at: float,
+                 guard: str | None = None) -> None:
+        self.violations.append(Violation(machine, state, event, detail, at, tuple(self._last),
+                                         guard))
+
+    def _fire(self, lc: Lifecycle[Any, Any], event: Any, at: float, detail: str,
+              guard: str | None = None) -> bool:
+        try:
+            lc.fire(event, guard)
+        except SpecViolation as e:
+            self._violate(e.machine, e.state, e.event, detail, at, e.guard)
+            return False
+        return True
+
+    def _ready(self, frames: list[bytes]) -> None:
+        self._frames.ready(frames)
+        # The same front end sees a ready again after each reconnection and ignores it.
+        if self.client.state is ClientState.CONSTRUCTING:
+            self.client.fire(ClientEvent.HANDSHAKE_OK)
+            # A process engine's handshake: built, ready sent, loop started (spec/engine.py).
+            self.engine.fire(EngineEvent.BUILT, SUBPROCESS)
+            self.engine.fire(EngineEvent.HANDSHAKE_SENT)
+            self.engine.fire(EngineEvent.LOOP_STARTED)
+
+    def _request(self, frames: list[bytes], at: float) -> None:
+        kind, obj = self._frames.request(frames, self._sealed)
+        if self._dead or self._shut:
+            return  # sent before the client read of the death, or after its goodbye: Rule 3
+        if kind is RequestType.ADD:
+            rid = obj
+            lc = self.requests.get(rid) or CLIENT_REQUEST.lifecycle(trace=self.trace)
+            if self._fire(lc, ClientRequestEvent.SEND, at, f"ADD {rid!r}"):
+                self.requests[rid] = lc
+            self._fire(self.client, ClientEvent.ADD_REQUEST, at, f"ADD {rid!r}")
+        elif kind is RequestType.ABORT:
+            for rid in obj:
+                lc = self.requests.get(rid) or CLIENT_REQUEST.lifecycle(trace=self.trace)
+                self._fire(lc, ClientRequestEvent.ABORT_SENT, at, f"ABORT {rid!r}")
+                if rid in self.requests:
+                    self._aborted_at.setdefault(rid, at)
+        elif kind is RequestType.UTILITY:
+            call_id, method, _args = obj
+            if call_id in self.calls:
+                self._violate(UTILITY.name, UtilityState.PENDING.name, "call",
+                              f"call id {call_id} ({method}) sent again while pending", at)
+                return
+            self._ended.pop(call_id, None)
+            self.calls[call_id] = (method, UTILITY.lifecycle(trace=self.trace))
+        elif kind is RequestType.ATTACH:
+            assert isinstance(obj, AttachRequest)
+            if obj.goodbye:
+                self._goodbye(at)
+            else:
+                self._session, self._sealed = obj.session, obj.integrity
+                self._fire(self.attach, AttachEvent.SEND_ATTACH, at, "ATTACH")
+
+    def _goodbye(self, at: float) -> None:
+        self._shut = True
+        self._fire(self.client, ClientEvent.SHUTDOWN, at, "the front end said goodbye")
+        for call_id, (method, lc) in list(self.calls.items()):
+            self._fire(lc, UtilityEvent.CLIENT_SHUTDOWN, at, f"call {call_id} ({method})")
+            self._end_call(call_id)
+        self.requests.clear()
+        self._aborted_at.clear()
+
+    def _end_call(self, call_id: int) -> None:
+        _method, lc = self.calls.pop(call_id)
+        self._ended[call_id] = lc
+        while len(self._ended) > _ENDED_CALLS:
+            self._ended.popitem(last=False)
+
+    def _output(self, frames: list[bytes], at: float) -> None:
+        if len(frames) == 1 and frames[0] == self._frames.sentinel:
+            self._death(at, "the dead sentinel")
+            return
+        if self._dead:
+            self._violate(ENGINE.name, self.engine.state.name, "output",
+                          "a message after the dead sentinel", at)
+            return
+        batch = self._frames.outputs(frames, self._sealed)
+        if self.attach.state in ATTACH_DROPS_MESSAGES:
+            # Before its attach marker a front end reads nothing: it is an earlier one's.
+            if batch.session != self._session:
+                self.attach.fire(AttachEvent.FOREIGN_MESSAGE)
+            elif batch.refusal is None:
+                self.attach.fire(AttachEvent.MARKER)
+            else:  # refused: the client's death by its own event (spec/attach.py, Rule 2)
+                self.attach.fire(AttachEvent.REFUSAL)
+                self._death(at, f"the engine refused the ATTACH: {batch.refusal}")
+            return
+        if batch.session is not None:
+            if batch.refusal is not None:  # the session's end: this front end is done
+                self._fire(self.attach, AttachEvent.SESSION_ENDED, at, batch.refusal)
+                self._death(at, f"the engine ended the session: {batch.refusal}")
+            return
+        for rid, reason in batch.outputs:
+            lc = self.requests.get(rid) or CLIENT_REQUEST.lifecycle(trace=self.trace)
+            if reason is None:
+                if self.client.state in CLIENT_ASLEEP:
+                    self._violate(CLIENT.name, self.client.state.name, "output",
+                                  f"{rid!r} still streaming after the engine said it slept", at)
+                self._fire(lc, ClientRequestEvent.OUTPUT, at, f"an output for {rid!r}")
+                continue
+            event = FINISH_EVENT_BY_VALUE.get(reason)
+            if event is None:
+                self._violate("wire", "output", "malformed",
+                              f"{rid!r} finishes with reason {reason!r}, none of the wire's", at)
+                continue
+            self._fire(lc, event, at, f"{rid!r} finishes ({event.name})")
+            self.requests.pop(rid, None)
+            self._aborted_at.pop(rid, None)
+        if batch.power is not None:
+            self._power(batch.power[0], batch.power[1], at)
+        if batch.reply is not None:
+            call_id, failure, result = batch.reply
+            self._reply(call_id, failure, result, at)
+
+    def _reply(self, call_id: int, failure: str | None, result: Any, at: float) -> None:
+        event = UtilityEvent.REPLY_OK if failure is None else UtilityEvent.REPLY_ERROR
+        entry = self.calls.get(call_id)
+        if entry is None:
+            ended = self._ended.get(call_id)
+            if ended is None:
+                self._violate(UTILITY.name, _NO_CALL, event.name,
+                              f"a reply to call id {call_id}, which was never sent", at)
+            else:  # a second reply: the table says what an ended call makes of it
+                self._fire(ended, event, at, f"a second reply to call {call_id}")
+            return
+        method, lc = entry
+        self._fire(lc, event, at, f"the reply to call {call_id} ({method})")
+        self._end_call(call_id)
+        if failure is None:
+            self._power(method, result, at)
+
+    def _power(self, method: str, result: Any, at: float) -> None:
+        """A power utility's success moves the client as its declaration says
+        (protocol/utilities.py), as the client's own ``_on_power_reply`` does."""
+        decl = BY_NAME.get(method)
+        if decl is None or decl.power is None:
+            return
+        event, guard = decl.power.resolve(result)
+        if self.client.can(event, guard) or self.client.state not in CLIENT.terminal:
+            self._fire(self.client, event, at, f"{method} succeeded ({result!r:.40})", guard)
+
+    def _death(self, at: float, why: str) -> None:
+        self._dead = True
+        self._fire(self.engine, EngineEvent.FATAL_ERROR, at, why)
+        self._fire(self.client, ClientEvent.ENGINE_DIED, at, why)
+        for rid, lc in self.requests.items():
+            self._fire(lc, ClientRequestEvent.ENGINE_DIED, at, f"{rid!r} live at {why}")
+        self.requests.clear()
+        self._aborted_at.clear()
+        for call_id, (method, lc) in list(self.calls.items()):
+            # The spec fails it (FAILED_DEAD); the report names it: a client that leaves it
+            # hanging (vLLM's do, docs/vllm.md) is told which call to look for.
+            self.pending_at_death.append({"call_id": call_id, "method": method, "at": at})
+            self._fire(lc, UtilityEvent.ENGINE_DIED, at, f"call {call_id} ({method}): {why}")
+            self._end_call(call_id)
+
+    # -- output -----------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """The judgement as the campaign's report has it (``coverage`` as its JSON holds it, so
+        model_tests/coverage_html.py draws it), with the violations and what is pending."""
+        cov = Coverage()
+        cov.add(self.trace)
+        section = cov.report()
+        seen = {name for name, *_ in self.trace}
+        section["never_reached"] = [
+            {"transition": t, "why": _why_unseen(t, seen)}
+            for t in section.pop("never_reached_transitions")]
+        section["transition_counts"] = {"{} {} -{}-> {}".format(*k): n
+                                        for k, n in sorted(cov.seen.items())}
+        return {
+            "wire": self.wire,
+            "frames": dict(self.counts),
+            "failed": bool(self.violations),
+            "violations": [v.to_dict() for v in self.violations],
+            "pending": {"requests": {r: lc.state.name for r, lc in sorted(self.requests.items())},
+                        "calls": {str(c): m for c, (m, _lc) in sorted(self.calls.items())}},
+            "pending_at_death": list(self.pending_at_death),
+            "coverage": section,
+        }
+
+
+# Machines the monitor follows; every other one is inside a process, not on the wire.
+_FOLLOWED = frozenset({CLIENT.name, CLIENT_REQUEST.name, UTILITY.name, ATTACH.name,
+                       ENGINE.name})
+
+
+def _why_unseen(transition: str, seen: set[str]) -> str:
+    machine = transition.split(" ", 1)[0]
+    if machine not in _FOLLOWED:
+        return "not on the wire: the monitor follows the client-side machines and the engine's"
+    if machine == ENGINE.name:
+        return ("not on the wire: the monitor sees the engine's handshake and death, not its"
+                " scheduling")
+    return "NOT REACHED in this traffic" if machine in seen else "NOT REACHED: no such traffic"
+
+
+# --- capture files ------------------------------------------------------------------------------
+
+
+class CaptureWriter:
+    """Writes what the judge is fed, in the format of the module docstring."""
+
+    def __init__(self, path: str | Path, wire: str) -> None:
+        name = wire.encode("ascii")
+        self._f: IO[bytes] = open(path, "wb")  # closed by close()
+        self._f.write(_MAGIC + _HEAD.pack(CAPTURE_VERSION, len(name)) + name)
+
+    def write(self, link: int, frames: list[bytes], at: float) -> None:
+        parts = [_RECORD.pack(link, at, len(frames))]
+        for f in frames:
+            parts += (_U32.pack(len(f)), f)
+        record = b"".join(parts)
+        self._f.write(record + _U32.pack(zlib.crc32(record)))
+
+    def close(self, at: float) -> None:
+        if not self._f.closed:
+            self.write(_END, [], at)
+            self._f.close()
+
+
+def read_capture(path: str | Path) -> tuple[str, Iterator[tuple[Link, list[bytes], float]], list[
+        float]]:
+    """The capture's wire, its records (link, frames, time) as an iterator, and a list that
+    holds the end record's time once the iterator is exhausted (empty: the monitor did not
+    stop cleanly). A cut or corrupt file raises ``ProtocolError`` naming the byte, as the
+    header is read or as the iterator reaches it."""
+    data = Path(path).read_bytes()
+    if data[:len(_MAGIC)] != _MAGIC:
+        raise ProtocolError(f"{path}: not a monitor capture (no {_MAGIC!r} header)")
+    pos = len(_MAGIC)
+    if len(data) < pos + _HEAD.size:
+        raise ProtocolError(f"{path}: cut inside its header")
+    version, n = _HEAD.unpack_from(data, pos)
+    if version != CAPTURE_VERSION:
+        raise ProtocolError(f"{path}: capture version {version}; this monitor reads"
+                            f" {CAPTURE_VERSION}")
+    pos += _HEAD.size
+    wire = data[pos:pos + n].decode("ascii", "replace")
+    if wire not in _FRAMES:
+        raise ProtocolError(f"{path}: capture of an unknown wire {wire!r}")
+    pos += n
+    ended: list[float] = []
+
+    def records() -> Iterator[tuple[Link, list[bytes], float]]:
+        at = pos
+        while at < len(data):
+            start = at
+            if len(data) - at < _RECORD.size:
+                raise ProtocolError(f"{path}: cut at byte {at} (inside a record's head)")
+            link, ts, count = _RECORD.unpack_from(data, at)
+            at += _RECORD.size
+            frames = []
+            for _ in range(count):
+                if len(data) - at < _U32.size:
+                    raise ProtocolError(f"{path}: cut at byte {at} (inside the record at"
+                                        f" byte {start})")
+                (size,) = _U32.unpack_from(data, at)
+                at += _U32.size
+                if size > len(data) - at or size > _MAX_FRAME:
+                    raise ProtocolError(f"{path}: the record at byte {start} holds a frame of"
+                                        f" {size} bytes, past the file's end (cut or corrupt)")
+                frames.append(data[at:at + size])
+                at += size
+            if len(data) - at < _U32.size:
+                raise ProtocolError(f"{path}: cut at byte {at} (the record at byte {start}"
+                                    " has no checksum)")
+            (crc,) = _U32.unpack_from(data, at)
+            if zlib.crc32(data[start:at]) != crc:
+                raise ProtocolError(f"{path}: the record at byte {start} is corrupt (checksum)")
+            at += _U32.size
+            if link == _END:
+                ended.append(ts)
+                return
+            if link not in _LINKS:
+                raise ProtocolError(f"{path}: the record at byte {start} has link {link}")
+            yield Link(link), frames, ts
+
+    return wire, records(), ended
+
+
+def replay(path: str | Path, *, abort_bound_s: float = ABORT_BOUND_S) -> dict[str, Any]:
+    """The report a capture's traffic gets (the same judgement as the live monitor's)."""
+    wire, records, ended = read_capture(path)
+    judge = Judge(wire, abort_bound_s=abort_bound_s)
+    for link, frames, at in records:
+        judge.feed(link, frames, at)
+    judge.end(ended[0] if ended else (judge.last_at or 0.0))
+    report = judge.report()
+    report["capture"] = {"path": str(path), "ended_cleanly": bool(ended)}
+    return report
+
+
+def write_report(report: dict[str, Any], directory: str | Path) -> Path:
+    """``monitor-<time>.json`` and its page beside it (coverage drawn on the diagrams, the
+    violations as the failures); returns the JSON's path."""
+    from .coverage_html import write_coverage_html
+    from .mutant_runs import new_report_path
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    path = new_report_path(out, "monitor")
+    page = dict(report)
+    if report.get("violations"):
+        capture = report.get("capture", {}).get("path")
+        page["clients"] = [{
+            "client": f"monitor ({report.get('wire')})",
+            "failure": "; ".join(f"{v['machine']}: {v['event']} in {v['state']}: {v['detail']}"
+                                 for v in report["violations"][:20]),
+            "reproducer": f"enginewire monitor --replay {capture}" if capture else None}]
+    page["html"] = path.with_suffix(".html").name
+    path.write_text(json.dumps(page, indent=2, default=str))
+    try:
+        write_coverage_html(page, path.with_suffix(".html"))
+    except Exception as e:  # the page is a view of the JSON: never the verdict
+        print(f"monitor: coverage page not written: {e!r}", file=sys.stderr)
+    return path
+
+
+# --- the live monitor ---------------------------------------------------------------------------
+
+
+class Monitor:
+    """A transparent relay that judges what crosses it (module docstring). Use as the
+    interposer: ``start()`` (or ``with``), ``attach(front_input, front_output)`` once the front
+    end has bound, and give the engine ``engine_addresses``; ``stop()`` returns the report.
+
+    ``engine``: the (input, output) pair the engine connects to (default: an ipc directory of
+    its own); ``capture``: a file to write the traffic to, for ``replay``; ``live``: where each
+    violation is written the moment it is seen (stderr by default, None: nowhere);
+    ``report_dir``: where ``stop()`` writes the JSON + HTML report; ``fail_fast``: the first
+    violation sets ``failed`` (the CLI then stops)."""
+
+    def __init__(self, *, wire: str = "enginewire", engine: tuple[str, str] | None = None,
+                 capture: str | Path | None = None, report_dir: str | Path | None = None,
+                 fail_fast: bool = False, abort_bound_s: float = ABORT_BOUND_S,
+                 engine_index: int = 0, live: IO[str] | None = sys.stderr) -> None:
+        self.judge = Judge(wire, abort_bound_s=abort_bound_s)
+        self.wire = wire
+        self._capture_path = capture
+        self._report_dir = report_dir
+        self.fail_fast = fail_fast
+        self.failed = threading.Event()
+        self._live = live
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        put = self._queue.put
+        clock = time.time
+
+        def tap(link: Link, frames: list[bytes]) -> None:
+            put((link, frames, clock()))
+
+        self._proxy = Interposer([], wire=WIRES[wire], engine_index=engine_index,
+                                 engine_bind=engine, tap=tap)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._writer: CaptureWriter | None = None
+        self._report: dict[str, Any] | None = None
+
+    @property
+    def engine_addresses(self) -> tuple[str, str]:
+        return self._proxy.engine_addresses
+
+    def start(self) -> Monitor:
+        if self._capture_path is not None:
+            self._writer = CaptureWriter(self._capture_path, self.wire)
+        self._thread = threading.Thread(target=self._judging, name="MonitorJudge", daemon=True)
+        self._thread.start()
+        try:
+            self._proxy.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def attach(self, front_input: str, front_output: str) -> None:
+        self._proxy.attach(front_input, front_output)
+
+    def _judging(self) -> None:
+        judge, get = self.judge, self._queue.get
+        while True:
+            try:
+                item = get(timeout=_TICK_S)
+            except queue.Empty:
+                with self._lock:
+                    seen = len(judge.violations)
+                    judge.tick(time.time())
+                self._tell(seen)
+                continue
+            if item is None:
+                return
+            link, frames, at = item
+            with self._lock:
+                if self._writer is not None:
+                    self._writer.write(link, frames, at)
+                seen = len(judge.violations)
+                judge.feed(link, frames, at)
+            self._tell(seen)
+
+    def _tell(self, seen: int) -> None:
+        new = self.judge.violations[seen:]
+        if not new:
+            return
+        if self._live is not None:
+            for v in new:
+                with contextlib.suppress(Exception):
+                    print(f"monitor: VIOLATION {v}", file=self._live, flush=True)
+        if self.fail_fast:
+            self.failed.set()
+
+    @property
+    def violations(self) -> list[Violation]:
+        with self._lock:
+            return list(self.judge.violations)
+
+    def report(self) -> dict[str, Any]:
+        """The report so far (the final one once stopped)."""
+        if self._report is not None:
+            return self._report
+        with self._lock:
+            report = self.judge.report()
+        if self._capture_path is not None:
+            report["capture"] = {"path": str(self._capture_path)}
+        return report
+
+    def stop(self) -> dict[str, Any]:
+        """Closes the relay, judges what is queued, writes the report; idempotent."""
+        if self._report is not None:
+            return self._report
+        self._proxy.close()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(_JOIN_S)
+        at = time.time()
+        with self._lock:
+            self.judge.end(at)
+            if self._writer is not None:
+                self._writer.close(at)
+        report = self.report()
+        if self._report_dir is not None:
+            report["report"] = str(write_report(report, self._report_dir))
+        self._report = report
+        return report
+
+    def __enter__(self) -> Monitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
