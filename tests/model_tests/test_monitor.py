@@ -83,7 +83,7 @@ def judged(*msgs: tuple[Link, list[bytes]], wire: str = "enginewire",
     return judge
 
 
-R, E, O = Link.READY, Link.TO_ENGINE, Link.OUTPUT
+R, E, OUT = Link.READY, Link.TO_ENGINE, Link.OUTPUT
 STOP = FinishReason.STOP
 
 
@@ -93,9 +93,9 @@ def only(judge: Judge) -> Violation:
 
 
 def test_a_clean_conversation_has_no_violation_and_its_coverage() -> None:
-    judge = judged((R, ready()), (E, add("a")), (O, out(("a", None))), (O, out(("a", STOP))),
-                   (E, call(1, "echo", 3)), (O, out(reply=UtilityOutput(1, None, 3))),
-                   (E, add("b")), (E, abort("b")), (O, out(("b", FinishReason.ABORT))))
+    judge = judged((R, ready()), (E, add("a")), (OUT, out(("a", None))), (OUT, out(("a", STOP))),
+                   (E, call(1, "echo", 3)), (OUT, out(reply=UtilityOutput(1, None, 3))),
+                   (E, add("b")), (E, abort("b")), (OUT, out(("b", FinishReason.ABORT))))
     assert judge.violations == []
     counts = judge.report()["coverage"]["transition_counts"]
     for t in ("client CONSTRUCTING -HANDSHAKE_OK-> READY",
@@ -108,26 +108,26 @@ def test_a_clean_conversation_has_no_violation_and_its_coverage() -> None:
 
 @pytest.mark.parametrize(("msgs", "where"), [
     # an output after the request's finish
-    ([(O, out(("a", STOP))), (O, out(("a", None)))], ("client_request", "UNKNOWN", "OUTPUT")),
+    ([(OUT, out(("a", STOP))), (OUT, out(("a", None)))], ("client_request", "UNKNOWN", "OUTPUT")),
     # a finish delivered twice
-    ([(O, out(("a", STOP))), (O, out(("a", STOP)))],
+    ([(OUT, out(("a", STOP))), (OUT, out(("a", STOP)))],
      ("client_request", "UNKNOWN", "FINISH_STOP")),
     # a reply to a call never sent
-    ([(O, out(reply=UtilityOutput(9, None, 1)))], ("utility", "(no such call)", "REPLY_OK")),
+    ([(OUT, out(reply=UtilityOutput(9, None, 1)))], ("utility", "(no such call)", "REPLY_OK")),
     # a second reply to one call
-    ([(E, call(1, "echo", 1)), (O, out(reply=UtilityOutput(1, None, 1))),
-      (O, out(reply=UtilityOutput(1, "boom")))], ("utility", "RESOLVED", "REPLY_ERROR")),
+    ([(E, call(1, "echo", 1)), (OUT, out(reply=UtilityOutput(1, None, 1))),
+      (OUT, out(reply=UtilityOutput(1, "boom")))], ("utility", "RESOLVED", "REPLY_ERROR")),
     # a call id reused while pending
     ([(E, call(1, "echo", 1)), (E, call(1, "echo", 2))], ("utility", "PENDING", "call")),
     # a request still streaming after the engine said it slept
-    ([(E, call(1, "sleep", 1, "keep")), (O, out(reply=UtilityOutput(1))),
-      (O, out(("a", None)))], ("client", "SLEEPING", "output")),
+    ([(E, call(1, "sleep", 1, "keep")), (OUT, out(reply=UtilityOutput(1))),
+      (OUT, out(("a", None)))], ("client", "SLEEPING", "output")),
     # an abort never answered within the bound (here 5 s, the messages 1 s apart)
-    ([(E, abort("a"))] + [(O, out())] * 7, ("client_request", "ABORTING", "FINISH_ABORT")),
+    ([(E, abort("a"))] + [(OUT, out())] * 7, ("client_request", "ABORTING", "FINISH_ABORT")),
     # anything after the dead sentinel
-    ([(O, [ENGINE_DEAD_SENTINEL]), (O, out(("a", None)))], ("engine", "DEAD", "output")),
+    ([(OUT, [ENGINE_DEAD_SENTINEL]), (OUT, out(("a", None)))], ("engine", "DEAD", "output")),
     # frames that do not decode, either way
-    ([(O, [b"\xc1garbage"])], ("wire", "output", "undecodable")),
+    ([(OUT, [b"\xc1garbage"])], ("wire", "output", "undecodable")),
     ([(E, [b"\x07junk"])], ("wire", "to_engine", "undecodable")),
 ])
 def test_each_seeded_wire_bug_is_its_typed_violation(msgs: list[Any],
@@ -139,7 +139,7 @@ def test_each_seeded_wire_bug_is_its_typed_violation(msgs: list[Any],
 
 
 def test_a_call_pending_at_death_is_failed_and_named() -> None:
-    judge = judged((R, ready()), (E, call(4, "echo", 1)), (O, [ENGINE_DEAD_SENTINEL]))
+    judge = judged((R, ready()), (E, call(4, "echo", 1)), (OUT, [ENGINE_DEAD_SENTINEL]))
     assert judge.violations == []
     assert [c["call_id"] for c in judge.pending_at_death] == [4]
     assert judge.report()["coverage"]["transition_counts"][
@@ -150,8 +150,8 @@ def test_messages_before_the_attach_marker_are_an_earlier_front_end_s() -> None:
     session = b"s" * 16
     attach = _b(encode_input(ENC, RequestType.ATTACH, AttachRequest(session=session)))
     marker = _b(ENC.encode(EngineCoreOutputs(session=session)))
-    judge = judged((R, ready()), (E, attach), (O, out(("old", STOP))), (O, marker),
-                   (E, add("a")), (O, out(("a", STOP))))
+    judge = judged((R, ready()), (E, attach), (OUT, out(("old", STOP))), (OUT, marker),
+                   (E, add("a")), (OUT, out(("a", STOP))))
     assert judge.violations == []
     counts = judge.report()["coverage"]["transition_counts"]
     assert counts["attach AWAITING_MARKER -FOREIGN_MESSAGE-> AWAITING_MARKER"] == 1
@@ -173,15 +173,15 @@ def _vllm_out(*items: tuple[str, int | None], reply: VllmUtilityOutput | None = 
 def test_vllm_s_wire_is_judged_the_same() -> None:
     v_ready = [msgspec.msgpack.encode({"max_model_len": 64})]
     v_call = [RequestType.UTILITY.value, msgspec.msgpack.encode([0, 1, "is_sleeping", []])]
-    clean = judged((R, v_ready), (E, _vllm_add("a")), (O, _vllm_out(("a", None))),
-                   (O, _vllm_out(("a", 0))), (E, v_call),
-                   (O, _vllm_out(reply=VllmUtilityOutput(1, None, [None, False]))),
+    clean = judged((R, v_ready), (E, _vllm_add("a")), (OUT, _vllm_out(("a", None))),
+                   (OUT, _vllm_out(("a", 0))), (E, v_call),
+                   (OUT, _vllm_out(reply=VllmUtilityOutput(1, None, [None, False]))),
                    wire="vllm-0.33")
     assert clean.violations == []
-    v = only(judged((R, v_ready), (E, _vllm_add("a")), (O, _vllm_out(("a", 1))),
-                    (O, _vllm_out(("a", 1))), wire="vllm-0.33"))
+    v = only(judged((R, v_ready), (E, _vllm_add("a")), (OUT, _vllm_out(("a", 1))),
+                    (OUT, _vllm_out(("a", 1))), wire="vllm-0.33"))
     assert (v.machine, v.state, v.event) == ("client_request", "UNKNOWN", "FINISH_LENGTH")
-    dead = judged((R, v_ready), (E, _vllm_add("a")), (O, [VLLM_DEAD_SENTINEL]),
+    dead = judged((R, v_ready), (E, _vllm_add("a")), (OUT, [VLLM_DEAD_SENTINEL]),
                   wire="vllm-0.33")
     assert dead.violations == []
     assert "client_request SENT -ENGINE_DIED-> FINISHED_ERROR" in dead.report()[
