@@ -47,7 +47,13 @@ from typing import IO, Any
 import msgspec
 
 from ..protocol.codec import decode_input, decode_outputs, decode_ready
-from ..protocol.messages import ENGINE_DEAD_SENTINEL, AttachRequest, RequestType, UtilityRequest
+from ..protocol.messages import (
+    ENGINE_DEAD_SENTINEL,
+    AttachRequest,
+    EngineCoreRequest,
+    RequestType,
+    UtilityRequest,
+)
 from ..protocol.utilities import BY_NAME
 from ..protocol.vllm033 import (
     VLLM_DEAD_SENTINEL,
@@ -67,7 +73,7 @@ from .interposer import Interposer, Link
 from .oracle import Coverage
 
 __all__ = ["ABORT_BOUND_S", "WIRES", "Judge", "Monitor", "Violation", "read_capture", "replay",
-           "write_report"]
+           "summary", "write_report"]
 
 # The monitor's wire names (the CLI's --wire) -> the interposer's name for the same frames.
 WIRES = {"enginewire": "enginewire", "vllm-0.33": "vllm"}
@@ -144,10 +150,9 @@ class _EnginewireFrames:
     def request(self, frames: list[bytes], sealed: bool) -> tuple[RequestType, Any]:
         kind, obj = decode_input(_unsealed(frames) if sealed and frames[:1] and
                                  frames[0][:1] != RequestType.ATTACH.value else frames)
-        if kind is RequestType.ADD:
+        if isinstance(obj, EngineCoreRequest):
             return kind, obj.request_id
-        if kind is RequestType.UTILITY:
-            assert isinstance(obj, UtilityRequest)
+        if isinstance(obj, UtilityRequest):
             return kind, (obj.call_id, obj.method, list(obj.args))
         return kind, obj
 
@@ -458,11 +463,11 @@ class Judge:
             self._fire(lc, ClientRequestEvent.ENGINE_DIED, at, f"{rid!r} live at {why}")
         self.requests.clear()
         self._aborted_at.clear()
-        for call_id, (method, lc) in list(self.calls.items()):
+        for call_id, (method, call) in list(self.calls.items()):
             # The spec fails it (FAILED_DEAD); the report names it: a client that leaves it
             # hanging (vLLM's do, docs/vllm.md) is told which call to look for.
             self.pending_at_death.append({"call_id": call_id, "method": method, "at": at})
-            self._fire(lc, UtilityEvent.ENGINE_DIED, at, f"call {call_id} ({method}): {why}")
+            self._fire(call, UtilityEvent.ENGINE_DIED, at, f"call {call_id} ({method}): {why}")
             self._end_call(call_id)
 
     # -- output -----------------------------------------------------------------------------
@@ -600,6 +605,26 @@ def replay(path: str | Path, *, abort_bound_s: float = ABORT_BOUND_S) -> dict[st
     report = judge.report()
     report["capture"] = {"path": str(path), "ended_cleanly": bool(ended)}
     return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    """A report's verdict in a few lines (what the CLI prints)."""
+    cov = report["coverage"]
+    frames = ", ".join(f"{k} {v}" for k, v in report["frames"].items())
+    lines = [f"monitor ({report['wire']}): {sum(report['frames'].values())} messages ({frames});"
+             f" {len(report['violations'])} violation(s); coverage"
+             f" {cov['transitions_reached']}/{cov['transitions_declared']} transitions"]
+    lines += [f"  VIOLATION {v['machine']}: {v['event']} in {v['state']}: {v['detail']}"
+              for v in report["violations"][:20]]
+    pending = report["pending"]
+    if pending["requests"] or pending["calls"]:
+        lines.append(f"  pending at the end: {len(pending['requests'])} request(s),"
+                     f" calls {sorted(pending['calls'].values())}")
+    for c in report["pending_at_death"]:
+        lines.append(f"  call {c['call_id']} ({c['method']}) was pending at the engine's death")
+    if report.get("report"):
+        lines.append(f"report: {report['report']}")
+    return "\n".join(lines)
 
 
 def write_report(report: dict[str, Any], directory: str | Path) -> Path:

@@ -282,8 +282,8 @@ def test_a_cut_or_corrupt_capture_is_a_protocol_error(relay: tuple[Ends, Monitor
 
 
 def test_a_real_client_through_the_monitor_agrees_with_its_own_trace(tmp_path: Path) -> None:
-    from enginewire import make_client
     from enginewire.runtime.config import EngineConfig
+    from enginewire.runtime.factory import make_client
 
     trace: list[Any] = []
     inp, out_ = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
