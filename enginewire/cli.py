@@ -417,6 +417,7 @@ def _campaign(args: argparse.Namespace) -> int:
         backend=args.backend,
         model_coverage=args.model_coverage,
         elastic=args.elastic,
+        monitor=args.monitor,
     ))
 
 
@@ -612,6 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engines N (mp): the data-parallel machine also scales its client up and"
         " down (1 to 3 engines) while requests stream, a call is pending or an engine dies"
         " (model_tests/stateful_dp_elastic.py)",
+    )
+    camp.add_argument(
+        "--monitor", action="store_true",
+        help="put enginewire monitor on every client's link (sync, async, a factory's): its"
+        " violations fail the run, and the report gains the coverage read from the wire"
+        " (docs/monitor.md)",
     )
     camp.set_defaults(handler=_campaign)
 

@@ -71,8 +71,8 @@ from ..spec.utility import UTILITY, UtilityEvent, UtilityState
 from .interposer import Interposer, Link
 from .oracle import Coverage
 
-__all__ = ["ABORT_BOUND_S", "WIRES", "Judge", "Monitor", "Violation", "read_capture", "replay",
-           "summary", "write_report"]
+__all__ = ["ABORT_BOUND_S", "WIRES", "Judge", "Monitor", "MonitorSink", "Violation",
+           "coverage_section", "monitored", "read_capture", "replay", "summary", "write_report"]
 
 # The monitor's wire names (the CLI's --wire) -> the interposer's name for the same frames.
 WIRES = {"enginewire": "enginewire", "vllm-0.33": "vllm"}
@@ -479,13 +479,6 @@ class Judge:
         model_tests/coverage_html.py draws it), with the violations and what is pending."""
         cov = Coverage()
         cov.add(self.trace)
-        section = cov.report()
-        seen = {name for name, *_ in self.trace}
-        section["never_reached"] = [
-            {"transition": t, "why": _why_unseen(t, seen)}
-            for t in section.pop("never_reached_transitions")]
-        section["transition_counts"] = {"{} {} -{}-> {}".format(*k): n
-                                        for k, n in sorted(cov.seen.items())}
         return {
             "wire": self.wire,
             "frames": dict(self.counts),
@@ -494,8 +487,20 @@ class Judge:
             "pending": {"requests": {r: lc.state.name for r, lc in sorted(self.requests.items())},
                         "calls": {str(c): m for c, (m, _lc) in sorted(self.calls.items())}},
             "pending_at_death": list(self.pending_at_death),
-            "coverage": section,
+            "coverage": coverage_section(cov),
         }
+
+
+def coverage_section(cov: Coverage) -> dict[str, Any]:
+    """``cov`` as a report's ``coverage`` (the campaign's layout: counts by transition, and
+    each transition not reached with why)."""
+    section = cov.report()
+    seen = {k[0] for k in cov.seen}
+    section["never_reached"] = [{"transition": t, "why": _why_unseen(t, seen)}
+                                for t in section.pop("never_reached_transitions")]
+    section["transition_counts"] = {"{} {} -{}-> {}".format(*k): n
+                                    for k, n in sorted(cov.seen.items())}
+    return section
 
 
 # Machines the monitor follows; every other one is inside a process, not on the wire.
@@ -783,3 +788,75 @@ class Monitor:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+
+# --- a monitor on every link of a campaign ------------------------------------------------------
+
+
+class MonitorSink:
+    """What the monitors a campaign put on its links found, together: their coverage (one
+    ``Coverage`` over every link's trace), their violations, and how many links and messages
+    they judged."""
+
+    def __init__(self) -> None:
+        self.coverage = Coverage()
+        self.violations: list[dict[str, Any]] = []
+        self.links = 0
+        self.frames: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, mon: Monitor) -> None:
+        report = mon.stop()
+        with self._lock:
+            self.coverage.add(mon.judge.trace)
+            self.violations += report["violations"]
+            self.links += 1
+            self.frames.update(report["frames"])
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            return {"links": self.links, "frames": dict(self.frames),
+                    "failed": bool(self.violations), "violations": list(self.violations),
+                    "coverage": coverage_section(self.coverage)}
+
+
+def monitored(factory: Any, sink: MonitorSink, *, wire: str = "enginewire",
+              abort_bound_s: float = ABORT_BOUND_S) -> Any:
+    """``factory`` (a conformance ``ClientFactory``) with a monitor on each client's link: the
+    client binds addresses of an ipc directory of the monitor's, its engine connects to the
+    monitor, and the client's ``shutdown()`` stops the monitor (before the release checks
+    that follow it) and hands it to ``sink``. The factory's attributes (its declared
+    contract) are kept."""
+    import functools
+    import shutil
+    import tempfile
+
+    @functools.wraps(factory)
+    def build(**options: Any) -> Any:
+        where = tempfile.mkdtemp(prefix="enginewire-mon-")
+        mon = Monitor(wire=wire, abort_bound_s=abort_bound_s, live=None).start()
+        inp, out = f"ipc://{where}/in", f"ipc://{where}/out"
+
+        def done() -> None:
+            sink.add(mon)
+            shutil.rmtree(where, ignore_errors=True)
+
+        try:
+            mon.attach(inp, out)
+            cut = factory(**options, input_address=inp, output_address=out,
+                          engine_connect=mon.engine_addresses)
+        except BaseException:
+            done()
+            raise
+        shutdown = cut.shutdown
+
+        def shutdown_then_judge(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return shutdown(*args, **kwargs)
+            finally:
+                done()
+
+        cut.shutdown = shutdown_then_judge
+        return cut
+
+    return build

@@ -318,3 +318,30 @@ def test_a_real_client_through_the_monitor_agrees_with_its_own_trace(tmp_path: P
     assert {t.split(" ")[0] for t in seen - own} == {"engine"}  # the handshake, seen only here
     assert Path(report["report"]).exists() and Path(report["report"]).with_suffix(".html").exists()
     assert replay(tmp_path / "cap")["coverage"] == report["coverage"]
+
+
+@pytest.mark.slow
+def test_a_campaign_with_a_monitor_on_every_link_agrees_with_the_clients_traces(
+        tmp_path: Path) -> None:
+    """Differential over a campaign run (issue 48): no violation on a clean run, and the wire's
+    client-side transitions are the clients' own, but for what the wire cannot show (a
+    shutdown of a launched engine sends nothing) and what the wire shows that a client never
+    read (outputs still on their way at its shutdown)."""
+    import json
+
+    from enginewire.testing.campaign import run_campaign
+
+    assert run_campaign(client="async", examples=3, steps=15, seed=2, faults=False,
+                        model="null", results_dir=str(tmp_path), monitor=True) == 0
+    (path,) = tmp_path.glob("campaign-*.json")
+    report = json.loads(path.read_text())
+    (client,) = report["clients"]
+    assert client["monitor"]["links"] >= 1 and client["monitor"]["violations"] == []
+    wire = set(report["monitor"]["coverage"]["transition_counts"])
+    own = set(report["coverage"]["transition_counts"])
+    client_side = ("client", "client_request", "utility", "attach")
+    assert {t for t in wire if t.split(" ")[0] in client_side} - {
+        t for t in wire if t.startswith("client_request ")} <= own
+    unseen = {t for t in own - wire if t.split(" ")[0] in client_side}
+    assert all(" -SHUTDOWN-> " in t for t in unseen), unseen
+    assert len(wire & own) >= 15
