@@ -251,6 +251,10 @@ class Interposer:
     # only hand it on (the monitor queues it for its judge: never a wait on the forwarding
     # path). The frames are those sent, after any rule.
     tap: Callable[[Link, list[bytes]], None] | None = None
+    # A file to write every message sent on to, as the monitor's ``--capture`` does
+    # (model_tests/monitor.py): ``enginewire monitor --replay`` judges what a faulty link
+    # delivered.
+    capture: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rules, list | tuple):
@@ -285,6 +289,7 @@ class Interposer:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._writer: Any = None
 
     @property
     def engine_addresses(self) -> tuple[str, str]:
@@ -306,6 +311,10 @@ class Interposer:
         if self._stop.is_set():
             raise RuntimeError("Interposer.start() after close(): build a new one")
         self.engine_addresses  # noqa: B018 -- made now, before the thread binds there
+        if self.capture is not None:
+            from .monitor import CaptureWriter, wire_of
+
+            self._writer = CaptureWriter(self.capture, wire_of(self.wire))
         self._ctx = zmq.Context(io_threads=1)
         self._thread = threading.Thread(target=self._run, name="Interposer", daemon=True)
         self._thread.start()
@@ -356,6 +365,8 @@ class Interposer:
             t = threading.Thread(target=self._ctx.term, daemon=True)
             t.start()
             t.join(5.0)
+        if self._writer is not None:
+            self._writer.close(time.time())
         if self._cleanup is not None:
             self._cleanup()  # runs once: a second close() is a no-op
 
@@ -440,7 +451,14 @@ class Interposer:
             held: dict[Direction, list[bytes] | None] = {d: None for d in Direction}
             order = itertools.count()
 
-            tap = self.tap
+            tap, writer = self.tap, self._writer
+            if writer is not None:
+                user, write, clock = tap, writer.write, time.time
+
+                def tap(link: Link, frames: list[bytes]) -> None:
+                    write(link, frames, clock())
+                    if user is not None:
+                        user(link, frames)
 
             def send(direction: Direction, frames: list[bytes]) -> None:
                 link = Link.OUTPUT

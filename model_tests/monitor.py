@@ -76,6 +76,11 @@ __all__ = ["ABORT_BOUND_S", "WIRES", "Judge", "Monitor", "MonitorSink", "Violati
 
 # The monitor's wire names (the CLI's --wire) -> the interposer's name for the same frames.
 WIRES = {"enginewire": "enginewire", "vllm-0.33": "vllm"}
+
+
+def wire_of(interposer_wire: str) -> str:
+    """The monitor's name for the wire the interposer calls ``interposer_wire``."""
+    return next(k for k, v in WIRES.items() if v == interposer_wire)
 # An abort is applied at the engine's next step boundary and answered then (milliseconds);
 # seconds leave room for a loaded 2-core CI machine, so only a lost answer trips it.
 ABORT_BOUND_S = 5.0
@@ -537,6 +542,7 @@ class CaptureWriter:
         self._f.write(record + _U32.pack(zlib.crc32(record)))
 
     def close(self, at: float) -> None:
+        """Writes the end record; idempotent."""
         if not self._f.closed:
             self.write(_END, [], at)
             self._f.close()

@@ -36,7 +36,14 @@ from enginewire.protocol.vllm033 import (
     VllmUtilityOutput,
 )
 from enginewire.spec.errors import ProtocolError
-from enginewire.testing.interposer import Link
+from enginewire.testing.interposer import (
+    Direction,
+    FrameAction,
+    FrameKind,
+    FrameRule,
+    Interposer,
+    Link,
+)
 from enginewire.testing.monitor import Judge, Monitor, Violation, read_capture, replay
 
 ENC = Encoder()
@@ -192,9 +199,10 @@ def test_vllm_s_wire_is_judged_the_same() -> None:
 
 
 class Ends:
-    """A front end's bound ROUTER/PULL and an engine's DEALER/PUSH, through the monitor."""
+    """A front end's bound ROUTER/PULL and an engine's DEALER/PUSH, through the monitor (or
+    the interposer: the same ends)."""
 
-    def __init__(self, tmp: Path, mon: Monitor) -> None:
+    def __init__(self, tmp: Path, mon: Monitor | Interposer) -> None:
         self.ctx = zmq.Context()
         self.router, self.pull = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.PULL)
         inp, out_ = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
@@ -276,6 +284,30 @@ def test_a_cut_or_corrupt_capture_is_a_protocol_error(relay: tuple[Ends, Monitor
     wire, records, ended = read_capture(tmp_path / "killed")
     assert len(list(records)) == 2 and not ended
     assert not replay(tmp_path / "killed")["capture"]["ended_cleanly"]
+
+
+def test_a_capture_the_interposer_wrote_is_judged_offline(tmp_path: Path) -> None:
+    """A seeded wire bug injected by the interposer (every output batch duplicated: a finish
+    delivered twice), captured there, and judged by replay."""
+    rule = FrameRule(action=FrameAction.DUPLICATE, direction=Direction.TO_CLIENT,
+                     kind=FrameKind.TOKENS, count=None)
+    proxy = Interposer([rule], capture=str(tmp_path / "cap")).start()
+    ends = Ends(tmp_path, proxy)
+    try:
+        ends.dealer.send_multipart(ready())
+        ends.router.recv_multipart()
+        ends.router.send_multipart([IDENT, *add("a")])
+        ends.dealer.recv_multipart()
+        ends.push.send_multipart(out(("a", None)))
+        ends.push.send_multipart(out(("a", FinishReason.LENGTH)))
+        assert len([ends.pull.recv_multipart() for _ in range(4)]) == 4
+    finally:
+        ends.close()
+        proxy.close()
+    report = replay(tmp_path / "cap")
+    assert [(v["machine"], v["state"], v["event"]) for v in report["violations"]] == [
+        ("client_request", "UNKNOWN", "FINISH_LENGTH")]
+    assert report["frames"] == {"to_engine": 1, "output": 4, "ready": 1}
 
 
 # --- a real client and engine through it -----------------------------------------------------
