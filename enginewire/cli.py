@@ -446,6 +446,9 @@ def _faults_matrix(args: argparse.Namespace) -> int:
     if args.engines > 1 and args.client and "inproc" in args.client:
         raise UsageError(f"--engines {args.engines}: the data-parallel cells need --client sync"
                          " or async (an in-process client has one engine)")
+    if args.engines > 1 and args.monitor:
+        raise UsageError(f"--monitor with --engines {args.engines}: a monitor relays one"
+                         " engine's link; the data-parallel cells have several")
     config = EngineConfig(model=model, max_num_seqs=4)
     if args.engines > 1:
         from .faults import run_dp_fault_matrix
@@ -454,7 +457,8 @@ def _faults_matrix(args: argparse.Namespace) -> int:
                                        results_dir=args.results_dir, engines=args.engines,
                                        config=config))
     rc: int = run_fault_matrix(args.client or None, quick=args.quick,
-                               results_dir=args.results_dir, config=config, factory=factory)
+                               results_dir=args.results_dir, config=config, factory=factory,
+                               monitor=args.monitor)
     return rc
 
 
@@ -661,6 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the cells on the clients your own factory builds (the conformance suite's "
         "ClientFactory contract, with its own config; docs/faults.md): the kind it builds is "
         "the default --client, and a cell whose options it refuses is n/a, not a failure",
+    )
+    matrix.add_argument(
+        "--monitor", action="store_true",
+        help="put enginewire monitor on each cell's link (not the in-process client's, nor"
+        " the interposer cells'): fault_matrix.json gains what it saw, violations and coverage"
+        " read from the wire, reported beside the cells' verdicts (docs/monitor.md)",
     )
     matrix.set_defaults(handler=_faults_matrix)
 

@@ -377,3 +377,30 @@ def test_a_campaign_with_a_monitor_on_every_link_agrees_with_the_clients_traces(
     unseen = {t for t in own - wire if t.split(" ")[0] in client_side}
     assert all(" -SHUTDOWN-> " in t for t in unseen), unseen
     assert len(wire & own) >= 15
+
+
+@pytest.mark.slow
+def test_a_fault_matrix_with_a_monitor_on_each_cell_s_link(tmp_path: Path) -> None:
+    """Two cells, each through a monitor: the cells' verdicts stand (the relay is
+    transparent), and fault_matrix.json carries what the monitors saw: the dead sentinel of
+    the killed forward pass, the failed echo, each as the spec's transition."""
+    import json
+
+    from enginewire.runtime.config import EngineConfig
+    from enginewire.runtime.faults import Fault, FaultPoint
+    from enginewire.testing.fault_matrix import Cell, Scenario, run_fault_matrix
+
+    cells = [Cell("sync", Scenario.GENERATE, Fault(point=FaultPoint.FORWARD, at=3)),
+             Cell("sync", Scenario.UTILITY, Fault(point=FaultPoint.UTILITY, method="echo"))]
+    assert run_fault_matrix(["sync"], results_dir=str(tmp_path), cells=cells, extra_cells=[],
+                            config=EngineConfig(model="null", max_num_seqs=4), echo=None,
+                            monitor=True) == 0
+    report = json.loads((tmp_path / "fault_matrix.json").read_text())
+    mon = report["monitor"]
+    assert mon["links"] == 2 and mon["violations"] == [], mon
+    counts = mon["coverage"]["transition_counts"]
+    assert any(t.startswith("engine ") and t.endswith(" -FATAL_ERROR-> DEAD")
+               for t in counts), counts
+    assert any(t.startswith("client ") and t.endswith(" -ENGINE_DIED-> DEAD")
+               for t in counts), counts
+    assert counts["utility PENDING -REPLY_ERROR-> FAILED_REMOTE"] == 1, counts
