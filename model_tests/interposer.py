@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 import zmq
 from msgspec.structs import force_setattr
+from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol.messages import ENGINE_DEAD_SENTINEL, RequestType
 from ..runtime.faults import as_member, check_count, check_real
@@ -86,6 +87,7 @@ class Link(enum.IntEnum):
     TO_ENGINE = 0
     OUTPUT = 1  # engine -> client, on the output pair (outputs, replies, the sentinel)
     READY = 2  # engine -> client, on the input pair
+    DISCONNECT = 3  # no message: the engine's input connection went away (no frames)
 
 
 class FrameKind(enum.StrEnum):
@@ -423,6 +425,7 @@ class Interposer:
         for s in socks:
             s.setsockopt(zmq.LINGER, 0)
         cli_in.setsockopt(zmq.IDENTITY, self._identity)
+        watch: zmq.Socket[Any] | None = None
         try:
             try:
                 eng_in.bind(self.engine_addresses[0])
@@ -459,6 +462,11 @@ class Interposer:
                     write(link, frames, clock())
                     if user is not None:
                         user(link, frames)
+            if tap is not None:
+                # The engine's input connection closing: a tap is told (a death without its
+                # sentinel, or a reconnection, which a new ready then follows).
+                watch = eng_in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                poller.register(watch, zmq.POLLIN)
 
             def send(direction: Direction, frames: list[bytes]) -> None:
                 link = Link.OUTPUT
@@ -511,6 +519,10 @@ class Interposer:
                 while timed and timed[0][0] <= now:
                     _, _, d, frames = heapq.heappop(timed)
                     send(d, frames)
+                if watch is not None and watch in events:
+                    recv_monitor_message(watch)
+                    assert tap is not None
+                    tap(Link.DISCONNECT, [])
                 if eng_in in events:
                     # Only the ready travels this way (again after each reconnection).
                     _ident, *frames = eng_in.recv_multipart()
@@ -525,6 +537,10 @@ class Interposer:
                     kind = _TYPE_KINDS.get(frames[0][:1] if frames else b"", FrameKind.OTHER)
                     forward(Direction.TO_ENGINE, frames, kind)
         finally:
+            if watch is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    eng_in.disable_monitor()
+                watch.close(linger=0)
             for s in socks:
                 s.close(linger=0)
 

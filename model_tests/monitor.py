@@ -265,7 +265,11 @@ class Judge:
             collections.OrderedDict())
         self._aborted_at: dict[str, float] = {}
         self.pending_at_death: list[dict[str, Any]] = []
-        self.counts = {link.name.lower(): 0 for link in Link}
+        self.counts = {link.name.lower(): 0 for link in Link if link is not Link.DISCONNECT}
+        # Each time the engine's input connection went away (no sentinel needed): when, and
+        # what was live then. Not a death: an engine reconnects after a dropped link, and a
+        # launched engine's shutdown looks the same from the wire.
+        self.disconnects: list[dict[str, Any]] = []
         self._last: collections.deque[str] = collections.deque(maxlen=HISTORY)
         self.attach: Lifecycle[AttachState, AttachEvent] = ATTACH.lifecycle(trace=self.trace)
         self._session: bytes | None = None  # the front end's, from its ATTACH
@@ -278,8 +282,14 @@ class Judge:
     # -- input ------------------------------------------------------------------------------
 
     def feed(self, link: Link, frames: list[bytes], at: float) -> None:
-        self.counts[link.name.lower()] += 1
         self._last.append(_summary(link, frames))
+        if link is Link.DISCONNECT:
+            self.disconnects.append({
+                "at": at, "after_sentinel": self._dead,
+                "live_requests": sorted(self.requests),
+                "pending_calls": {str(c): m for c, (m, _lc) in sorted(self.calls.items())}})
+            return
+        self.counts[link.name.lower()] += 1
         if self.first_at is None:
             self.first_at = at
         self.last_at = at
@@ -492,6 +502,7 @@ class Judge:
             "pending": {"requests": {r: lc.state.name for r, lc in sorted(self.requests.items())},
                         "calls": {str(c): m for c, (m, _lc) in sorted(self.calls.items())}},
             "pending_at_death": list(self.pending_at_death),
+            "engine_disconnects": list(self.disconnects),
             "coverage": coverage_section(cov),
         }
 
@@ -633,6 +644,11 @@ def summary(report: dict[str, Any]) -> str:
     if pending["requests"] or pending["calls"]:
         lines.append(f"  pending at the end: {len(pending['requests'])} request(s),"
                      f" calls {sorted(pending['calls'].values())}")
+    for d in report.get("engine_disconnects", []):
+        if not d["after_sentinel"]:
+            lines.append(f"  the engine's connection went away without its sentinel, with"
+                         f" {len(d['live_requests'])} request(s) live and calls"
+                         f" {sorted(d['pending_calls'].values())} pending")
     for c in report["pending_at_death"]:
         lines.append(f"  call {c['call_id']} ({c['method']}) was pending at the engine's death")
     if report.get("report"):

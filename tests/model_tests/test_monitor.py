@@ -261,6 +261,22 @@ def test_the_relay_forwards_garbage_unchanged_and_judges_it(relay: tuple[Ends, M
     assert again["capture"]["ended_cleanly"]
 
 
+def test_the_engine_s_connection_lost_without_a_sentinel_is_reported(
+        relay: tuple[Ends, Monitor], tmp_path: Path) -> None:
+    ends, mon = relay
+    ends.dealer.send_multipart(ready())
+    ends.router.recv_multipart()
+    ends.router.send_multipart([IDENT, *add("a")])
+    ends.dealer.recv_multipart()
+    ends.dealer.close(linger=0)  # the engine goes, saying nothing
+    deadline = time.monotonic() + 5
+    while not mon.report()["engine_disconnects"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (gone,) = mon.stop()["engine_disconnects"]
+    assert gone["live_requests"] == ["a"] and not gone["after_sentinel"]
+    assert replay(tmp_path / "cap")["engine_disconnects"] == [gone]
+
+
 def test_a_cut_or_corrupt_capture_is_a_protocol_error(relay: tuple[Ends, Monitor],
                                                      tmp_path: Path) -> None:
     ends, mon = relay
