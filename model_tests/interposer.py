@@ -200,6 +200,10 @@ def _kind_to_client(frames: list[bytes], handshake: bool,
 _BURST = 256
 
 
+def _no_write(link: Link, frames: list[bytes], at: float) -> None:
+    """The capture's writer once it failed."""
+
+
 def _burst(sock: zmq.Socket[Any]) -> list[list[bytes]]:
     """The messages ``sock`` holds now, at most ``_BURST``, without waiting."""
     out: list[list[bytes]] = []
@@ -292,6 +296,7 @@ class Interposer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._writer: Any = None
+        self.capture_error: str | None = None
 
     @property
     def engine_addresses(self) -> tuple[str, str]:
@@ -459,7 +464,12 @@ class Interposer:
                 user, write, clock = tap, writer.write, time.time
 
                 def tap(link: Link, frames: list[bytes]) -> None:
-                    write(link, frames, clock())
+                    nonlocal write
+                    try:
+                        write(link, frames, clock())
+                    except OSError as e:  # a full disk ends the capture, never the relay
+                        self.capture_error = str(e)
+                        write = _no_write
                     if user is not None:
                         user(link, frames)
             if tap is not None:

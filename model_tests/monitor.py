@@ -553,10 +553,13 @@ class CaptureWriter:
         self._f.write(record + _U32.pack(zlib.crc32(record)))
 
     def close(self, at: float) -> None:
-        """Writes the end record; idempotent."""
+        """Writes the end record; idempotent (closed even when that write fails)."""
         if not self._f.closed:
-            self.write(_END, [], at)
-            self._f.close()
+            try:
+                self.write(_END, [], at)
+            finally:
+                with contextlib.suppress(OSError):
+                    self._f.close()
 
 
 def read_capture(path: str | Path) -> tuple[str, Iterator[tuple[Link, list[bytes], float]], list[
@@ -723,6 +726,8 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._writer: CaptureWriter | None = None
         self._report: dict[str, Any] | None = None
+        self.capture_error: str | None = None
+        self.internal_errors: list[str] = []
 
     @property
     def engine_addresses(self) -> tuple[str, str]:
@@ -752,8 +757,15 @@ class Monitor:
                 while pending:
                     link, frames, at = pending.popleft()
                     if writer is not None:
-                        writer.write(link, frames, at)
-                    judge.feed(link, frames, at)
+                        try:
+                            writer.write(link, frames, at)
+                        except OSError as e:  # a full disk ends the capture, not the judging
+                            self.capture_error = f"capture stopped at {at}: {e}"
+                            writer = None
+                    try:
+                        judge.feed(link, frames, at)
+                    except Exception as e:  # a bug of the judge's: said, and judging goes on
+                        self.internal_errors.append(f"{type(e).__name__}: {e}"[:300])
                 judge.tick(time.time())
             self._tell(seen)
             if last:
@@ -782,7 +794,9 @@ class Monitor:
         with self._lock:
             report = self.judge.report()
         if self._capture_path is not None:
-            report["capture"] = {"path": str(self._capture_path)}
+            report["capture"] = {"path": str(self._capture_path), "error": self.capture_error}
+        if self.internal_errors:
+            report["internal_errors"] = list(self.internal_errors)
         return report
 
     def stop(self) -> dict[str, Any]:
@@ -797,7 +811,10 @@ class Monitor:
         with self._lock:
             self.judge.end(at)
             if self._writer is not None:
-                self._writer.close(at)
+                try:
+                    self._writer.close(at)
+                except OSError as e:
+                    self.capture_error = self.capture_error or f"capture not closed: {e}"
         report = self.report()
         if self._report_dir is not None:
             report["report"] = str(write_report(report, self._report_dir))

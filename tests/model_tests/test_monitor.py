@@ -261,6 +261,35 @@ def test_the_relay_forwards_garbage_unchanged_and_judges_it(relay: tuple[Ends, M
     assert again["capture"]["ended_cleanly"]
 
 
+def test_a_full_disk_or_a_judge_bug_never_stops_the_relay(tmp_path: Path) -> None:
+    mon = Monitor(capture="/dev/full", live=None)
+    broken = {"n": 0}
+    feed = mon.judge.feed
+
+    def flaky(link: Link, frames: list[bytes], at: float) -> None:
+        broken["n"] += 1
+        if broken["n"] == 2:
+            raise RuntimeError("a bug")
+        feed(link, frames, at)
+
+    mon.judge.feed = flaky  # type: ignore[method-assign]
+    mon.start()
+    ends = Ends(tmp_path, mon)
+    try:
+        ends.dealer.send_multipart(ready())
+        ends.router.recv_multipart()
+        big = [out(("x", None))[0] + b"\0" * 70_000]  # past the file's buffer: ENOSPC
+        for _ in range(3):
+            ends.push.send_multipart(big)
+            assert ends.pull.recv_multipart() == big
+    finally:
+        ends.close()
+        report = mon.stop()
+    assert "No space left" in report["capture"]["error"]
+    assert report["internal_errors"] == ["RuntimeError: a bug"]
+    assert report["frames"] == {"to_engine": 0, "output": 2, "ready": 1}
+
+
 def test_the_engine_s_connection_lost_without_a_sentinel_is_reported(
         relay: tuple[Ends, Monitor], tmp_path: Path) -> None:
     ends, mon = relay
