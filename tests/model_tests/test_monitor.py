@@ -449,3 +449,49 @@ def test_a_fault_matrix_with_a_monitor_on_each_cell_s_link(tmp_path: Path) -> No
     assert any(t.startswith("client ") and t.endswith(" -ENGINE_DIED-> DEAD")
                for t in counts), counts
     assert counts["utility PENDING -REPLY_ERROR-> FAILED_REMOTE"] == 1, counts
+
+
+def _through_monitor(tmp_path: Path, mon: Monitor, **config: Any) -> Any:
+    from enginewire.runtime.config import EngineConfig
+    from enginewire.runtime.factory import make_client
+
+    inp, out_ = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    mon.attach(inp, out_)
+    return make_client(EngineConfig(model="null", max_model_len=2048, **config),
+                       multiprocess=True, asyncio=False, input_address=inp,
+                       output_address=out_, engine_connect=mon.engine_addresses)
+
+
+@pytest.mark.parametrize(("mutant", "where"), [
+    # the client sends a second ADD under a live request's id
+    ("duplicate_live_id_accepted", ("client_request", "STREAMING", "SEND")),
+    # sleep(mode="wait") replies while requests still stream: tokens after the sleep's ack
+    ("sleep_wait_replies_before_idle", ("client", "SLEEPING", "output")),
+])
+def test_a_seeded_bug_is_flagged_from_the_wire(mutant: str, where: tuple[str, str, str],
+                                                      tmp_path: Path) -> None:
+    """The mutant bank's bugs that show on the wire (one of the client's, one of the
+    engine's), flagged from traffic alone."""
+    from enginewire.testing import mutants
+
+    mutants.apply(mutant)  # this process and the engine it launches (preload)
+    try:
+        with Monitor(live=None) as mon:
+            client = _through_monitor(tmp_path, mon, null_step_delay_s=0.01)
+            try:
+                client.add_request(EngineCoreRequest("r", [1], SamplingParams(max_tokens=300)))
+                client.get_output(timeout=10)  # streaming
+                if mutant == "duplicate_live_id_accepted":
+                    client.add_request(EngineCoreRequest("r", [2]))
+                    client.get_output(timeout=10)
+                else:
+                    client.call_utility("sleep", 0, "wait", timeout=10)
+                    client.get_output(timeout=10)  # a token after the ack
+                    client.call_utility("wake_up", None, timeout=10)
+            finally:
+                client.shutdown()
+    finally:
+        mutants.revert()
+    report = mon.stop()
+    assert [(v["machine"], v["state"], v["event"]) for v in report["violations"]][:1] == [
+        where], report["violations"]
