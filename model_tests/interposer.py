@@ -59,6 +59,7 @@ from ._conformance_driver import (
 )
 from ._harness import ResourceSnapshot
 from .bounds import DEATH_BOUND_S
+from .capture import CaptureWriter, Link, wire_of
 
 __all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer", "Link",
            "interposer_cells"]
@@ -78,16 +79,6 @@ ATTACH_READY_S = 5.0
 class Direction(enum.StrEnum):
     TO_ENGINE = "to_engine"
     TO_CLIENT = "to_client"
-
-
-class Link(enum.IntEnum):
-    """Which way a forwarded message went, as ``Interposer.tap`` is told and a capture file
-    (model_tests/monitor.py) records it: the ready handshake travels on the input pair."""
-
-    TO_ENGINE = 0
-    OUTPUT = 1  # engine -> client, on the output pair (outputs, replies, the sentinel)
-    READY = 2  # engine -> client, on the input pair
-    DISCONNECT = 3  # no message: the engine's input connection went away (no frames)
 
 
 class FrameKind(enum.StrEnum):
@@ -258,7 +249,7 @@ class Interposer:
     # path). The frames are those sent, after any rule.
     tap: Callable[[Link, list[bytes]], None] | None = None
     # A file to write every message sent on to, as the monitor's ``--capture`` does
-    # (model_tests/monitor.py): ``enginewire monitor --replay`` judges what a faulty link
+    # (model_tests/capture.py): ``enginewire monitor --replay`` judges what a faulty link
     # delivered.
     capture: str | None = None
 
@@ -319,8 +310,6 @@ class Interposer:
             raise RuntimeError("Interposer.start() after close(): build a new one")
         self.engine_addresses  # noqa: B018 -- made now, before the thread binds there
         if self.capture is not None:
-            from .monitor import CaptureWriter, wire_of
-
             self._writer = CaptureWriter(self.capture, wire_of(self.wire))
         self._ctx = zmq.Context(io_threads=1)
         self._thread = threading.Thread(target=self._run, name="Interposer", daemon=True)

@@ -21,11 +21,9 @@ Rule 3: what only a client knows is not judged: its timeouts and cancels, and it
 after the engine died (a message the client sent before it read the sentinel is not a
 violation, so nothing sent after the sentinel is judged).
 
-The capture (``--capture FILE``) is the judging thread's input, written as it judges:
-``b"EWMONCAP"``, a u16 version, the wire's name (u8 length, ascii); then records
-``link u8 | time f64 | frame count u32 | (length u32 | bytes) per frame | crc32 u32`` (all
-little-endian), and an end record (link 255, no frame) when the monitor stops. ``replay``
-judges a capture again; a cut or corrupt one is a ``ProtocolError`` naming the byte.
+The capture (``--capture FILE``, model_tests/capture.py's format) is the judging thread's
+input, written as it judges. ``replay`` judges a capture again; a cut or corrupt one is a
+``ProtocolError`` naming the byte.
 """
 
 from __future__ import annotations
@@ -33,12 +31,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import struct
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -68,19 +63,13 @@ from ..spec.errors import ProtocolError, SpecViolation
 from ..spec.machine import Lifecycle, TraceEntry
 from ..spec.request import CLIENT_REQUEST, ClientRequestEvent, ClientRequestState
 from ..spec.utility import UTILITY, UtilityEvent, UtilityState
-from .interposer import Interposer, Link
+from .capture import WIRES, CaptureWriter, Link, read_capture
+from .interposer import Interposer
 from .oracle import Coverage
 
 __all__ = ["ABORT_BOUND_S", "WIRES", "Judge", "Monitor", "MonitorSink", "Violation",
            "coverage_section", "monitored", "read_capture", "replay", "summary", "write_report"]
 
-# The monitor's wire names (the CLI's --wire) -> the interposer's name for the same frames.
-WIRES = {"enginewire": "enginewire", "vllm-0.33": "vllm"}
-
-
-def wire_of(interposer_wire: str) -> str:
-    """The monitor's name for the wire the interposer calls ``interposer_wire``."""
-    return next(k for k, v in WIRES.items() if v == interposer_wire)
 # An abort is applied at the engine's next step boundary and answered then (milliseconds);
 # seconds leave room for a loaded 2-core CI machine, so only a lost answer trips it.
 ABORT_BOUND_S = 5.0
@@ -95,16 +84,6 @@ _ENDED_CALLS = 4096
 _TICK_S = 0.01
 _JOIN_S = 10.0
 
-_MAGIC = b"EWMONCAP"
-CAPTURE_VERSION = 1
-_HEAD = struct.Struct("<H B")
-_RECORD = struct.Struct("<B d I")
-_U32 = struct.Struct("<I")
-_END = 255
-# A frame longer than this in a capture is corruption, not traffic (the engine's own bound on
-# a frame is far below it).
-_MAX_FRAME = 1 << 31
-_LINKS = frozenset(int(link) for link in Link)
 _NO_CALL = "(no such call)"  # the state a reply finds when no call of its id was ever sent
 
 
@@ -532,94 +511,6 @@ def _why_unseen(transition: str, seen: set[str]) -> str:
         return ("not on the wire: the monitor sees the engine's handshake and death, not its"
                 " scheduling")
     return "NOT REACHED in this traffic" if machine in seen else "NOT REACHED: no such traffic"
-
-
-# --- capture files ------------------------------------------------------------------------------
-
-
-class CaptureWriter:
-    """Writes what the judge is fed, in the format of the module docstring."""
-
-    def __init__(self, path: str | Path, wire: str) -> None:
-        name = wire.encode("ascii")
-        self._f: IO[bytes] = open(path, "wb")  # closed by close()
-        self._f.write(_MAGIC + _HEAD.pack(CAPTURE_VERSION, len(name)) + name)
-
-    def write(self, link: int, frames: list[bytes], at: float) -> None:
-        parts = [_RECORD.pack(link, at, len(frames))]
-        for f in frames:
-            parts += (_U32.pack(len(f)), f)
-        record = b"".join(parts)
-        self._f.write(record + _U32.pack(zlib.crc32(record)))
-
-    def close(self, at: float) -> None:
-        """Writes the end record; idempotent (closed even when that write fails)."""
-        if not self._f.closed:
-            try:
-                self.write(_END, [], at)
-            finally:
-                with contextlib.suppress(OSError):
-                    self._f.close()
-
-
-def read_capture(path: str | Path) -> tuple[str, Iterator[tuple[Link, list[bytes], float]], list[
-        float]]:
-    """The capture's wire, its records (link, frames, time) as an iterator, and a list that
-    holds the end record's time once the iterator is exhausted (empty: the monitor did not
-    stop cleanly). A cut or corrupt file raises ``ProtocolError`` naming the byte, as the
-    header is read or as the iterator reaches it."""
-    data = Path(path).read_bytes()
-    if data[:len(_MAGIC)] != _MAGIC:
-        raise ProtocolError(f"{path}: not a monitor capture (no {_MAGIC!r} header)")
-    pos = len(_MAGIC)
-    if len(data) < pos + _HEAD.size:
-        raise ProtocolError(f"{path}: cut inside its header")
-    version, n = _HEAD.unpack_from(data, pos)
-    if version != CAPTURE_VERSION:
-        raise ProtocolError(f"{path}: capture version {version}; this monitor reads"
-                            f" {CAPTURE_VERSION}")
-    pos += _HEAD.size
-    wire = data[pos:pos + n].decode("ascii", "replace")
-    if wire not in _FRAMES:
-        raise ProtocolError(f"{path}: capture of an unknown wire {wire!r}")
-    pos += n
-    ended: list[float] = []
-
-    def records() -> Iterator[tuple[Link, list[bytes], float]]:
-        at = pos
-        while at < len(data):
-            start = at
-            if len(data) - at < _RECORD.size:
-                raise ProtocolError(f"{path}: cut at byte {at} (inside a record's head)")
-            link, ts, count = _RECORD.unpack_from(data, at)
-            at += _RECORD.size
-            frames = []
-            for _ in range(count):
-                if len(data) - at < _U32.size:
-                    raise ProtocolError(f"{path}: cut at byte {at} (inside the record at"
-                                        f" byte {start})")
-                (size,) = _U32.unpack_from(data, at)
-                at += _U32.size
-                if size > len(data) - at or size > _MAX_FRAME:
-                    raise ProtocolError(f"{path}: the record at byte {start} holds a frame of"
-                                        f" {size} bytes, past the file's end (cut or corrupt)")
-                frames.append(data[at:at + size])
-                at += size
-            if len(data) - at < _U32.size:
-                raise ProtocolError(f"{path}: cut at byte {at} (the record at byte {start}"
-                                    " has no checksum)")
-            (crc,) = _U32.unpack_from(data, at)
-            if zlib.crc32(data[start:at]) != crc:
-                raise ProtocolError(f"{path}: the record at byte {start} is corrupt (checksum)")
-            at += _U32.size
-            if link == _END:
-                ended.append(ts)
-                return
-            if link not in _LINKS:
-                raise ProtocolError(f"{path}: the record at byte {start} has link {link}")
-            yield Link(link), frames, ts
-
-    return wire, records(), ended
 
 
 def replay(path: str | Path, *, abort_bound_s: float = ABORT_BOUND_S) -> dict[str, Any]:
