@@ -84,6 +84,10 @@ _ENDED_CALLS = 4096
 _TICK_S = 0.01
 _JOIN_S = 10.0
 
+
+def _yield_gil() -> None:
+    time.sleep(0)
+
 _NO_CALL = "(no such call)"  # the state a reply finds when no call of its id was ever sent
 
 
@@ -641,6 +645,7 @@ class Monitor:
 
     def _judging(self) -> None:
         judge, pending, writer = self.judge, self._queue, self._writer
+        yield_gil = _yield_gil
         while True:
             last = self._stopping.wait(_TICK_S)  # set after the relay's last message
             with self._lock:
@@ -657,6 +662,10 @@ class Monitor:
                         judge.feed(link, frames, at)
                     except Exception as e:  # a bug of the judge's: said, and judging goes on
                         self.internal_errors.append(f"{type(e).__name__}: {e}"[:300])
+                    # Let the relay thread have the GIL between messages: held for a
+                    # whole backlog, the relay waits for the interpreter's switch interval
+                    # (5 ms) at each message it is woken for.
+                    yield_gil()
                 judge.tick(time.time())
             self._tell(seen)
             if last:
