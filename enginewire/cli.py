@@ -321,7 +321,8 @@ def _monitor(args: argparse.Namespace) -> int:
         engine = _address_pair("--engine", args.engine)
         stop = threading.Event()
         mon = monitor.Monitor(wire=args.wire, engine=engine, capture=args.capture,
-                              fail_fast=args.fail_fast, abort_bound_s=args.abort_bound)
+                              fail_fast=args.fail_fast, abort_bound_s=args.abort_bound,
+                              engine_index=args.engine_index)
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:
             mon.start()
@@ -702,6 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop at the first violation (exit 1)")
     mon.add_argument("--duration", type=_float_over(0.0, inclusive=False), metavar="S",
                      help="stop after S seconds (default: at SIGINT/SIGTERM)")
+    mon.add_argument("--engine-index", type=_int_in(0, 65535), default=0, metavar="I",
+                     help="the engine's index (its identity on the front end's ROUTER): a"
+                     " front end over N engines gets one monitor per engine (default:"
+                     " %(default)s)")
     mon.add_argument("--abort-bound", type=_float_over(0.0, inclusive=False), metavar="S",
                      default=5.0,
                      help="seconds within which an abort must be answered (default: %(default)s)")

@@ -306,6 +306,19 @@ def test_the_engine_s_connection_lost_without_a_sentinel_is_reported(
     assert replay(tmp_path / "cap")["engine_disconnects"] == [gone]
 
 
+def test_a_monitor_stands_in_for_engine_i_of_several(tmp_path: Path) -> None:
+    mon = Monitor(engine_index=1, live=None).start()
+    ends = Ends(tmp_path, mon)
+    try:
+        ends.dealer.send_multipart(ready())
+        assert ends.router.recv_multipart() == [(1).to_bytes(2, "little"), *ready()]
+        ends.router.send_multipart([(1).to_bytes(2, "little"), *add("a")])
+        assert ends.dealer.recv_multipart() == add("a")
+    finally:
+        ends.close()
+        assert mon.stop()["violations"] == []
+
+
 def test_a_cut_or_corrupt_capture_is_a_protocol_error(relay: tuple[Ends, Monitor],
                                                      tmp_path: Path) -> None:
     ends, mon = relay
