@@ -202,7 +202,7 @@ class Ends:
     """A front end's bound ROUTER/PULL and an engine's DEALER/PUSH, through the monitor (or
     the interposer: the same ends)."""
 
-    def __init__(self, tmp: Path, mon: Monitor | Interposer) -> None:
+    def __init__(self, tmp: Path, mon: Monitor | Interposer, ident: bytes = IDENT) -> None:
         self.ctx = zmq.Context()
         self.router, self.pull = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.PULL)
         inp, out_ = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
@@ -210,7 +210,7 @@ class Ends:
         self.pull.bind(out_)
         mon.attach(inp, out_)
         self.dealer, self.push = self.ctx.socket(zmq.DEALER), self.ctx.socket(zmq.PUSH)
-        self.dealer.setsockopt(zmq.IDENTITY, IDENT)
+        self.dealer.setsockopt(zmq.IDENTITY, ident)  # an engine's is its index
         self.dealer.connect(mon.engine_addresses[0])
         self.push.connect(mon.engine_addresses[1])
         for s in (self.router, self.pull, self.dealer, self.push):
@@ -307,12 +307,13 @@ def test_the_engine_s_connection_lost_without_a_sentinel_is_reported(
 
 
 def test_a_monitor_stands_in_for_engine_i_of_several(tmp_path: Path) -> None:
+    one = (1).to_bytes(2, "little")
     mon = Monitor(engine_index=1, live=None).start()
-    ends = Ends(tmp_path, mon)
+    ends = Ends(tmp_path, mon, one)
     try:
         ends.dealer.send_multipart(ready())
-        assert ends.router.recv_multipart() == [(1).to_bytes(2, "little"), *ready()]
-        ends.router.send_multipart([(1).to_bytes(2, "little"), *add("a")])
+        assert ends.router.recv_multipart() == [one, *ready()]
+        ends.router.send_multipart([one, *add("a")])
         assert ends.dealer.recv_multipart() == add("a")
     finally:
         ends.close()
