@@ -574,7 +574,7 @@ def write_report(report: dict[str, Any], directory: str | Path) -> Path:
     page["html"] = path.with_suffix(".html").name
     path.write_text(json.dumps(page, indent=2, default=str))
     try:
-        write_coverage_html(page, path.with_suffix(".html"))
+        write_coverage_html(page, path.with_suffix(".html"), what="monitor")
     except Exception as e:  # the page is a view of the JSON: never the verdict
         print(f"monitor: coverage page not written: {e!r}", file=sys.stderr)
     return path

@@ -407,7 +407,8 @@ def test_a_real_client_through_the_monitor_agrees_with_its_own_trace(tmp_path: P
     # a process): the one transition of its trace the wire cannot show.
     assert own - seen == {"client RUNNING -SHUTDOWN-> SHUTDOWN"}
     assert {t.split(" ")[0] for t in seen - own} == {"engine"}  # the handshake, seen only here
-    assert Path(report["report"]).exists() and Path(report["report"]).with_suffix(".html").exists()
+    page = Path(report["report"]).with_suffix(".html").read_text()
+    assert "<h1>enginewire monitor: OK</h1>" in page and page.count("<svg") >= 4
     assert replay(tmp_path / "cap")["coverage"] == report["coverage"]
 
 
