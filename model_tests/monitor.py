@@ -77,6 +77,8 @@ ABORT_BOUND_S = 5.0
 # reply is judged by the table (RESOLVED has no REPLY_OK row) rather than as "never sent".
 HISTORY = 8
 _ENDED_CALLS = 4096
+# The violations a report keeps (each with its frames); past it they are only counted.
+MAX_VIOLATIONS = 10_000
 # The judging thread wakes this often and judges what came meanwhile, in one go: woken per
 # message instead, it took the GIL from the relay thread at every message (the echo round
 # trip through the monitor cost half as much again as through the bare relay). A violation is
@@ -226,6 +228,19 @@ def _summary(link: Link, frames: list[bytes]) -> str:
     return f"{link.name.lower()}: {len(frames)} frame(s), {size} bytes, {head!r}"
 
 
+class _CountingTrace(list[TraceEntry]):
+    """What ``Lifecycle`` appends its trace entries to, counted by (machine, state, event,
+    state) as ``Coverage`` counts them, and not kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[tuple[str, str, str, str], int] = {}
+
+    def append(self, entry: TraceEntry) -> None:
+        key = entry[:4]
+        self.seen[key] = self.seen.get(key, 0) + 1
+
+
 class Judge:
     """The judgement over one front end <-> engine link, with no I/O: ``feed`` it each message
     as it was forwarded, ``tick`` it as time passes, ``end`` it; ``violations``, ``trace`` and
@@ -238,8 +253,11 @@ class Judge:
         self.wire = wire
         self._frames: _EnginewireFrames | _VllmFrames = _FRAMES[wire]()
         self.abort_bound_s = abort_bound_s
-        self.trace: list[TraceEntry] = []
+        # Every machine fires into it; it keeps counts, not entries, so a monitor left on
+        # for days holds one entry per transition taken, not one per token.
+        self.trace = _CountingTrace()
         self.violations: list[Violation] = []
+        self.violations_dropped = 0
         self.client: Lifecycle[ClientState, ClientEvent] = CLIENT.lifecycle(trace=self.trace)
         self.engine: Lifecycle[Any, EngineEvent] = ENGINE.lifecycle(trace=self.trace)
         self.requests: dict[str, Lifecycle[ClientRequestState, ClientRequestEvent]] = {}
@@ -313,6 +331,9 @@ class Judge:
 
     def _violate(self, machine: str, state: str, event: str, detail: str, at: float,
                  guard: str | None = None) -> None:
+        if len(self.violations) >= MAX_VIOLATIONS:  # a flood of garbage: counted, not kept
+            self.violations_dropped += 1
+            return
         self.violations.append(Violation(machine, state, event, detail, at, tuple(self._last),
                                          guard))
 
@@ -476,12 +497,13 @@ class Judge:
         """The judgement as the campaign's report has it (``coverage`` as its JSON holds it, so
         model_tests/coverage_html.py draws it), with the violations and what is pending."""
         cov = Coverage()
-        cov.add(self.trace)
+        cov.seen = dict(self.trace.seen)
         return {
             "wire": self.wire,
             "frames": dict(self.counts),
             "failed": bool(self.violations),
             "violations": [v.to_dict() for v in self.violations],
+            "violations_dropped": self.violations_dropped,
             "pending": {"requests": {r: lc.state.name for r, lc in sorted(self.requests.items())},
                         "calls": {str(c): m for c, (m, _lc) in sorted(self.calls.items())}},
             "pending_at_death": list(self.pending_at_death),
@@ -747,7 +769,8 @@ class MonitorSink:
     def add(self, mon: Monitor) -> None:
         report = mon.stop()
         with self._lock:
-            self.coverage.add(mon.judge.trace)
+            for key, n in mon.judge.trace.seen.items():
+                self.coverage.seen[key] = self.coverage.seen.get(key, 0) + n
             self.violations += report["violations"]
             self.links += 1
             self.frames.update(report["frames"])
