@@ -282,6 +282,68 @@ def _engine(args: argparse.Namespace) -> int:
     return rc
 
 
+def _address_pair(flag: str, text: str) -> tuple[str, str]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise UsageError(f"{flag} {text!r}: expected IN_ADDR,OUT_ADDR")
+    for address in parts:
+        _check_address(flag, address)
+        if address.startswith("tcp://"):
+            raise UsageError(f"{flag} {address}: the monitor does not pass CURVE through yet,"
+                             " and a plain tcp relay would carry a secured link in the clear;"
+                             " run it on ipc addresses (docs/monitor.md)")
+    return parts[0], parts[1]
+
+
+def _monitor(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    import time
+
+    from .protocol import ProtocolError
+    from .testing import monitor
+
+    if args.report:
+        _writable_dir("--report", args.report)
+    if args.replay:
+        if args.front or args.engine or args.capture:
+            raise UsageError("--replay judges a capture: not with --front, --engine or"
+                             " --capture")
+        try:
+            report = monitor.replay(args.replay, abort_bound_s=args.abort_bound)
+        except (OSError, ProtocolError) as exc:
+            print(f"enginewire monitor: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    else:
+        if not (args.front and args.engine):
+            raise UsageError("give --front IN,OUT and --engine IN,OUT (or --replay CAPTURE)")
+        front = _address_pair("--front", args.front)
+        engine = _address_pair("--engine", args.engine)
+        stop = threading.Event()
+        mon = monitor.Monitor(wire=args.wire, engine=engine, capture=args.capture,
+                              fail_fast=args.fail_fast, abort_bound_s=args.abort_bound,
+                              engine_index=args.engine_index)
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            mon.start()
+            mon.attach(*front)
+            print(f"monitor: relaying {front[0]},{front[1]} <-> {engine[0]},{engine[1]}",
+                  file=sys.stderr, flush=True)
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            while not stop.is_set() and not mon.failed.is_set() and (
+                    deadline is None or time.monotonic() < deadline):
+                stop.wait(0.1)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how a live run ends: the verdict follows
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            report = mon.stop()
+    if args.report:
+        report["report"] = str(monitor.write_report(report, args.report))
+    print(monitor.summary(report))
+    return EXIT_FAILED if report["violations"] else EXIT_OK
+
+
 def _check_model(model: str) -> None:
     """``--model``: a name an engine can load (tiny, null, a .gguf path, smollm2-135m, a
     registered source), refused before anything starts."""
@@ -356,6 +418,7 @@ def _campaign(args: argparse.Namespace) -> int:
         backend=args.backend,
         model_coverage=args.model_coverage,
         elastic=args.elastic,
+        monitor=args.monitor,
     ))
 
 
@@ -384,6 +447,9 @@ def _faults_matrix(args: argparse.Namespace) -> int:
     if args.engines > 1 and args.client and "inproc" in args.client:
         raise UsageError(f"--engines {args.engines}: the data-parallel cells need --client sync"
                          " or async (an in-process client has one engine)")
+    if args.engines > 1 and args.monitor:
+        raise UsageError(f"--monitor with --engines {args.engines}: a monitor relays one"
+                         " engine's link; the data-parallel cells have several")
     config = EngineConfig(model=model, max_num_seqs=4)
     if args.engines > 1:
         from .faults import run_dp_fault_matrix
@@ -392,7 +458,8 @@ def _faults_matrix(args: argparse.Namespace) -> int:
                                        results_dir=args.results_dir, engines=args.engines,
                                        config=config))
     rc: int = run_fault_matrix(args.client or None, quick=args.quick,
-                               results_dir=args.results_dir, config=config, factory=factory)
+                               results_dir=args.results_dir, config=config, factory=factory,
+                               monitor=args.monitor)
     return rc
 
 
@@ -552,6 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
         " down (1 to 3 engines) while requests stream, a call is pending or an engine dies"
         " (model_tests/stateful_dp_elastic.py)",
     )
+    camp.add_argument(
+        "--monitor", action="store_true",
+        help="put enginewire monitor on every client's link (sync, async, a factory's): its"
+        " violations fail the run, and the report gains the coverage read from the wire"
+        " (docs/monitor.md)",
+    )
     camp.set_defaults(handler=_campaign)
 
     faults = sub.add_parser("faults", help="the failure-injection harness")
@@ -594,7 +667,50 @@ def build_parser() -> argparse.ArgumentParser:
         "ClientFactory contract, with its own config; docs/faults.md): the kind it builds is "
         "the default --client, and a cell whose options it refuses is n/a, not a failure",
     )
+    matrix.add_argument(
+        "--monitor", action="store_true",
+        help="put enginewire monitor on each cell's link (not the in-process client's, nor"
+        " the interposer cells'): fault_matrix.json gains what it saw, violations and coverage"
+        " read from the wire, reported beside the cells' verdicts (docs/monitor.md)",
+    )
     matrix.set_defaults(handler=_faults_matrix)
+
+    mon = sub.add_parser(
+        "monitor",
+        help="relay a front end <-> engine conversation and judge it against the spec",
+        description="A transparent relay between a front end's bound sockets (--front) and an "
+        "engine that connects to --engine instead: every message is sent on unchanged and in "
+        "order, and judged, off the forwarding path, against the spec's machines as far as the "
+        "wire shows them. Each violation is printed on stderr as it is seen; on exit "
+        "(SIGINT/SIGTERM, --duration, or --fail-fast's first violation) the verdict, the "
+        "coverage and the JSON + HTML report (--report). --replay judges a capture offline "
+        "(docs/monitor.md).",
+        epilog="Exit codes: 0 no violation, 1 a violation (or a cut or corrupt capture), 2 bad "
+        "usage (a malformed address, tcp: CURVE is not passed through yet).",
+    )
+    mon.add_argument("--wire", choices=("enginewire", "vllm-0.33"), default="enginewire",
+                     help="whose frames: enginewire's or vLLM 0.33's (default: %(default)s)")
+    mon.add_argument("--front", metavar="IN_ADDR,OUT_ADDR",
+                     help="the front end's bound input (ROUTER) and output (PULL) addresses")
+    mon.add_argument("--engine", metavar="IN_ADDR,OUT_ADDR",
+                     help="the addresses the monitor binds for the engine to connect to")
+    mon.add_argument("--replay", metavar="CAPTURE",
+                     help="judge a capture written with --capture instead of relaying")
+    mon.add_argument("--capture", metavar="FILE", help="write every message relayed to FILE")
+    mon.add_argument("--report", metavar="DIR",
+                     help="write monitor-<time>.json and its coverage page to DIR")
+    mon.add_argument("--fail-fast", action="store_true",
+                     help="stop at the first violation (exit 1)")
+    mon.add_argument("--duration", type=_float_over(0.0, inclusive=False), metavar="S",
+                     help="stop after S seconds (default: at SIGINT/SIGTERM)")
+    mon.add_argument("--engine-index", type=_int_in(0, 65535), default=0, metavar="I",
+                     help="the engine's index (its identity on the front end's ROUTER): a"
+                     " front end over N engines gets one monitor per engine (default:"
+                     " %(default)s)")
+    mon.add_argument("--abort-bound", type=_float_over(0.0, inclusive=False), metavar="S",
+                     default=5.0,
+                     help="seconds within which an abort must be answered (default: %(default)s)")
+    mon.set_defaults(handler=_monitor)
 
     bench = sub.add_parser("bench", help=bench_run.HELP, description=bench_run.DESCRIPTION)
     bench_run.add_arguments(bench)

@@ -105,6 +105,9 @@ class ClientResult:
     # The Hypothesis seed of each round (None: derandomized); the last one is the failing
     # round's when ``failure`` is set (``--seed`` replays it).
     round_seeds: list[int | None] = field(default_factory=list)
+    # With ``monitor``: what the monitors on this client's links found (monitor.MonitorSink's
+    # report less its coverage, which the campaign report's ``monitor`` section merges).
+    monitor: dict[str, Any] | None = None
 
     @property
     def steps_per_s(self) -> float:
@@ -263,7 +266,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 shrink: bool, progress: Any,
                 factory: str | None = None,
                 dp: tuple[int, str] | None = None,
-                elastic: bool = False) -> tuple[ClientResult, Any]:
+                elastic: bool = False, monitor: Any = None) -> tuple[ClientResult, Any]:
     import hypothesis.core
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
@@ -305,9 +308,10 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         stats.engines_started += 1
         stats.seconds["(engine start)"] += time.monotonic() - start
     elif factory is not None:
-        pool = ClientPool(load_factory(factory), stats)
+        pool = ClientPool(_monitored(load_factory(factory), monitor, faults), stats)
     else:
-        pool = ClientPool(builtin_factory(kind, config, faults=faults), stats)
+        pool = ClientPool(_monitored(builtin_factory(kind, config, faults=faults), monitor,
+                                     faults, kind), stats)
     orphan = None
     if kind == "sync" and faults and factory is None and dp is None:  # spawns our engine
         orphan = {"model": model, "max_num_seqs": 16, "max_model_len": 2048}
@@ -418,6 +422,21 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     if result.failure is not None:
         result.errors = list(stats.errors)
     return result, stats.coverage
+
+
+def _monitored(factory: Any, sink: Any, faults: bool, kind: str | None = None) -> Any:
+    """``factory`` with a monitor on each client's link when ``sink`` (a MonitorSink) is
+    given and the client has a link (not the in-process one)."""
+    if sink is None or kind == "inproc":
+        return factory
+    from ._conformance_driver import Declared, declared_contract
+    from .monitor import ABORT_BOUND_S, monitored
+
+    wire = "vllm-0.33" if Declared.VLLM_WIRE in declared_contract(factory) else "enginewire"
+    # Faults stop and kill engines: an abort then goes unanswered by design (the client's
+    # death ends it), which the monitor cannot tell from a lost answer.
+    return monitored(factory, sink, wire=wire,
+                     abort_bound_s=math.inf if faults else ABORT_BOUND_S)
 
 
 def _kind_of(label: str, dp: tuple[int, str] | None) -> tuple[str, tuple[int, str] | None]:
@@ -556,6 +575,7 @@ def run_campaign(
     backend: str = "mp",
     model_coverage: bool = False,
     elastic: bool = False,
+    monitor: bool = False,
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
     ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
@@ -685,7 +705,7 @@ def run_campaign(
                               seed=seed, faults=faults, duration=duration, model=model,
                               profile=profile, out_dir=out_dir, verbose=verbose,
                               factory=factory, dp=dp, model_coverage=model_coverage,
-                              elastic=elastic)
+                              elastic=elastic, monitor=monitor)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -717,7 +737,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
                faults: bool, duration: float | None, model: str, profile: str,
                out_dir: Path, verbose: bool = False, factory: str | None = None,
                dp: tuple[int, str] | None = None, model_coverage: bool = False,
-               elastic: bool = False) -> int:
+               elastic: bool = False, monitor: bool = False) -> int:
     from ..runtime._engine_trace import ENGINE_TRACE_ENV
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
@@ -740,7 +760,8 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
                                  seed=seed, faults=faults, duration=duration, model=model,
                                  profile=profile, out_dir=out_dir, verbose=verbose,
                                  engine_log=engine_log, factory=factory, dp=dp,
-                                 model_coverage=model_coverage, elastic=elastic)
+                                 model_coverage=model_coverage, elastic=elastic,
+                                 monitor=monitor)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -754,7 +775,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                       profile: str, out_dir: Path, verbose: bool,
                       engine_log: Path | None, factory: str | None = None,
                       dp: tuple[int, str] | None = None, model_coverage: bool = False,
-                      elastic: bool = False) -> int:
+                      elastic: bool = False, monitor: bool = False) -> int:
     from . import mutants
     from .oracle import Coverage
 
@@ -762,6 +783,7 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
     prog, _ = _progress_bar(None)
     results: list[ClientResult] = []
     coverage = Coverage()
+    wire_coverage = Coverage()  # with ``monitor``: every link's, from the wire
     started = time.monotonic()
     if prog is not None:
         prog.start()
@@ -783,12 +805,25 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                         prog.update(task, completed=count[0], rate=f"{rate:.1f} steps/s")
 
             machine_kind, kind_dp = _kind_of(kind, dp)
+            sink = None
+            if monitor and kind_dp is None:
+                from .monitor import MonitorSink
+
+                sink = MonitorSink()
             res, cov = _run_client(machine_kind, examples=examples, steps=steps, seed=seed,
                                    faults=faults, duration=share, model=model,
                                    profile=profile, results_dir=out_dir,
                                    shrink=not stop_at_first, progress=tick, factory=factory,
-                                   dp=kind_dp, elastic=elastic and kind_dp is not None)
+                                   dp=kind_dp, elastic=elastic and kind_dp is not None,
+                                   monitor=sink)
             res.client, res.engine_cores = kind, 1 if kind_dp is None else kind_dp[0]
+            if sink is not None and sink.links:
+                wire_coverage.merge(sink.coverage)
+                res.monitor = {k: v for k, v in sink.report().items() if k != "coverage"}
+                if res.monitor["violations"] and res.failure is None:
+                    first = res.monitor["violations"][0]
+                    res.failure = (f"monitor: {first['machine']}: {first['event']} in"
+                                   f" {first['state']}: {first['detail']}")
             results.append(res)
             coverage.merge(cov)
             if stop_at_first and res.failure is not None:
@@ -819,6 +854,16 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
             cov, data_parallel=(None if any(data_parallel) and not all(data_parallel)
                                 else any(data_parallel)))
     _print_report(results, cov, sys.stdout, verbose=verbose)
+    wire_section = None
+    if monitor:
+        from .monitor import coverage_section
+
+        wire_section = coverage_section(wire_coverage)
+        links = sum((r.monitor or {}).get("links", 0) for r in results)
+        print(f"monitor: {links} link(s) judged from the wire,"
+              f" {sum(len((r.monitor or {}).get('violations', [])) for r in results)}"
+              f" violation(s); coverage {wire_section['transitions_reached']}/"
+              f"{wire_section['transitions_declared']} transitions")
     report = {
         "clients": [dict(r.__dict__, steps_per_s=round(r.steps_per_s, 2),
                          steps_per_s_warm=round(r.steps_per_s_warm, 2)) for r in results],
@@ -831,6 +876,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }
+    if wire_section is not None:
+        report["monitor"] = {"coverage": wire_section}
     prefix = "campaign" if mutants.active() is None else f"mutant-{mutants.active()}"
     path = new_report_path(out_dir, prefix)
     # Beside the JSON, which names them: the coverage page and each failure's reproducer file.

@@ -419,9 +419,10 @@ def _failures(clients: Sequence[Mapping[str, Any]]) -> str:
 
 
 def render_coverage_html(report: Mapping[str, Any], *, layout: str = "auto",
-                         json_name: str | None = None) -> str:
-    """The page for a campaign report (the dict its JSON holds). ``layout``: one of
-    ``LAYOUTS``; "dot" raises where Graphviz cannot lay a machine out."""
+                         json_name: str | None = None, what: str = "campaign") -> str:
+    """The page for a campaign report (the dict its JSON holds), or another report of the
+    same layout (``what`` names it: the monitor's). ``layout``: one of ``LAYOUTS``; "dot"
+    raises where Graphviz cannot lay a machine out."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     cov = report.get("coverage", {})
@@ -431,9 +432,9 @@ def render_coverage_html(report: Mapping[str, Any], *, layout: str = "auto",
     settings = report.get("settings", {})
     verdict = "FAILED" if report.get("failed") else "OK"
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           f"<title>enginewire campaign coverage: {_e(verdict)}</title>",
+           f"<title>enginewire {_e(what)} coverage: {_e(verdict)}</title>",
            f"<style>{_CSS}</style></head><body>",
-           f"<h1>enginewire campaign: {_e(verdict)}</h1>"]
+           f"<h1>enginewire {_e(what)}: {_e(verdict)}</h1>"]
     if json_name:
         out.append(f'<p>Full report: <a href="{_e(urllib.parse.quote(json_name))}">'
                    f"{_e(json_name)}</a></p>")
@@ -485,12 +486,13 @@ def write_reproducers(report: dict[str, Any], directory: Path, stem: str) -> lis
 
 
 def write_coverage_html(report: Mapping[str, Any], path: str | Path, *,
-                        layout: str = "auto") -> Path:
+                        layout: str = "auto", what: str = "campaign") -> Path:
     """Write ``render_coverage_html(report)`` to ``path``, linking the JSON of the same stem
     when there is one; return the path."""
     path = Path(path)
     json_path = path.with_suffix(".json")
     path.write_text(render_coverage_html(
-        report, layout=layout, json_name=json_path.name if json_path.exists() else None),
+        report, layout=layout, json_name=json_path.name if json_path.exists() else None,
+        what=what),
         encoding="utf-8")
     return path

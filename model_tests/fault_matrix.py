@@ -282,7 +282,7 @@ def _sleep_wake(cut: Any, deadline: float) -> Outcome:
 
 
 def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
-          factory: ClientFactory | None = None) -> Any:
+          factory: ClientFactory | None = None, monitor: Any = None) -> Any:
     from .conformance import NotApplicable, open_client
 
     if cell.client == "inproc":
@@ -303,17 +303,39 @@ def _open(cell: Cell, config: Any, plan: FaultPlan, ready_timeout_s: float,
     if factory is not None:
         if Declared.NO_HEARTBEAT_DEADLINE in declared_contract(factory):
             del options["engine_heartbeat_timeout_s"]  # the cells that need it are n/a
+    if monitor is not None:  # a MonitorSink: the client's link goes through a monitor
+        return _monitored_open(cell, config, factory, monitor, options)
+    if factory is not None:
         return build_with(factory, **options)
     return open_client(cell.client, config, **options)
 
 
+def _monitored_open(cell: Cell, config: Any, factory: ClientFactory | None, sink: Any,
+                    options: dict[str, Any]) -> Any:
+    import math
+
+    from .conformance import open_client
+    from .monitor import monitored
+
+    def build(**more: Any) -> Any:
+        if factory is not None:
+            return build_with(factory, **more)
+        return open_client(cell.client, config, **more)
+
+    wire = ("vllm-0.33" if factory is not None
+            and Declared.VLLM_WIRE in declared_contract(factory) else "enginewire")
+    # Faults stop and kill engines: an abort then goes unanswered by design.
+    return monitored(build, sink, wire=wire, abort_bound_s=math.inf)(**options)
+
+
 def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | None = None,
-             reference: list[int] | None = None) -> CellResult:
+             reference: list[int] | None = None, monitor: Any = None) -> CellResult:
     """Run one cell in a bounded time; never raises for an engine-side outcome.
 
     With ``factory`` the cell's client is ``factory(**options)`` (the options a built-in one
     gets); a refusal is ``NOT_APPLICABLE``. ``reference``: a clean run's tokens (default: an
-    in-process run of ``config``)."""
+    in-process run of ``config``). ``monitor``: a ``monitor.MonitorSink`` that a monitor on
+    the cell's link (not the in-process client's: it has none) reports to."""
     expected = expected_outcome(cell)
     contract = declared_contract(factory) if factory is not None else {}
     away = declared_away(cell, contract)
@@ -334,7 +356,7 @@ def run_cell(cell: Cell, config: Any, workdir: str, *, factory: ClientFactory | 
     ready_s = STARTUP_HANG_READY_S if _start_seen_at_ready_deadline(cell, contract) else 60.0
     try:
         try:
-            cut = _open(cell, config, plan, ready_s, factory)
+            cut = _open(cell, config, plan, ready_s, factory, monitor)
             if cell.scenario in (Scenario.GENERATE, Scenario.STARTUP):
                 outcome = generate(cut, deadline, reference)
             elif cell.scenario is Scenario.UTILITY:
@@ -449,6 +471,7 @@ def run_fault_matrix(
     extra_cells: list[Callable[[str], CellResult]] | None = None,
     echo: Callable[[str], None] | None = print,
     factory: ClientFactory | None = None,
+    monitor: bool = False,
 ) -> int:
     """Run the matrix; print the table; write ``<results_dir>/fault_matrix.json``.
 
@@ -482,6 +505,11 @@ def run_fault_matrix(
 
     t0 = time.monotonic()
     probe: _Probe | None = None
+    sink = None
+    if monitor:  # one monitor per cell's link, all reporting here (docs/monitor.md)
+        from .monitor import MonitorSink
+
+        sink = MonitorSink()
     with _engine_threads(), tempfile.TemporaryDirectory(prefix="enginewire-faults-") as work:
         if factory is not None:
             probe, failure = _probe_factory(factory)
@@ -514,7 +542,8 @@ def run_fault_matrix(
                 continue
             report_cell(_bounded(functools.partial(
                 run_cell, cell, config, work, factory=factory,
-                reference=None if probe is None else probe.reference), cell.name))
+                reference=None if probe is None else probe.reference, monitor=sink),
+                cell.name))
         for extra in extra_cells:
             name = getattr(extra, "name", "extra")
             kind = getattr(extra, "client", None)
@@ -537,6 +566,16 @@ def run_fault_matrix(
                    "heartbeat_interval_s": HEARTBEAT_INTERVAL_S},
         "results": [asdict(r) for r in results],
     }
+    if sink is not None:
+        # Reported, not judged: the cells inject faults the wire shows (a corrupt frame, a
+        # death without its sentinel), so the cells' own outcomes stay the verdict.
+        seen = sink.report()
+        report["monitor"] = seen
+        if echo is not None:
+            cov = seen["coverage"]
+            echo(f"monitor: {sink.links} link(s), {len(sink.violations)} violation(s) seen"
+                 f" on the wire; coverage {cov['transitions_reached']}/"
+                 f"{cov['transitions_declared']} transitions")
     out = out_dir / "fault_matrix.json"
     # Written whole and renamed into place: concurrent matrices in one directory never
     # interleave their JSON (the last one wins).

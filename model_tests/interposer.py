@@ -37,13 +37,14 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
 from msgspec.structs import force_setattr
+from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol.messages import ENGINE_DEAD_SENTINEL, RequestType
 from ..runtime.faults import as_member, check_count, check_real
@@ -58,8 +59,9 @@ from ._conformance_driver import (
 )
 from ._harness import ResourceSnapshot
 from .bounds import DEATH_BOUND_S
+from .capture import CaptureWriter, Link, wire_of
 
-__all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer",
+__all__ = ["Direction", "FrameAction", "FrameKind", "FrameRule", "Interposer", "Link",
            "interposer_cells"]
 
 _POLL_MS = 5
@@ -186,6 +188,24 @@ def _kind_to_client(frames: list[bytes], handshake: bool,
     return FrameKind.HEARTBEAT
 
 
+_BURST = 256
+
+
+def _no_write(link: Link, frames: list[bytes], at: float) -> None:
+    """The capture's writer once it failed."""
+
+
+def _burst(sock: zmq.Socket[Any]) -> list[list[bytes]]:
+    """The messages ``sock`` holds now, at most ``_BURST``, without waiting."""
+    out: list[list[bytes]] = []
+    while len(out) < _BURST:
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
+
+
 @dataclass
 class _RuleState:
     rule: FrameRule
@@ -221,6 +241,17 @@ class Interposer:
     events: list[tuple[str, str, str]] = field(default_factory=list)
     # time.monotonic() of each entry in ``events``: detection latency starts there.
     applied_at: list[float] = field(default_factory=list)
+    # Where the engine connects: None, an ipc directory of the proxy's own; else the
+    # (input, output) pair to bind, ipc or tcp (the monitor's ``--engine``).
+    engine_bind: tuple[str, str] | None = None
+    # Told (link, frames) of every message as it is sent on, on the proxy thread, so it must
+    # only hand it on (the monitor queues it for its judge: never a wait on the forwarding
+    # path). The frames are those sent, after any rule.
+    tap: Callable[[Link, list[bytes]], None] | None = None
+    # A file to write every message sent on to, as the monitor's ``--capture`` does
+    # (model_tests/capture.py): ``enginewire monitor --replay`` judges what a faulty link
+    # delivered.
+    capture: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rules, list | tuple):
@@ -255,10 +286,14 @@ class Interposer:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._writer: Any = None
+        self.capture_error: str | None = None
 
     @property
     def engine_addresses(self) -> tuple[str, str]:
         """The (input, output) pair the engine connects to (``engine_connect``)."""
+        if self.engine_bind is not None:
+            return self.engine_bind
         with self._lock:
             if self._dir is None:
                 self._dir = tempfile.mkdtemp(prefix="enginewire-ip-")
@@ -274,6 +309,8 @@ class Interposer:
         if self._stop.is_set():
             raise RuntimeError("Interposer.start() after close(): build a new one")
         self.engine_addresses  # noqa: B018 -- made now, before the thread binds there
+        if self.capture is not None:
+            self._writer = CaptureWriter(self.capture, wire_of(self.wire))
         self._ctx = zmq.Context(io_threads=1)
         self._thread = threading.Thread(target=self._run, name="Interposer", daemon=True)
         self._thread.start()
@@ -324,6 +361,8 @@ class Interposer:
             t = threading.Thread(target=self._ctx.term, daemon=True)
             t.start()
             t.join(5.0)
+        if self._writer is not None:
+            self._writer.close(time.time())
         if self._cleanup is not None:
             self._cleanup()  # runs once: a second close() is a no-op
 
@@ -380,6 +419,7 @@ class Interposer:
         for s in socks:
             s.setsockopt(zmq.LINGER, 0)
         cli_in.setsockopt(zmq.IDENTITY, self._identity)
+        watch: zmq.Socket[Any] | None = None
         try:
             try:
                 eng_in.bind(self.engine_addresses[0])
@@ -408,13 +448,38 @@ class Interposer:
             held: dict[Direction, list[bytes] | None] = {d: None for d in Direction}
             order = itertools.count()
 
+            tap, writer = self.tap, self._writer
+            if writer is not None:
+                user, write, clock = tap, writer.write, time.time
+
+                def tap(link: Link, frames: list[bytes]) -> None:
+                    nonlocal write
+                    try:
+                        write(link, frames, clock())
+                    except OSError as e:  # a full disk ends the capture, never the relay
+                        self.capture_error = str(e)
+                        write = _no_write
+                    if user is not None:
+                        user(link, frames)
+            if tap is not None:
+                # The engine's input connection closing: a tap is told (a death without its
+                # sentinel, or a reconnection, which a new ready then follows).
+                watch = eng_in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                poller.register(watch, zmq.POLLIN)
+
             def send(direction: Direction, frames: list[bytes]) -> None:
+                link = Link.OUTPUT
                 if direction is Direction.TO_ENGINE:
                     eng_in.send_multipart([self._identity, *frames])
+                    link = Link.TO_ENGINE
                 elif frames and frames[0] == b"\x00READY":
-                    cli_in.send_multipart(frames[1:])
+                    frames = frames[1:]
+                    cli_in.send_multipart(frames)
+                    link = Link.READY
                 else:
                     cli_out.send_multipart(frames)
+                if tap is not None:
+                    tap(link, frames)
 
             def forward(direction: Direction, frames: list[bytes], kind: FrameKind) -> None:
                 rule = self._match(direction, kind)
@@ -453,19 +518,28 @@ class Interposer:
                 while timed and timed[0][0] <= now:
                     _, _, d, frames = heapq.heappop(timed)
                     send(d, frames)
+                if watch is not None and watch in events:
+                    recv_monitor_message(watch)
+                    assert tap is not None
+                    tap(Link.DISCONNECT, [])
                 if eng_in in events:
                     # Only the ready travels this way (again after each reconnection).
                     _ident, *frames = eng_in.recv_multipart()
                     forward(Direction.TO_CLIENT, frames, FrameKind.READY)
-                if eng_out in events:
-                    frames = eng_out.recv_multipart()
+                # Up to _BURST messages a side per poll: a busy stream is not paced by the
+                # poll's round trip. Kinds are read only where a rule can match on them.
+                for frames in _burst(eng_out):
                     forward(Direction.TO_CLIENT, frames,
-                            _kind_to_client(frames, False, self._layout))
-                if cli_in in events:
-                    frames = cli_in.recv_multipart()
+                            _kind_to_client(frames, False, self._layout) if self._states
+                            else FrameKind.OTHER)
+                for frames in _burst(cli_in):
                     kind = _TYPE_KINDS.get(frames[0][:1] if frames else b"", FrameKind.OTHER)
                     forward(Direction.TO_ENGINE, frames, kind)
         finally:
+            if watch is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    eng_in.disable_monitor()
+                watch.close(linger=0)
             for s in socks:
                 s.close(linger=0)
 

@@ -95,7 +95,9 @@ _OUTPUT_SELF_LOOPS = frozenset(
 # once per output per step), an int in C.
 CLIENT_REQUEST.compiled()  # gives every state its table index ``_ix``
 _OUTPUT_SELF_LOOP_IX = frozenset(s._ix for s in _OUTPUT_SELF_LOOPS)  # type: ignore[attr-defined]
-_FINISH_EVENT_BY_VALUE = {int(r): ev for r, ev in _FINISH_EVENTS.items()}
+# A finish reason as it travels (an int, on either wire) -> the event it fires; the monitor
+# (model_tests/monitor.py) reads finishes with it too.
+FINISH_EVENT_BY_VALUE = {int(r): ev for r, ev in _FINISH_EVENTS.items()}
 _NO_FINISH = frozenset({None})
 _request_id = operator.attrgetter("request_id")
 _LIST_ITERATOR: type = type(iter([]))
@@ -335,7 +337,7 @@ class EngineCoreClient(abc.ABC):
                         if lc.state._ix in _OUTPUT_SELF_LOOP_IX:  # type: ignore[attr-defined]
                             streaming.add(rid)
                     else:
-                        event = _FINISH_EVENT_BY_VALUE.get(int(reason))
+                        event = FINISH_EVENT_BY_VALUE.get(int(reason))
                         if event is None:  # not a FinishReason: raise the usual ValueError
                             event = _FINISH_EVENTS[FinishReason(reason)]
                         lc.fire(event)

@@ -254,6 +254,17 @@ def _cheap(doc: Documented, tmp: Path) -> Cheap | str:
                     "tests/security start CURVE engines over tcp")
         return Cheap(("engine", *_real(tuple(_drop(rest, {"--model": 1})), tmp), "--model",
                       "null"), engine=True)
+    if path == ("monitor",):
+        if "--replay" in rest:
+            return ("judges a capture the reader wrote; tests/cli/test_monitor_cmd.py writes one"
+                    " live and replays it")
+        # No front end or engine comes: it relays nothing for a second and says so.
+        return Cheap(("monitor", *_drop(rest, {"--front": 1, "--engine": 1, "--capture": 1,
+                                              "--report": 1, "--duration": 1}),
+                      "--front", f"ipc://{tmp}/fi,ipc://{tmp}/fo",
+                      "--engine", f"ipc://{tmp}/ei,ipc://{tmp}/eo",
+                      "--capture", str(tmp / "cap"), "--report", str(tmp / "rep"),
+                      "--duration", "1"))
     return f"no cheap run is known for {path}: add one here (or its reason)"
 
 
