@@ -494,6 +494,12 @@ def run_fault_matrix(
             extra_cells = interposer.interposer_cells(
                 kinds, quick, config, factory=factory,
                 reference=None if probe is None else probe.reference)
+            if factory is None:
+                # One engine serving two front ends, one of them lost (fault_matrix_fe.py):
+                # quick, a kill and an integrity failure, about 10 s.
+                from .fault_matrix_fe import fe_cells
+
+                extra_cells = [*extra_cells, *fe_cells(kinds, quick)]
         if factory is not None and probe is None:
             todo, extra_cells = [], []  # the failure row says why: every cell would repeat it
         # Without cells of its own, the clean warm-up run (see _warm_up) is for the kinds of

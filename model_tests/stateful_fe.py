@@ -54,11 +54,18 @@ from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReas
 from ..protocol.records import EngineStats
 from ..runtime.ipc import OWNER_FILE, owned_tempdir
 from ..spec.client import CLIENT_ASLEEP
-from ..spec.errors import EngineDeadError
+from ..spec.errors import EngineDeadError, SpecViolation, UtilityError
 from . import conformance as cf
 from .bounds import SHUTDOWN_BOUND_S, WAIT_S
 from .campaign_stats import CampaignStats
-from .oracle import OracleViolation, ResourceSnapshot, check_released, check_traces, null_tokens
+from .oracle import (
+    OracleViolation,
+    ResourceSnapshot,
+    check_released,
+    check_traces,
+    engine_trace_entries,
+    null_tokens,
+)
 from .pools import ensure_resource_tracker
 from .stateful_base import safe_note
 
@@ -296,6 +303,24 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
     def _engine_live(self, fe: _FrontEnd) -> int:
         return sum(s.num_live for s in self._stats(fe))
 
+    def _engine_trace(self, fe: _FrontEnd) -> None:
+        """The engines' own traces (their sessions, requests, power), drained through ``fe``:
+        every step in the spec, and counted toward coverage. Off where they record none."""
+        if self.stats.engine_untraced:
+            return
+        try:
+            got = fe.cut.call_utility("drain_trace")
+        except UtilityError as e:
+            if "records no trace" not in str(e):
+                raise
+            self.stats.engine_untraced = True
+            return
+        for reply in got if isinstance(got, list) else [got]:
+            entries = engine_trace_entries(reply)
+            check_traces(entries)
+            self.stats.coverage.add(entries)
+        self.stats.engine_drains += 1
+
     # -- the oracle ---------------------------------------------------------------------------
 
     def _observe(self, fe: _FrontEnd, batch: EngineCoreOutputs) -> None:
@@ -345,6 +370,11 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
             batch = fe.cut.get_output(timeout=timeout)
         except EngineDeadError as e:
             raise OracleViolation(f"{fe.name}: the engine died under it ({e})") from e
+        except SpecViolation as e:
+            # The client's own tracking refused what the engine sent (an ending of a request
+            # that had already ended, say): the property it breaks, named.
+            raise OracleViolation(f"exactly-once: {fe.name}'s client refused an output the"
+                                  f" spec forbids: {e}") from e
         self._observe(fe, batch)
 
     def _drain(self, fe: _FrontEnd, ids: list[str] | None = None,
@@ -463,8 +493,9 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
             fe = self._fe(index)
             if mode == "abort":
                 for other in self.fes:
-                    for rid in [] if other is None else other.live():
-                        other.requests[rid].may_abort = True
+                    if other is not None:
+                        for rid in other.live():
+                            other.requests[rid].may_abort = True
             fe.cut.sleep(level, mode)
             self.asleep = True
             if mode == "wait":
@@ -504,8 +535,10 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
             deadline = time.monotonic() + WAIT_S
             while any(not fe.requests[r].tokens for r in ids):
                 if time.monotonic() > deadline:
-                    raise OracleViolation(f"crash: {fe.name}'s long requests never streamed")
-                self._poll(fe, 0.2)
+                    raise OracleViolation(f"isolation: {fe.name}'s long requests never"
+                                          " streamed to it (sent elsewhere?)")
+                self._poll(fe, 0.1)
+                self._poll(survivor, 0.001)  # where a misrouted output would show
             self._go(fe, how)
             gone = time.monotonic()
             self._drain(survivor)
@@ -518,6 +551,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
                 time.sleep(0.02)
             safe_note(f"crash: front end 1's work ended {time.monotonic() - gone:.2f} s after"
                       f" it went ({how})")
+            self._engine_trace(survivor)
 
     def _go(self, fe: _FrontEnd, how: str) -> None:
         """``fe`` goes: its client shut down without aborting what it leaves (and, for
@@ -600,3 +634,4 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
                 raise OracleViolation(f"{n} request(s) still live in the engine with every"
                                       " front end's requests ended")
             time.sleep(0.02)
+        self._engine_trace(fe0)
