@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -371,11 +372,27 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
         except EngineDeadError as e:
             raise OracleViolation(f"{fe.name}: the engine died under it ({e})") from e
         except SpecViolation as e:
-            # The client's own tracking refused what the engine sent (an ending of a request
-            # that had already ended, say): the property it breaks, named.
-            raise OracleViolation(f"exactly-once: {fe.name}'s client refused an output the"
-                                  f" spec forbids: {e}") from e
+            # The client's own tracking refused what the engine sent: an output for an id it
+            # does not know (now). The property it breaks, named from the model.
+            raise OracleViolation(f"{self._refused_property(fe, str(e))}: {fe.name}'s client"
+                                  f" refused an output the spec forbids: {e}") from e
         self._observe(fe, batch)
+
+    def _refused_property(self, fe: _FrontEnd, message: str) -> str:
+        """Which property an output ``fe``'s client refused breaks: isolation when one of the
+        ids it names (``"for request id(s) 'a', 'b'"``) was never sent by ``fe``, or when a
+        token output (not an ending) came for an id ``fe`` finished and the other front end
+        has live; else exactly-once (a second ending, or an output after the end)."""
+        named = message.partition("for request id(s) ")[2].partition(" (")[0]
+        event = re.search(r"event (\w+) is not allowed", message)
+        ending = event is not None and event.group(1).startswith("FINISH")
+        other = self.fes[1 - fe.index]
+        for rid in re.findall(r"'([^']*)'", named):
+            mine = fe.requests.get(rid)
+            theirs = None if other is None else other.requests.get(rid)
+            if mine is None or (not ending and theirs is not None and theirs.finish is None):
+                return "isolation"
+        return "exactly-once"
 
     def _drain(self, fe: _FrontEnd, ids: list[str] | None = None,
                bound: float = WAIT_S) -> None:

@@ -288,6 +288,7 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
     # membership ones on the data-parallel machine.
     clients = mutants.BANK[name].clients
     made = ("state = StandaloneEngineStateMachine(pool" if clients == ("standalone",)
+            else "state = FrontEndsStateMachine(engine" if clients == ("fe",)
             else "state = ElasticDPStateMachine(pool" if mutants.BANK[name].kind == "elastic"
             else "state = DataParallelStateMachine(pool" if clients[0].startswith("dp-")
             else "state = EngineClientStateMachine(factory")
