@@ -402,7 +402,7 @@ def _faults_matrix(args: argparse.Namespace) -> int:
         if args.client and "inproc" in args.client:
             raise UsageError("--front-ends 2: the front ends are sync or async clients (an"
                              " in-process client has no engine to share)")
-        from .testing.fault_matrix_fe import run_fe_fault_matrix
+        from .testing.fault_matrix import run_fe_fault_matrix
 
         return int(run_fe_fault_matrix(args.client or None, quick=args.quick,
                                        results_dir=args.results_dir, config=config))

@@ -296,7 +296,7 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     if front_ends > 1:  # its oracle judges the null model's exact tokens, or none
         from .stateful_fe import fe_config
 
-        config = fe_config(model, 1 if dp is None else dp[0])
+        config = fe_config(config)
     elif factory is None and reference_unavailable(config) is None:
         reference = DifferentialOracle.for_config(config)
     stats = CampaignStats()

@@ -102,6 +102,7 @@ __all__ = [
     "matrix_cells",
     "run_cell",
     "run_fault_matrix",
+    "run_fe_fault_matrix",
 ]
 
 # What a cell's shutdown may take at worst: its engine's SIGTERM grace, then SIGKILL and
@@ -554,6 +555,29 @@ def run_fault_matrix(
         echo(f"{ran - len(failed)}/{ran} cells as the spec requires"
              + (f" ({len(skipped)} not applicable)" if skipped else "") + f"; JSON: {out}")
     return 1 if failed else 0
+
+
+def run_fe_fault_matrix(
+    clients: list[str] | None = None,
+    quick: bool = False,
+    results_dir: str = "results",
+    *,
+    config: Any = None,
+    echo: Any = print,
+) -> int:
+    """``run_fault_matrix`` over the front-end cells only (``enginewire faults matrix
+    --front-ends 2``, model_tests/fault_matrix_fe.py): 0 when every cell is as the spec
+    requires, 1 otherwise. Here rather than beside the cells, which the quick matrix runs
+    too: that module imports nothing of this one."""
+    kinds = list(dict.fromkeys(clients or ("sync", "async")))
+    bad = [c for c in kinds if c not in ("sync", "async")]
+    if bad:
+        raise ValueError(f"client kinds {bad}: the front-end cells run on sync and async")
+    from .fault_matrix_fe import fe_cells
+
+    config = config if config is not None else _default_config()
+    return run_fault_matrix(kinds, quick, results_dir, config=config, cells=[],
+                               extra_cells=list(fe_cells(kinds, quick)), echo=echo)
 
 
 def _not_applicable(name: str, client: str, scenario: str, point: str, action: str,

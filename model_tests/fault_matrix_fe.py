@@ -50,7 +50,6 @@ import msgspec
 from ..protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 from ..spec.errors import EngineDeadError, UtilityTimeoutError
 from . import _cells as cells
-from . import fault_matrix as fm
 from ._cells import Outcome
 from ._harness import ResourceSnapshot, left_behind, wait_until
 from .bounds import WAIT_S
@@ -62,7 +61,7 @@ def _vocab() -> int:
 
     return int(TINY_ARCH.vocab_size)
 
-__all__ = ["FE_HOWS", "FECell", "fe_cells", "run_fe_fault_matrix"]
+__all__ = ["FE_HOWS", "FECell", "fe_cells"]
 
 FE_HOWS = ("kill", "stop", "garbage", "garbage_integrity")
 FE_TIMEOUT_S = 1.0  # the engine's front_end_timeout_s
@@ -398,22 +397,3 @@ def fe_cells(clients: list[str], quick: bool) -> list[FECell]:
         return [FECell(k, how) for k, how in (("sync", "kill"), ("async", "garbage_integrity"))
                 if k in kinds]
     return [FECell(k, how) for k in kinds for how in FE_HOWS]
-
-
-def run_fe_fault_matrix(
-    clients: list[str] | None = None,
-    quick: bool = False,
-    results_dir: str = "results",
-    *,
-    config: Any = None,
-    echo: Any = print,
-) -> int:
-    """``run_fault_matrix`` over the front-end cells only (``enginewire faults matrix
-    --front-ends 2``): 0 when every cell is as the spec requires, 1 otherwise."""
-    kinds = list(dict.fromkeys(clients or ("sync", "async")))
-    bad = [c for c in kinds if c not in ("sync", "async")]
-    if bad:
-        raise ValueError(f"client kinds {bad}: the front-end cells run on sync and async")
-    config = config if config is not None else fm._default_config()
-    return fm.run_fault_matrix(kinds, quick, results_dir, config=config, cells=[],
-                               extra_cells=list(fe_cells(kinds, quick)), echo=echo)

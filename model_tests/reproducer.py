@@ -34,7 +34,8 @@ def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
             "    FrontEndsEngine, FrontEndsStateMachine, fe_config)",
             "",
             "# In a script, under `if __name__ == '__main__':` (the engine processes are spawned).",
-            f"engine = FrontEndsEngine(fe_config({model!r}, {engines!r}),"
+            f"engine = FrontEndsEngine(fe_config(_config({model!r}"
+            f"{'' if dp is None else f', {engines!r}'})),"
             f" front_ends={front_ends!r}, engines={engines!r})",
         ]
         made = f"state = FrontEndsStateMachine(engine, exact_tokens={model == 'null'!r})"

@@ -75,29 +75,28 @@ __all__ = ["FRONT_ENDS", "FrontEndsEngine", "FrontEndsStateMachine", "fe_config"
 FRONT_ENDS = 2  # the machine's front ends: index 0 stays, index 1 can go and come back
 FE_KINDS = ("sync", "async")
 # The engine's deadline on a silent front end (``front_end_timeout_s``), and its beat. A
-# client beats at a quarter of the deadline; 1 s leaves a loaded 2-core machine room (a
-# monitor thread late by a whole second would end a live front end's work: a false loss).
-FE_TIMEOUT_S = 1.0
+# client beats at a quarter of the deadline. At 1 s a 2-core machine at load 6 saw a live
+# front end's beats stall past it: the engine took it for gone and, as spec/session.py
+# says, dropped its input unread (a false loss, its next call unanswered); 2 s costs a
+# silent loss 2 s.
+FE_TIMEOUT_S = 2.0
 ENGINE_HEARTBEAT_S = 0.1
 # A silent front end's requests end within its deadline plus the engine's poll of it and a
 # loaded machine's slack; a goodbye ends them at once, judged by the same bound.
 GONE_BOUND_S = FE_TIMEOUT_S + 3.0
 # The null model's step time here: a left-behind request (LEFT_TOKENS) then runs for longer
-# than GONE_BOUND_S on its own, so only the engine ending it can end it within the bound.
-STEP_DELAY_S = 0.003
+# than GONE_BOUND_S on its own (8 s), so only the engine ending it can end it within the bound.
+STEP_DELAY_S = 0.004
 LEFT_TOKENS = 2000
 POWER_BOUND_S = 5.0
 MAX_LIVE_PER_FE = 6
 PROMPT = st.lists(st.integers(3, 511), min_size=1, max_size=6)
 
 
-def fe_config(model: str, engines: int = 1) -> Any:
-    """The campaign's config for ``model`` (campaign._config), with the null model's steps
-    slowed to ``STEP_DELAY_S`` (see LEFT_TOKENS)."""
-    from .campaign import _config
-
-    config = _config(model, engines) if engines > 1 else _config(model)
-    if model == "null":
+def fe_config(config: Any) -> Any:
+    """``config`` (the campaign's, ``campaign._config``) with the null model's steps slowed
+    to ``STEP_DELAY_S`` (see LEFT_TOKENS); another model's as it is."""
+    if getattr(config, "model", None) == "null":
         config = msgspec.structs.replace(config, null_step_delay_s=STEP_DELAY_S)
     return config
 
@@ -294,7 +293,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
         return fe
 
     def _stats(self, fe: _FrontEnd) -> list[EngineStats]:
-        got = fe.cut.call_utility("get_stats")
+        got = fe.cut.call_utility("get_stats", timeout=WAIT_S)
         replies = got if isinstance(got, list) else [got]
         for s in replies:
             if not isinstance(s, EngineStats):
@@ -310,7 +309,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
         if self.stats.engine_untraced:
             return
         try:
-            got = fe.cut.call_utility("drain_trace")
+            got = fe.cut.call_utility("drain_trace", timeout=WAIT_S)
         except UtilityError as e:
             if "records no trace" not in str(e):
                 raise
@@ -412,7 +411,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
     def _check_power_view(self, what: str) -> None:
         """power view converges: every attached client's lifecycle says what the engine is."""
         fe0 = self._fe(0)
-        engine = bool(fe0.cut.call_utility("is_sleeping"))
+        engine = bool(fe0.cut.call_utility("is_sleeping", timeout=WAIT_S))
         if engine is not self.asleep:
             raise OracleViolation(f"after {what}: the engine's is_sleeping() is {engine}; the"
                                   f" model has it {'asleep' if self.asleep else 'awake'}")
@@ -480,7 +479,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
         ends), with its own value."""
         with self._rule("echo", locals()):
             fe = self._fe(index)
-            got = fe.cut.call_utility("echo", [fe.index, value])
+            got = fe.cut.call_utility("echo", [fe.index, value], timeout=WAIT_S)
             if got != [fe.index, value]:
                 raise OracleViolation(f"isolation: {fe.name}'s echo({[fe.index, value]!r})"
                                       f" returned {got!r}")
@@ -513,7 +512,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
                     if other is not None:
                         for rid in other.live():
                             other.requests[rid].may_abort = True
-            fe.cut.sleep(level, mode)
+            fe.cut._call("sleep", level, mode, timeout=WAIT_S)
             self.asleep = True
             if mode == "wait":
                 # Replied once the engine had nothing live: everyone's requests ended.
@@ -528,7 +527,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
         """A wake-up from either front end (not necessarily the one that slept)."""
         with self._rule("wake_up", locals()):
             fe = self._fe(index)
-            if fe.cut.wake_up(None) is not True:
+            if fe.cut._call("wake_up", None, timeout=WAIT_S) is not True:
                 raise OracleViolation(f"{fe.name}'s wake_up(None) was not full")
             self.asleep = False
             self._check_power_view(f"{fe.name}'s wake_up()")
@@ -638,7 +637,7 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
         sender, and nothing is left live in the engine."""
         fe0 = self._fe(0)
         if self.asleep:
-            if fe0.cut.wake_up(None) is not True:
+            if fe0.cut._call("wake_up", None, timeout=WAIT_S) is not True:
                 raise OracleViolation("wake_up(None) at teardown was not full")
             self.asleep = False
             self._check_power_view("the teardown's wake_up()")

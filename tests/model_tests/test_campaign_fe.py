@@ -15,7 +15,7 @@ import pytest
 
 from enginewire.runtime._engine_trace import ENGINE_TRACE_ENV
 from enginewire.testing import mutants
-from enginewire.testing.campaign import run_campaign
+from enginewire.testing.campaign import _config, run_campaign
 from enginewire.testing.campaign_stats import CampaignStats
 from enginewire.testing.oracle import OracleViolation
 from enginewire.testing.stateful_fe import FrontEndsEngine, FrontEndsStateMachine, fe_config
@@ -35,7 +35,7 @@ def engine() -> Iterator[FrontEndsEngine]:
     saved = os.environ.get(ENGINE_TRACE_ENV)
     os.environ[ENGINE_TRACE_ENV] = "on"
     try:
-        eng = FrontEndsEngine(fe_config("null"))
+        eng = FrontEndsEngine(fe_config(_config("null")))
     finally:
         if saved is None:
             os.environ.pop(ENGINE_TRACE_ENV)
