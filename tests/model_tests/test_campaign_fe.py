@@ -119,6 +119,19 @@ def test_bad_front_end_settings_are_refused(tmp_path: Path) -> None:
             run_campaign(**{"examples": 1, "steps": 1, "results_dir": str(tmp_path), **bad})
 
 
+def test_the_cli_refuses_what_the_machine_cannot_run(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    from enginewire.cli import main
+
+    for extra in (["--client", "sync"], ["--backend", "ray"], ["--engines", "2", "--mutant",
+                                                               FE_MUTANTS[0]]):
+        assert main(["campaign", "--front-ends", "2", "--results-dir", str(tmp_path),
+                     *extra]) == 2
+        assert "--front-ends 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["campaign", "--front-ends", "3"])
+
+
 def test_every_property_has_a_mutant() -> None:
     assert FE_MUTANTS == ["fe_finish_sent_twice", "fe_gone_requests_left_running",
                           "fe_outputs_routed_to_front_end_0", "fe_power_notice_to_caller_only"]
