@@ -257,6 +257,11 @@ SYMPTOMS = {
     "dp_leaver_still_routed": r"routed to an engine that was not serving",
     "dp_leaver_leftovers_never_ended": r"did not finish",
     "dp_joiner_serves_before_commit": r"before the scale commits",
+    # Several front ends (issue 47, stateful_fe.py): each by the property it breaks.
+    "fe_outputs_routed_to_front_end_0": r"^OracleViolation: isolation:",
+    "fe_gone_requests_left_running": r"^OracleViolation: own-death-ends-own-requests:",
+    "fe_power_notice_to_caller_only": r"^OracleViolation: power view converges:",
+    "fe_finish_sent_twice": r"^OracleViolation: exactly-once:",
 }
 
 
