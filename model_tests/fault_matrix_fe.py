@@ -182,7 +182,6 @@ class FECell:
                 "front_end_timeout_s": FE_TIMEOUT_S, "parent_pid": os.getpid()}))
         engine.start()
         opened: list[Any] = []
-        victim: Any = None
         try:
             survivor = self._attach(pairs, 0, self.client, integrity, opened)
             outcome, detail, latency = self._run(config, survivor, pairs, integrity, opened, d,
@@ -191,29 +190,13 @@ class FECell:
             obs = cells.classify(e)
             outcome, detail = obs.outcome, obs.detail
         finally:
-            victim = getattr(self, "_victim", None)
-            if victim is not None:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(victim.pid, signal.SIGCONT)
-                victim.join(WAIT_S)
-                if victim.is_alive():
-                    victim.kill()
-                    victim.join(WAIT_S)
-                with contextlib.suppress(ValueError):
-                    victim.close()
+            if self._victim is not None:
+                _reap(self._victim, signal.SIGCONT)  # a stopped one resumes to its end
                 self._victim = None
             for cut in opened:
                 with contextlib.suppress(Exception):
                     cut.shutdown()
-            if engine.is_alive():
-                assert engine.pid is not None
-                os.kill(engine.pid, signal.SIGTERM)
-                engine.join(WAIT_S)
-            if engine.is_alive():
-                engine.kill()
-                engine.join(WAIT_S)
-            with contextlib.suppress(ValueError):
-                engine.close()
+            _reap(engine, signal.SIGTERM)
         leaks = left_behind(before)
         wall = time.monotonic() - start
         passed = outcome is self.expected and not leaks and wall <= cells.CELL_BOUND_S
@@ -373,6 +356,20 @@ class FECell:
         if tokens != expected:
             return Outcome.SILENT_CORRUPTION, "the survivor's tokens differ from a clean run's"
         return Outcome.OK, ""
+
+
+def _reap(proc: Any, sig: int) -> None:
+    """Send ``proc`` ``sig`` if it runs, wait for its end (SIGKILL past ``WAIT_S``), and
+    release its handle."""
+    if proc.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        proc.join(WAIT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(WAIT_S)
+    with contextlib.suppress(ValueError):
+        proc.close()
 
 
 def cells_collect(cut: Any, *rids: str) -> dict[str, tuple[list[int], FinishReason | None]]:

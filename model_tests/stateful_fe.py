@@ -53,7 +53,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from ..protocol.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
 from ..protocol.records import EngineStats
-from ..runtime.ipc import OWNER_FILE, owned_tempdir
+from ..runtime.ipc import owned_tempdir
 from ..spec.client import CLIENT_ASLEEP
 from ..spec.errors import EngineDeadError, SpecViolation, UtilityError
 from . import conformance as cf
@@ -62,13 +62,13 @@ from .campaign_stats import CampaignStats
 from .oracle import (
     OracleViolation,
     ResourceSnapshot,
-    check_released,
     check_traces,
     engine_trace_entries,
     null_tokens,
 )
 from .pools import ensure_resource_tracker
 from .stateful_base import safe_note
+from .stateful_standalone import release_engine_dir
 
 __all__ = ["FRONT_ENDS", "FrontEndsEngine", "FrontEndsStateMachine", "fe_config"]
 
@@ -167,8 +167,6 @@ class FrontEndsEngine:
 
     def close(self, *, check: bool = True) -> None:
         """Stop the engines; with ``check``, OracleViolation if anything was left behind."""
-        import shutil
-
         if getattr(self, "_closed", False):
             return
         self._closed = True
@@ -189,15 +187,7 @@ class FrontEndsEngine:
                 problems.append(f"engine {proc.name} exited with {proc.exitcode} on SIGTERM")
             with contextlib.suppress(ValueError):
                 proc.close()
-        left = sorted(set(os.listdir(self.dir)) - {OWNER_FILE}) if os.path.isdir(
-            self.dir) else []
-        if left:
-            problems.append(f"socket files left behind by the front ends: {left}")
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if check and problems:
-            raise OracleViolation("; ".join(problems))
-        if check:
-            check_released(self.before, engine_pid=None, ipc_path=self.dir)
+        release_engine_dir(self.dir, problems, check, self.before, None)
 
 
 @dataclass
