@@ -499,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
         " evenly: inproc, sync, async and standalone on one engine each, then dp-sync and"
         " dp-async, the data-parallel clients on 2 engines (the fewest with a membership to"
         " lose one of; about half of a short run's time on 2 cores); with --engines N only"
-        " the data-parallel clients, on N; with --mutant/--mutants each mutant's own kinds",
+        " the data-parallel clients, on N; with --mutant/--mutants each mutant's own kinds"
+        " (the front-end mutants' fe among them); two front ends at once: --front-ends 2",
     )
     camp.add_argument("--examples", type=_int_in(1), default=10,
                       help="Hypothesis examples per client (>= 1)")

@@ -225,11 +225,15 @@ class FrontEndsStateMachine(RuleBasedStateMachine):
     see the module docstring. ``exact_tokens``: the null model's tokens are known."""
 
     def __init__(self, engine: FrontEndsEngine, *, exact_tokens: bool = True,
-                 vocab_size: int = 512, stats: CampaignStats | None = None) -> None:
+                 vocab_size: int | None = None, stats: CampaignStats | None = None) -> None:
+        from ..runtime.model import TINY_ARCH
+
         super().__init__()
         self.engine = engine
         self.exact_tokens = exact_tokens
-        self.vocab_size = vocab_size
+        # The token ids prompts are drawn from (the campaign's ``_vocab_size``): the tiny
+        # model's range by default, which every built-in model has.
+        self.vocab_size = TINY_ARCH.vocab_size if vocab_size is None else vocab_size
         self.stats = stats if stats is not None else CampaignStats()
         self._program = [f"state = {type(self).__name__}(engine)"]
         self.stats.examples += 1
