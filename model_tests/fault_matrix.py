@@ -455,7 +455,8 @@ def run_fault_matrix(
 
     Returns the exit status: 0 when every cell matched the spec (or was not applicable), 1
     otherwise. ``extra_cells`` are callables ``(workdir) -> CellResult`` (the interposer's
-    cells register here). The data-parallel cells run through here too (fault_matrix_dp.py).
+    cells register here, and, without a factory, the front-end cells of fault_matrix_fe.py).
+    The data-parallel cells run through here too (fault_matrix_dp.py).
     ``factory``: a ``ClientFactory`` that builds every cell's client instead of the built-in
     ones, with its own config (``config`` then only seeds the default cell list); the kind
     of client it builds is the default for ``clients``, and a cell of another kind is not
