@@ -386,7 +386,16 @@ def _campaign(args: argparse.Namespace) -> int:
             load_factory(args.factory)
         except ValueError as exc:
             raise UsageError(f"--factory: {exc}") from None
-    if args.engines > 1 or args.backend != "mp":
+    if args.front_ends > 1:
+        if args.client != "all" or args.factory is not None or args.elastic or (
+                args.backend != "mp") or args.model_coverage:
+            raise UsageError("--front-ends 2 drives its own front ends (sync and async) over"
+                             " local engines: drop --client, --factory, --elastic, --backend"
+                             " and --model-coverage")
+        if args.engines > 1 and (args.mutant is not None or args.mutants is not None):
+            raise UsageError("--front-ends 2 with --mutant/--mutants: the front-end mutants"
+                             " run over one engine; drop --engines")
+    elif args.engines > 1 or args.backend != "mp":
         what = f"--engines {args.engines}" + (f" --backend {args.backend}"
                                               if args.backend != "mp" else "")
         if args.client not in ("sync", "async", "all"):
@@ -419,6 +428,7 @@ def _campaign(args: argparse.Namespace) -> int:
         model_coverage=args.model_coverage,
         elastic=args.elastic,
         monitor=args.monitor,
+        front_ends=args.front_ends,
     ))
 
 
@@ -451,6 +461,17 @@ def _faults_matrix(args: argparse.Namespace) -> int:
         raise UsageError(f"--monitor with --engines {args.engines}: a monitor relays one"
                          " engine's link; the data-parallel cells have several")
     config = EngineConfig(model=model, max_num_seqs=4)
+    if args.front_ends > 1:
+        if args.engines > 1 or args.factory is not None:
+            raise UsageError("--front-ends 2: the front-end cells run the built-in clients on"
+                             " one engine; drop --engines and --factory")
+        if args.client and "inproc" in args.client:
+            raise UsageError("--front-ends 2: the front ends are sync or async clients (an"
+                             " in-process client has no engine to share)")
+        from .testing.fault_matrix import run_fe_fault_matrix
+
+        return int(run_fe_fault_matrix(args.client or None, quick=args.quick,
+                                       results_dir=args.results_dir, config=config))
     if args.engines > 1:
         from .faults import run_dp_fault_matrix
 
@@ -545,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
         " evenly: inproc, sync, async and standalone on one engine each, then dp-sync and"
         " dp-async, the data-parallel clients on 2 engines (the fewest with a membership to"
         " lose one of; about half of a short run's time on 2 cores); with --engines N only"
-        " the data-parallel clients, on N; with --mutant/--mutants each mutant's own kinds",
+        " the data-parallel clients, on N; with --mutant/--mutants each mutant's own kinds"
+        " (the front-end mutants' fe among them); two front ends at once: --front-ends 2",
     )
     camp.add_argument("--examples", type=_int_in(1), default=10,
                       help="Hypothesis examples per client (>= 1)")
@@ -625,6 +647,13 @@ def build_parser() -> argparse.ArgumentParser:
         " violations fail the run, and the report gains the coverage read from the wire"
         " (docs/monitor.md)",
     )
+    camp.add_argument(
+        "--front-ends", type=_int_in(1, 2), default=1, metavar="K",
+        help="2: two front ends (sync and async clients, one of them going and attaching"
+        " again) served at once by the same engine, or with --engines N by the same N"
+        " engines (model_tests/stateful_fe.py; isolation, a front end's loss, exactly-once"
+        " ends, the power view); default 1, the other machines",
+    )
     camp.set_defaults(handler=_campaign)
 
     faults = sub.add_parser("faults", help="the failure-injection harness")
@@ -661,6 +690,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines", type=_int_in(1, 16), default=1, metavar="N",
         help="data parallel: the cells where one engine of N is killed, stopped, crashes or "
         "gets corrupted frames while the others serve (instead of the one-engine matrix)")
+    matrix.add_argument(
+        "--front-ends", type=_int_in(1, 2), default=1, metavar="K",
+        help="2: the cells where one of two front ends served by the same engine is killed"
+        " (SIGKILL), stopped past the front-end timeout, or sends garbage frames (with and"
+        " without frame integrity) while the other streams on (instead of the one-engine"
+        " matrix; the null model, whatever --model)")
     matrix.add_argument(
         "--factory", metavar="MODULE:FUNCTION",
         help="run the cells on the clients your own factory builds (the conformance suite's "

@@ -71,6 +71,9 @@ class Outcome(enum.StrEnum):
     # serves; a leaver's fault ended its work once and the others serve on.
     SCALE_UNDONE = "scale_undone"
     LEFT = "left"
+    # Several front ends (fault_matrix_fe.py): the faulty front end's work ended in the
+    # engine within the heartbeat bound, the other front end streamed on.
+    FRONT_END_GONE = "front_end_gone"
     # A user's factory refused the cell's options (NotApplicable): skipped, not failed.
     NOT_APPLICABLE = "not_applicable"
 

@@ -81,6 +81,10 @@ DP_BACKENDS = ("mp", "ray")
 # add about half to the README's quick run (29 of 60 s on the tiny model, 2 cores).
 ALL_DP_ENGINES = 2
 ALL_CLIENTS = (*CLIENTS, *(f"dp-{k}" for k in DP_CLIENTS))
+# Several front ends over shared engines (stateful_fe.py): two front ends, sync and async
+# drawn at each attach, over one engine ("fe") or a data-parallel group ("fe-dp"). Not in
+# "all" (a run of its own: ``front_ends=2``); the mutant table runs "fe" for its own class.
+FE_CLIENTS = ("fe", "fe-dp")
 _THREADS_ENV = "ENGINEWIRE_ENGINE_THREADS"
 
 @dataclass
@@ -266,7 +270,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 shrink: bool, progress: Any,
                 factory: str | None = None,
                 dp: tuple[int, str] | None = None,
-                elastic: bool = False, monitor: Any = None) -> tuple[ClientResult, Any]:
+                elastic: bool = False, monitor: Any = None,
+                front_ends: int = 1) -> tuple[ClientResult, Any]:
     import hypothesis.core
     from hypothesis.reporting import with_reporter
     from hypothesis.stateful import run_state_machine_as_test
@@ -292,13 +297,25 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
     # The differential oracle (reference.py) for a real model's tokens; built before any
     # client, as it loads the model here and the leak checks snapshot this process.
     reference = None
-    if factory is None and reference_unavailable(config) is None:
+    if front_ends > 1:  # its oracle judges the null model's exact tokens, or none
+        from .stateful_fe import fe_config
+
+        config = fe_config(config)
+    elif factory is None and reference_unavailable(config) is None:
         reference = DifferentialOracle.for_config(config)
     stats = CampaignStats()
     if progress is not None:
         stats.on_step = progress
     pool: Any
-    if dp is not None:
+    if front_ends > 1:
+        from .stateful_fe import FrontEndsEngine
+
+        start = time.monotonic()
+        pool = FrontEndsEngine(config, front_ends=front_ends,
+                               engines=1 if dp is None else dp[0])
+        stats.engines_started += pool.engines
+        stats.seconds["(engine start)"] += time.monotonic() - start
+    elif dp is not None:
         from .stateful_dp import DPClientPool, dp_factory
 
         pool = DPClientPool(dp_factory(kind, config), stats)
@@ -359,6 +376,12 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
         machine.reference = reference
         return machine
 
+    def make_fe() -> Any:
+        from .stateful_fe import FrontEndsStateMachine
+
+        return FrontEndsStateMachine(pool, exact_tokens=model == "null",
+                                     vocab_size=vocab_size, stats=stats)
+
     result = ClientResult(kind)
     lines: list[str] = []
     deadline = None if duration is None else time.monotonic() + duration
@@ -378,7 +401,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
             stats.begin_round()
             try:
                 with with_reporter(lambda text: lines.append(str(text))), _seed_only_draws():
-                    runner(make_elastic if elastic and dp is not None else make,
+                    runner(make_fe if front_ends > 1 else
+                           make_elastic if elastic and dp is not None else make,
                            settings=sets)
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
@@ -388,7 +412,8 @@ def _run_client(kind: str, *, examples: int, steps: int, seed: int | None, fault
                 # A flaky report's printed steps are its replay's: the first program wins.
                 result.reproducer = reproducer_program([] if first else lines + notes, kind, model,
                                                        faults, first or stats.failed_program,
-                                                       factory, dp, elastic=elastic)
+                                                       factory, dp, elastic=elastic,
+                                                       front_ends=front_ends)
                 if reference is not None:
                     result.reproducer = _with_reference(result.reproducer, model, dp)
                 break
@@ -576,6 +601,7 @@ def run_campaign(
     model_coverage: bool = False,
     elastic: bool = False,
     monitor: bool = False,
+    front_ends: int = 1,
 ) -> int:
     """Run a campaign; return 0 when nothing failed, 1 when a failure was found (or, with
     ``mutants_all``, when a mutant went undetected). See the module docstring. ``verbose``
@@ -588,7 +614,9 @@ def run_campaign(
     (model_coverage.py; one exploration, tens of seconds). ``elastic`` runs the
     data-parallel machine with its scale rules (``stateful_dp_elastic.py``): engines join
     and leave while requests stream; it needs the data-parallel machine on the 'mp'
-    backend (or a mutant of the bank's "elastic" class)."""
+    backend (or a mutant of the bank's "elastic" class). ``front_ends`` 2 runs the
+    machine of two front ends over shared engines instead (``stateful_fe.py``; "fe" on one
+    engine, "fe-dp" on ``engines`` > 1), the built-in clients only."""
     from . import mutants
 
     mutants.apply_from_env()  # a mutant child's first step (module docstring)
@@ -617,7 +645,21 @@ def run_campaign(
     if backend not in DP_BACKENDS:
         raise ValueError(f"backend must be one of {DP_BACKENDS}, got {backend!r}")
     dp = None if engines == 1 and backend == "mp" else (engines, backend)
-    if dp is not None:
+    if isinstance(front_ends, bool) or front_ends not in (1, 2):
+        raise ValueError(f"front_ends must be 1 or 2 (the machine of several front ends"
+                         f" drives two), got {front_ends!r}")
+    if front_ends > 1:
+        if client != "all":
+            raise ValueError(f"front_ends={front_ends}: the machine draws its own clients"
+                             f" (sync and async front ends); give client 'all', not {client!r}")
+        if factory is not None or elastic or backend != "mp" or model_coverage:
+            raise ValueError(f"front_ends={front_ends}: the built-in front ends over local"
+                             " engines, without a factory, elastic, backend 'ray' or"
+                             " model_coverage")
+        if dp is not None and (mutant is not None or mutants_all):
+            raise ValueError(f"front_ends={front_ends}, engines={engines}: the mutants of"
+                             " several front ends run over one engine; drop engines")
+    elif dp is not None:
         if client not in ("all", *DP_CLIENTS):
             raise ValueError(f"engines={engines}, backend={backend!r}: the data-parallel"
                              f" machine drives {' and '.join(DP_CLIENTS)} clients (or all"
@@ -653,10 +695,13 @@ def run_campaign(
         if client == "all":
             print(f"data parallel: {engines} engines ({backend}) on sync and async; inproc"
                   " does not apply (one engine in this process)", flush=True)
-    if client == "all" and (mutants_all or mutant is not None or mutants.active()):
+    if front_ends > 1:
+        kinds = [FE_CLIENTS[0] if dp is None else FE_CLIENTS[1]]
+    elif client == "all" and (mutants_all or mutant is not None or mutants.active()):
         # Each mutant runs only on the clients its bank entry names: the one-engine kinds for
-        # most, the data-parallel ones (dp-sync, dp-async) for the membership class.
-        kinds = list(ALL_CLIENTS)
+        # most, the data-parallel ones (dp-sync, dp-async) for the membership class, "fe"
+        # (two front ends over one engine) for the front-end class.
+        kinds = [*ALL_CLIENTS, FE_CLIENTS[0]]
     if (mutants_all or mutant is not None) and mutants.active() is None and (
             duration is not None and seed is None):
         seed = _choose_seed()  # each mutant's child runs seeded rounds, replayable with it
@@ -705,7 +750,8 @@ def run_campaign(
                               seed=seed, faults=faults, duration=duration, model=model,
                               profile=profile, out_dir=out_dir, verbose=verbose,
                               factory=factory, dp=dp, model_coverage=model_coverage,
-                              elastic=elastic, monitor=monitor)
+                              elastic=elastic, monitor=monitor,
+                              front_ends=front_ends)
     finally:
         if saved_threads is None:
             os.environ.pop(_THREADS_ENV, None)
@@ -737,7 +783,8 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
                faults: bool, duration: float | None, model: str, profile: str,
                out_dir: Path, verbose: bool = False, factory: str | None = None,
                dp: tuple[int, str] | None = None, model_coverage: bool = False,
-               elastic: bool = False, monitor: bool = False) -> int:
+               elastic: bool = False, monitor: bool = False,
+               front_ends: int = 1) -> int:
     from ..runtime._engine_trace import ENGINE_TRACE_ENV
     from ..runtime.engine_proc import ENGINE_LOG_FILE_ENV, INJECTED_FAULTS_ENV
 
@@ -761,7 +808,7 @@ def _run_kinds(kinds: list[str], *, client: str, examples: int, steps: int, seed
                                  profile=profile, out_dir=out_dir, verbose=verbose,
                                  engine_log=engine_log, factory=factory, dp=dp,
                                  model_coverage=model_coverage, elastic=elastic,
-                                 monitor=monitor)
+                                 monitor=monitor, front_ends=front_ends)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -775,7 +822,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                       profile: str, out_dir: Path, verbose: bool,
                       engine_log: Path | None, factory: str | None = None,
                       dp: tuple[int, str] | None = None, model_coverage: bool = False,
-                      elastic: bool = False, monitor: bool = False) -> int:
+                      elastic: bool = False, monitor: bool = False,
+                      front_ends: int = 1) -> int:
     from . import mutants
     from .oracle import Coverage
 
@@ -815,7 +863,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                                    profile=profile, results_dir=out_dir,
                                    shrink=not stop_at_first, progress=tick, factory=factory,
                                    dp=kind_dp, elastic=elastic and kind_dp is not None,
-                                   monitor=sink)
+                                   monitor=sink,
+                                   front_ends=front_ends if kind in FE_CLIENTS else 1)
             res.client, res.engine_cores = kind, 1 if kind_dp is None else kind_dp[0]
             if sink is not None and sink.links:
                 wire_coverage.merge(sink.coverage)
@@ -872,7 +921,8 @@ def _run_kinds_logged(kinds: list[str], *, client: str, examples: int, steps: in
                      "faults": faults, "duration": duration, "model": model,
                      "profile": profile, "mutant": mutants.active(), "factory": factory,
                      "engines": 1 if dp is None else dp[0],
-                     "backend": "mp" if dp is None else dp[1], "elastic": elastic},
+                     "backend": "mp" if dp is None else dp[1], "elastic": elastic,
+                     "front_ends": front_ends},
         "seconds": round(time.monotonic() - started, 2),
         "failed": any(r.failure is not None for r in results),
     }

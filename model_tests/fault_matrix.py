@@ -102,6 +102,7 @@ __all__ = [
     "matrix_cells",
     "run_cell",
     "run_fault_matrix",
+    "run_fe_fault_matrix",
 ]
 
 # What a cell's shutdown may take at worst: its engine's SIGTERM grace, then SIGKILL and
@@ -477,7 +478,8 @@ def run_fault_matrix(
 
     Returns the exit status: 0 when every cell matched the spec (or was not applicable), 1
     otherwise. ``extra_cells`` are callables ``(workdir) -> CellResult`` (the interposer's
-    cells register here). The data-parallel cells run through here too (fault_matrix_dp.py).
+    cells register here, and, without a factory, the front-end cells of fault_matrix_fe.py).
+    The data-parallel cells run through here too (fault_matrix_dp.py).
     ``factory``: a ``ClientFactory`` that builds every cell's client instead of the built-in
     ones, with its own config (``config`` then only seeds the default cell list); the kind
     of client it builds is the default for ``clients``, and a cell of another kind is not
@@ -522,6 +524,12 @@ def run_fault_matrix(
             extra_cells = interposer.interposer_cells(
                 kinds, quick, config, factory=factory,
                 reference=None if probe is None else probe.reference)
+            if factory is None:
+                # One engine serving two front ends, one of them lost (fault_matrix_fe.py):
+                # quick, a kill and an integrity failure, about 10 s.
+                from .fault_matrix_fe import fe_cells
+
+                extra_cells = [*extra_cells, *fe_cells(kinds, quick)]
         if factory is not None and probe is None:
             todo, extra_cells = [], []  # the failure row says why: every cell would repeat it
         # Without cells of its own, the clean warm-up run (see _warm_up) is for the kinds of
@@ -587,6 +595,29 @@ def run_fault_matrix(
         echo(f"{ran - len(failed)}/{ran} cells as the spec requires"
              + (f" ({len(skipped)} not applicable)" if skipped else "") + f"; JSON: {out}")
     return 1 if failed else 0
+
+
+def run_fe_fault_matrix(
+    clients: list[str] | None = None,
+    quick: bool = False,
+    results_dir: str = "results",
+    *,
+    config: Any = None,
+    echo: Any = print,
+) -> int:
+    """``run_fault_matrix`` over the front-end cells only (``enginewire faults matrix
+    --front-ends 2``, model_tests/fault_matrix_fe.py): 0 when every cell is as the spec
+    requires, 1 otherwise. Here rather than beside the cells, which the quick matrix runs
+    too: that module imports nothing of this one."""
+    kinds = list(dict.fromkeys(clients or ("sync", "async")))
+    bad = [c for c in kinds if c not in ("sync", "async")]
+    if bad:
+        raise ValueError(f"client kinds {bad}: the front-end cells run on sync and async")
+    from .fault_matrix_fe import fe_cells
+
+    config = config if config is not None else _default_config()
+    return run_fault_matrix(kinds, quick, results_dir, config=config, cells=[],
+                               extra_cells=list(fe_cells(kinds, quick)), echo=echo)
 
 
 def _not_applicable(name: str, client: str, scenario: str, point: str, action: str,

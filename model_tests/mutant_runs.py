@@ -66,6 +66,8 @@ def run_mutant(name: str, kinds: list[str], *, examples: int, steps: int, seed: 
             "results_dir": str(results_dir), "profile": "ci", "duration": duration}
     if kind == "elastic":  # shows only where engines join and leave (stateful_dp_elastic.py)
         args["elastic"] = True
+    if wanted == ["fe"]:  # two front ends over one engine (stateful_fe.py)
+        args["client"], args["front_ends"] = "all", 2
     code = ("import json, sys\n"
             "from enginewire.testing.campaign import run_campaign\n"
             f"sys.exit(run_campaign(**json.loads({json.dumps(json.dumps(args))})))\n")

@@ -58,6 +58,9 @@ KINDS: dict[str, str] = {
                   " paths: a member's state read outside the lock, a power state left behind)",
     "elastic": "elastic data parallel (engines joining and leaving a serving client: routing"
                " to a leaver or a joiner, a leaver's requests never ended)",
+    "front_ends": "several front ends over shared engines (an output or a power change"
+                  " reaching the wrong front end, a gone front end's work left running, an"
+                  " ending sent twice)",
 }
 
 
@@ -91,6 +94,7 @@ _MP = ("sync", "async")
 _ALL = ("inproc", *_MP)
 _LONE = ("standalone",)
 _DP = ("dp-sync", "dp-async")  # the data-parallel clients, on 2 engines (campaign.py)
+_FE = ("fe",)  # two front ends over one engine (stateful_fe.py; campaign.py's front_ends=2)
 # A mutant of the "elastic" class runs the data-parallel machine with its scale rules
 # (stateful_dp_elastic.py; mutant_runs.py passes elastic=True to its campaign).
 BANK: dict[str, Mutant] = {m.name: m for m in (
@@ -373,6 +377,36 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
                     "if s.lifecycle.can(MembershipEvent.HANDSHAKE_OK):\n"
                     "    s.lifecycle.fire(MembershipEvent.HANDSHAKE_OK)")),
            )),
+    # Issue 47: one engine serving several front ends at once, one row per property of the
+    # composed model (spec/compose_fe.py), each a negative control there too.
+    # Isolation: the shape of vLLM #27711-class bugs (outputs sent to the first API server's
+    # socket whatever the request's client_index).
+    Mutant("fe_outputs_routed_to_front_end_0",
+           "an engine serving several front ends sends every step's outputs to front end 0,"
+           " whatever front end sent the request", _FE, kind="front_ends",
+           patches=(_in("engine_proc:EngineCoreProc._emit_scoped",
+                        ("self.outputs[ch].put(batch,", "self.outputs[0].put(batch,")),)),
+    Mutant("fe_gone_requests_left_running",
+           "a front end that went (goodbye or heartbeat silence) loses its session, but its"
+           " requests are left running in the engine (KV held, steps spent for nobody)", _FE,
+           kind="front_ends",
+           patches=(_in("engine_proc:EngineCoreProc._front_end_gone",
+                        ("dropped = self._drop_channel(channel)", "dropped = 0")),)),
+    Mutant("fe_power_notice_to_caller_only",
+           "a sleep or wake-up from one front end is answered to it alone: the other front"
+           " ends' clients still believe the engine runs (or sleeps)", _FE, kind="front_ends",
+           patches=(_in("engine_proc:EngineCoreProc._notify_power",
+                        ("if not self._scoped or call.method not in POWER_METHODS:",
+                         "if True:")),)),
+    Mutant("fe_finish_sent_twice",
+           "with several front ends served, a step's batch split among them repeats each"
+           " request's ending (a bare second finish to its sender)", _FE, kind="front_ends",
+           patches=(_in("engine_proc:EngineCoreProc._emit_scoped",
+                        ("p[2].append(msgspec.structs.replace(out, request_id=own))",
+                         "p[2].append(msgspec.structs.replace(out, request_id=own))\n"
+                         "if out.finish_reason is not None and len(served) > 1:\n"
+                         "    p[2].append(msgspec.structs.replace(\n"
+                         "        out, request_id=own, new_token_ids=[]))")),)),
 )}
 
 # The one mutant applied in this process: its name, its patches, and the environment

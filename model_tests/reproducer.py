@@ -8,7 +8,8 @@ __all__ = ["reproducer_program"]
 
 def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
                        recorded: list[str] | None = None, factory: str | None = None,
-                       dp: tuple[int, str] | None = None, *, elastic: bool = False) -> str:
+                       dp: tuple[int, str] | None = None, *, elastic: bool = False,
+                       front_ends: int = 1) -> str:
     """Hypothesis' falsifying program (printed steps, or the notes on its exception), made
     runnable on its own. When Hypothesis printed none (it reported the replay as flaky, as a
     timing-dependent failure can make it), the program the machine recorded of the
@@ -26,7 +27,20 @@ def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
         "# Reproducer printed by `enginewire campaign`; paste it into a test.",
         "from enginewire.testing.campaign import _config",
     ]
-    if dp is not None:
+    if front_ends > 1:
+        engines = 1 if dp is None else dp[0]
+        head += [
+            "from enginewire.testing.stateful_fe import (",
+            "    FrontEndsEngine, FrontEndsStateMachine, fe_config)",
+            "",
+            "# In a script, under `if __name__ == '__main__':` (the engine processes are spawned).",
+            f"engine = FrontEndsEngine(fe_config(_config({model!r}"
+            f"{'' if dp is None else f', {engines!r}'})),"
+            f" front_ends={front_ends!r}, engines={engines!r})",
+        ]
+        made = f"state = FrontEndsStateMachine(engine, exact_tokens={model == 'null'!r})"
+        first = "state = FrontEndsStateMachine("
+    elif dp is not None:
         machine = "ElasticDPStateMachine" if elastic else "DataParallelStateMachine"
         head += [
             "from enginewire.testing.stateful import CampaignStats",
@@ -74,6 +88,8 @@ def reproducer_program(lines: list[str], kind: str, model: str, faults: bool,
                 f" exact_tokens={model == 'null'!r})")
         first = "state = EngineClientStateMachine("
     out = [made if ln.startswith(first) else ln for ln in body]
-    if kind == "standalone" or dp is not None:
+    if front_ends > 1:
+        out.append("engine.close()")
+    elif kind == "standalone" or dp is not None:
         out.append("pool.close()")
     return "\n".join(head + out)

@@ -179,19 +179,27 @@ class StandaloneEngine:
 
     def _release(self, problems: list[str], check: bool) -> None:
         """The engine process is gone: release its handle and directory, and judge."""
-        import shutil
-
         with contextlib.suppress(ValueError):  # still running after a SIGKILL: keep its fd
             self.proc.close()  # its sentinel fd
-        # Every front end removes the socket files it bound (the engine binds none).
-        left = sorted(set(os.listdir(self.dir)) - {OWNER_FILE})
-        if left:
-            problems.append(f"socket files left behind by the front ends: {left}")
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if check and problems:
-            raise OracleViolation("; ".join(problems))
-        if check:
-            check_released(self.before, engine_pid=self.pid, ipc_path=self.dir)
+        release_engine_dir(self.dir, problems, check, self.before, self.pid)
+
+
+def release_engine_dir(path: str, problems: list[str], check: bool,
+                       before: ResourceSnapshot, engine_pid: int | None) -> None:
+    """Engines started on their own are gone: remove their ipc directory ``path`` and, with
+    ``check``, raise OracleViolation naming ``problems`` and anything left behind (a socket
+    file a front end kept, a thread or fd of this process, an unreaped ``engine_pid``)."""
+    import shutil
+
+    # Every front end removes the socket files it bound (the engine binds none).
+    left = sorted(set(os.listdir(path)) - {OWNER_FILE}) if os.path.isdir(path) else []
+    if left:
+        problems.append(f"socket files left behind by the front ends: {left}")
+    shutil.rmtree(path, ignore_errors=True)
+    if check and problems:
+        raise OracleViolation("; ".join(problems))
+    if check:
+        check_released(before, engine_pid=engine_pid, ipc_path=path)
 
 
 class AttachPool(ClientPool):

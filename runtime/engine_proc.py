@@ -233,13 +233,15 @@ class EngineCoreProc:
         self.faults: FaultInjector | None = None
         # Optional seq/ack/CRC trailers on every message (runtime/integrity.py): one object
         # for both directions (each one's acks ride on the other's messages), locked on its own.
-        self._integrity = LinkIntegrity() if integrity else None
+        # One per channel: each front end's link numbers its own messages (a shared one gave
+        # every front end the others' sequence numbers as gaps: "messages were lost").
+        self._integrities = [LinkIntegrity() if integrity else None for _ in outputs]
         # Built first, so that close() always has them to stop; their threads start below.
         self.outputs = [EngineOutput(
             self._ctx, self._guard, self._wire.encoder(), engine_index=engine_index,
             output_queue=self.output_queue if i == 0 else queue.SimpleQueue(),
             input_queue=self.input_queue,
-            heartbeat_interval_s=heartbeat_interval_s, integrity=self._integrity)
+            heartbeat_interval_s=heartbeat_interval_s, integrity=self._integrities[i])
             for i in range(len(outputs))]
         self.output = self.outputs[0]
         self.inputs: list[EngineInput] = []
@@ -273,7 +275,7 @@ class EngineCoreProc:
                 input_queue=self.input_queue, gate=self._gate, loop=self,
                 aborts=self.engine.mid_step_aborts, session_phase=session_phases[i],
                 on_peer=self.outputs[i].peer_seen.set,
-                integrity=self._integrity, faults=self.faults, fast_calls=fast_calls,
+                integrity=self._integrities[i], faults=self.faults, fast_calls=fast_calls,
                 channel=i, scoped=self._scoped, front_end_timeout_s=front_end_timeout_s)
                 for i, address in enumerate(inputs)]
             self.input = self.inputs[0]

@@ -235,6 +235,9 @@ def _cheap(doc: Documented, tmp: Path) -> Cheap | str:
         if "--engines" in rest:
             return ("the data-parallel cells start engines per cell (tens of seconds); "
                     "tests/faults/test_matrix_dp.py runs them")
+        if "--front-ends" in rest:
+            return ("the front-end cells start an engine and a front-end process per cell"
+                    " (tens of seconds); tests/faults/test_matrix_fe.py runs them")
         # The in-process client's quick cells (seconds); CI runs the whole quick matrix after
         # the tests (.ci/run), and tests/faults the rest.
         return Cheap(("faults", "matrix", *_drop(rest, {"--client": 1, "--quick": 0}),

@@ -257,6 +257,11 @@ SYMPTOMS = {
     "dp_leaver_still_routed": r"routed to an engine that was not serving",
     "dp_leaver_leftovers_never_ended": r"did not finish",
     "dp_joiner_serves_before_commit": r"before the scale commits",
+    # Several front ends (issue 47, stateful_fe.py): each by the property it breaks.
+    "fe_outputs_routed_to_front_end_0": r"^OracleViolation: isolation:",
+    "fe_gone_requests_left_running": r"^OracleViolation: own-death-ends-own-requests:",
+    "fe_power_notice_to_caller_only": r"^OracleViolation: power view converges:",
+    "fe_finish_sent_twice": r"^OracleViolation: exactly-once:",
 }
 
 
@@ -288,6 +293,7 @@ def test_mutant_is_detected(name: str, tmp_path: Path,
     # membership ones on the data-parallel machine.
     clients = mutants.BANK[name].clients
     made = ("state = StandaloneEngineStateMachine(pool" if clients == ("standalone",)
+            else "state = FrontEndsStateMachine(engine" if clients == ("fe",)
             else "state = ElasticDPStateMachine(pool" if mutants.BANK[name].kind == "elastic"
             else "state = DataParallelStateMachine(pool" if clients[0].startswith("dp-")
             else "state = EngineClientStateMachine(factory")

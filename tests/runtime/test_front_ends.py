@@ -51,14 +51,14 @@ def _pairs(tmp_path: Path, k: int) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def standalone_engine(tmp_path: Path, k: int = 2, timeout: float = FRONT_END_TIMEOUT_S
-                      ) -> Iterator[
+def standalone_engine(tmp_path: Path, k: int = 2, timeout: float = FRONT_END_TIMEOUT_S,
+                      **extra: Any) -> Iterator[
         tuple[multiprocessing.process.BaseProcess, list[tuple[str, str]]]]:
     pairs = _pairs(tmp_path, k)
     mp = multiprocessing.get_context("spawn")
     proc = mp.Process(target=process_main, args=(type(NULL), msgspec.msgpack.encode(NULL), {
         "input_address": [p[0] for p in pairs], "output_address": [p[1] for p in pairs],
-        "heartbeat_interval_s": 0.25, "front_end_timeout_s": timeout}),
+        "heartbeat_interval_s": 0.25, "front_end_timeout_s": timeout, **extra}),
         daemon=True)
     proc.start()
     try:
@@ -75,11 +75,12 @@ def standalone_engine(tmp_path: Path, k: int = 2, timeout: float = FRONT_END_TIM
 
 
 def front_end(pairs: list[tuple[str, str]], index: int, *, pair: int | None = None,
-              asyncio: bool = False) -> Any:
+              asyncio: bool = False, **options: Any) -> Any:
     inp, out = pairs[index if pair is None else pair]
     return make_client(NULL, multiprocess=True, asyncio=asyncio, launch_engine=False,
                        input_address=inp, output_address=out, client_index=index,
-                       ready_timeout_s=BOUND_S, engine_heartbeat_timeout_s=DEATH_BOUND_S)
+                       ready_timeout_s=BOUND_S, engine_heartbeat_timeout_s=DEATH_BOUND_S,
+                       **options)
 
 
 def req(rid: str, max_tokens: int = 8) -> EngineCoreRequest:
@@ -119,6 +120,27 @@ def test_two_front_ends_stream_at_once_with_the_same_request_id(tmp_path: Path) 
             assert a.echo("from a", timeout=BOUND_S) == "from a"
             assert b.echo("from b", timeout=BOUND_S) == "from b"
     assert_released(before, kinds=("processes", "threads"))
+
+
+def test_two_front_ends_with_frame_integrity(tmp_path: Path) -> None:
+    """Each front end's link numbers its own messages (runtime/integrity.py): a shared
+    counter made each see the other's messages as lost within a few. Garbage on one front
+    end's input fails its check: its session ends, the other serves on."""
+    with standalone_engine(tmp_path, integrity=True) as (_, pairs):
+        with front_end(pairs, 0, frame_integrity=True) as a, \
+                front_end(pairs, 1, frame_integrity=True) as b:
+            a.add_request(req("r1", 60))
+            b.add_request(req("r1", 60))
+            assert len(collect(a, {"r1"})["r1"][0]) == 60
+            assert len(collect(b, {"r1"})["r1"][0]) == 60
+            assert a.echo(1, timeout=BOUND_S) == 1 and b.echo(2, timeout=BOUND_S) == 2
+            b.add_request(req("r2", LONG))
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 1, what="b's r2 live")
+            b.send_raw_frames([b"\x07\x90"])
+            with pytest.raises(EngineDeadError):
+                b.echo(3, timeout=BOUND_S)
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 0, what="b's r2 ended")
+            assert a.echo(4, timeout=BOUND_S) == 4
 
 
 def test_an_abort_touches_only_its_own_front_end(tmp_path: Path) -> None:
