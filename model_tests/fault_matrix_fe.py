@@ -75,8 +75,11 @@ STEP_DELAY_S = 0.004
 VICTIM_TOKENS = 2000  # 8 s at STEP_DELAY_S: only the engine can end it within the bound
 SURVIVOR_TOKENS = 900  # streaming through the fault and the victim's loss (3.6 s)
 VICTIM_REQUESTS = 3
-# A resumed victim's own deadline on the engine's heartbeat: it must learn it is not served.
+# The front ends' deadline on the engine's heartbeat. The stopped victim's is longer than its
+# stop, so what tells it, resumed, that it is not served is the engine's ended notice (its own
+# deadline racing the queued heartbeats would tell it too, by luck).
 VICTIM_HEARTBEAT_TIMEOUT_S = 2.0
+STOPPED_HEARTBEAT_TIMEOUT_S = 30.0
 GARBAGE_TOKENS = 200  # the victim's requests without integrity: served to their end
 SEED = 5
 RESUMED_CALL_S = 2.0  # a resumed victim's probe call: answered, refused, or timed out
@@ -109,7 +112,7 @@ def _victim_main(config: bytes, inp: str, out: str, integrity: bool, ready: Any,
     with make_client(cfg, multiprocess=True, asyncio=False, launch_engine=False, input_address=inp,
                      output_address=out, client_index=1, ready_timeout_s=WAIT_S,
                      frame_integrity=integrity,
-                     engine_heartbeat_timeout_s=VICTIM_HEARTBEAT_TIMEOUT_S) as client:
+                     engine_heartbeat_timeout_s=STOPPED_HEARTBEAT_TIMEOUT_S) as client:
         ids = {f"v{i}" for i in range(VICTIM_REQUESTS)}
         for rid in sorted(ids):
             client.add_request(_request(rid, VICTIM_TOKENS))
@@ -133,7 +136,7 @@ def _victim_main(config: bytes, inp: str, out: str, integrity: bool, ready: Any,
                 got = client.call_utility("echo", 1, timeout=RESUMED_CALL_S)
                 verdict = f"served: a call answered ({got!r}) after its session went"
         except EngineDeadError as e:
-            verdict = f"dead after {time.monotonic() - start:.2f} s: {e}"
+            verdict = f"dead after {time.monotonic() - start:.2f} s: {e} ({e.__cause__})"
         except UtilityTimeoutError:
             verdict = (f"not told: its call timed out after {RESUMED_CALL_S} s (the engine"
                        " drops a gone session's input unread and says nothing)")
@@ -304,8 +307,10 @@ class FECell:
                 "no verdict")
             if verdict.startswith("served") or verdict == "no verdict":
                 return Outcome.SILENT_CORRUPTION, f"the resumed victim: {verdict}", latency
-            # spec/session.py drops a gone session's input and says nothing of telling it:
-            # how the resumed victim learnt (or not) goes into the row, not the verdict.
+            if not verdict.startswith("dead"):
+                # spec/session.py: a gone session is told (the engine's ended notice), so
+                # a front end only stopped learns it on resuming, never waits on dropped calls.
+                return Outcome.HANG, f"the resumed victim: {verdict}", latency
             resumed_said = f"resumed victim {verdict}"
         elif self.how == "garbage_integrity":
             assert victim_cut is not None

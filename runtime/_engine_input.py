@@ -407,7 +407,7 @@ class EngineInput:
             # The served front end leaves (its shutdown): its work ends now, not at its
             # heartbeat deadline. A goodbye from any other session changes nothing.
             if attach.session == self._attached:
-                self._gone("it said goodbye")
+                self._gone("it said goodbye", tell=False)
             return
         ours = self._integrity is not None
         reason = None
@@ -433,7 +433,8 @@ class EngineInput:
                 # front end is cut off, and REFUSED has no heartbeat deadline, so its work
                 # ends now (as a new session's ATTACH would end it), not never.
                 self._new_generation(None)
-                self.input_queue.put((Control.FRONT_END_GONE, (self.channel, self._generation)))
+                self.input_queue.put(
+                    (Control.FRONT_END_GONE, (self.channel, self._generation, None)))
             refusal = EngineCoreOutputs(
                 engine_index=self._engine_index, session=attach.session, refusal=reason,
                 timestamp=EngineCoreOutputs.now())
@@ -499,14 +500,20 @@ class EngineInput:
                 and now - self._last_heard > timeout):
             self._gone(f"nothing heard from it for {timeout:g} s (front_end_timeout_s)")
 
-    def _gone(self, why: str) -> None:
-        """FRONT_END_GONE: the loop ends this session's work, behind its input."""
+    def _gone(self, why: str, *, tell: bool = True) -> None:
+        """FRONT_END_GONE: the loop ends this session's work, behind its input. ``tell``:
+        the loop also sends the session an ended notice, for a front end that is only
+        stopped or slow (SIGSTOP past its deadline): resumed, it reads that its session is
+        gone instead of waiting on calls the engine drops unread. A dead one's notice waits
+        in the pipe and reaches the next front end ahead of its marker, which drops it. Not
+        after a goodbye: that front end is shutting down and reads nothing more."""
         if self.session_phase.state not in SESSION_SERVED:
             return
         self._session_step(SessionEvent.FRONT_END_GONE)
         self._new_generation(None)
         logger.warning("front end %d is gone: %s", self.channel, why)
-        self.input_queue.put((Control.FRONT_END_GONE, (self.channel, self._generation)))
+        self.input_queue.put((Control.FRONT_END_GONE,
+                              (self.channel, self._generation, why if tell else None)))
 
     def _session_step(self, event: SessionEvent) -> None:
         self.session_phase.fire(event)

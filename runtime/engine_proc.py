@@ -511,13 +511,22 @@ class EngineCoreProc:
         self._replies = [(r, o) for r, o in self._replies if r is None or r[0] != channel]
         return len(ids)
 
-    def _front_end_gone(self, channel: int, generation: int) -> None:
-        """FRONT_END_GONE on ``channel``: its work ends, nobody else's."""
+    def _front_end_gone(self, channel: int, generation: int, why: str | None) -> None:
+        """FRONT_END_GONE on ``channel``: its work ends, nobody else's. ``why``: the session
+        is told so (``EngineInput._gone``), sealed like any output, behind what it was owed
+        before."""
         dropped = self._drop_channel(channel)
+        session = self._sessions[channel]
         self._generations[channel] = generation
         self._sessions[channel] = None
         logger.warning("front end %d is gone; its %d live request(s) were aborted",
                        channel, dropped)
+        if why is not None:
+            self.outputs[channel].put(_SessionEnded(
+                engine_index=self.engine_index, session=session, timestamp=EngineCoreOutputs.now(),
+                refusal=(f"this front end's session is gone ({why}): the engine aborted its"
+                         f" {dropped} live request(s) and ignores it until it attaches again")),
+                direct=True)
 
     def _end_channel(self, channel: int, error: ProtocolError) -> None:
         """``_end_session`` for one channel of several."""

@@ -29,7 +29,9 @@ other state is kept, and a channel nobody attached yet becomes REFUSED. Outputs,
 power notices go only to sessions in ``SESSION_SERVED``; request ids are scoped per session.
 A served front end that is lost (its heartbeat deadline passed, its connection stayed down
 past the bound, or it said goodbye at its shutdown) is GONE: its live requests end in the
-engine (aborted, KV freed) and its owed replies are dropped, nobody else's; it may attach
+engine (aborted, KV freed) and its owed replies are dropped, nobody else's; unless it said
+goodbye it is told so (an ended notice on its channel, which a front end only stopped reads
+on resuming, instead of waiting on calls its GONE session drops unread); it may attach
 again, and the new session sees nothing of the old one's work. An engine-wide power change
 (sleep, wake-up, pause, resume) made by one session is sent as a notice to every other
 served session, in the engine's order, so every attached client's view converges to the
