@@ -140,11 +140,11 @@ def _clients(k_max: int) -> Iterator[tuple[Any, Any, _MonitorProcess]]:
         mon = _MonitorProcess(front, engine)
         stack.callback(mon.stop)
         mon.reply("ready", _START_S)
-        through = make_client(config, multiprocess=True, asyncio=False,
-                              input_address=front[0], output_address=front[1],
-                              engine_connect=engine)
+        through: Any = make_client(config, multiprocess=True, asyncio=False,
+                                   input_address=front[0], output_address=front[1],
+                                   engine_connect=engine)
         stack.callback(through.shutdown)
-        direct = make_client(config, multiprocess=True, asyncio=False)
+        direct: Any = make_client(config, multiprocess=True, asyncio=False)
         stack.callback(direct.shutdown)
         for client in (direct, through):
             got = client.call_utility("echo", ECHO_PAYLOAD, timeout=_START_S)
