@@ -32,9 +32,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
+from ._child import Child, child_side
 from .floor import FloorPeer, freeze_heap
 from .ipc import (
     ECHO_PAYLOAD,
@@ -65,65 +65,38 @@ def _monitor_main(conn: Connection, front: tuple[str, str], engine: tuple[str, s
     from ..testing.monitor import Monitor
 
     mon: Any = None
-    try:
-        mon = Monitor(engine=engine, live=None).start()
-        mon.attach(*front)
-        conn.send(("ready", None))
-        # Any message, or the bench's end of the pipe closing, stops it; the bench sends
-        # ``stop`` once its client has shut down.
-        with contextlib.suppress(EOFError):
-            conn.recv()
-        report = mon.stop()
-        conn.send(("report", {"violations": [
-            f"{v['machine']}: {v['event']} in {v['state']}: {v['detail']}"
-            for v in report["violations"]],
-                              "frames": report["frames"],
-                              "internal_errors": report.get("internal_errors", [])}))
-    except (EOFError, BrokenPipeError):
-        return
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        if mon is not None:
-            mon.stop()
-        conn.close()
+    with child_side(conn, "the monitor's process"):
+        try:
+            mon = Monitor(engine=engine, live=None).start()
+            mon.attach(*front)
+            conn.send(("ready", None))
+            # Any message, or the bench's end of the pipe closing, stops it; the bench sends
+            # ``stop`` once its client has shut down.
+            with contextlib.suppress(EOFError):
+                conn.recv()
+            report = mon.stop()
+            violations = [f"{v['machine']}: {v['event']} in {v['state']}: {v['detail']}"
+                          for v in report["violations"]]
+            conn.send(("report", {"violations": violations, "frames": report["frames"],
+                                  "internal_errors": report.get("internal_errors", [])}))
+        finally:
+            if mon is not None:
+                mon.stop()
 
 
-class _MonitorProcess:
-    """The monitor's process and its pipe; every reply awaited with a bound."""
+class _MonitorProcess(Child):
+    """The monitor's process and its pipe; ``stop()`` leaves its verdict in ``verdict``."""
 
     def __init__(self, front: tuple[str, str], engine: tuple[str, str]) -> None:
-        mp = multiprocessing.get_context("spawn")
-        self.conn, child = mp.Pipe()
-        self.proc: BaseProcess = mp.Process(target=_monitor_main, args=(child, front, engine),
-                                            daemon=True, name="bench-monitor")
-        self.proc.start()
-        child.close()
+        super().__init__(multiprocessing.get_context("spawn"), _monitor_main, (front, engine),
+                         name="bench-monitor", label="the monitor's process",
+                         error=MonitorProcessError)
         self.verdict: dict[str, Any] | None = None
 
-    def reply(self, what: str, bound: float) -> Any:
-        if not self.conn.poll(bound):
-            raise TimeoutError(f"the monitor's process: no {what!r} within {bound:g} s")
-        try:
-            tag, value = self.conn.recv()
-        except EOFError:
-            raise MonitorProcessError(f"the monitor's process exited (code"
-                                      f" {self.proc.exitcode}) before its {what!r}") from None
-        if tag == "error":
-            raise MonitorProcessError(f"the monitor's process: {value}")
-        return value
-
     def stop(self) -> None:
-        """Its verdict into ``verdict`` (when it still answers); the process reaped."""
-        with contextlib.suppress(OSError, ValueError, TimeoutError, MonitorProcessError):
-            self.conn.send(("stop", None))
-            self.verdict = self.reply("report", _STOP_S)
-        self.proc.join(10.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10.0)
-        self.conn.close()
+        """Its verdict (when it still answers); the process reaped."""
+        self.verdict = self.finish("stop", "report", (OSError, ValueError, TimeoutError,
+                                                      MonitorProcessError), _STOP_S)
 
 
 @contextlib.contextmanager
