@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from ..runtime.config import EngineConfig
+from ._child import Child, child_side
 from .floor import FloorPeer, freeze_heap
 from .ipc import (
     ECHO_PAYLOAD,
@@ -161,31 +162,26 @@ def _front_end_main(conn: Connection, config_bytes: bytes, index: int,
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     dp = config.data_parallel_size > 1
     client: Any = None
-    try:
-        client = make_client(
-            config, multiprocess=True, asyncio=False, launch_engine=False, client_index=index,
-            input_address=inputs if dp else inputs[0],
-            output_address=outputs if dp else outputs[0],
-            ready_timeout_s=_START_S, engine_heartbeat_timeout_s=_TIMEOUT_S)
-        client.call_utility("echo", ECHO_PAYLOAD, timeout=_START_S)  # every engine answers
-        freeze_heap()  # after start-up, as the bench's own clients are measured
-        conn.send(("ready", None))
-        prompts: dict[int, list[list[int]]] = {}
-        while True:
-            cmd, *args = conn.recv()
-            if cmd == "quit":
-                conn.send(("bye", None))
-                return
-            conn.send(_serve(client, conn, prompts, cmd, args))
-    except (EOFError, BrokenPipeError):
-        return  # the bench is gone: nothing to report to
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            conn.send(("error", f"front end {index}: {type(exc).__name__}: {exc}"))
-    finally:
-        if client is not None:
-            client.shutdown()
-        conn.close()
+    with child_side(conn, f"front end {index}"):
+        try:
+            client = make_client(
+                config, multiprocess=True, asyncio=False, launch_engine=False,
+                client_index=index, input_address=inputs if dp else inputs[0],
+                output_address=outputs if dp else outputs[0],
+                ready_timeout_s=_START_S, engine_heartbeat_timeout_s=_TIMEOUT_S)
+            client.call_utility("echo", ECHO_PAYLOAD, timeout=_START_S)  # every engine answers
+            freeze_heap()  # after start-up, as the bench's own clients are measured
+            conn.send(("ready", None))
+            prompts: dict[int, list[list[int]]] = {}
+            while True:
+                cmd, *args = conn.recv()
+                if cmd == "quit":
+                    conn.send(("bye", None))
+                    return
+                conn.send(_serve(client, conn, prompts, cmd, args))
+        finally:
+            if client is not None:
+                client.shutdown()
 
 
 def _serve(client: Any, conn: Connection, prompts: dict[int, list[list[int]]], cmd: str,
@@ -244,46 +240,23 @@ def _expect(conn: Connection, what: str, said: str) -> None:
 # --- this side -------------------------------------------------------------------------------
 
 
-class _FrontEnd:
+class _FrontEnd(Child):
     """A front-end process and its pipe; every reply awaited with a bound."""
 
     def __init__(self, mp: Any, config: EngineConfig, index: int, inputs: list[str],
                  outputs: list[str]) -> None:
+        super().__init__(mp, _front_end_main,
+                         (msgspec.msgpack.encode(config), index, inputs, outputs),
+                         name=f"bench-front-end-{index}", label=f"front end {index}",
+                         error=FrontEndError)
         self.index = index
         self.engine_pids: list[int] = []  # the engines' processes, for their CPU figures
-        self.conn, child = mp.Pipe()
-        self.proc: BaseProcess = mp.Process(
-            target=_front_end_main, daemon=True, name=f"bench-front-end-{index}",
-            args=(child, msgspec.msgpack.encode(config), index, inputs, outputs))
-        self.proc.start()
-        child.close()
-
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
 
     def reply(self, what: str, bound: float = _TIMEOUT_S) -> Any:
-        if not self.conn.poll(bound):
-            raise TimeoutError(f"front end {self.index}: no {what!r} within {bound:g} s")
-        try:
-            tag, value = self.conn.recv()
-        except EOFError:
-            raise FrontEndError(f"front end {self.index} exited (code {self.proc.exitcode})"
-                                f" before its {what!r}") from None
-        if tag == "error":
-            raise FrontEndError(value)
-        if tag != what:
-            raise FrontEndError(f"front end {self.index}: {tag!r}, expected {what!r}")
-        return value
+        return super().reply(what, bound)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.send("quit")
-            self.reply("bye", 10.0)
-        self.proc.join(10.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10.0)
-        self.conn.close()
+        self.finish("quit", "bye", (OSError, ValueError))
 
 
 def _engine_main(config_bytes: bytes, kwargs: dict[str, Any]) -> None:

@@ -367,6 +367,7 @@ class _Round:
             "window_s": window,
             "step_us": window / max(1, self.steps - 1) * 1e6,
             "steps": self.steps - 1,
+            "tokens": self.tokens,
         }
 
 

@@ -25,7 +25,7 @@ __all__ = ["DP_ENGINES", "FRONT_ENDS", "SECTIONS", "TARGETS", "add_arguments", "
            "collect", "main", "run_bench"]
 
 SECTIONS = ("echo", "delivery", "compute", "codec", "spec", "inproc", "engine", "model", "dp",
-            "frontends")
+            "frontends", "monitor")
 
 # key -> (op, bar, goal, judged on "ratio" or "value"); issue 10's target table.
 TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -41,6 +41,11 @@ TARGETS: dict[str, tuple[str, float, float, str]] = {
     "dp_scaling_2": (">=", 1.8, 1.9, "ratio"),
     # Issue 47: two front-end processes deliver 1.8x one front end's tokens/s at K=1024.
     "frontends_scaling_1024": (">=", 1.8, 1.9, "ratio"),
+    # Issue 48: through the monitor, a round trip at most 1.5x and tokens/s at least 0.7x
+    # direct, so a staging deployment can leave it on (the issue sets no goal beyond).
+    "monitor_echo_p50": ("<=", 1.5, 1.5, "ratio"),
+    "monitor_delivery_256": (">=", 0.7, 0.7, "ratio"),
+    "monitor_delivery_1024": (">=", 0.7, 0.7, "ratio"),
 }
 # Shown with a verdict but not counted in the exit status: targets owned by other issues.
 _INFO_TARGETS: dict[str, tuple[str, float, float, str]] = {
@@ -300,6 +305,10 @@ def collect(quick: bool, only: list[str] | None = None, engines: int = DP_ENGINE
 
             rows += bench_front_ends(front_ends, front_end_engines, ks=ks, reps=p["reps"],
                                      echo=p["echo"][:2])
+        if "monitor" in sel:
+            from .monitor import bench_monitor
+
+            rows += bench_monitor(ks=ks, reps=p["reps"], echo=p["echo"][:2])
     finally:
         if not was_frozen:
             gc.unfreeze()
