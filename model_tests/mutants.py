@@ -402,11 +402,11 @@ BANK: dict[str, Mutant] = {m.name: m for m in (
            "with several front ends served, a step's batch split among them repeats each"
            " request's ending (a bare second finish to its sender)", _FE, kind="front_ends",
            patches=(_in("engine_proc:EngineCoreProc._emit_scoped",
-                        ("p[2].append(msgspec.structs.replace(out, request_id=own))",
-                         "p[2].append(msgspec.structs.replace(out, request_id=own))\n"
+                        ("outs[hit[0]].append(msgspec.structs.replace(out, request_id=hit[1]))",
+                         "outs[hit[0]].append(msgspec.structs.replace(out, request_id=hit[1]))\n"
                          "if out.finish_reason is not None and len(served) > 1:\n"
-                         "    p[2].append(msgspec.structs.replace(\n"
-                         "        out, request_id=own, new_token_ids=[]))")),)),
+                         "    outs[hit[0]].append(msgspec.structs.replace(\n"
+                         "        out, request_id=hit[1], new_token_ids=[]))")),)),
 )}
 
 # The one mutant applied in this process: its name, its patches, and the environment

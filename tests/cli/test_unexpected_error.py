@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "_generate": ["generate", "--model", "null"],
     "_engine": ["engine", "--input-address", "ipc://{tmp}/i", "--output-address",
                 "ipc://{tmp}/o"],
+    "_monitor": ["monitor", "--replay", "{tmp}/capture"],
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from enginewire.cli import build_parser
 from enginewire.testing import campaign
-from enginewire.testing.campaign import ALL_CLIENTS, ClientResult, run_campaign
+from enginewire.testing.campaign import ALL_CLIENTS, FE_CLIENTS, ClientResult, run_campaign
 from enginewire.testing.oracle import Coverage
 
 EVERY_KIND = [("inproc", None), ("sync", None), ("async", None), ("standalone", None),
@@ -81,9 +81,9 @@ def test_a_mutant_run_on_all_offers_every_kind(
 
     monkeypatch.setattr(campaign, "run_mutant", run_mutant)
     run_campaign(client="all", mutant="duplicate_live_id_accepted", results_dir=str(tmp_path))
-    # Every kind is offered; run_mutant keeps those the mutant's bank entry names (the
-    # membership class's are the data-parallel ones).
-    assert asked == [list(ALL_CLIENTS)]
+    # Every kind is offered, the two front ends' machine too; run_mutant keeps those the
+    # mutant's bank entry names (the membership class's are the data-parallel ones).
+    assert asked == [[*ALL_CLIENTS, FE_CLIENTS[0]]]
 
 
 def test_the_help_says_what_all_runs() -> None:

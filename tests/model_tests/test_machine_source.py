@@ -36,6 +36,9 @@ MODEL_ONLY = frozenset({
     "self._life", "self.min_life", "self._orphans", "self.orphan_min_life",
     "self.orphan_config", "self._deaths",  # counted by the rules themselves
     "self.engines",  # the data-parallel model's engine count (the oracle's set: scale rules)
+    # the front-end machine: the engine's power state as its sleep and wake_up rules set it,
+    # and which front ends it holds (its crash and restart rules set them)
+    "self.asleep", "self.fes",
 })
 
 
