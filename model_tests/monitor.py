@@ -84,6 +84,10 @@ MAX_VIOLATIONS = 10_000
 # trip through the monitor cost half as much again as through the bare relay). A violation is
 # therefore told at most this late.
 _TICK_S = 0.01
+# The most bytes of messages waiting to be judged. The relay never waits for the judge; past
+# this the judging stops (the relay forwards on, unjudged) rather than hold memory unbounded:
+# a judgement with a gap in it would be wrong, so the report says where it stopped instead.
+MAX_BACKLOG_BYTES = 256 << 20
 _JOIN_S = 10.0
 
 
@@ -629,13 +633,31 @@ class Monitor:
         self._live = live
         # A deque's append and popleft are atomic: the relay thread appends, the judging
         # thread pops, neither ever waits for the other.
-        self._queue: collections.deque[tuple[Link, list[bytes], float]] = collections.deque()
+        self._queue: collections.deque[tuple[Link, list[bytes], float, int]] = (
+            collections.deque())
         self._stopping = threading.Event()
         put = self._queue.append
         clock = time.time
+        # Bytes queued and bytes judged, each counted by one thread only (no lock on the
+        # relay's path): their difference is the backlog, held under ``max_backlog``.
+        queued, self._judged = [0], [0]
+        self.max_backlog = MAX_BACKLOG_BYTES
+        self.judging_stopped: str | None = None
+        self.unjudged = 0
 
         def tap(link: Link, frames: list[bytes]) -> None:
-            put((link, frames, clock()))
+            if self.judging_stopped is not None:
+                self.unjudged += 1
+                return
+            size = sum(len(f) for f in frames)
+            if queued[0] + size - self._judged[0] > self.max_backlog:
+                self.judging_stopped = (
+                    f"the judge fell {self.max_backlog} bytes behind the relay at {clock():.6f};"
+                    " the relay forwarded everything, nothing after that was judged or captured")
+                self.unjudged += 1
+                return
+            queued[0] += size
+            put((link, frames, clock(), size))
 
         self._proxy = Interposer([], wire=WIRES[wire], engine_index=engine_index,
                                  engine_bind=engine, tap=tap)
@@ -668,12 +690,14 @@ class Monitor:
     def _judging(self) -> None:
         judge, pending, writer = self.judge, self._queue, self._writer
         yield_gil = _yield_gil
+        told_stop = False
         while True:
             last = self._stopping.wait(_TICK_S)  # set after the relay's last message
             with self._lock:
                 seen = len(judge.violations)
                 while pending:
-                    link, frames, at = pending.popleft()
+                    link, frames, at, size = pending.popleft()
+                    self._judged[0] += size
                     if writer is not None:
                         try:
                             writer.write(link, frames, at)
@@ -690,6 +714,12 @@ class Monitor:
                     yield_gil()
                 judge.tick(time.time())
             self._tell(seen)
+            if self.judging_stopped is not None and not told_stop:
+                told_stop = True
+                if self._live is not None:
+                    with contextlib.suppress(Exception):
+                        print(f"monitor: JUDGING STOPPED: {self.judging_stopped}",
+                              file=self._live, flush=True)
             if last:
                 return
 
@@ -719,6 +749,8 @@ class Monitor:
             report["capture"] = {"path": str(self._capture_path), "error": self.capture_error}
         if self.internal_errors:
             report["internal_errors"] = list(self.internal_errors)
+        if self.judging_stopped is not None:
+            report["judging_stopped"] = {"why": self.judging_stopped, "unjudged": self.unjudged}
         return report
 
     def stop(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ engine through it (no violation, and the client's own trace within the monitor's
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,6 +260,33 @@ def test_the_relay_forwards_garbage_unchanged_and_judges_it(relay: tuple[Ends, M
     assert again["violations"] == report["violations"]
     assert again["coverage"] == report["coverage"]
     assert again["capture"]["ended_cleanly"]
+
+
+def test_a_judge_too_far_behind_stops_judging_and_the_relay_forwards_on(
+        tmp_path: Path) -> None:
+    """The backlog bound: past ``max_backlog`` bytes waiting for the judge, judging stops
+    (said in the report and on the live stream) and nothing is held for it, while every
+    message is still forwarded, unchanged and in order."""
+    import io
+
+    live = io.StringIO()
+    mon = Monitor(live=live)
+    mon.max_backlog = 150_000  # one big message fits, the next does not
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mon)
+        ends = Ends(tmp_path, mon)
+        stack.callback(ends.close)
+        ends.dealer.send_multipart(ready())
+        assert ends.router.recv_multipart() == [IDENT, *ready()]
+        with mon._lock:  # the judge held up: the backlog grows
+            back = [[b"x" * 100_000] for _ in range(5)]
+            for m in back:
+                ends.push.send_multipart(m)
+            assert [ends.pull.recv_multipart() for _ in back] == back
+        report = mon.stop()
+    stopped = report["judging_stopped"]
+    assert "150000 bytes behind" in stopped["why"] and stopped["unjudged"] >= 3, stopped
+    assert "JUDGING STOPPED" in live.getvalue()
 
 
 def test_a_full_disk_or_a_judge_bug_never_stops_the_relay(tmp_path: Path) -> None:
