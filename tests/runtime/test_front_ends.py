@@ -188,55 +188,20 @@ def _doomed_front_end(inp: str, out: str, ready: Any) -> None:
         time.sleep(BOUND_S * 4)
 
 
-def test_a_killed_front_end_s_requests_end_and_the_other_streams_on(tmp_path: Path) -> None:
-    with standalone_engine(tmp_path) as (_, pairs):
-        with front_end(pairs, 0) as a:
-            mp = multiprocessing.get_context("spawn")
-            ready = mp.Event()
-            doomed = mp.Process(target=_doomed_front_end, args=(*pairs[1], ready), daemon=True)
-            doomed.start()
-            try:
-                assert ready.wait(BOUND_S)
-                a.add_request(req("mine", LONG))
-                wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 4, what="4 live")
-                doomed.kill()
-                doomed.join(BOUND_S)
-                killed = time.monotonic()
-                # Its three end in the engine (aborted, KV freed) within the deadline, while
-                # this front end's request streams on throughout.
-                seen = 0
-                while a.get_stats(timeout=BOUND_S).num_live != 1:
-                    assert time.monotonic() - killed < GONE_BOUND_S
-                    for o in a.get_output(timeout=BOUND_S).outputs:
-                        assert o.request_id == "mine" and o.finish_reason is None
-                        seen += len(o.new_token_ids)
-                assert seen > 0
-                stats = a.get_stats(timeout=BOUND_S)
-                assert stats.num_running == 1 and stats.num_waiting == 0
-                # A front end attached again under index 1 sees nothing of its predecessor.
-                with front_end(pairs, 1) as again:
-                    assert again.echo("fresh", timeout=BOUND_S) == "fresh"
-                    again.add_request(req("r0", 5))
-                    got = collect(again, {"r0"})["r0"]
-                    assert got[1].name == "LENGTH" and len(got[0]) == 5
-                a.abort_requests(["mine"])
-                assert collect(a, {"mine"})["mine"][1].name == "ABORT"
-            finally:
-                if doomed.is_alive():
-                    doomed.kill()
-                    doomed.join(BOUND_S)
-
-
 @contextlib.contextmanager
-def killed_front_end(pairs: list[tuple[str, str]]) -> Iterator[None]:
-    """Front end 1 in a process of its own, with three live requests, SIGKILLed: its
-    connection drops, its session (ATTACHED) waits for its heartbeat deadline."""
+def killed_front_end(pairs: list[tuple[str, str]],
+                     before_kill: Any = None) -> Iterator[None]:
+    """Front end 1 in a process of its own, with three live requests (``before_kill()`` runs
+    once they stream), SIGKILLed: its connection drops and its session (ATTACHED) is gone at
+    the first sign of loss (the lost connection, or its heartbeat deadline)."""
     mp = multiprocessing.get_context("spawn")
     ready = mp.Event()
     doomed = mp.Process(target=_doomed_front_end, args=(*pairs[1], ready), daemon=True)
     doomed.start()
     try:
         assert ready.wait(BOUND_S)
+        if before_kill is not None:
+            before_kill()
         doomed.kill()
         doomed.join(BOUND_S)
         yield
@@ -244,6 +209,35 @@ def killed_front_end(pairs: list[tuple[str, str]]) -> Iterator[None]:
         if doomed.is_alive():
             doomed.kill()
             doomed.join(BOUND_S)
+
+
+def test_a_killed_front_end_s_requests_end_and_the_other_streams_on(tmp_path: Path) -> None:
+    with standalone_engine(tmp_path) as (_, pairs), front_end(pairs, 0) as a:
+        def mine() -> None:
+            a.add_request(req("mine", LONG))
+            wait_for(lambda: a.get_stats(timeout=BOUND_S).num_live == 4, what="4 live")
+
+        with killed_front_end(pairs, before_kill=mine):
+            killed = time.monotonic()
+            # Its three end in the engine (aborted, KV freed) within the deadline, while
+            # this front end's request streams on throughout.
+            seen = 0
+            while a.get_stats(timeout=BOUND_S).num_live != 1:
+                assert time.monotonic() - killed < GONE_BOUND_S
+                for o in a.get_output(timeout=BOUND_S).outputs:
+                    assert o.request_id == "mine" and o.finish_reason is None
+                    seen += len(o.new_token_ids)
+            assert seen > 0
+            stats = a.get_stats(timeout=BOUND_S)
+            assert stats.num_running == 1 and stats.num_waiting == 0
+        # A front end attached again under index 1 sees nothing of its predecessor.
+        with front_end(pairs, 1) as again:
+            assert again.echo("fresh", timeout=BOUND_S) == "fresh"
+            again.add_request(req("r0", 5))
+            got = collect(again, {"r0"})["r0"]
+            assert got[1].name == "LENGTH" and len(got[0]) == 5
+        a.abort_requests(["mine"])
+        assert collect(a, {"mine"})["mine"][1].name == "ABORT"
 
 
 def refused(client: Any, why: str) -> None:
