@@ -220,7 +220,7 @@ def _cheap(doc: Documented, tmp: Path) -> Cheap | str:
     if path == ("campaign",):
         if "--mutants" in rest or "--mutant" in rest:
             return ("runs the mutant bank, a child campaign each; tests/model_tests/"
-                    "test_campaign.py::test_mutant_is_detected runs every one")
+                    "test_campaign.py's mutant table (test_mutant_is_detected) runs every one")
         if "--factory" in rest:
             return ("drives vLLM's clients (or the reader's own factory); tests/vllm run the "
                     "vLLM ones where vLLM is installed, tests/cli/test_campaign_cmd.py a factory")

@@ -2,7 +2,7 @@
 
 An exploration is a pure function of the spec's source (the models are data and code in
 ``spec/``, no I/O, no randomness), and the three take most of a minute on two cores. With
-``-n 2 --dist loadfile`` each worker explored every model a file of its own needed, and the
+``-n 2`` (whole files per worker) each worker explored every model a file of its own needed, and the
 slow tier explored them all again: four explorations of each model per CI run. The result
 is computed once per source and kept in the temporary directory under a key made of the
 spec's source and the interpreter (a changed model, a changed explorer: a new key); a file
